@@ -1,0 +1,102 @@
+"""Model directories: config.yaml + tokenizer.json + params/ (an orbax checkpoint of the weights).
+
+`save_model_dir` writes one, `load_model_dir` rebuilds the model from it. A directory made by
+train.py also holds checkpoints/ (the training state, see glm_jax.training.checkpointing);
+the exported params/ is what decoding needs.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from glm_jax.config import GLMConfig, load_config, save_config
+from glm_jax.model import GLMModel
+
+
+class CheckpointMismatchError(ValueError):
+    """A checkpoint that was written for a different configuration."""
+
+
+def config_differences(a: GLMConfig, b: GLMConfig) -> list[str]:
+    """Keys (other than the name) whose values differ, as 'key: a != b'."""
+    da, db = a.to_dict(), b.to_dict()
+    return [f"{k}: {da[k]!r} != {db[k]!r}" for k in da if k != "name" and da[k] != db[k]]
+
+
+def check_same_config(checkpoint_cfg: GLMConfig, requested: GLMConfig, where: str) -> None:
+    diffs = config_differences(checkpoint_cfg, requested)
+    if diffs:
+        raise CheckpointMismatchError(
+            f"{where} was written for config {checkpoint_cfg.name!r}, which differs from the requested "
+            f"{requested.name!r} in: {'; '.join(diffs[:8])}{' ...' if len(diffs) > 8 else ''}. "
+            "Drop --config to use the checkpoint's own, or point at a checkpoint of this config.")
+
+
+def save_model_dir(directory: str | Path, model: GLMModel, *, dtype: str | None = None,
+                   tokenizer_file: str | Path | None = None) -> Path:
+    """Write config.yaml, params/ (cast to `dtype` if given) and a copy of tokenizer.json."""
+    directory = Path(directory).absolute()
+    directory.mkdir(parents=True, exist_ok=True)
+    save_config(model.cfg, directory / "config.yaml")
+    params = nnx.to_pure_dict(nnx.state(model))
+    if dtype is not None:
+        params = jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+    if (directory / "params").exists():
+        shutil.rmtree(directory / "params")
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(directory / "params", params)
+    if tokenizer_file is not None and Path(tokenizer_file).resolve() != (directory / "tokenizer.json").resolve():
+        shutil.copy(tokenizer_file, directory / "tokenizer.json")
+    return directory
+
+
+def load_model_dir(directory: str | Path, *, config: GLMConfig | None = None) -> GLMModel:
+    """Rebuild the model saved in `directory`; `config`, if given, must match the saved one."""
+    directory = Path(directory).absolute()
+    if not (directory / "config.yaml").exists() or not (directory / "params").exists():
+        raise FileNotFoundError(f"{directory} is not a model directory (expected config.yaml and params/; "
+                                "train.py writes them, and checkpoints/default ships one)")
+    cfg = load_config(directory / "config.yaml")
+    if config is not None:
+        check_same_config(cfg, config, str(directory))
+    abstract = nnx.eval_shape(lambda: GLMModel(cfg, rngs=nnx.Rngs(0)))
+    graphdef, abstract_state = nnx.split(abstract)
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), nnx.to_pure_dict(abstract_state))
+    with ocp.StandardCheckpointer() as ckptr:
+        meta = ckptr.metadata(directory / "params")
+        _check_tree_shapes(meta.item_metadata.tree if hasattr(meta, "item_metadata") else meta, target, directory)
+        restored = ckptr.restore(directory / "params", target)
+    restored = jax.tree.map(lambda x, t: jnp.asarray(x, t.dtype), restored, target)
+    nnx.replace_by_pure_dict(abstract_state, restored)
+    return nnx.merge(graphdef, abstract_state)
+
+
+def _check_tree_shapes(saved, target, directory) -> None:
+    """Raise CheckpointMismatchError naming every tensor whose presence or shape differs."""
+    def flat(tree):
+        out = {}
+        for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+            out["/".join(str(getattr(p, "key", p)) for p in path)] = tuple(getattr(leaf, "shape", ()) or ())
+        return out
+    try:
+        have, want = flat(saved), flat(target)
+    except Exception:  # metadata format of another orbax version: let restore speak
+        return
+    problems = [f"missing {k}" for k in want if k not in have]
+    problems += [f"unexpected {k}" for k in have if k not in want]
+    problems += [f"{k}: saved {have[k]} vs model {want[k]}" for k in want if k in have and have[k] != want[k]]
+    if problems:
+        raise CheckpointMismatchError(f"{directory}/params does not match its config.yaml: "
+                                      + "; ".join(problems[:10]))
+
+
+def numpy_params(model: GLMModel) -> dict:
+    """The model's weights as a nested dict of numpy arrays (for inspection and tests)."""
+    return jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model)))

@@ -1,0 +1,272 @@
+"""Model configuration: one frozen dataclass holding every key of a `glm_moe_dsa` checkpoint.
+
+Load a preset with `GLMConfig.from_yaml("configs/glm-5.2.yaml")` or a Hugging Face checkpoint's
+config with `GLMConfig.from_hf_json("path/config.json")`. Field names are the checkpoint's own,
+so a `config.json` maps one to one. Validation happens on construction: a bad config raises
+`ConfigError` naming the key and the fix.
+
+IndexShare: `layer_is_full` says which layers run their own lightning indexer ("Full", F);
+the others ("Shared", S) reuse the indices of the nearest preceding Full layer. It comes from
+`index_topk_pattern` (a string of F/S, one per layer) when given, else from GLM-5.2's rule:
+layer i is Full iff `max(i - index_skip_topk_offset + 1, 0) % index_topk_freq == 0`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot describe a valid model."""
+
+
+# Keys a Hugging Face config.json carries that say nothing about the model's math.
+_HF_METADATA_KEYS = frozenset({
+    "architectures", "auto_map", "transformers_version", "torch_dtype", "quantization_config",
+    "pretraining_tp", "use_cache", "_name_or_path", "output_attentions", "output_hidden_states",
+    "return_dict", "tie_encoder_decoder", "is_encoder_decoder", "ep_size", "num_experts",
+    "mlp_layer_types", "moe_layer_freq", "partial_rotary_factor", "rope_parameters",
+})
+
+
+@dataclasses.dataclass(frozen=True)
+class GLMConfig:
+    """Every key of the `glm_moe_dsa` / `deepseek_v32` checkpoint config, plus `name` and `dtype`.
+
+    Attention is MLA: queries go through a rank-`q_lora_rank` bottleneck, keys and values
+    through a shared latent of `kv_lora_rank` plus one `qk_rope_head_dim` RoPE key.
+    """
+
+    name: str = "unnamed"
+    model_type: str = "glm_moe_dsa"
+    vocab_size: int = 154880
+    hidden_size: int = 6144
+    intermediate_size: int = 12288
+    moe_intermediate_size: int = 2048
+    num_hidden_layers: int = 78
+    num_attention_heads: int = 64
+    num_key_value_heads: int = 64
+    head_dim: int = 192  # checkpoint key; the qk head dim is qk_nope + qk_rope (see qk_head_dim)
+    q_lora_rank: int = 2048
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 192
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 256
+    n_routed_experts: int = 256
+    n_shared_experts: int = 1
+    num_experts_per_tok: int = 8
+    routed_scaling_factor: float = 2.5
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    scoring_func: str = "sigmoid"
+    topk_method: str = "noaux_tc"
+    first_k_dense_replace: int = 3
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 1048576
+    initializer_range: float = 0.02
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 8_000_000.0
+    rope_scaling: tuple | None = None  # given as a mapping; stored as sorted (key, value) pairs
+    rope_interleave: bool = True
+    indexer_rope_interleave: bool = True
+    attention_bias: bool = False
+    attention_dropout: float = 0.0
+    index_topk: int = 2048
+    index_head_dim: int = 128
+    index_n_heads: int = 32
+    index_topk_freq: int = 1
+    index_skip_topk_offset: int = 0
+    index_topk_pattern: str | None = None
+    index_share_for_mtp_iteration: bool = False
+    num_nextn_predict_layers: int = 1
+    tie_word_embeddings: bool = False
+    pad_token_id: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    dtype: str = "bfloat16"
+
+    def __post_init__(self):
+        # Stored hashable so the config can sit in a module's static graph and in jit keys.
+        if isinstance(self.rope_scaling, dict):
+            object.__setattr__(self, "rope_scaling", tuple(sorted(self.rope_scaling.items())))
+        if isinstance(self.eos_token_id, list):
+            object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+        _validate(self)
+
+    @property
+    def rope_scaling_dict(self) -> dict | None:
+        return None if self.rope_scaling is None else dict(self.rope_scaling)
+
+    # ----------------------------------------------------------------- derived quantities
+    @property
+    def qk_head_dim(self) -> int:
+        """Per-head query/key width of the expanded form: nope + rope (256 for GLM-5.2)."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """Width of one cached latent row: c_kv + k_rope (576 for GLM-5.2)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.qk_head_dim ** -0.5
+
+    @property
+    def layer_is_full(self) -> tuple[bool, ...]:
+        """One bool per decoder layer: True where the layer runs its own indexer."""
+        if self.index_topk_pattern is not None:
+            return tuple(c == "F" for c in self.index_topk_pattern)
+        f, off = self.index_topk_freq, self.index_skip_topk_offset
+        return tuple(max(i - off + 1, 0) % f == 0 for i in range(self.num_hidden_layers))
+
+    @property
+    def full_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, full in enumerate(self.layer_is_full) if full)
+
+    @property
+    def layer_is_moe(self) -> tuple[bool, ...]:
+        return tuple(i >= self.first_k_dense_replace for i in range(self.num_hidden_layers))
+
+    @property
+    def pattern(self) -> str:
+        """The IndexShare pattern as an F/S string, whichever way it was configured."""
+        return "".join("F" if f else "S" for f in self.layer_is_full)
+
+    # ----------------------------------------------------------------- loading and saving
+    @classmethod
+    def from_dict(cls, values: dict[str, Any], *, source: str = "config") -> "GLMConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(
+                f"{source}: unknown key(s) {unknown}. Valid keys are the checkpoint's own "
+                f"(e.g. {sorted(known)[:6]}...); fix the spelling or remove the key.")
+        return cls(**values)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> "GLMConfig":
+        path = Path(path)
+        if not path.exists():
+            raise ConfigError(f"config file {path} does not exist; presets live in configs/*.yaml")
+        values = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(values, dict):
+            raise ConfigError(f"{path}: expected a mapping of config keys, got {type(values).__name__}")
+        values.setdefault("name", path.stem)
+        return cls.from_dict(values, source=str(path))
+
+    @classmethod
+    def from_hf_json(cls, path: str | Path, *, name: str | None = None) -> "GLMConfig":
+        """Read a Hugging Face `config.json` (a file or the checkpoint directory holding it)."""
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        values = json.loads(path.read_text())
+        values = {k: v for k, v in values.items() if k not in _HF_METADATA_KEYS}
+        rope_parameters = json.loads(path.read_text()).get("rope_parameters")
+        if rope_parameters and "rope_theta" not in values:
+            values["rope_theta"] = rope_parameters["rope_theta"]
+            if rope_parameters.get("rope_type", "default") != "default":
+                values["rope_scaling"] = rope_parameters
+        if values.get("model_type") == "deepseek_v32":
+            values.setdefault("indexer_rope_interleave", False)
+        if "dtype" in values and values["dtype"] not in ("bfloat16", "float32", "float16"):
+            values.pop("dtype")
+        values["name"] = name or path.parent.name
+        return cls.from_dict(values, source=str(path))
+
+    def to_dict(self) -> dict[str, Any]:
+        values = dataclasses.asdict(self)
+        values["rope_scaling"] = self.rope_scaling_dict
+        if isinstance(self.eos_token_id, tuple):
+            values["eos_token_id"] = list(self.eos_token_id)
+        return values
+
+    def replace(self, **changes) -> "GLMConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def _validate(c: GLMConfig) -> None:
+    def fail(key: str, problem: str, fix: str):
+        raise ConfigError(f"config key `{key}`: {problem}; {fix}")
+
+    positive = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                "v_head_dim", "index_head_dim", "index_n_heads", "max_position_embeddings",
+                "index_topk_freq"]
+    for key in positive:
+        if getattr(c, key) <= 0:
+            fail(key, f"must be > 0, got {getattr(c, key)}", "set a positive integer")
+    if c.index_topk <= 0:
+        fail("index_topk", f"must be > 0, got {c.index_topk}",
+             "set the number of tokens each query attends to (GLM-5.2: 2048)")
+    if c.qk_rope_head_dim % 2 or c.index_head_dim % 2:
+        fail("qk_rope_head_dim", "RoPE dims must be even", "use an even qk_rope_head_dim")
+    if c.index_head_dim < c.qk_rope_head_dim:
+        fail("index_head_dim", f"{c.index_head_dim} < qk_rope_head_dim {c.qk_rope_head_dim}",
+             "the indexer applies RoPE to its first qk_rope_head_dim dims; raise index_head_dim")
+    if c.num_key_value_heads != c.num_attention_heads:
+        fail("num_key_value_heads", f"{c.num_key_value_heads} != num_attention_heads "
+             f"{c.num_attention_heads}", "MLA expands one latent to every head; set them equal")
+    if c.n_routed_experts > 0:
+        if not 0 < c.num_experts_per_tok <= c.n_routed_experts:
+            fail("num_experts_per_tok", f"{c.num_experts_per_tok} with {c.n_routed_experts} experts",
+                 "choose 1 <= num_experts_per_tok <= n_routed_experts")
+        if c.n_routed_experts % c.n_group:
+            fail("n_group", f"{c.n_group} groups do not divide {c.n_routed_experts} experts",
+                 "choose n_group dividing n_routed_experts")
+        if not 0 < c.topk_group <= c.n_group:
+            fail("topk_group", f"{c.topk_group} with n_group {c.n_group}",
+                 "choose 1 <= topk_group <= n_group")
+        if c.n_group > 1 and c.num_experts_per_tok > c.topk_group * (c.n_routed_experts // c.n_group):
+            fail("num_experts_per_tok", "more experts per token than the selected groups hold",
+                 "raise topk_group or lower num_experts_per_tok")
+    if c.scoring_func != "sigmoid":
+        fail("scoring_func", f"{c.scoring_func!r} is not supported", "use 'sigmoid'")
+    if c.hidden_act != "silu":
+        fail("hidden_act", f"{c.hidden_act!r} is not supported", "use 'silu' (SwiGLU)")
+    if not 0 <= c.first_k_dense_replace <= c.num_hidden_layers:
+        fail("first_k_dense_replace", f"{c.first_k_dense_replace} outside [0, layers]",
+             "set the number of leading dense layers")
+    if c.num_nextn_predict_layers not in (0, 1):
+        fail("num_nextn_predict_layers", f"{c.num_nextn_predict_layers}",
+             "GLM/DeepSeek checkpoints carry 0 or 1 MTP layer (applied recursively)")
+    scaling = c.rope_scaling_dict
+    if scaling is not None and scaling.get("rope_type", scaling.get("type")) not in ("yarn", "default"):
+        fail("rope_scaling", f"type {c.rope_scaling!r} is not supported", "use yarn or null")
+    if c.dtype not in ("bfloat16", "float32", "float16"):
+        fail("dtype", f"{c.dtype!r}", "use bfloat16, float16 or float32")
+    if c.index_topk_pattern is not None:
+        p = c.index_topk_pattern
+        if len(p) != c.num_hidden_layers or set(p) - {"F", "S"}:
+            fail("index_topk_pattern", f"{p!r} is not {c.num_hidden_layers} characters of F/S",
+                 "give one F (own indexer) or S (shared) per decoder layer")
+        if p[0] != "F":
+            fail("index_topk_pattern", "the first layer is S, but a Shared layer needs a Full "
+                 "layer before it", "start the pattern with F")
+    elif not c.layer_is_full[0]:
+        fail("index_skip_topk_offset", f"with freq {c.index_topk_freq} and offset "
+             f"{c.index_skip_topk_offset} layer 0 would be Shared", "use an offset >= 1")
+
+
+def load_config(spec: str | Path) -> GLMConfig:
+    """Load a config from a YAML preset, a config.json, or a directory holding one of them."""
+    path = Path(spec)
+    if path.is_dir():
+        for candidate in ("config.yaml", "config.json"):
+            if (path / candidate).exists():
+                return load_config(path / candidate)
+        raise ConfigError(f"{path} holds neither config.yaml nor config.json")
+    if path.suffix == ".json":
+        return GLMConfig.from_hf_json(path)
+    return GLMConfig.from_yaml(path)
+
+
+def save_config(config: GLMConfig, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))

@@ -1,0 +1,36 @@
+"""Analytic per-token costs: active parameters and forward FLOPs at a given context length.
+
+FLOPs per generated token at context L (2 FLOPs per multiply-add):
+  matmuls         2 x active parameters
+  indexer         per Full layer: 2 x index_n_heads x index_head_dim x L   (q.k over all keys)
+                  + index_n_heads x L for the ReLU-weighted head sum
+  sparse MLA      per layer, absorbed form: 2 x heads x (2 kv_lora + rope) x min(topk, L)
+"""
+
+from __future__ import annotations
+
+from glm_jax.config import GLMConfig
+
+
+def active_params(cfg: GLMConfig, parts: dict[str, int]) -> int:
+    """Parameters one token touches in the decoder layers and lm_head (no embedding, no MTP)."""
+    main_routed = parts["routed"] - parts["mtp_routed"]
+    shared = parts["total"] - parts["routed"] - parts["embedding"] - (parts["mtp"] - parts["mtp_routed"])
+    if cfg.n_routed_experts == 0:
+        return shared
+    return shared + main_routed * cfg.num_experts_per_tok // cfg.n_routed_experts
+
+
+def indexer_flops(cfg: GLMConfig, context: int) -> int:
+    return 2 * cfg.index_n_heads * cfg.index_head_dim * context + cfg.index_n_heads * context
+
+
+def sparse_attention_flops(cfg: GLMConfig, context: int) -> int:
+    keys = min(cfg.index_topk, context)
+    return 2 * cfg.num_attention_heads * (2 * cfg.kv_lora_rank + cfg.qk_rope_head_dim) * keys
+
+
+def flops_per_token(cfg: GLMConfig, context: int, active: int, *, index_share: bool = True) -> int:
+    full = len(cfg.full_layers) if index_share else cfg.num_hidden_layers
+    return (2 * active + full * indexer_flops(cfg, context)
+            + cfg.num_hidden_layers * sparse_attention_flops(cfg, context))

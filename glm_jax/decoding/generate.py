@@ -1,0 +1,148 @@
+"""Generation from a KV cache: chunked prefill, then blocks of jitted decode steps.
+
+    gen = Generator(model, batch=1, max_len=2048)
+    for tokens in gen.generate(prompt_ids, max_new_tokens=200): ...   # yields [B, n] blocks
+
+Each prefill chunk and each block of `block_size` decode steps is one jitted call with the
+cache donated, so it is updated in place; the Python loop runs once per block, not per layer.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import time
+from typing import Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from glm_jax import ops
+from glm_jax.cache import KVCache, create_cache
+from glm_jax.decoding.sampling import sample_tokens
+
+
+class ContextTooLongError(ValueError):
+    """The prompt plus the tokens to generate do not fit the cache / the model's context."""
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "kernels"), donate_argnames=("cache",))
+def _prefill_chunk(graphdef, state, tokens, num_valid, cache: KVCache, kernels):
+    """tokens int32 [B, C] (padded), num_valid int32 [B] -> (logits [B, V] of the last real token, cache)."""
+    model = nnx.merge(graphdef, state)
+    logits, _, cache = model.forward_cached(tokens, cache, kernels=kernels, num_valid=num_valid)
+    last = jnp.take_along_axis(logits, jnp.maximum(num_valid - 1, 0)[:, None, None], axis=1)[:, 0]
+    return last, cache
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "kernels", "steps"), donate_argnames=("cache",))
+def _decode_block(graphdef, state, cache: KVCache, logits, key, temperature, top_p, kernels, steps):
+    """Sample from logits [B, V], feed the token back, `steps` times.
+
+    -> (tokens int32 [B, steps], logits [B, V] after the last token, cache, key)."""
+    model = nnx.merge(graphdef, state)
+    batch = logits.shape[0]
+
+    def step(i, carry):
+        cache, logits, key, out = carry
+        key, sub = jax.random.split(key)
+        token = sample_tokens(logits, sub, temperature, top_p)
+        new_logits, _, cache = model.forward_cached(token[:, None], cache, kernels=kernels)
+        return cache, new_logits[:, 0], key, out.at[:, i].set(token)
+
+    out = jnp.zeros((batch, steps), jnp.int32)
+    cache, logits, key, out = jax.lax.fori_loop(0, steps, step, (cache, logits, key, out))
+    return out, logits, cache, key
+
+
+class Generator:
+    """Holds one model and its cache; generates for a batch of equal-length prompts."""
+
+    def __init__(self, model, *, batch: int = 1, max_len: int | None = None, prefill_chunk: int = 256,
+                 block_size: int = 16, kernels: ops.KernelChoice = ops.KernelChoice(), cache_dtype=None):
+        self.cfg = model.cfg
+        self.graphdef, self.state = nnx.split(model)
+        self.batch = batch
+        self.max_len = max_len or self.cfg.max_position_embeddings
+        if self.max_len > self.cfg.max_position_embeddings:
+            raise ContextTooLongError(
+                f"max_len {self.max_len} exceeds the model's context of "
+                f"{self.cfg.max_position_embeddings} tokens (max_position_embeddings)")
+        self.prefill_chunk = prefill_chunk
+        self.block_size = block_size
+        self.kernels = kernels
+        self.cache_dtype = cache_dtype
+        self.stats: dict[str, float] = {}
+
+    def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
+        need = prompt_len + max_new_tokens
+        if prompt_len == 0:
+            raise ValueError("the prompt is empty: give at least one token")
+        if need > self.max_len:
+            raise ContextTooLongError(
+                f"prompt of {prompt_len} tokens + {max_new_tokens} new tokens = {need} exceeds the "
+                f"context of {self.max_len} tokens; shorten the prompt or lower --max-new-tokens")
+
+    def generate(self, prompt_ids: np.ndarray, *, max_new_tokens: int, temperature: float = 0.0,
+                 top_p: float = 1.0, seed: int = 0, stop_token: int | None = None,
+                 progress: Callable[[int, int], None] | None = None) -> Iterator[np.ndarray]:
+        """prompt_ids int [B, P] -> yields int32 numpy blocks [B, n] of new tokens.
+
+        Stops after max_new_tokens or once every sequence has produced stop_token (the block
+        holding it is the last; tokens after the stop token are the caller's to drop)."""
+        prompt_ids = np.asarray(prompt_ids, np.int32)
+        if prompt_ids.ndim == 1:
+            prompt_ids = prompt_ids[None]
+        b, p = prompt_ids.shape
+        if b != self.batch:
+            raise ValueError(f"batch of {b} prompts, but the generator was built for {self.batch}")
+        self.check_fits(p, max_new_tokens)
+        # Room for whole prefill chunks and whole decode blocks (their padding rows are written).
+        cache_len = max(_round_up(p, self.prefill_chunk), p + _round_up(max_new_tokens, self.block_size))
+        cache = create_cache(self.cfg, b, cache_len, self.cache_dtype)
+
+        t0 = time.perf_counter()
+        logits = None
+        for start in range(0, p, self.prefill_chunk):
+            chunk = prompt_ids[:, start:start + self.prefill_chunk]
+            n = chunk.shape[1]
+            padded = np.zeros((b, self.prefill_chunk), np.int32)
+            padded[:, :n] = chunk
+            logits, cache = _prefill_chunk(self.graphdef, self.state, jnp.asarray(padded),
+                                           jnp.full((b,), n, jnp.int32), cache, self.kernels)
+            if progress is not None:
+                progress(start + n, p)
+        logits.block_until_ready()
+        self.stats = {"prompt_tokens": p, "prefill_s": time.perf_counter() - t0, "new_tokens": 0}
+
+        key = jax.random.key(seed)
+        produced, stopped = 0, np.zeros((b,), bool)
+        t1 = time.perf_counter()
+        while produced < max_new_tokens:
+            steps = self.block_size
+            tokens, logits, cache, key = _decode_block(
+                self.graphdef, self.state, cache, logits, key, jnp.float32(temperature),
+                jnp.float32(top_p), self.kernels, steps)
+            tokens = np.asarray(tokens)[:, : max_new_tokens - produced]
+            produced += tokens.shape[1]
+            self.stats.update(new_tokens=produced, decode_s=time.perf_counter() - t1)
+            yield tokens
+            if stop_token is not None:
+                stopped |= (tokens == stop_token).any(axis=1)
+                if stopped.all():
+                    break
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def print_progress(done: int, total: int) -> None:
+    """A one-line progress display for long prefills (stderr)."""
+    if total >= 512:
+        width = 30
+        filled = int(width * done / total)
+        print(f"\rprefill [{'#' * filled}{'.' * (width - filled)}] {done}/{total} tokens",
+              end="" if done < total else "\n", file=sys.stderr, flush=True)

@@ -1,0 +1,183 @@
+"""Decoder layers and IndexShare groups.
+
+A group is one Full layer (it owns a lightning indexer) followed by the Shared layers that
+reuse its top-k indices. `IndexShareGroup` runs its layers in order; `plan_groups` cuts the
+layer list into groups and stacks consecutive groups of identical structure so the model can
+`jax.lax.scan` over them (GLM-5.2: 3 scans instead of 78 Python-level layers).
+
+Attention modes for full-sequence calls:
+  "sparse"  attend the indexer's top-k set (what the model does in inference and sparse training)
+  "dense"   attend every causal position (the indexer's dense warm-up stage)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from glm_jax import ops
+from glm_jax.config import GLMConfig
+from glm_jax.layers.indexer import Indexer
+from glm_jax.layers.mla import MLAProjection, indices_to_mask
+from glm_jax.layers.moe import MLP, MoE
+from glm_jax.layers.norms import RMSNorm
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerKind:
+    is_full: bool
+    is_moe: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupStackPlan:
+    """`count` consecutive IndexShare groups of identical `kinds`, starting at `first_layer`."""
+
+    first_layer: int
+    kinds: tuple[LayerKind, ...]
+    count: int
+
+    @property
+    def layers(self) -> range:
+        return range(self.first_layer, self.first_layer + self.count * len(self.kinds))
+
+
+def plan_groups(cfg: GLMConfig) -> tuple[GroupStackPlan, ...]:
+    """Cut the decoder layers into IndexShare groups and stack identical neighbours."""
+    kinds = [LayerKind(f, m) for f, m in zip(cfg.layer_is_full, cfg.layer_is_moe)]
+    groups: list[tuple[int, tuple[LayerKind, ...]]] = []
+    for i, kind in enumerate(kinds):
+        if kind.is_full:
+            groups.append((i, (kind,)))
+        else:
+            start, members = groups[-1]
+            groups[-1] = (start, members + (kind,))
+    stacks: list[GroupStackPlan] = []
+    for start, members in groups:
+        if stacks and stacks[-1].kinds == members:
+            stacks[-1] = dataclasses.replace(stacks[-1], count=stacks[-1].count + 1)
+        else:
+            stacks.append(GroupStackPlan(start, members, 1))
+    return tuple(stacks)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionSettings:
+    """Static choices for a full-sequence call (no cache)."""
+
+    mode: str = "sparse"          # "sparse" | "dense"
+    form: str = "absorbed"        # "absorbed" (ops.sparse_mla) | "expanded" (per-head K/V)
+    indexer_loss: bool = False    # compute the IndexCache multi-layer KL (needs form="expanded")
+    kernels: ops.KernelChoice = ops.KernelChoice()
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: GLMConfig, kind: LayerKind, *, rngs: nnx.Rngs, dtype):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
+        self.self_attn = MLAProjection(cfg, rngs=rngs, dtype=dtype)
+        self.indexer = Indexer(cfg, rngs=rngs, dtype=dtype) if kind.is_full else None
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
+        self.mlp = MoE(cfg, rngs=rngs, dtype=dtype) if kind.is_moe else \
+            MLP(cfg.hidden_size, cfg.intermediate_size, rngs=rngs, dtype=dtype)
+        self.kind = kind
+
+    def attention_inputs(self, x, positions):
+        """x [B, S, hidden] -> (normed h, q_resid, q_nope, q_rope, latent rows [B, S, latent])."""
+        h = self.input_layernorm(x)
+        q_resid = self.self_attn.query_residual(h)
+        q_nope, q_rope = self.self_attn.queries(q_resid, positions)
+        return h, q_resid, q_nope, q_rope, self.self_attn.latent(h, positions)
+
+    def finish(self, x, attn_out):
+        x = x + attn_out
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def _head_summed_target(probs: jnp.ndarray) -> jnp.ndarray:
+    """probs [B, nh, S, T] -> L1-normalised head sum [B, S, T], no gradient."""
+    p = jax.lax.stop_gradient(jnp.sum(probs, axis=1))
+    return p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)
+
+
+def indexer_kl(target: jnp.ndarray, logits: jnp.ndarray, mask: jnp.ndarray) -> jnp.ndarray:
+    """sum over queries of KL(target || softmax(logits restricted to mask)), averaged over B.
+
+    target [B, S, T] (rows sum to 1, zero outside mask), logits [B, S, T], mask bool [B, S, T]."""
+    masked = jnp.where(mask, logits, -jnp.inf)
+    row_max = jax.lax.stop_gradient(jnp.max(masked, axis=-1, keepdims=True))
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+    log_z = jnp.log(jnp.maximum(jnp.sum(jnp.exp(masked - row_max), axis=-1, keepdims=True), 1e-30)) + row_max
+    log_q = jnp.where(mask, logits - log_z, 0.0)
+    safe_p = jnp.where(target > 0, target, 1.0)
+    kl = jnp.where(target > 0, target * (jnp.log(safe_p) - log_q), 0.0)
+    return jnp.sum(kl) / target.shape[0]
+
+
+class IndexShareGroup(nnx.Module):
+    """One Full layer and the Shared layers that reuse its indices."""
+
+    def __init__(self, cfg: GLMConfig, kinds: tuple[LayerKind, ...], *, rngs: nnx.Rngs, dtype):
+        assert kinds[0].is_full and not any(k.is_full for k in kinds[1:])
+        self.layers = nnx.List([DecoderLayer(cfg, k, rngs=rngs, dtype=dtype) for k in kinds])
+        self.cfg = cfg
+
+    def forward(self, x, positions, kv_len, settings: AttentionSettings):
+        """Full-sequence forward. x [B, S, hidden], positions int32 [B, S], kv_len int32 [B].
+
+        -> (x [B, S, hidden], indexer KL summed over this group's layers, scalar float32)."""
+        s = x.shape[1]
+        causal = (jnp.arange(s)[None, None, :] <= positions[:, :, None]) & \
+                 (jnp.arange(s)[None, None, :] < kv_len[:, None, None])
+        indices, index_logits, kl = None, None, jnp.zeros((), jnp.float32)
+        for j, layer in enumerate(self.layers):
+            h, q_resid, q_nope, q_rope, latent = layer.attention_inputs(x, positions)
+            if j == 0:
+                hd, qd = jax.lax.stop_gradient(h), jax.lax.stop_gradient(q_resid)
+                keys = layer.indexer.keys(hd, positions)
+                if settings.mode == "sparse":
+                    indices = layer.indexer.select(hd, qd, positions, keys, kv_len, settings.kernels)
+                if settings.indexer_loss:
+                    index_logits = layer.indexer.scores(hd, qd, positions, keys, kv_len, settings.kernels)
+            if settings.mode == "dense":
+                mask = causal
+            else:
+                mask = indices_to_mask(indices, s) & causal
+            if settings.form == "expanded":
+                out, probs = layer.self_attn.attend_expanded(q_nope, q_rope, latent, mask, return_probs=True)
+                if settings.indexer_loss:
+                    kl = kl + indexer_kl(_head_summed_target(probs), index_logits, mask) / len(self.layers)
+            else:
+                sel = indices if settings.mode == "sparse" else _causal_indices(positions, kv_len, s)
+                out = layer.self_attn.attend_absorbed(q_nope, q_rope, latent, sel, settings.kernels)
+            x = layer.finish(x, out)
+        return x, kl
+
+    def forward_cached(self, x, positions, latent_cache, key_cache, group, kv_len, kernels: ops.KernelChoice):
+        """Forward of new tokens against the cache of group number `group` of a stack.
+
+        The new tokens' rows are written in place first, then attention reads the cache.
+        x [B, S, hidden]; positions int32 [B, S]; latent_cache [n, G, B, T, latent] (G layers per
+        group); key_cache [n, B, T, D]; group int32 scalar; kv_len int32 [B] (valid rows after the
+        write) -> (x, latent_cache, key_cache)."""
+        rows = jnp.arange(x.shape[0])[:, None]
+        indices = None
+        for j, layer in enumerate(self.layers):
+            h, q_resid, q_nope, q_rope, latent = layer.attention_inputs(x, positions)
+            latent_cache = latent_cache.at[group, j, rows, positions].set(latent.astype(latent_cache.dtype))
+            if j == 0:
+                keys = layer.indexer.keys(h, positions)
+                key_cache = key_cache.at[group, rows, positions].set(keys.astype(key_cache.dtype))
+                indices = layer.indexer.select(h, q_resid, positions, key_cache[group], kv_len, kernels)
+            out = layer.self_attn.attend_absorbed(q_nope, q_rope, latent_cache[group, j], indices, kernels)
+            x = layer.finish(x, out)
+        return x, latent_cache, key_cache
+
+
+def _causal_indices(positions, kv_len, num_keys):
+    """Every causal position as an index list: int32 [B, S, num_keys], -1 where not visible."""
+    t = jnp.arange(num_keys, dtype=jnp.int32)[None, None, :]
+    visible = (t <= positions[:, :, None]) & (t < kv_len[:, None, None])
+    return jnp.where(visible, t, -1)

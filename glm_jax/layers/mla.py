@@ -1,0 +1,113 @@
+"""Multi-head latent attention (MLA) in its two equivalent forms.
+
+Per token, the layer caches one latent row [c_kv (kv_lora_rank) | k_rope (qk_rope_head_dim)],
+576 values for GLM-5.2. Attention for query t runs over the positions `indices[t]` selected by
+the lightning indexer (-1 = unused slot).
+
+* expanded form (training / prefill): per-head K = [k_nope from kv_b(c_kv), shared k_rope],
+  V = v from kv_b(c_kv); dense scores masked to the selected set.
+* absorbed form (decode): q' = [q_nope W_UK ; q_rope] (kv_lora + rope dims) attends the latent
+  rows directly through `ops.sparse_mla` (gathering only selected rows); o' W_UV gives the
+  head outputs. Both use the softmax scale qk_head_dim^-0.5 (times YaRN's factor, if any).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from glm_jax import ops
+from glm_jax.config import GLMConfig
+from glm_jax.layers.linear import Linear
+from glm_jax.layers.norms import RMSNorm
+from glm_jax.layers.rope import apply_rope, rope_inv_freq, softmax_scale_factor
+
+
+class MLAProjection(nnx.Module):
+    """The attention weights of one layer (checkpoint names) and the projections around attention."""
+
+    def __init__(self, cfg: GLMConfig, *, rngs: nnx.Rngs, dtype):
+        h, nh = cfg.hidden_size, cfg.num_attention_heads
+        self.q_a_proj = Linear(h, cfg.q_lora_rank, rngs=rngs, dtype=dtype)
+        self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, eps=cfg.rms_norm_eps, dtype=dtype)
+        self.q_b_proj = Linear(cfg.q_lora_rank, nh * cfg.qk_head_dim, rngs=rngs, dtype=dtype)
+        self.kv_a_proj_with_mqa = Linear(h, cfg.latent_dim, rngs=rngs, dtype=dtype)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, eps=cfg.rms_norm_eps, dtype=dtype)
+        self.kv_b_proj = Linear(cfg.kv_lora_rank, nh * (cfg.qk_nope_head_dim + cfg.v_head_dim),
+                                rngs=rngs, dtype=dtype)
+        self.o_proj = Linear(nh * cfg.v_head_dim, h, rngs=rngs, dtype=dtype)
+        self.cfg = cfg
+        self.inv_freq = tuple(rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling_dict))
+        self.sm_scale = cfg.softmax_scale * softmax_scale_factor(cfg.rope_scaling_dict)
+
+    def query_residual(self, x: jnp.ndarray) -> jnp.ndarray:
+        """x [B, S, hidden] -> q_a_layernorm(q_a_proj(x)) [B, S, q_lora]; the indexer reuses it."""
+        return self.q_a_layernorm(self.q_a_proj(x))
+
+    def queries(self, q_resid: jnp.ndarray, positions: jnp.ndarray):
+        """-> q_nope [B, S, nh, nope], q_rope [B, S, nh, rope] (rotated)."""
+        c = self.cfg
+        q = self.q_b_proj(q_resid).reshape(q_resid.shape[:2] + (c.num_attention_heads, c.qk_head_dim))
+        q_nope, q_rope = q[..., : c.qk_nope_head_dim], q[..., c.qk_nope_head_dim:]
+        return q_nope, apply_rope(q_rope, positions, self.inv_freq, interleave=c.rope_interleave)
+
+    def latent(self, x: jnp.ndarray, positions: jnp.ndarray) -> jnp.ndarray:
+        """x [B, T, hidden] -> cached latent rows [B, T, kv_lora + rope]: [norm(c_kv) | rope(k_rope)]."""
+        c = self.cfg
+        kv = self.kv_a_proj_with_mqa(x)
+        c_kv = self.kv_a_layernorm(kv[..., : c.kv_lora_rank])
+        k_rope = apply_rope(kv[..., None, c.kv_lora_rank:], positions, self.inv_freq,
+                            interleave=c.rope_interleave)[..., 0, :]
+        return jnp.concatenate([c_kv, k_rope], axis=-1)
+
+    def _kv_b(self) -> tuple[jnp.ndarray, jnp.ndarray]:
+        """-> W_UK [kv_lora, nh, nope], W_UV [kv_lora, nh, v] (views of kv_b_proj)."""
+        c = self.cfg
+        w = self.kv_b_proj.kernel[...].reshape(c.kv_lora_rank, c.num_attention_heads,
+                                               c.qk_nope_head_dim + c.v_head_dim)
+        return w[..., : c.qk_nope_head_dim], w[..., c.qk_nope_head_dim:]
+
+    # ------------------------------------------------------------------ absorbed form
+    def attend_absorbed(self, q_nope, q_rope, latent_kv, indices, kernels: ops.KernelChoice):
+        """q_* [B, S, nh, *], latent_kv [B, T, kv_lora + rope], indices int32 [B, S, K]
+        -> attention output [B, S, hidden]."""
+        w_uk, w_uv = self._kv_b()
+        q_lat = jnp.einsum("bshn,chn->bshc", q_nope, w_uk.astype(q_nope.dtype),
+                           preferred_element_type=jnp.float32).astype(q_nope.dtype)
+        q_abs = jnp.concatenate([q_lat, q_rope], axis=-1)
+        o_lat, _ = ops.sparse_mla(q_abs, latent_kv.astype(q_abs.dtype), indices, sm_scale=self.sm_scale,
+                                  v_dim=self.cfg.kv_lora_rank, impl=kernels.attention,
+                                  interpret=kernels.interpret)
+        o = jnp.einsum("bshc,chv->bshv", o_lat, w_uv.astype(o_lat.dtype),
+                       preferred_element_type=jnp.float32).astype(q_nope.dtype)
+        return self.o_proj(o.reshape(o.shape[:2] + (-1,)))
+
+    # ------------------------------------------------------------------ expanded form
+    def attend_expanded(self, q_nope, q_rope, latent_kv, mask, *, return_probs: bool = False):
+        """Dense per-head attention restricted by mask bool [B, S, T] (the selected set).
+
+        -> output [B, S, hidden] (and, with return_probs, probabilities float32 [B, nh, S, T])."""
+        c = self.cfg
+        c_kv, k_rope = latent_kv[..., : c.kv_lora_rank], latent_kv[..., c.kv_lora_rank:]
+        kv = self.kv_b_proj(c_kv).reshape(c_kv.shape[:2] + (c.num_attention_heads, -1))
+        k_nope, v = kv[..., : c.qk_nope_head_dim], kv[..., c.qk_nope_head_dim:]
+        logits = (jnp.einsum("bshd,bthd->bhst", q_nope, k_nope, preferred_element_type=jnp.float32)
+                  + jnp.einsum("bshd,btd->bhst", q_rope, k_rope, preferred_element_type=jnp.float32))
+        logits = jnp.where(mask[:, None], logits * self.sm_scale, -jnp.inf)
+        row_max = jnp.max(logits, axis=-1, keepdims=True)
+        row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+        e = jnp.exp(logits - jax.lax.stop_gradient(row_max))
+        probs = e / jnp.maximum(jnp.sum(e, axis=-1, keepdims=True), 1e-30)
+        o = jnp.einsum("bhst,bthv->bshv", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        out = self.o_proj(o.astype(q_nope.dtype).reshape(o.shape[:2] + (-1,)))
+        return (out, probs) if return_probs else out
+
+
+def indices_to_mask(indices: jnp.ndarray, num_keys: int) -> jnp.ndarray:
+    """indices int32 [B, S, K] (-1 = unused) -> bool [B, S, num_keys], True at selected keys."""
+    b, s, _ = indices.shape
+    slots = jnp.where(indices < 0, num_keys, indices)  # unused slots land in a dropped column
+    mask = jnp.zeros((b, s, num_keys + 1), bool)
+    mask = mask.at[jnp.arange(b)[:, None, None], jnp.arange(s)[None, :, None], slots].set(True)
+    return mask[..., :num_keys]

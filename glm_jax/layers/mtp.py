@@ -1,0 +1,42 @@
+"""The multi-token-prediction (MTP) layer: one decoder layer with its own indexer.
+
+    h' = eh_proj([enorm(emb(t_{i+1})) ; hnorm(h_i)])  -> decoder layer -> h_out
+    logits = lm_head(shared_head.norm(h_out))         (embedding and lm_head are the model's)
+The normed hidden state is what the next draft step receives (GLM convention).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import nnx
+
+from glm_jax.config import GLMConfig
+from glm_jax.layers.decoder import AttentionSettings, IndexShareGroup, LayerKind
+from glm_jax.layers.linear import Linear
+from glm_jax.layers.norms import RMSNorm
+
+
+class SharedHead(nnx.Module):
+    def __init__(self, cfg: GLMConfig, *, dtype):
+        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
+
+
+class MTPLayer(nnx.Module):
+    def __init__(self, cfg: GLMConfig, *, rngs: nnx.Rngs, dtype):
+        h = cfg.hidden_size
+        self.enorm = RMSNorm(h, eps=cfg.rms_norm_eps, dtype=dtype)
+        self.hnorm = RMSNorm(h, eps=cfg.rms_norm_eps, dtype=dtype)
+        self.eh_proj = Linear(2 * h, h, rngs=rngs, dtype=dtype)
+        # The MTP decoder layer is a Full MoE layer: its own indexer serves only itself.
+        self.block = IndexShareGroup(cfg, (LayerKind(True, cfg.n_routed_experts > 0),), rngs=rngs, dtype=dtype)
+        self.shared_head = SharedHead(cfg, dtype=dtype)
+
+    def inputs(self, next_token_embeddings: jnp.ndarray, hidden: jnp.ndarray) -> jnp.ndarray:
+        """emb(t_{i+1}) [B, S, hidden], h_i [B, S, hidden] -> decoder-layer input [B, S, hidden]."""
+        joined = jnp.concatenate([self.enorm(next_token_embeddings), self.hnorm(hidden)], axis=-1)
+        return self.eh_proj(joined)
+
+    def forward(self, next_token_embeddings, hidden, positions, kv_len, settings: AttentionSettings):
+        """Full-sequence MTP step -> (normed output hidden [B, S, hidden], indexer KL)."""
+        x, kl = self.block.forward(self.inputs(next_token_embeddings, hidden), positions, kv_len, settings)
+        return self.shared_head.norm(x), kl

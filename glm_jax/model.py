@@ -1,0 +1,132 @@
+"""The GLM-5.2-style model: embeddings -> scanned IndexShare group stacks -> norm -> lm_head (+ MTP).
+
+    model = GLMModel(cfg, rngs=nnx.Rngs(0))
+    logits, hidden, aux = model(tokens)                       # full sequence (training, scoring)
+    logits, hidden, cache = model.forward_cached(tokens, cache)  # prefill chunk or decode step
+
+Decoder layers live in `stacks`: stack k holds `plan[k].count` groups of identical structure
+with their parameters stacked on a leading axis and is run with `jax.lax.scan`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from glm_jax import ops
+from glm_jax.cache import KVCache
+from glm_jax.config import GLMConfig
+from glm_jax.layers.decoder import AttentionSettings, GroupStackPlan, IndexShareGroup, plan_groups
+from glm_jax.layers.linear import Linear
+from glm_jax.layers.mtp import MTPLayer
+from glm_jax.layers.norms import RMSNorm
+
+
+def _stacked_groups(cfg: GLMConfig, plan: GroupStackPlan, key: jax.Array, dtype) -> IndexShareGroup:
+    """An IndexShareGroup whose variables carry a leading axis of plan.count independent inits."""
+    def init_one(k):
+        return nnx.state(IndexShareGroup(cfg, plan.kinds, rngs=nnx.Rngs(params=k), dtype=dtype))
+
+    states = jax.vmap(init_one)(jax.random.split(key, plan.count))
+    group = nnx.eval_shape(lambda: IndexShareGroup(cfg, plan.kinds, rngs=nnx.Rngs(0), dtype=dtype))
+    nnx.update(group, states)
+    return group
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardOutput:
+    logits: jnp.ndarray                # [B, S, vocab] float32
+    hidden: jnp.ndarray                # [B, S, hidden], final-normed (what the MTP layer takes)
+    indexer_kl: jnp.ndarray            # scalar: IndexCache KL summed over groups (0 unless asked)
+
+
+class GLMModel(nnx.Module):
+    def __init__(self, cfg: GLMConfig, *, rngs: nnx.Rngs):
+        dtype = jnp.dtype(cfg.dtype)
+        self.cfg = cfg
+        self.plan = plan_groups(cfg)
+        self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=dtype,
+                                      embedding_init=jax.nn.initializers.normal(1.0), rngs=rngs)
+        self.stacks = nnx.List([_stacked_groups(cfg, p, rngs.params(), dtype) for p in self.plan])
+        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, rngs=rngs, dtype=dtype)
+        self.mtp = MTPLayer(cfg, rngs=rngs, dtype=dtype) if cfg.num_nextn_predict_layers else None
+
+    def logits(self, hidden_normed: jnp.ndarray) -> jnp.ndarray:
+        return self.lm_head(hidden_normed).astype(jnp.float32)
+
+    # ------------------------------------------------------------------ full sequence
+    def __call__(self, tokens: jnp.ndarray, *, settings: AttentionSettings = AttentionSettings(),
+                 lengths: jnp.ndarray | None = None, remat: bool = False) -> ForwardOutput:
+        """tokens int32 [B, S] starting at position 0; lengths int32 [B] valid tokens (default S)."""
+        b, s = tokens.shape
+        positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+        kv_len = jnp.full((b,), s, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
+        x = self.embed_tokens(tokens)
+        kl = jnp.zeros((), jnp.float32)
+        for stack in self.stacks:
+            graphdef, state = nnx.split(stack)
+
+            def body(carry, group_state, graphdef=graphdef):
+                x, kl = carry
+                x, group_kl = nnx.merge(graphdef, group_state).forward(x, positions, kv_len, settings)
+                return (x, kl + group_kl), None
+
+            if remat:
+                body = jax.checkpoint(body, prevent_cse=False)
+            (x, kl), _ = jax.lax.scan(body, (x, kl), state)
+        hidden = self.norm(x)
+        return ForwardOutput(self.logits(hidden), hidden, kl)
+
+    def mtp_forward(self, hidden: jnp.ndarray, next_tokens: jnp.ndarray, *,
+                    settings: AttentionSettings = AttentionSettings(), lengths=None) -> ForwardOutput:
+        """One MTP depth over a sequence: hidden [B, S, hidden] (normed h_i), next_tokens [B, S] (t_{i+1})."""
+        b, s = next_tokens.shape
+        positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+        kv_len = jnp.full((b,), s, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
+        out, kl = self.mtp.forward(self.embed_tokens(next_tokens), hidden, positions, kv_len, settings)
+        return ForwardOutput(self.logits(out), out, kl)
+
+    # ------------------------------------------------------------------ with a KV cache
+    def forward_cached(self, tokens: jnp.ndarray, cache: KVCache, *,
+                       kernels: ops.KernelChoice = ops.KernelChoice(),
+                       num_valid: jnp.ndarray | None = None) -> tuple[jnp.ndarray, jnp.ndarray, KVCache]:
+        """Run tokens int32 [B, S] at positions cache.lengths + [0, S) against the cache.
+
+        num_valid int32 [B] (default S): how many of the S tokens are real; the cache length
+        advances by it (padding rows are written but never attended by real queries).
+        -> (logits float32 [B, S, vocab], hidden normed [B, S, hidden], updated cache)."""
+        b, s = tokens.shape
+        positions = cache.lengths[:, None] + jnp.arange(s, dtype=jnp.int32)[None, :]
+        kv_len = cache.lengths + s
+        x = self.embed_tokens(tokens)
+        latent, keys = list(cache.latent), list(cache.index_keys)
+        for k, stack in enumerate(self.stacks):
+            graphdef, state = nnx.split(stack)
+
+            def body(carry, xs, graphdef=graphdef):
+                x, lat, key = carry
+                group_state, g = xs
+                x, lat, key = nnx.merge(graphdef, group_state).forward_cached(
+                    x, positions, lat, key, g, kv_len, kernels)
+                return (x, lat, key), None
+
+            (x, latent[k], keys[k]), _ = jax.lax.scan(
+                body, (x, latent[k], keys[k]), (state, jnp.arange(self.plan[k].count)))
+        hidden = self.norm(x)
+        advance = jnp.full((b,), s, jnp.int32) if num_valid is None else num_valid.astype(jnp.int32)
+        return self.logits(hidden), hidden, KVCache(tuple(latent), tuple(keys), cache.lengths + advance)
+
+
+def count_params(model_or_state) -> int:
+    """Trainable parameters (nnx.Param), excluding router correction biases."""
+    state = nnx.state(model_or_state, nnx.Param)
+    return sum(int(x.size) for x in jax.tree.leaves(state))
+
+
+def abstract_model(cfg: GLMConfig) -> GLMModel:
+    """The module tree with ShapeDtypeStructs instead of arrays: no memory, for counting and planning."""
+    return nnx.eval_shape(lambda: GLMModel(cfg, rngs=nnx.Rngs(0)))

@@ -1,0 +1,157 @@
+"""Model semantics: sparse == dense when top-k covers the context, absorbed == expanded MLA,
+cached decode == full forward, IndexShare threading, MoE dispatch == per-expert loop."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from glm_jax import ops
+from glm_jax.cache import create_cache
+from glm_jax.layers import moe as moe_lib
+from glm_jax.layers.decoder import AttentionSettings, plan_groups
+from glm_jax.model import GLMModel
+from conftest import micro_config
+
+ATOL = 2e-4
+
+
+def _model(cfg, seed=0):
+    return GLMModel(cfg, rngs=nnx.Rngs(seed))
+
+
+def _tokens(cfg, b, s, seed=1):
+    return jax.random.randint(jax.random.key(seed), (b, s), 0, cfg.vocab_size, jnp.int32)
+
+
+def test_group_plan_stacks_identical_groups(micro_cfg):
+    plans = plan_groups(micro_cfg)  # FSSFS, first layer dense
+    assert [(p.first_layer, len(p.kinds), p.count) for p in plans] == [(0, 3, 1), (3, 2, 1)]
+    cfg = micro_cfg.replace(num_hidden_layers=9, index_topk_pattern="FSFSFSFSS", first_k_dense_replace=0)
+    assert [(p.first_layer, len(p.kinds), p.count) for p in plan_groups(cfg)] == [(0, 2, 3), (6, 3, 1)]
+
+
+def test_sparse_equals_dense_when_topk_covers_context(micro_cfg):
+    cfg = micro_cfg.replace(index_topk=16)
+    model, tokens = _model(cfg), _tokens(cfg, 2, 12)
+    for form in ("absorbed", "expanded"):
+        sparse = model(tokens, settings=AttentionSettings(mode="sparse", form=form)).logits
+        dense = model(tokens, settings=AttentionSettings(mode="dense", form=form)).logits
+        np.testing.assert_allclose(sparse, dense, atol=ATOL, rtol=1e-4)
+
+
+def test_sparse_differs_from_dense_when_topk_is_small(micro_cfg):
+    model, tokens = _model(micro_cfg), _tokens(micro_cfg, 2, 12)
+    sparse = model(tokens, settings=AttentionSettings(mode="sparse")).logits
+    dense = model(tokens, settings=AttentionSettings(mode="dense")).logits
+    assert np.abs(np.asarray(sparse - dense))[:, micro_cfg.index_topk:].max() > 1e-3
+    np.testing.assert_allclose(sparse[:, :micro_cfg.index_topk], dense[:, :micro_cfg.index_topk], atol=ATOL)
+
+
+@pytest.mark.parametrize("mode", ["sparse", "dense"])
+def test_absorbed_equals_expanded(micro_cfg, mode):
+    model, tokens = _model(micro_cfg), _tokens(micro_cfg, 2, 10)
+    a = model(tokens, settings=AttentionSettings(mode=mode, form="absorbed")).logits
+    e = model(tokens, settings=AttentionSettings(mode=mode, form="expanded")).logits
+    np.testing.assert_allclose(a, e, atol=ATOL, rtol=1e-4)
+
+
+def test_cached_decode_equals_full_forward(micro_cfg):
+    model, tokens = _model(micro_cfg), _tokens(micro_cfg, 2, 11)
+    full = model(tokens).logits
+    cache = create_cache(micro_cfg, 2, 16)
+    # prefill 5 tokens as one chunk, then one token at a time
+    logits, _, cache = model.forward_cached(tokens[:, :5], cache)
+    steps = [logits]
+    for t in range(5, 11):
+        logits, _, cache = model.forward_cached(tokens[:, t:t + 1], cache)
+        steps.append(logits)
+    np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, atol=ATOL, rtol=1e-4)
+    assert cache.lengths.tolist() == [11, 11]
+
+
+def test_padded_prefill_chunk_equals_unpadded(micro_cfg):
+    model, tokens = _model(micro_cfg), _tokens(micro_cfg, 1, 7)
+    full = model(tokens).logits
+    padded = jnp.concatenate([tokens, jnp.zeros((1, 5), jnp.int32)], axis=1)
+    logits, _, cache = model.forward_cached(padded, create_cache(micro_cfg, 1, 16),
+                                            num_valid=jnp.array([7]))
+    np.testing.assert_allclose(logits[:, :7], full, atol=ATOL, rtol=1e-4)
+    nxt, _, _ = model.forward_cached(tokens[:, :1], cache)
+    ref = model(jnp.concatenate([tokens, tokens[:, :1]], axis=1)).logits[:, -1:]
+    np.testing.assert_allclose(nxt, ref, atol=ATOL, rtol=1e-4)
+
+
+def test_shared_layers_own_no_indexer_and_reuse_full_indices(micro_cfg, monkeypatch):
+    model, tokens = _model(micro_cfg), _tokens(micro_cfg, 1, 12)
+    for plan, stack in zip(model.plan, model.stacks):
+        for kind, layer in zip(plan.kinds, stack.layers):
+            assert (layer.indexer is not None) == kind.is_full
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    assert "indexer" not in params["stacks"][0]["layers"][1]
+    assert "indexer" in params["stacks"][0]["layers"][0]
+
+    selected, attended = [], []
+    real_topk, real_mla = ops.indexer_topk, ops.sparse_mla
+
+    def spy_topk(*a, **k):
+        out = real_topk(*a, **k)
+        selected.append(np.asarray(out))
+        return out
+
+    def spy_mla(q, kv, indices, **k):
+        attended.append(np.asarray(indices))
+        return real_mla(q, kv, indices, **k)
+
+    monkeypatch.setattr(ops, "indexer_topk", spy_topk)
+    monkeypatch.setattr(ops, "sparse_mla", spy_mla)
+    with jax.disable_jit():
+        model(tokens, settings=AttentionSettings(mode="sparse", form="absorbed"))
+    # pattern FSSFS: 2 indexer calls, 5 attention calls (+1 MTP-free path)
+    assert len(selected) == 2 and len(attended) == 5
+    for i in (0, 1, 2):
+        np.testing.assert_array_equal(attended[i], selected[0])
+    for i in (3, 4):
+        np.testing.assert_array_equal(attended[i], selected[1])
+    assert not np.array_equal(selected[0], selected[1])
+
+
+def test_moe_dispatch_equals_per_expert_loop(micro_cfg):
+    cfg = micro_cfg.replace(n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2)
+    moe = moe_lib.MoE(cfg, rngs=nnx.Rngs(3), dtype=jnp.float32)
+    moe.e_score_correction_bias[...] = jax.random.normal(jax.random.key(5), (8,)) * 0.1
+    x = jax.random.normal(jax.random.key(4), (2, 7, cfg.hidden_size))
+    got = moe(x)
+
+    tokens = np.asarray(x.reshape(-1, cfg.hidden_size))
+    router = np.asarray(moe.router[...])
+    bias = np.asarray(moe.e_score_correction_bias[...])
+    want = np.zeros_like(tokens)
+    for n, t in enumerate(tokens):
+        scores = 1 / (1 + np.exp(-(router @ t)))
+        choice = scores + bias
+        groups = choice.reshape(4, 2)
+        group_score = np.sort(groups, axis=1)[:, -2:].sum(1)
+        keep = np.argsort(-group_score, kind="stable")[:2]
+        masked = np.full_like(choice, -np.inf)
+        for g in keep:
+            masked[g * 2:(g + 1) * 2] = choice[g * 2:(g + 1) * 2]
+        experts = np.argsort(-masked, kind="stable")[:3]
+        w = scores[experts] / scores[experts].sum() * cfg.routed_scaling_factor
+        for e, we in zip(experts, w):
+            g = t @ np.asarray(moe.gate_proj[...][e])
+            u = t @ np.asarray(moe.up_proj[...][e])
+            want[n] += we * ((g / (1 + np.exp(-g))) * u) @ np.asarray(moe.down_proj[...][e])
+    want = want + np.asarray(moe.shared_experts(jnp.asarray(tokens)))
+    np.testing.assert_allclose(np.asarray(got).reshape(want.shape), want, atol=1e-4, rtol=1e-4)
+
+
+def test_mtp_forward_shapes(micro_cfg):
+    model, tokens = _model(micro_cfg), _tokens(micro_cfg, 2, 9)
+    out = model(tokens)
+    mtp = model.mtp_forward(out.hidden, tokens)
+    assert mtp.logits.shape == (2, 9, micro_cfg.vocab_size)
+    assert np.isfinite(np.asarray(mtp.logits)).all()

@@ -1,0 +1,160 @@
+"""Train a GLM-5.2-style model on the Python standard library's source (or resume a run).
+
+    python train.py --config configs/tiny.yaml --out runs/tiny --steps 600
+
+The run directory receives tokenizer.json (a byte-level BPE trained on the training files),
+config.yaml, checkpoints/ (orbax: params, optimizer state, data position) every --save-every
+steps, params/ (the final weights, what decode.py loads) and metrics.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from glm_jax import ops
+from glm_jax.checkpoint import check_same_config, save_model_dir
+from glm_jax.config import ConfigError, load_config, save_config
+from glm_jax.data import batches as data_batches
+from glm_jax.data import corpus, tokenizer as tok_lib
+from glm_jax.model import GLMModel, count_params
+from glm_jax.training import checkpointing
+from glm_jax.training.step import LossWeights, eval_step, make_optimizer, train_step
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="configs/tiny.yaml", help="configs/*.yaml or a config.json")
+    ap.add_argument("--out", required=True, help="run directory (created; reused with --resume)")
+    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--warmup-steps", type=int, default=50)
+    ap.add_argument("--dense-steps", type=int, default=100,
+                    help="steps of dense attention (indexer warm-up) before sparse attention")
+    ap.add_argument("--indexer-weight", type=float, default=1.0)
+    ap.add_argument("--mtp-weight", type=float, default=0.3)
+    ap.add_argument("--eval-every", type=int, default=100)
+    ap.add_argument("--eval-batches", type=int, default=8)
+    ap.add_argument("--save-every", type=int, default=200)
+    ap.add_argument("--max-files", type=int, default=None, help="use only the first N training files")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--export-dtype", default=None, help="cast the exported params/ (e.g. bfloat16)")
+    ap.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
+    ap.add_argument("--remat", action="store_true", help="recompute activations in the backward pass")
+    return ap.parse_args(argv)
+
+
+def prepare_tokens(args, cfg, out: Path):
+    """Tokenizer (trained once, then reused) and the encoded train / held-out token streams."""
+    files = corpus.stdlib_source_files()
+    train_files, heldout_files = corpus.split_files(files, seed=args.seed)
+    if args.max_files:
+        train_files = train_files[: args.max_files]
+        heldout_files = heldout_files[: max(1, args.max_files // 20)]
+    train_texts, heldout_texts = corpus.read_texts(train_files), corpus.read_texts(heldout_files)
+    tok_path = out / "tokenizer.json"
+    if tok_path.exists():
+        tok = tok_lib.load_tokenizer(out)
+    else:
+        t = time.perf_counter()
+        tok = tok_lib.train_bpe(train_texts, vocab_size=cfg.vocab_size)
+        tok_lib.save_tokenizer(tok, out)
+        print(f"tokenizer: byte-level BPE, {tok.get_vocab_size()} tokens, trained on {len(train_files)} "
+              f"files in {time.perf_counter() - t:.1f}s")
+    if tok.get_vocab_size() > cfg.vocab_size:
+        raise ConfigError(f"config key `vocab_size`: {cfg.vocab_size} < tokenizer's {tok.get_vocab_size()}; "
+                          "raise vocab_size")
+    train_tokens = data_batches.encode_documents(tok, train_texts)
+    heldout_tokens = data_batches.encode_documents(tok, heldout_texts)
+    print(f"corpus: {len(train_files)} train files ({train_tokens.size:,} tokens), "
+          f"{len(heldout_files)} held-out files ({heldout_tokens.size:,} tokens)")
+    return tok, train_tokens, heldout_tokens
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    out = Path(args.out).absolute()
+    try:
+        cfg = load_config(args.config)
+        if args.resume and (out / "config.yaml").exists():
+            check_same_config(load_config(out / "config.yaml"), cfg, str(out))
+    except (ConfigError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    out.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, out / "config.yaml")
+    tok, train_tokens, heldout_tokens = prepare_tokens(args, cfg, out)
+
+    model = GLMModel(cfg, rngs=nnx.Rngs(args.seed))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    tx, schedule = make_optimizer(args.lr, args.steps, args.warmup_steps)
+    opt_state = tx.init(params)
+    print(f"model: {cfg.name}, {count_params(model):,} parameters, pattern {cfg.pattern}")
+
+    batches = data_batches.TokenBatches(train_tokens, seq_len=args.seq_len, batch_size=args.batch_size,
+                                        seed=args.seed)
+    heldout = list(data_batches.heldout_batches(heldout_tokens, args.seq_len, args.batch_size,
+                                                args.eval_batches))
+    mngr = checkpointing.manager(out)
+    start = 0
+    if args.resume:
+        found = checkpointing.restore_latest(mngr, {"params": params, "opt_state": opt_state})
+        if found is None:
+            print("resume: no checkpoint yet, starting from step 0")
+        else:
+            start, state, meta = found
+            params, opt_state = state["params"], state["opt_state"]
+            batches = data_batches.TokenBatches.from_state(train_tokens, meta["data"])
+            print(f"resume: continuing from step {start}")
+
+    kernels = ops.KernelChoice()
+    weights = LossWeights(indexer=args.indexer_weight, mtp=args.mtp_weight)
+    metrics_file = (out / "metrics.jsonl").open("a")
+    tokens_per_step = args.batch_size * args.seq_len
+    t_last, step = time.perf_counter(), start
+    for step in range(start + 1, args.steps + 1):
+        inputs, targets = next(batches)
+        stage = "dense" if step <= args.dense_steps else "sparse"
+        params, opt_state, terms = train_step(graphdef, params, rest, opt_state, jnp.asarray(inputs),
+                                              jnp.asarray(targets), tx=tx, stage=stage, weights=weights,
+                                              kernels=kernels, remat=args.remat)
+        record = {"step": step, "stage": stage, "lr": float(schedule(step - 1))}
+        if step % 10 == 0 or step == args.steps or step == start + 1:
+            record.update({k: float(v) for k, v in terms.items()})
+            now = time.perf_counter()
+            record["tokens_per_s"] = tokens_per_step * (10 if step % 10 == 0 else 1) / (now - t_last)
+            t_last = now
+            print(f"step {step:5d}/{args.steps} [{stage}] loss {record['loss']:.3f} lm {record['lm']:.3f} "
+                  f"idx_kl {record['indexer_kl']:.3f} mtp {record.get('mtp', 0):.3f} "
+                  f"lr {record['lr']:.2e} {record['tokens_per_s']:.0f} tok/s", flush=True)
+        if step % args.eval_every == 0 or step == args.steps:
+            val = float(np.mean([eval_step(graphdef, params, rest, jnp.asarray(x), jnp.asarray(y),
+                                           stage=stage, kernels=kernels) for x, y in heldout]))
+            record["val_lm"] = val
+            print(f"step {step:5d} validation lm loss {val:.3f} (held-out files)", flush=True)
+        if len(record) > 3:
+            metrics_file.write(json.dumps(record) + "\n")
+            metrics_file.flush()
+        if step % args.save_every == 0 or step == args.steps:
+            checkpointing.save(mngr, step, {"params": params, "opt_state": opt_state},
+                               {"step": step, "data": batches.state(), "config": cfg.to_dict()})
+    mngr.wait_until_finished()
+    metrics_file.close()
+    nnx.update(model, params)
+    save_model_dir(out, model, dtype=args.export_dtype, tokenizer_file=out / "tokenizer.json")
+    print(f"done: {step} steps; model written to {out} (decode with: python decode.py --checkpoint {out})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
