@@ -29,7 +29,8 @@ class LossWeights:
 
 
 def make_optimizer(lr: float, total_steps: int, warmup_steps: int, weight_decay: float = 0.1):
-    schedule = optax.warmup_cosine_decay_schedule(0.0, lr, max(warmup_steps, 1), max(total_steps, 2),
+    warmup_steps = max(1, min(warmup_steps, total_steps - 1))
+    schedule = optax.warmup_cosine_decay_schedule(0.0, lr, warmup_steps, max(total_steps, warmup_steps + 1),
                                                   end_value=lr * 0.1)
     tx = optax.chain(optax.clip_by_global_norm(1.0),
                      optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=weight_decay))

@@ -1,0 +1,1 @@
+"""Data: the standard-library corpus, the byte-level BPE tokenizer and training batches."""

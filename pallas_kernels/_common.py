@@ -1,0 +1,125 @@
+"""Helpers shared by every op: `impl` resolution, query chunking and key masks."""
+
+from __future__ import annotations
+
+import operator
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+#: Every accepted value of `impl`, in the order the error messages list them.
+VALID_IMPLS = ("auto", "reference", "xla", "pallas_tpu", "pallas_gpu")
+#: The implementations that exist today; "auto" resolves to the first Pallas one available later.
+IMPLEMENTED = ("reference", "xla")
+#: What "auto" resolves to.
+AUTO_IMPL = "xla"
+
+#: Upper bound on the bytes of the per-chunk intermediates of the `xla` impls.
+CHUNK_BUDGET_BYTES = 256 * 2**20
+#: Upper bound on the default query chunk.
+MAX_Q_CHUNK = 256
+
+
+def resolve_impl(op: str, impl: str) -> str:
+    """Validates `impl` for op `op` and returns the concrete implementation name.
+
+    Raises ValueError (listing the valid choices) for an unknown name and NotImplementedError
+    for an implementation that does not exist yet."""
+    if not isinstance(impl, str) or impl not in VALID_IMPLS:
+        choices = ", ".join(repr(c) for c in VALID_IMPLS)
+        raise ValueError(f"pallas_kernels.{op}: unknown impl {impl!r}; valid choices are {choices}")
+    if impl == "auto":
+        return AUTO_IMPL
+    if impl not in IMPLEMENTED:
+        raise NotImplementedError(
+            f"pallas_kernels.{op}: impl={impl!r} is not implemented yet; "
+            f"use impl='auto', 'xla' or 'reference'")
+    return impl
+
+
+def choose_q_chunk(seq_len: int, bytes_per_query: int, q_chunk: int | None = None, *,
+                   budget: int = CHUNK_BUDGET_BYTES, max_chunk: int = MAX_Q_CHUNK) -> int:
+    """The number of queries processed at once, in [1, max(seq_len, 1)].
+
+    An explicit `q_chunk` wins (capped at seq_len). Otherwise the largest power of two
+    <= max_chunk whose intermediates (bytes_per_query each) fit in `budget`."""
+    seq_len = int(seq_len)
+    if q_chunk is not None:
+        try:
+            q_chunk = operator.index(q_chunk)
+        except TypeError:
+            raise ValueError(f"q_chunk must be a positive int or None, got {q_chunk!r}") from None
+        if q_chunk < 1:
+            raise ValueError(f"q_chunk must be a positive int or None, got {q_chunk!r}")
+        return max(1, min(q_chunk, seq_len))
+    c = max(1, min(int(budget) // max(1, int(bytes_per_query)), int(max_chunk)))
+    c = 1 << (c.bit_length() - 1)
+    return max(1, min(c, seq_len))
+
+
+def map_query_chunks(fn: Callable, args: Sequence[jax.Array], pad_values: Sequence, chunk: int, *,
+                     remat: bool = False):
+    """Applies fn(*chunk_args) to consecutive chunks of `chunk` queries and concatenates.
+
+    Every array in `args` has the query axis at position 1 ([B, S, ...]); every output leaf of
+    fn has it at position 1 too. S need not be a multiple of `chunk`: the tail is padded with
+    `pad_values` (one per arg) and the outputs sliced back to S. Chunks run sequentially
+    (lax.map), so only one chunk's intermediates are live; with remat=True each chunk is
+    rematerialised in the backward pass, so its intermediates are not stored either."""
+    seq_len = args[0].shape[1]
+    if seq_len <= chunk:
+        return fn(*args)
+    n = -(-seq_len // chunk)
+    pad = n * chunk - seq_len
+
+    def split(x, value):
+        if pad:
+            widths = [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)
+            x = jnp.pad(x, widths, constant_values=jnp.asarray(value, x.dtype))
+        x = x.reshape((x.shape[0], n, chunk) + x.shape[2:])
+        return jnp.moveaxis(x, 1, 0)
+
+    def merge(y):
+        y = jnp.moveaxis(y, 0, 1)
+        y = y.reshape((y.shape[0], n * chunk) + y.shape[3:])
+        return y[:, :seq_len]
+
+    body = jax.checkpoint(fn) if remat else fn
+    xs = tuple(split(a, v) for a, v in zip(args, pad_values))
+    ys = lax.map(lambda chunk_args: body(*chunk_args), xs)
+    return jax.tree.map(merge, ys)
+
+
+def key_mask(q_pos: jax.Array, kv_len: jax.Array, num_keys: int) -> jax.Array:
+    """q_pos int [B, S], kv_len int [B] -> bool [B, S, T]: t <= q_pos[b, s] and t < kv_len[b]."""
+    t = lax.broadcasted_iota(jnp.int32, (1, 1, num_keys), 2)
+    q_pos = jnp.asarray(q_pos, jnp.int32)[:, :, None]
+    kv_len = jnp.asarray(kv_len, jnp.int32)[:, None, None]
+    return (t <= q_pos) & (t < kv_len)
+
+
+def pad_topk(indices: jax.Array, topk: int) -> jax.Array:
+    """int32 [..., k] with k <= topk -> int32 [..., topk], the new columns -1."""
+    extra = topk - indices.shape[-1]
+    if extra <= 0:
+        return indices
+    fill = jnp.full(indices.shape[:-1] + (extra,), -1, jnp.int32)
+    return jnp.concatenate([indices, fill], axis=-1)
+
+
+def normalize_zero(x: jax.Array) -> jax.Array:
+    """Maps -0.0 to +0.0 so that sorting (which orders -0.0 before +0.0) treats them as equal."""
+    return jnp.where(x == 0, jnp.zeros_like(x), x)
+
+
+def check_topk(topk) -> int:
+    """Validates the static `topk` and returns it as a Python int."""
+    try:
+        value = operator.index(topk)
+    except TypeError:
+        raise ValueError(f"topk must be a positive int, got {topk!r}") from None
+    if value < 1:
+        raise ValueError(f"topk must be a positive int, got {topk!r}")
+    return value

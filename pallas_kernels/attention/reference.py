@@ -1,0 +1,48 @@
+"""Reference (oracle) sparse MLA: dense [B, S, H, T] float32 logits under a mask built from
+the indices. Meant for tests and small shapes only."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+def indices_to_mask(indices: jax.Array, num_keys: int) -> jax.Array:
+    """indices int32 [B, S, K] -> bool [B, S, T]: True at every listed t in [0, T).
+
+    Negative and out-of-range entries are ignored; duplicates count once."""
+    idx = jnp.asarray(indices, jnp.int32)
+    idx = jnp.where((idx >= 0) & (idx < num_keys), idx, num_keys)
+
+    def row(i):
+        return jnp.zeros((num_keys + 1,), jnp.bool_).at[i].set(True)[:num_keys]
+
+    return jax.vmap(jax.vmap(row))(idx)
+
+
+def sparse_mla(q: jax.Array, kv: jax.Array, indices: jax.Array, *, sm_scale: float, v_dim: int):
+    """Sparse MQA over one shared latent head, computed densely with a mask.
+
+    q [B, S, H, Dk], kv [B, T, Dk] (V = kv[..., :v_dim]), indices int32 [B, S, K] (-1 = skip)
+    -> (out [B, S, H, v_dim] in q.dtype, lse float32 [B, S, H]) with
+    lse = log sum_{t selected} exp(sm_scale * q . kv[t]); rows without a valid index give
+    out 0 and lse -inf (with finite gradients). Duplicate indices count once here."""
+    num_keys = kv.shape[1]
+    qf = q.astype(jnp.float32)
+    kvf = kv.astype(jnp.float32)
+    logits = jnp.einsum("bshd,btd->bsht", qf, kvf, precision=lax.Precision.HIGHEST) * sm_scale
+    mask = indices_to_mask(indices, num_keys)[:, :, None, :]            # [B, S, 1, T]
+    logits = jnp.where(mask, logits, -jnp.inf)
+    # Safe softmax: a fully masked row has max -inf; shift by 0 instead, so p = 0 there, and
+    # take the log of 1 instead of 0 so no inf/NaN reaches the gradient.
+    m = lax.stop_gradient(jnp.max(logits, axis=-1))
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.exp(logits - m[..., None])
+    denom = jnp.sum(p, axis=-1)
+    has_any = denom > 0
+    safe = jnp.where(has_any, denom, 1.0)
+    out = jnp.einsum("bsht,btd->bshd", p, kvf[..., :v_dim], precision=lax.Precision.HIGHEST)
+    out = out / safe[..., None]
+    lse = jnp.where(has_any, m + jnp.log(safe), -jnp.inf)
+    return out.astype(q.dtype), lse

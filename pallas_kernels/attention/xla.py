@@ -1,0 +1,61 @@
+"""Memory-sane XLA sparse MLA: gathers only the selected kv rows, chunked over queries.
+
+Per chunk of C queries the live intermediates are the gathered rows [B, C, K, Dk] and the
+logits [B, C, H, K]; no [S, T] mask or score matrix is ever built. Each chunk is
+rematerialised in the backward pass, so gradients do not store the gathered rows of every
+chunk either."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels._common import choose_q_chunk, map_query_chunks
+
+
+def _bytes_per_query(batch: int, num_heads: int, topk: int, dk: int, v_dim: int, itemsize: int) -> int:
+    # gathered rows (+ their f32 V copy) and ~4 [H, K] f32 arrays (logits, p, masks).
+    return batch * topk * (dk * itemsize + 4 * v_dim + 16 * num_heads + 8)
+
+
+def gather_rows(kv: jax.Array, indices: jax.Array) -> jax.Array:
+    """kv [B, T, D], indices int32 [B, C, K] in [0, T) -> [B, C, K, D]."""
+    return jax.vmap(lambda rows, idx: rows[idx])(kv, indices)
+
+
+def _attend_chunk(q, indices, kv, *, sm_scale, v_dim):
+    num_keys = kv.shape[1]
+    valid = (indices >= 0) & (indices < num_keys)
+    rows = gather_rows(kv, jnp.where(valid, indices, 0))                 # [B, C, K, Dk]
+    logits = jnp.einsum("bchd,bckd->bchk", q, rows, preferred_element_type=jnp.float32) * sm_scale
+    logits = jnp.where(valid[:, :, None, :], logits, -jnp.inf)
+    m = lax.stop_gradient(jnp.max(logits, axis=-1))
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.exp(logits - m[..., None])                                   # [B, C, H, K]
+    denom = jnp.sum(p, axis=-1)
+    has_any = denom > 0
+    safe = jnp.where(has_any, denom, 1.0)
+    values = rows[..., :v_dim].astype(jnp.float32)
+    out = jnp.einsum("bchk,bckd->bchd", p, values, preferred_element_type=jnp.float32)
+    out = out / safe[..., None]
+    lse = jnp.where(has_any, m + jnp.log(safe), -jnp.inf)
+    return out.astype(q.dtype), lse
+
+
+def sparse_mla(q: jax.Array, kv: jax.Array, indices: jax.Array, *, sm_scale: float, v_dim: int,
+               q_chunk: int | None = None):
+    """Sparse MQA over one shared latent head by gathering the selected rows.
+
+    q [B, S, H, Dk], kv [B, T, Dk] (V = kv[..., :v_dim]), indices int32 [B, S, K] (-1 = skip)
+    -> (out [B, S, H, v_dim] in q.dtype, lse float32 [B, S, H]). Rows without a valid index
+    give out 0 and lse -inf (finite gradients). Duplicate indices are each counted."""
+    batch, seq_len, num_heads, dk = q.shape
+    topk = indices.shape[-1]
+    itemsize = jnp.dtype(kv.dtype).itemsize
+    chunk = choose_q_chunk(seq_len, _bytes_per_query(batch, num_heads, topk, dk, v_dim, itemsize), q_chunk)
+
+    def body(q_c, idx_c):
+        return _attend_chunk(q_c, idx_c, kv, sm_scale=sm_scale, v_dim=v_dim)
+
+    return map_query_chunks(body, (q, jnp.asarray(indices, jnp.int32)), (0, -1), chunk, remat=True)

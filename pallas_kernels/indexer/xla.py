@@ -1,0 +1,101 @@
+"""Memory-sane XLA implementation of the indexer.
+
+Queries are processed in chunks of `q_chunk` (lax.map), so only a chunk's [B, chunk, H, T]
+float32 logits are live at once; a long prefill never materialises scores for all queries
+(except `indexer_scores`, whose output is [B, S, T] by contract)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels._common import (check_topk, choose_q_chunk, key_mask, map_query_chunks,
+                                    normalize_zero, pad_topk)
+
+_INT32_MAX = jnp.iinfo(jnp.int32).max
+
+
+def _bytes_per_query(batch: int, num_heads: int, num_keys: int) -> int:
+    # f32 logits per head, plus ~4 [T] f32/int32 arrays (score, mask, cumsum, sort key).
+    return batch * num_keys * (4 * num_heads + 16)
+
+
+def _chunk_scores(q, weights, q_pos, k, kv_len):
+    """q [B, C, H, D], weights [B, C, H], q_pos [B, C] -> (score f32 [B, C, T], valid bool)."""
+    logits = jnp.einsum("bchd,btd->bcht", q, k, preferred_element_type=jnp.float32)
+    score = jnp.sum(jnp.maximum(logits, 0.0) * weights.astype(jnp.float32)[..., None], axis=2)
+    return score, key_mask(q_pos, kv_len, k.shape[1])
+
+
+def select_topk(score: jax.Array, valid: jax.Array, topk: int) -> jax.Array:
+    """Exact top-k with the "lower t wins" tie rule, without a full sort.
+
+    score float32 [..., T], valid bool [..., T] -> int32 [..., topk], ordered by descending
+    score then ascending t, -1 in the trailing slots.
+
+    1. v = the k-th largest masked score (lax.top_k values only; value ties are irrelevant).
+    2. Select every valid t with score > v, plus the lowest-t valid entries equal to v until
+       k are selected (a cumsum over the tie mask) -- this is the exact tie rule.
+    3. Extract the selected t with lax.top_k on the distinct integer key T - t.
+    4. Order the k survivors by (-score, t) with a small stable sort."""
+    topk = check_topk(topk)
+    num_keys = score.shape[-1]
+    if num_keys == 0:
+        return jnp.full(score.shape[:-1] + (topk,), -1, jnp.int32)
+    kk = min(topk, num_keys)
+    s = normalize_zero(jnp.where(valid, score, -jnp.inf))
+    kth = lax.top_k(s, kk)[0][..., kk - 1:kk]
+    above = valid & (s > kth)
+    tied = valid & (s == kth)
+    need = kk - jnp.sum(above, axis=-1, keepdims=True, dtype=jnp.int32)
+    tie_rank = jnp.cumsum(tied, axis=-1, dtype=jnp.int32)
+    selected = above | (tied & (tie_rank <= need))
+
+    t = lax.broadcasted_iota(jnp.int32, s.shape, s.ndim - 1)
+    key = jnp.where(selected, num_keys - t, 0)
+    top_key, _ = lax.top_k(key, kk)
+    ok = top_key > 0
+    idx = jnp.where(ok, num_keys - top_key, 0)
+
+    sel_score = jnp.take_along_axis(s, idx, axis=-1)
+    neg = jnp.where(ok, -sel_score, jnp.inf)
+    t_key = jnp.where(ok, idx, _INT32_MAX)
+    _, t_sorted = lax.sort((neg, t_key), dimension=neg.ndim - 1, num_keys=2)
+    out = jnp.where(t_sorted == _INT32_MAX, -1, t_sorted).astype(jnp.int32)
+    return pad_topk(out, topk)
+
+
+def indexer_scores(q: jax.Array, k: jax.Array, weights: jax.Array, *, q_pos: jax.Array,
+                   kv_len: jax.Array, q_chunk: int | None = None) -> jax.Array:
+    """Indexer scores, chunked over queries.
+
+    q [B, S, H, D], k [B, T, D], weights float32 [B, S, H], q_pos int32 [B, S], kv_len int32 [B]
+    -> float32 [B, S, T]: sum_h weights * relu(q . k) where t <= q_pos and t < kv_len, else -inf."""
+    batch, seq_len, num_heads, _ = q.shape
+    chunk = choose_q_chunk(seq_len, _bytes_per_query(batch, num_heads, k.shape[1]), q_chunk)
+
+    def body(q_c, w_c, pos_c):
+        score, valid = _chunk_scores(q_c, w_c, pos_c, k, kv_len)
+        return jnp.where(valid, score, -jnp.inf)
+
+    return map_query_chunks(body, (q, weights, jnp.asarray(q_pos, jnp.int32)), (0, 0, -1), chunk)
+
+
+def indexer_topk(q: jax.Array, k: jax.Array, weights: jax.Array, *, topk: int, q_pos: jax.Array,
+                 kv_len: jax.Array, q_chunk: int | None = None) -> jax.Array:
+    """Top-k keys per query, chunked over queries (see `select_topk` for the selection).
+
+    q [B, S, H, D], k [B, T, D], weights float32 [B, S, H], q_pos int32 [B, S], kv_len int32 [B]
+    -> int32 [B, S, topk], ordered by descending score then ascending t, -1 padded."""
+    topk = check_topk(topk)
+    batch, seq_len, num_heads, _ = q.shape
+    num_keys = k.shape[1]
+    chunk = choose_q_chunk(seq_len, _bytes_per_query(batch, num_heads, num_keys), q_chunk)
+
+    def body(q_c, w_c, pos_c):
+        score, valid = _chunk_scores(q_c, w_c, pos_c, k, kv_len)
+        return select_topk(score, valid, min(topk, max(num_keys, 1)))
+
+    out = map_query_chunks(body, (q, weights, jnp.asarray(q_pos, jnp.int32)), (0, 0, -1), chunk)
+    return pad_topk(out, topk)
