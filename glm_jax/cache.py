@@ -38,10 +38,10 @@ class KVCache:
 
 
 def create_cache(cfg: GLMConfig, batch: int, max_len: int, dtype=None) -> KVCache:
-    """An empty cache for `batch` sequences of up to `max_len` tokens."""
-    if max_len > cfg.max_position_embeddings:
-        raise ValueError(f"max_len {max_len} exceeds the model's context "
-                         f"(max_position_embeddings={cfg.max_position_embeddings})")
+    """An empty cache for `batch` sequences of up to `max_len` rows.
+
+    Rows past the model's context may exist as padding of whole prefill chunks / decode blocks;
+    the caller (decoding.generate.Generator) checks that real tokens fit the context."""
     dtype = jnp.dtype(dtype or cfg.dtype)
     latent, keys = [], []
     for plan in plan_groups(cfg):

@@ -68,7 +68,7 @@ def train_step(graphdef, params, rest, opt_state, inputs, targets, *, tx, stage,
     (_, terms), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
     updates, opt_state = tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
-    terms["grad_norm"] = optax.global_norm(grads)
+    terms["grad_norm"] = optax.tree.norm(grads)
     return params, opt_state, terms
 
 

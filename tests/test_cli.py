@@ -1,0 +1,81 @@
+"""train.py and decode.py end to end on a micro model, and the errors a user can cause."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import decode
+import train
+from glm_jax.config import save_config
+from conftest import ROOT, micro_config
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory):
+    """A micro model trained for a few steps on a handful of stdlib files."""
+    out = tmp_path_factory.mktemp("run")
+    cfg_path = out.parent / "micro.yaml"
+    save_config(micro_config(vocab_size=320, max_position_embeddings=128), cfg_path)
+    code = train.main(["--config", str(cfg_path), "--out", str(out), "--steps", "12", "--batch-size", "4",
+                       "--seq-len", "32", "--dense-steps", "6", "--warmup-steps", "2", "--lr", "1e-2",
+                       "--max-files", "6", "--eval-every", "6", "--save-every", "6", "--eval-batches", "2"])
+    assert code == 0
+    return out, cfg_path
+
+
+def test_training_lowers_the_loss_and_writes_checkpoints(trained_run):
+    out, _ = trained_run
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    lm = [r["lm"] for r in records if "lm" in r]
+    assert lm[-1] < lm[0] - 0.5
+    assert any("val_lm" in r for r in records)
+    assert (out / "params").is_dir() and (out / "tokenizer.json").exists()
+    assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.isdigit()) == ["12", "6"]
+
+
+def test_decode_prints_text_and_speed(trained_run, capsys):
+    out, _ = trained_run
+    assert decode.main(["--checkpoint", str(out), "--prompt", "def f(x):", "--max-new-tokens", "8"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith("def f(x):")
+    assert "tokens/s" in captured.err
+
+
+def test_prompt_longer_than_context_is_refused(trained_run, capsys):
+    out, _ = trained_run
+    code = decode.main(["--checkpoint", str(out), "--prompt", "x = 1\n" * 200, "--max-new-tokens", "8"])
+    assert code == 2
+    assert "exceeds the context of 128 tokens" in capsys.readouterr().err
+
+
+def test_checkpoint_of_another_config_is_refused(trained_run, capsys):
+    out, _ = trained_run
+    code = decode.main(["--checkpoint", str(out), "--config", str(ROOT / "configs/tiny.yaml")])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "hidden_size: 32 != 256" in err and "Drop --config" in err
+
+
+def test_resume_refuses_another_config(trained_run, capsys):
+    out, _ = trained_run
+    code = train.main(["--config", str(ROOT / "configs/tiny.yaml"), "--out", str(out), "--resume"])
+    assert code == 2
+    assert "hidden_size" in capsys.readouterr().err
+
+
+def test_unknown_config_key_is_refused(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text((ROOT / "configs/tiny.yaml").read_text() + "hiden_size: 3\n")
+    assert train.main(["--config", str(bad), "--out", str(tmp_path / "run")]) == 2
+    assert "hiden_size" in capsys.readouterr().err
+
+
+def test_info_prints_counts(capsys):
+    from glm_jax.info import main
+    assert main([str(ROOT / "configs/glm-5.2.yaml")]) == 0
+    text = capsys.readouterr().out
+    assert "753,329,921,024" in text
+    assert "Full layers       21 of 78: 0, 1, 2, 6, 10" in text
+    assert "2.73x" in text
