@@ -50,6 +50,14 @@ def create_cache(cfg: GLMConfig, batch: int, max_len: int, dtype=None) -> KVCach
     return KVCache(tuple(latent), tuple(keys), jnp.zeros((batch,), jnp.int32))
 
 
+def create_mtp_cache(cfg: GLMConfig, batch: int, max_len: int, dtype=None) -> KVCache:
+    """The MTP layer's own cache: one group of one Full layer."""
+    dtype = jnp.dtype(dtype or cfg.dtype)
+    return KVCache((jnp.zeros((1, 1, batch, max_len, cfg.latent_dim), dtype),),
+                   (jnp.zeros((1, batch, max_len, cfg.index_head_dim), dtype),),
+                   jnp.zeros((batch,), jnp.int32))
+
+
 def cache_bytes_per_token(cfg: GLMConfig, *, layout: str = "bf16", index_share: bool = True) -> int:
     """Bytes one token occupies across all decoder layers (the MTP layer not included).
 

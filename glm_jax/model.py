@@ -110,7 +110,7 @@ class GLMModel(nnx.Module):
             def body(carry, xs, graphdef=graphdef):
                 x, lat, key = carry
                 group_state, g = xs
-                x, lat, key = nnx.merge(graphdef, group_state).forward_cached(
+                x, lat, key, _ = nnx.merge(graphdef, group_state).forward_cached(
                     x, positions, lat, key, g, kv_len, kernels)
                 return (x, lat, key), None
 
@@ -119,6 +119,33 @@ class GLMModel(nnx.Module):
         hidden = self.norm(x)
         advance = jnp.full((b,), s, jnp.int32) if num_valid is None else num_valid.astype(jnp.int32)
         return self.logits(hidden), hidden, KVCache(tuple(latent), tuple(keys), cache.lengths + advance)
+
+
+    # ------------------------------------------------------------------ MTP with a cache
+    def mtp_forward_cached(self, next_tokens, hidden, cache: KVCache, *,
+                           kernels: ops.KernelChoice = ops.KernelChoice(), num_valid=None):
+        """MTP over positions cache.lengths + [0, S): row i takes the target's normed hidden h_i
+        [B, S, hidden] and the token t_{i+1} int32 [B, S]; its KV is written to the MTP cache
+        (`create_mtp_cache`). -> (logits [B, S, V], normed hidden [B, S, hidden], cache,
+        indices int32 [B, S, topk] the MTP indexer chose)."""
+        b, s = next_tokens.shape
+        positions = cache.lengths[:, None] + jnp.arange(s, dtype=jnp.int32)[None, :]
+        x = self.mtp.inputs(self.embed_tokens(next_tokens), hidden)
+        x, lat, key, indices = self.mtp.block.forward_cached(
+            x, positions, cache.latent[0], cache.index_keys[0], 0, cache.lengths + s, kernels)
+        out = self.mtp.shared_head.norm(x)
+        advance = jnp.full((b,), s, jnp.int32) if num_valid is None else num_valid.astype(jnp.int32)
+        return self.logits(out), out, KVCache((lat,), (key,), cache.lengths + advance), indices
+
+    def mtp_draft_step(self, next_tokens, hidden, positions, cache: KVCache, indices, *,
+                       kernels: ops.KernelChoice = ops.KernelChoice()):
+        """A KVShare draft step (2..K): reuse `indices` [B, 1, topk] from draft step 1, so only KV
+        computed from the target's hidden states is read; nothing is written.
+        next_tokens [B, 1], hidden [B, 1, hidden], positions [B, 1] -> (logits [B, 1, V], hidden)."""
+        x = self.mtp.inputs(self.embed_tokens(next_tokens), hidden)
+        x = self.mtp.block.forward_reusing_indices(x, positions, cache.latent[0], 0, indices, kernels)
+        out = self.mtp.shared_head.norm(x)
+        return self.logits(out), out
 
 
 def count_params(model_or_state) -> int:

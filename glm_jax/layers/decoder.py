@@ -161,7 +161,7 @@ class IndexShareGroup(nnx.Module):
         The new tokens' rows are written in place first, then attention reads the cache.
         x [B, S, hidden]; positions int32 [B, S]; latent_cache [n, G, B, T, latent] (G layers per
         group); key_cache [n, B, T, D]; group int32 scalar; kv_len int32 [B] (valid rows after the
-        write) -> (x, latent_cache, key_cache)."""
+        write) -> (x, latent_cache, key_cache, the Full layer's indices int32 [B, S, topk])."""
         rows = jnp.arange(x.shape[0])[:, None]
         indices = None
         for j, layer in enumerate(self.layers):
@@ -173,7 +173,17 @@ class IndexShareGroup(nnx.Module):
                 indices = layer.indexer.select(h, q_resid, positions, key_cache[group], kv_len, kernels)
             out = layer.self_attn.attend_absorbed(q_nope, q_rope, latent_cache[group, j], indices, kernels)
             x = layer.finish(x, out)
-        return x, latent_cache, key_cache
+        return x, latent_cache, key_cache, indices
+
+    def forward_reusing_indices(self, x, positions, latent_cache, group, indices, kernels: ops.KernelChoice):
+        """KVShare draft step: attend the cached rows named by `indices` (computed earlier),
+        running no indexer and writing nothing. x [B, S, hidden], latent_cache [n, G, B, T, latent],
+        indices int32 [B, S, topk] -> x [B, S, hidden]."""
+        for j, layer in enumerate(self.layers):
+            _, _, q_nope, q_rope, _ = layer.attention_inputs(x, positions)
+            out = layer.self_attn.attend_absorbed(q_nope, q_rope, latent_cache[group, j], indices, kernels)
+            x = layer.finish(x, out)
+        return x
 
 
 def _causal_indices(positions, kv_len, num_keys):

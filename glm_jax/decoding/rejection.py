@@ -1,0 +1,61 @@
+"""Exact speculative-sampling verification (Leviathan et al. / Chen et al.).
+
+Draft token x_i ~ q_i is accepted with probability min(1, p_i(x_i) / q_i(x_i)); at the first
+rejection the token is resampled from normalize(max(0, p_i - q_i)); if every draft is accepted
+a bonus token is sampled from p_K. The emitted tokens are distributed exactly as the target.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from glm_jax.decoding.sampling import filtered_logits
+
+
+def rejection_sample(target_probs: jnp.ndarray, draft_probs: jnp.ndarray, draft_tokens: jnp.ndarray,
+                     key: jax.Array) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """Verify K drafted tokens per sequence against the target.
+
+    target_probs float [B, K+1, V]: p at each drafted position and the bonus position.
+    draft_probs  float [B, K, V]:   q, the distributions the drafts were sampled from.
+    draft_tokens int32 [B, K].
+    -> (tokens int32 [B, K+1]: the accepted drafts, then the corrected or bonus token, then -1;
+        num_accepted int32 [B]: accepted drafts per sequence, so num_accepted + 1 tokens are valid).
+    With one-hot p and q (temperature 0) this is exactly greedy verification."""
+    b, k, v = draft_probs.shape
+    if target_probs.shape != (b, k + 1, v) or draft_tokens.shape != (b, k):
+        raise ValueError(f"shapes: target_probs {target_probs.shape} must be [B, K+1, V] = {(b, k + 1, v)}, "
+                         f"draft_tokens {draft_tokens.shape} must be [B, K] = {(b, k)}")
+    p = target_probs.astype(jnp.float32)
+    q = draft_probs.astype(jnp.float32)
+    accept_key, resample_key = jax.random.split(key)
+    p_draft = jnp.take_along_axis(p[:, :k], draft_tokens[..., None], axis=-1)[..., 0]
+    q_draft = jnp.take_along_axis(q, draft_tokens[..., None], axis=-1)[..., 0]
+    u = jax.random.uniform(accept_key, (b, k))
+    accepted = u * q_draft < p_draft                       # u < p/q without dividing by q
+    num_accepted = jnp.sum(jnp.cumprod(accepted.astype(jnp.int32), axis=1), axis=1)
+
+    # Residual at every position (the bonus position has q = 0, so its residual is p itself).
+    q_ext = jnp.concatenate([q, jnp.zeros((b, 1, v), q.dtype)], axis=1)
+    residual = jnp.maximum(p - q_ext, 0.0)
+    at = jnp.take_along_axis(residual, num_accepted[:, None, None], axis=1)[:, 0]       # [B, V]
+    p_at = jnp.take_along_axis(p, num_accepted[:, None, None], axis=1)[:, 0]
+    mass = jnp.sum(at, axis=-1, keepdims=True)
+    at = jnp.where(mass > 0, at, p_at)                     # p == q: rejection is impossible anyway
+    corrected = jax.random.categorical(resample_key, jnp.log(at), axis=-1).astype(jnp.int32)
+
+    slot = jnp.arange(k + 1)[None, :]
+    drafts_ext = jnp.concatenate([draft_tokens, jnp.zeros((b, 1), draft_tokens.dtype)], axis=1)
+    tokens = jnp.where(slot < num_accepted[:, None], drafts_ext,
+                       jnp.where(slot == num_accepted[:, None], corrected[:, None], -1))
+    return tokens.astype(jnp.int32), num_accepted.astype(jnp.int32)
+
+
+def sampling_probs(logits: jnp.ndarray, temperature, top_p) -> jnp.ndarray:
+    """The distribution a token is drawn from: softmax of tempered, top-p-filtered logits;
+    one-hot argmax when temperature == 0. Applied identically to target and draft logits."""
+    temperature = jnp.asarray(temperature, jnp.float32)
+    soft = jax.nn.softmax(filtered_logits(logits, temperature, jnp.asarray(top_p, jnp.float32)), axis=-1)
+    hard = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
+    return jnp.where(temperature > 0, soft, hard)

@@ -1,0 +1,223 @@
+"""MTP speculative decoding in one jitted `jax.lax.while_loop`.
+
+State between iterations, per sequence (n = target cache length):
+  pending   the last emitted token t_n, not yet fed to the target
+  draft 1   MTP logits / normed hidden / indexer choice at position n-1, computed from the
+            target's hidden h_{n-1} and t_n (it is the last row of the previous MTP extend)
+Each iteration:
+  1. draft: d_1 ~ q_1; steps j = 2..K apply the MTP layer again (shared parameters) to its own
+     normed hidden and d_{j-1}. With KVShare (default) they reuse step 1's indices, so they run
+     no indexer and read only KV computed from target hidden states; without it every step
+     writes its KV and runs the MTP indexer over a cache that mixes target and draft KV.
+  2. verify: one target forward over [t_n, d_1..d_K] (K+1 positions) -> p_0..p_K.
+  3. accept: `rejection_sample` (exact; greedy when temperature == 0).
+  4. draft extend: the MTP layer runs over the K+1 verified positions with the target's hidden
+     states and the emitted tokens, refreshing its cache; the row of the last accepted position
+     is the next iteration's draft step 1.
+Sequences in a batch accept different numbers of tokens; all positions are per sequence.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from glm_jax import ops
+from glm_jax.cache import KVCache, create_cache, create_mtp_cache
+from glm_jax.decoding.generate import ContextTooLongError, _round_up
+from glm_jax.decoding.rejection import rejection_sample, sampling_probs
+
+
+@dataclasses.dataclass
+class SpecStats:
+    verify_steps: int = 0                 # target forwards over K+1 positions (summed over sequences)
+    accepted: int = 0                     # accepted drafts, summed
+    accepted_at: np.ndarray | None = None  # [K]: how often draft position j was accepted
+    new_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+
+    @property
+    def acceptance_length(self) -> float:
+        """1 + mean accepted drafts per verify step (the serving convention)."""
+        return 1.0 + self.accepted / max(self.verify_steps, 1)
+
+    @property
+    def acceptance_rate(self) -> np.ndarray:
+        return self.accepted_at / max(self.verify_steps, 1)
+
+
+def _sample(key, probs):
+    return jax.random.categorical(key, jnp.log(probs), axis=-1).astype(jnp.int32)
+
+
+def draft(model, q1_logits, g1, idx1, mtp_cache: KVCache, key, temperature, top_p, *, num_draft: int,
+          kv_share: bool, kernels: ops.KernelChoice):
+    """K draft tokens from draft step 1's outputs (q1_logits [B, V], g1 [B, hidden], idx1 [B, 1, topk]).
+
+    -> (draft_tokens int32 [B, K], draft_probs [B, K, V])."""
+    probs = [sampling_probs(q1_logits, temperature, top_p)]
+    keys = jax.random.split(key, num_draft)
+    tokens = [_sample(keys[0], probs[0])]
+    hidden = g1[:, None]
+    cache = mtp_cache
+    for j in range(1, num_draft):
+        positions = (mtp_cache.lengths + j - 1)[:, None]
+        if kv_share:
+            logits, hidden = model.mtp_draft_step(tokens[-1][:, None], hidden, positions, mtp_cache, idx1,
+                                                  kernels=kernels)
+        else:
+            logits, hidden, cache, _ = model.mtp_forward_cached(tokens[-1][:, None], hidden, cache,
+                                                                kernels=kernels)
+        probs.append(sampling_probs(logits[:, 0], temperature, top_p))
+        tokens.append(_sample(keys[j], probs[-1]))
+    return jnp.stack(tokens, axis=1), jnp.stack(probs, axis=1)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "kernels"), donate_argnames=("cache", "mtp_cache"))
+def _prefill_chunk(graphdef, state, tokens, next_tokens, num_valid, num_valid_mtp, cache, mtp_cache, kernels):
+    """Target and MTP prefill of one chunk. tokens [B, C] at the target's positions; next_tokens
+    [B, C] the tokens one ahead (for the MTP rows). -> (last logits [B, V], last hidden [B, hidden],
+    cache, mtp_cache)."""
+    model = nnx.merge(graphdef, state)
+    logits, hidden, cache = model.forward_cached(tokens, cache, kernels=kernels, num_valid=num_valid)
+    _, _, mtp_cache, _ = model.mtp_forward_cached(next_tokens, hidden, mtp_cache, kernels=kernels,
+                                                  num_valid=num_valid_mtp)
+    last = jnp.maximum(num_valid - 1, 0)[:, None, None]
+    return (jnp.take_along_axis(logits, last, axis=1)[:, 0], jnp.take_along_axis(hidden, last, axis=1)[:, 0],
+            cache, mtp_cache)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "kernels", "num_draft", "kv_share", "max_new"),
+                   donate_argnames=("cache", "mtp_cache"))
+def _speculate(graphdef, state, cache, mtp_cache, logits, hidden, key, temperature, top_p, eos,
+               *, kernels, num_draft, kv_share, max_new):
+    """Everything after the prefill: first token, draft step 1, then the while_loop.
+
+    logits [B, V] / hidden [B, hidden]: the target's outputs at the last prompt position.
+    -> (tokens int32 [B, max_new + K + 1] (-1 past the end), count [B], verify steps [B],
+        accepted [B], accepted_at [K], cache, mtp_cache)."""
+    model = nnx.merge(graphdef, state)
+    b = logits.shape[0]
+    k = num_draft
+    key, sub = jax.random.split(key)
+    first = _sample(sub, sampling_probs(logits, temperature, top_p))
+    q1, g1, mtp_cache, idx1 = model.mtp_forward_cached(first[:, None], hidden[:, None], mtp_cache, kernels=kernels)
+    out = jnp.full((b, max_new + k + 1), -1, jnp.int32).at[:, 0].set(first)
+    rows = jnp.arange(b)[:, None]
+
+    def cond(c):
+        return jnp.any(~c["done"])
+
+    def body(c):
+        key, k_draft, k_verify = jax.random.split(c["key"], 3)
+        d_tokens, d_probs = draft(model, c["q1"], c["g1"], c["idx1"], c["mtp_cache"], k_draft, temperature,
+                                  top_p, num_draft=k, kv_share=kv_share, kernels=kernels)
+        n = c["cache"].lengths
+        verify_in = jnp.concatenate([c["pending"][:, None], d_tokens], axis=1)
+        v_logits, v_hidden, cache = model.forward_cached(verify_in, c["cache"], kernels=kernels)
+        emitted, accepted = rejection_sample(sampling_probs(v_logits, temperature, top_p), d_probs, d_tokens,
+                                             k_verify)
+        cache = dataclasses.replace(cache, lengths=n + accepted + 1)
+        q, g, mtp_cache, idx = model.mtp_forward_cached(jnp.maximum(emitted, 0), v_hidden, c["mtp_cache"],
+                                                        kernels=kernels)
+        mtp_cache = dataclasses.replace(mtp_cache, lengths=c["mtp_cache"].lengths + accepted + 1)
+        at = accepted[:, None, None]
+        active = ~c["done"]
+        slots = jnp.where(active[:, None] & (emitted >= 0), c["count"][:, None] + jnp.arange(k + 1), out.shape[1])
+        new_out = c["out"].at[rows, slots].set(emitted, mode="drop")
+        count = c["count"] + jnp.where(active, accepted + 1, 0)
+        hit_eos = jnp.any((emitted == eos) & (emitted >= 0), axis=1)
+        return dict(
+            cache=cache, mtp_cache=mtp_cache, key=key, out=new_out, count=count,
+            pending=jnp.take_along_axis(emitted, accepted[:, None], axis=1)[:, 0],
+            q1=jnp.take_along_axis(q, at, axis=1)[:, 0], g1=jnp.take_along_axis(g, at, axis=1)[:, 0],
+            idx1=jnp.take_along_axis(idx, at, axis=1),
+            done=c["done"] | (count >= max_new) | hit_eos,
+            steps=c["steps"] + active.astype(jnp.int32),
+            accepted=c["accepted"] + jnp.where(active, accepted, 0),
+            accepted_at=c["accepted_at"] + jnp.sum(
+                (active[:, None] & (jnp.arange(k)[None, :] < accepted[:, None])).astype(jnp.int32), axis=0),
+        )
+
+    init = dict(cache=cache, mtp_cache=mtp_cache, key=key, out=out, count=jnp.ones((b,), jnp.int32),
+                pending=first, q1=q1[:, 0], g1=g1[:, 0], idx1=idx1, done=(first == eos) | (max_new <= 1),
+                steps=jnp.zeros((b,), jnp.int32), accepted=jnp.zeros((b,), jnp.int32),
+                accepted_at=jnp.zeros((k,), jnp.int32))
+    final = jax.lax.while_loop(cond, body, init)
+    return (final["out"], final["count"], final["steps"], final["accepted"], final["accepted_at"],
+            final["cache"], final["mtp_cache"])
+
+
+class SpeculativeGenerator:
+    """Speculative decoding with the model's MTP layer as the draft model."""
+
+    def __init__(self, model, *, batch: int = 1, max_len: int | None = None, num_draft: int = 3,
+                 kv_share: bool = True, prefill_chunk: int = 256,
+                 kernels: ops.KernelChoice = ops.KernelChoice()):
+        if model.mtp is None:
+            raise ValueError("speculative decoding needs the model's MTP layer (num_nextn_predict_layers: 1)")
+        if num_draft < 1:
+            raise ValueError(f"num_draft must be >= 1, got {num_draft}")
+        self.cfg = model.cfg
+        self.graphdef, self.state = nnx.split(model)
+        self.batch, self.num_draft, self.kv_share = batch, num_draft, kv_share
+        self.max_len = max_len or self.cfg.max_position_embeddings
+        self.prefill_chunk, self.kernels = prefill_chunk, kernels
+        self.stats = SpecStats()
+
+    def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
+        need = prompt_len + max_new_tokens
+        if prompt_len == 0:
+            raise ValueError("the prompt is empty: give at least one token")
+        if need > min(self.max_len, self.cfg.max_position_embeddings):
+            raise ContextTooLongError(
+                f"prompt of {prompt_len} tokens + {max_new_tokens} new tokens = {need} exceeds the context of "
+                f"{min(self.max_len, self.cfg.max_position_embeddings)} tokens; shorten the prompt or lower "
+                "--max-new-tokens")
+
+    def generate(self, prompt_ids, *, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
+                 seed: int = 0, stop_token: int | None = None, progress=None) -> np.ndarray:
+        """prompt_ids int [B, P] -> int32 [B, max_new_tokens] (-1 where a sequence stopped early)."""
+        prompt_ids = np.asarray(prompt_ids, np.int32)
+        if prompt_ids.ndim == 1:
+            prompt_ids = prompt_ids[None]
+        b, p = prompt_ids.shape
+        if b != self.batch:
+            raise ValueError(f"batch of {b} prompts, but the generator was built for {self.batch}")
+        self.check_fits(p, max_new_tokens)
+        k, chunk = self.num_draft, self.prefill_chunk
+        cache_len = max(_round_up(p, chunk), p + max_new_tokens + 2 * (k + 1))
+        cache = create_cache(self.cfg, b, cache_len)
+        mtp_cache = create_mtp_cache(self.cfg, b, cache_len)
+        t0 = time.perf_counter()
+        shifted = np.concatenate([prompt_ids[:, 1:], np.zeros((b, 1), np.int32)], axis=1)
+        for start in range(0, p, chunk):
+            n = min(chunk, p - start)
+            toks = np.zeros((b, chunk), np.int32)
+            nxt = np.zeros((b, chunk), np.int32)
+            toks[:, :n] = prompt_ids[:, start:start + n]
+            nxt[:, :n] = shifted[:, start:start + n]
+            logits, hidden, cache, mtp_cache = _prefill_chunk(
+                self.graphdef, self.state, jnp.asarray(toks), jnp.asarray(nxt), jnp.full((b,), n, jnp.int32),
+                jnp.full((b,), min(n, p - 1 - start), jnp.int32), cache, mtp_cache, self.kernels)
+            if progress is not None:
+                progress(start + n, p)
+        logits.block_until_ready()
+        t1 = time.perf_counter()
+        out, count, steps, accepted, accepted_at, _, _ = _speculate(
+            self.graphdef, self.state, cache, mtp_cache, logits, hidden, jax.random.key(seed),
+            jnp.float32(temperature), jnp.float32(top_p), jnp.int32(-1 if stop_token is None else stop_token),
+            kernels=self.kernels, num_draft=k, kv_share=self.kv_share, max_new=max_new_tokens)
+        out = np.asarray(out)[:, :max_new_tokens]
+        t2 = time.perf_counter()
+        self.stats = SpecStats(verify_steps=int(np.sum(steps)), accepted=int(np.sum(accepted)),
+                               accepted_at=np.asarray(accepted_at), new_tokens=int(np.sum(out >= 0)),
+                               prefill_s=t1 - t0, decode_s=t2 - t1)
+        return out

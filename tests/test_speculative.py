@@ -1,0 +1,119 @@
+"""Speculative decoding: exact rejection sampling, greedy equivalence, KVShare semantics."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from glm_jax import ops
+from glm_jax.cache import create_cache, create_mtp_cache
+from glm_jax.decoding import rejection_sample
+from glm_jax.decoding.generate import Generator
+from glm_jax.decoding.speculative import SpeculativeGenerator, draft
+from glm_jax.model import GLMModel
+from conftest import micro_config
+
+DRAWS = 40_000
+# Total-variation distance between the empirical and the target distribution: with 40k draws
+# over 6 tokens its standard deviation is ~0.005, so 0.02 is a >4-sigma bound.
+TV_TOL = 0.02
+
+
+def _random_dist(key, shape, zero_fraction):
+    k1, k2 = jax.random.split(key)
+    w = jax.random.exponential(k1, shape)
+    w = jnp.where(jax.random.uniform(k2, shape) < zero_fraction, 0.0, w)
+    w = w.at[..., 0].add(1e-3 * (jnp.sum(w, -1) == 0))      # never an all-zero row
+    return w / jnp.sum(w, -1, keepdims=True)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_emitted_tokens_follow_the_target(seed):
+    k, v = 2, 6
+    kp, kq, kd, ks = jax.random.split(jax.random.key(seed), 4)
+    p = _random_dist(kp, (1, k + 1, v), 0.3)      # zeros where q may be positive ...
+    q = _random_dist(kq, (1, k, v), 0.3)          # ... and zeros where p is positive
+    keys = jax.random.split(ks, DRAWS)
+    dkeys = jax.random.split(kd, DRAWS)
+
+    def one(dkey, key):
+        drafts = jax.random.categorical(dkey, jnp.log(q[0]), axis=-1).astype(jnp.int32)[None]
+        return rejection_sample(p, q, drafts, key)
+
+    tokens, accepted = jax.vmap(one)(dkeys, keys)
+    tokens, accepted = np.asarray(tokens)[:, 0], np.asarray(accepted)[:, 0]
+    assert ((tokens >= 0).sum(1) == accepted + 1).all()
+    for pos in range(k + 1):
+        seen = tokens[:, pos][tokens[:, pos] >= 0]
+        if seen.size < 2000:
+            continue
+        freq = np.bincount(seen, minlength=v) / seen.size
+        tv = 0.5 * np.abs(freq - np.asarray(p[0, pos])).sum()
+        assert tv < TV_TOL, (pos, tv, freq, np.asarray(p[0, pos]))
+    # acceptance of the first draft = sum min(p, q)
+    want = float(jnp.sum(jnp.minimum(p[0, 0], q[0, 0])))
+    assert abs(np.mean(accepted >= 1) - want) < 0.015
+
+
+def test_rejection_sample_greedy_and_shapes():
+    v = 5
+    p = jax.nn.one_hot(jnp.array([[1, 2, 3]]), v)
+    q = jax.nn.one_hot(jnp.array([[1, 4]]), v)
+    tokens, n = rejection_sample(p, q, jnp.array([[1, 4]], jnp.int32), jax.random.key(0))
+    assert tokens.tolist() == [[1, 2, -1]] and n.tolist() == [1]
+    tokens, n = rejection_sample(p, p[:, :2], jnp.array([[1, 2]], jnp.int32), jax.random.key(0))
+    assert tokens.tolist() == [[1, 2, 3]] and n.tolist() == [2]
+    with pytest.raises(ValueError, match="K\\+1"):
+        rejection_sample(p[:, :2], q, jnp.array([[1, 4]], jnp.int32), jax.random.key(0))
+
+
+@pytest.mark.parametrize("kv_share", [True, False])
+def test_greedy_speculative_equals_greedy_plain(kv_share):
+    cfg = micro_config()
+    model = GLMModel(cfg, rngs=nnx.Rngs(0))
+    prompts = np.stack([np.arange(1, 14), np.arange(20, 33)]) % cfg.vocab_size
+    plain = np.concatenate(list(Generator(model, batch=2, max_len=64, prefill_chunk=8, block_size=4)
+                                .generate(prompts, max_new_tokens=15)), axis=1)[:, :15]
+    spec = SpeculativeGenerator(model, batch=2, max_len=64, num_draft=3, prefill_chunk=8, kv_share=kv_share)
+    np.testing.assert_array_equal(spec.generate(prompts, max_new_tokens=15), plain)
+    assert spec.stats.verify_steps > 0
+
+
+def test_kv_share_draft_runs_no_indexer_and_reads_only_target_kv(monkeypatch):
+    cfg = micro_config()
+    model = GLMModel(cfg, rngs=nnx.Rngs(0))
+    b, n = 2, 9
+    tokens = jax.random.randint(jax.random.key(1), (b, n), 0, cfg.vocab_size)
+    cache = create_cache(cfg, b, 32)
+    _, hidden, cache = model.forward_cached(tokens, cache)
+    mtp_cache = create_mtp_cache(cfg, b, 32)
+    q1, g1, mtp_cache, idx1 = model.mtp_forward_cached(tokens, hidden, mtp_cache)
+    q1, g1, idx1 = q1[:, -1], g1[:, -1], idx1[:, -1:]
+
+    calls = {"indexer": 0, "max_index": -1}
+    real_topk, real_mla = ops.indexer_topk, ops.sparse_mla
+
+    def spy_topk(*a, **k):
+        calls["indexer"] += 1
+        return real_topk(*a, **k)
+
+    def spy_mla(q, kv, indices, **k):
+        calls["max_index"] = max(calls["max_index"], int(np.max(np.asarray(indices))))
+        return real_mla(q, kv, indices, **k)
+
+    monkeypatch.setattr(ops, "indexer_topk", spy_topk)
+    monkeypatch.setattr(ops, "sparse_mla", spy_mla)
+    for kv_share, want_calls in ((True, 0), (False, 2)):
+        calls.update(indexer=0, max_index=-1)
+        with jax.disable_jit():
+            d, probs = draft(model, q1, g1, idx1, mtp_cache, jax.random.key(2), 0.0, 1.0, num_draft=3,
+                             kv_share=kv_share, kernels=ops.KernelChoice())
+        assert d.shape == (b, 3) and probs.shape == (b, 3, cfg.vocab_size)
+        assert calls["indexer"] == want_calls
+        if kv_share:   # positions 0..n-1 hold KV computed from the target's hidden states
+            assert calls["max_index"] <= n - 1
+        else:          # the baseline reads the draft steps' own KV at positions n, n+1
+            assert calls["max_index"] >= n
