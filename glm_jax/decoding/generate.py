@@ -57,11 +57,11 @@ def _decode_block(graphdef, state, cache: KVCache, logits, key, temperature, top
     return out, logits, cache, key
 
 
-class Generator:
-    """Holds one model and its cache; generates for a batch of equal-length prompts."""
+class GeneratorBase:
+    """What every generator shares: the split model, the batch size, the context check."""
 
-    def __init__(self, model, *, batch: int = 1, max_len: int | None = None, prefill_chunk: int = 256,
-                 block_size: int = 16, kernels: ops.KernelChoice = ops.KernelChoice(), cache_dtype=None):
+    def __init__(self, model, *, batch: int, max_len: int | None, prefill_chunk: int,
+                 kernels: ops.KernelChoice):
         self.cfg = model.cfg
         self.graphdef, self.state = nnx.split(model)
         self.batch = batch
@@ -71,10 +71,7 @@ class Generator:
                 f"max_len {self.max_len} exceeds the model's context of "
                 f"{self.cfg.max_position_embeddings} tokens (max_position_embeddings)")
         self.prefill_chunk = prefill_chunk
-        self.block_size = block_size
         self.kernels = kernels
-        self.cache_dtype = cache_dtype
-        self.stats: dict[str, float] = {}
 
     def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
         need = prompt_len + max_new_tokens
@@ -85,6 +82,28 @@ class Generator:
                 f"prompt of {prompt_len} tokens + {max_new_tokens} new tokens = {need} exceeds the "
                 f"context of {self.max_len} tokens; shorten the prompt or lower --max-new-tokens")
 
+    def _prompt_batch(self, prompt_ids, max_new_tokens: int) -> np.ndarray:
+        """prompt_ids int [P] or [B, P] -> int32 [B, P], checked against the batch and the context."""
+        prompt_ids = np.asarray(prompt_ids, np.int32)
+        if prompt_ids.ndim == 1:
+            prompt_ids = prompt_ids[None]
+        if prompt_ids.shape[0] != self.batch:
+            raise ValueError(f"batch of {prompt_ids.shape[0]} prompts, but the generator was built for "
+                             f"{self.batch}")
+        self.check_fits(prompt_ids.shape[1], max_new_tokens)
+        return prompt_ids
+
+
+class Generator(GeneratorBase):
+    """Holds one model; generates for a batch of equal-length prompts from a fresh cache."""
+
+    def __init__(self, model, *, batch: int = 1, max_len: int | None = None, prefill_chunk: int = 256,
+                 block_size: int = 16, kernels: ops.KernelChoice = ops.KernelChoice(), cache_dtype=None):
+        super().__init__(model, batch=batch, max_len=max_len, prefill_chunk=prefill_chunk, kernels=kernels)
+        self.block_size = block_size
+        self.cache_dtype = cache_dtype
+        self.stats: dict[str, float] = {}
+
     def generate(self, prompt_ids: np.ndarray, *, max_new_tokens: int, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int = 0, stop_token: int | None = None,
                  progress: Callable[[int, int], None] | None = None) -> Iterator[np.ndarray]:
@@ -92,13 +111,8 @@ class Generator:
 
         Stops after max_new_tokens or once every sequence has produced stop_token (the block
         holding it is the last; tokens after the stop token are the caller's to drop)."""
-        prompt_ids = np.asarray(prompt_ids, np.int32)
-        if prompt_ids.ndim == 1:
-            prompt_ids = prompt_ids[None]
+        prompt_ids = self._prompt_batch(prompt_ids, max_new_tokens)
         b, p = prompt_ids.shape
-        if b != self.batch:
-            raise ValueError(f"batch of {b} prompts, but the generator was built for {self.batch}")
-        self.check_fits(p, max_new_tokens)
         # Room for whole prefill chunks and whole decode blocks (their padding rows are written).
         cache_len = max(_round_up(p, self.prefill_chunk), p + _round_up(max_new_tokens, self.block_size))
         cache = create_cache(self.cfg, b, cache_len, self.cache_dtype)

@@ -30,7 +30,7 @@ from flax import nnx
 
 from glm_jax import ops
 from glm_jax.cache import KVCache, create_cache, create_mtp_cache
-from glm_jax.decoding.generate import ContextTooLongError, _round_up
+from glm_jax.decoding.generate import GeneratorBase, _round_up
 from glm_jax.decoding.rejection import rejection_sample, sampling_probs
 
 
@@ -155,7 +155,7 @@ def _speculate(graphdef, state, cache, mtp_cache, logits, hidden, key, temperatu
             final["cache"], final["mtp_cache"])
 
 
-class SpeculativeGenerator:
+class SpeculativeGenerator(GeneratorBase):
     """Speculative decoding with the model's MTP layer as the draft model."""
 
     def __init__(self, model, *, batch: int = 1, max_len: int | None = None, num_draft: int = 3,
@@ -165,33 +165,15 @@ class SpeculativeGenerator:
             raise ValueError("speculative decoding needs the model's MTP layer (num_nextn_predict_layers: 1)")
         if num_draft < 1:
             raise ValueError(f"num_draft must be >= 1, got {num_draft}")
-        self.cfg = model.cfg
-        self.graphdef, self.state = nnx.split(model)
-        self.batch, self.num_draft, self.kv_share = batch, num_draft, kv_share
-        self.max_len = max_len or self.cfg.max_position_embeddings
-        self.prefill_chunk, self.kernels = prefill_chunk, kernels
+        super().__init__(model, batch=batch, max_len=max_len, prefill_chunk=prefill_chunk, kernels=kernels)
+        self.num_draft, self.kv_share = num_draft, kv_share
         self.stats = SpecStats()
-
-    def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
-        need = prompt_len + max_new_tokens
-        if prompt_len == 0:
-            raise ValueError("the prompt is empty: give at least one token")
-        if need > min(self.max_len, self.cfg.max_position_embeddings):
-            raise ContextTooLongError(
-                f"prompt of {prompt_len} tokens + {max_new_tokens} new tokens = {need} exceeds the context of "
-                f"{min(self.max_len, self.cfg.max_position_embeddings)} tokens; shorten the prompt or lower "
-                "--max-new-tokens")
 
     def generate(self, prompt_ids, *, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
                  seed: int = 0, stop_token: int | None = None, progress=None) -> np.ndarray:
         """prompt_ids int [B, P] -> int32 [B, max_new_tokens] (-1 where a sequence stopped early)."""
-        prompt_ids = np.asarray(prompt_ids, np.int32)
-        if prompt_ids.ndim == 1:
-            prompt_ids = prompt_ids[None]
+        prompt_ids = self._prompt_batch(prompt_ids, max_new_tokens)
         b, p = prompt_ids.shape
-        if b != self.batch:
-            raise ValueError(f"batch of {b} prompts, but the generator was built for {self.batch}")
-        self.check_fits(p, max_new_tokens)
         k, chunk = self.num_draft, self.prefill_chunk
         cache_len = max(_round_up(p, chunk), p + max_new_tokens + 2 * (k + 1))
         cache = create_cache(self.cfg, b, cache_len)
