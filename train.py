@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import time
 from pathlib import Path
@@ -43,6 +44,7 @@ def parse_args(argv=None):
                     help="steps of dense attention (indexer warm-up) before sparse attention")
     ap.add_argument("--indexer-weight", type=float, default=1.0)
     ap.add_argument("--mtp-weight", type=float, default=0.3)
+    ap.add_argument("--log-every", type=int, default=10, help="print and record metrics every N steps")
     ap.add_argument("--eval-every", type=int, default=100)
     ap.add_argument("--eval-batches", type=int, default=8)
     ap.add_argument("--save-every", type=int, default=200)
@@ -50,6 +52,8 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--export-dtype", default=None, help="cast the exported params/ (e.g. bfloat16)")
     ap.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
+    ap.add_argument("--stop-after", type=int, default=None, metavar="N",
+                    help="run at most N steps in this invocation, save and exit (for time-limited jobs)")
     ap.add_argument("--remat", action="store_true", help="recompute activations in the backward pass")
     return ap.parse_args(argv)
 
@@ -120,6 +124,8 @@ def main(argv=None) -> int:
     kernels = ops.KernelChoice()
     weights = LossWeights(indexer=args.indexer_weight, mtp=args.mtp_weight)
     metrics_file = (out / "metrics.jsonl").open("a")
+    stop_requested = []
+    signal.signal(signal.SIGTERM, lambda *_: stop_requested.append(True))  # preemption: save, then exit
     tokens_per_step = args.batch_size * args.seq_len
     t_last, step = time.perf_counter(), start
     for step in range(start + 1, args.steps + 1):
@@ -129,10 +135,11 @@ def main(argv=None) -> int:
                                               jnp.asarray(targets), tx=tx, stage=stage, weights=weights,
                                               kernels=kernels, remat=args.remat)
         record = {"step": step, "stage": stage, "lr": float(schedule(step - 1))}
-        if step % 10 == 0 or step == args.steps or step == start + 1:
+        if step % args.log_every == 0 or step == args.steps or step == start + 1:
             record.update({k: float(v) for k, v in terms.items()})
             now = time.perf_counter()
-            record["tokens_per_s"] = tokens_per_step * (10 if step % 10 == 0 else 1) / (now - t_last)
+            steps_since = args.log_every if step % args.log_every == 0 else 1
+            record["tokens_per_s"] = tokens_per_step * steps_since / (now - t_last)
             t_last = now
             print(f"step {step:5d}/{args.steps} [{stage}] loss {record['loss']:.3f} lm {record['lm']:.3f} "
                   f"idx_kl {record['indexer_kl']:.3f} mtp {record.get('mtp', 0):.3f} "
@@ -145,9 +152,15 @@ def main(argv=None) -> int:
         if len(record) > 3:
             metrics_file.write(json.dumps(record) + "\n")
             metrics_file.flush()
-        if step % args.save_every == 0 or step == args.steps:
+        if args.stop_after is not None and step - start >= args.stop_after:
+            stop_requested.append(True)
+        if step % args.save_every == 0 or step == args.steps or stop_requested:
             checkpointing.save(mngr, step, {"params": params, "opt_state": opt_state},
                                {"step": step, "data": batches.state(), "config": cfg.to_dict()})
+        if stop_requested:
+            mngr.wait_until_finished()
+            print(f"stopped: saved step {step}; continue with --resume", flush=True)
+            return 0
     mngr.wait_until_finished()
     metrics_file.close()
     nnx.update(model, params)
