@@ -24,12 +24,19 @@ def save(mngr: ocp.CheckpointManager, step: int, state, meta: dict) -> None:
                                             meta=ocp.args.JsonSave(meta)))
 
 
-def restore_latest(mngr: ocp.CheckpointManager, abstract_state):
-    """-> (step, state, meta) of the newest checkpoint, or None if there is none."""
-    step = mngr.latest_step()
-    if step is None:
-        return None
+def restore_latest(mngr: ocp.CheckpointManager, abstract_state, log=print):
+    """-> (step, state, meta) of the newest checkpoint that restores, or None if there is none.
+
+    A corrupt or partially written checkpoint is reported through `log` and skipped in favour
+    of the previous one."""
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), abstract_state)
-    restored = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target),
-                                                          meta=ocp.args.JsonRestore()))
-    return step, restored["state"], restored["meta"]
+    for step in sorted(mngr.all_steps(), reverse=True):
+        try:
+            restored = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target),
+                                                                  meta=ocp.args.JsonRestore()))
+        except Exception as e:  # noqa: BLE001 - any failure means this checkpoint is unusable
+            log(f"checkpoint {step} in {mngr.directory} cannot be restored ({type(e).__name__}: "
+                f"{str(e).splitlines()[0][:200]}); trying the previous one")
+            continue
+        return step, restored["state"], restored["meta"]
+    return None
