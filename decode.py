@@ -26,8 +26,8 @@ def parse_args(argv=None):
     ap.add_argument("--prompt-file", default=None, help="read the prompt from this file")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--max-len", type=int, default=None, help="cache length (default: the model's context)")
-    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--temperature", type=float, default=0.7, help="0 = greedy")
+    ap.add_argument("--top-p", type=float, default=0.9)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--speculative", type=int, default=3, metavar="K",
                     help="draft K tokens per step with the MTP layer (0 = plain decoding; default 3)")
