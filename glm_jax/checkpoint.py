@@ -68,7 +68,10 @@ def load_model_dir(directory: str | Path, *, config: GLMConfig | None = None) ->
         check_same_config(cfg, config, str(directory))
     abstract = nnx.eval_shape(lambda: GLMModel(cfg, rngs=nnx.Rngs(0)))
     graphdef, abstract_state = nnx.split(abstract)
-    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), nnx.to_pure_dict(abstract_state))
+    # Restore onto this process's default device, whatever machine the checkpoint was written on.
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
+                          nnx.to_pure_dict(abstract_state))
     with ocp.StandardCheckpointer() as ckptr:
         meta = ckptr.metadata(directory / "params")
         _check_tree_shapes(meta.item_metadata.tree if hasattr(meta, "item_metadata") else meta, target, directory)

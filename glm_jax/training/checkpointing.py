@@ -29,7 +29,10 @@ def restore_latest(mngr: ocp.CheckpointManager, abstract_state, log=print):
 
     A corrupt or partially written checkpoint is reported through `log` and skipped in favour
     of the previous one."""
-    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), abstract_state)
+    default = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                         sharding=getattr(x, "sharding", None) or default),
+                          abstract_state)
     for step in sorted(mngr.all_steps(), reverse=True):
         try:
             restored = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target),
