@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -24,6 +25,9 @@ def parse_args(argv=None):
     ap.add_argument("--config", default=None, help="expected config; refused if the checkpoint's differs")
     ap.add_argument("--prompt", default=None, help="prompt text (default: a Python function header)")
     ap.add_argument("--prompt-file", default=None, help="read the prompt from this file")
+    ap.add_argument("--prompts-file", default=None,
+                    help="a batch: JSON lines, each a string or {\"prompt\": ...}; prompts may differ in length")
+    ap.add_argument("--output", default=None, help="write {prompt, completion} JSON lines here")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--max-len", type=int, default=None, help="cache length (default: the model's context)")
     ap.add_argument("--temperature", type=float, default=0.7, help="0 = greedy")
@@ -57,80 +61,118 @@ def main(argv=None) -> int:
         return fail("--speculative must be >= 0 (0 = plain decoding)")
     if not 0 < args.top_p <= 1 or args.temperature < 0:
         return fail("--top-p must be in (0, 1] and --temperature >= 0")
-    prompt = args.prompt
-    if args.prompt_file:
-        prompt = Path(args.prompt_file).read_text()
-    if prompt is None:
-        prompt = DEFAULT_PROMPT
     try:
+        prompts = _read_prompts(args)
         expected = load_config(args.config) if args.config else None
         model = load_model_dir(args.checkpoint, config=expected)
         tok = load_tokenizer(args.checkpoint)
-        ids = np.asarray(tok.encode(prompt).ids, np.int32)
+        ids = [np.asarray(tok.encode(p).ids, np.int32) for p in prompts]
+        batch = len(ids)
         if args.speculative and model.mtp is not None:
-            gen = SpeculativeGenerator(model, batch=1, max_len=args.max_len, num_draft=args.speculative,
+            gen = SpeculativeGenerator(model, batch=batch, max_len=args.max_len, num_draft=args.speculative,
                                        kv_share=not args.no_kv_share, prefill_chunk=args.prefill_chunk)
         else:
-            gen = Generator(model, batch=1, max_len=args.max_len, prefill_chunk=args.prefill_chunk)
-        gen.check_fits(len(ids), args.max_new_tokens)
+            gen = Generator(model, batch=batch, max_len=args.max_len, prefill_chunk=args.prefill_chunk)
+        for row in ids:
+            gen.check_fits(len(row), args.max_new_tokens)
     except (ConfigError, CheckpointMismatchError, ContextTooLongError, FileNotFoundError, ValueError) as e:
         return fail(str(e))
 
     stop = eos_id(tok)
+    speculative = isinstance(gen, SpeculativeGenerator)
     if not args.quiet:
-        mode = (f"speculative, K={gen.num_draft}, KVShare {'on' if gen.kv_share else 'off'}"
-                if isinstance(gen, SpeculativeGenerator) else "plain")
-        print(f"model {model.cfg.name} from {args.checkpoint}; prompt {len(ids)} tokens; {mode} decoding",
-              file=sys.stderr)
-    print(prompt, end="", flush=True)
-    if isinstance(gen, SpeculativeGenerator):
-        return _speculative(gen, tok, ids, stop, args)
-    new: list[int] = []
-    printed = ""
+        mode = f"speculative, K={gen.num_draft}, KVShare {'on' if gen.kv_share else 'off'}" if speculative \
+            else "plain"
+        print(f"model {model.cfg.name} from {args.checkpoint}; {batch} prompt(s), {sum(map(len, ids))} tokens; "
+              f"{mode} decoding", file=sys.stderr)
+    sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                    seed=args.seed, stop_token=stop, progress=print_progress)
     t0 = time.perf_counter()
-    for block in gen.generate(ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                              top_p=args.top_p, seed=args.seed, stop_token=stop, progress=print_progress):
-        for t in block[0].tolist():
-            if t == stop:
-                break
-            new.append(t)
+    if batch == 1 and not speculative:
+        completions = [_stream(gen, tok, prompts[0], ids[0], stop, sampling)]
+    else:
+        if speculative:
+            out = gen.generate(ids, **sampling)
         else:
-            text = tok.decode(new)
-            print(text[len(printed):], end="", flush=True)
-            printed = text
-            continue
-        break
-    text = tok.decode(new)
-    print(text[len(printed):], flush=True)
-    s = gen.stats
+            out = np.concatenate(list(gen.generate(ids, **sampling)), axis=1)[:, :args.max_new_tokens]
+        completions = [_cut(row.tolist(), stop) for row in out]
+        for i, (prompt, new) in enumerate(zip(prompts, completions)):
+            if batch > 1:
+                print(f"\n===== prompt {i} =====")
+            print(prompt + tok.decode(new), flush=True)
+    if args.output:
+        with open(args.output, "w") as f:
+            for prompt, new in zip(prompts, completions):
+                f.write(json.dumps({"prompt": prompt, "completion": tok.decode(new)}) + "\n")
     if not args.quiet:
-        decode_s = s.get("decode_s", time.perf_counter() - t0)
-        print(f"\n[prefill {s['prompt_tokens']} tokens in {s['prefill_s']:.2f}s; decoded {len(new)} tokens "
-              f"in {decode_s:.2f}s = {len(new) / max(decode_s, 1e-9):.1f} tokens/s (first block includes "
-              f"compilation)]", file=sys.stderr)
+        _print_stats(gen, completions, time.perf_counter() - t0)
     return 0
 
 
-def _speculative(gen, tok, ids, stop, args) -> int:
-    """Speculative decoding runs as one jitted loop: print the text and the acceptance statistics."""
-    from glm_jax.decoding.generate import print_progress
+def _read_prompts(args) -> list[str]:
+    if args.prompts_file:
+        prompts = []
+        for n, line in enumerate(Path(args.prompts_file).read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            item = json.loads(line)
+            if isinstance(item, dict):
+                item = item.get("prompt")
+            if not isinstance(item, str):
+                raise ValueError(f"{args.prompts_file}:{n}: expected a JSON string or {{\"prompt\": \"...\"}}")
+            prompts.append(item)
+        if not prompts:
+            raise ValueError(f"{args.prompts_file} holds no prompts")
+        return prompts
+    if args.prompt_file:
+        return [Path(args.prompt_file).read_text()]
+    return [args.prompt if args.prompt is not None else DEFAULT_PROMPT]
 
-    out = gen.generate(ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                       top_p=args.top_p, seed=args.seed, stop_token=stop, progress=print_progress)[0]
-    new = []
-    for t in out.tolist():
+
+def _cut(tokens: list[int], stop: int) -> list[int]:
+    """New tokens up to (not including) the stop token or the -1 padding."""
+    out = []
+    for t in tokens:
         if t < 0 or t == stop:
             break
-        new.append(t)
-    print(tok.decode(new), flush=True)
-    s = gen.stats
-    if not args.quiet:
+        out.append(t)
+    return out
+
+
+def _stream(gen, tok, prompt, ids, stop, sampling) -> list[int]:
+    """Plain decoding of one prompt, printing text as each block of tokens arrives."""
+    print(prompt, end="", flush=True)
+    new: list[int] = []
+    printed = ""
+    for block in gen.generate(ids, **sampling):
+        done = len(_cut(block[0].tolist(), stop)) < block.shape[1]
+        new += _cut(block[0].tolist(), stop)
+        text = tok.decode(new)
+        print(text[len(printed):], end="", flush=True)
+        printed = text
+        if done:
+            break
+    print(flush=True)
+    return new
+
+
+def _print_stats(gen, completions, elapsed) -> None:
+    from glm_jax.decoding.speculative import SpeculativeGenerator
+
+    n = sum(map(len, completions))
+    if isinstance(gen, SpeculativeGenerator):
+        s = gen.stats
         rates = " ".join(f"{r:.2f}" for r in s.acceptance_rate)
-        print(f"\n[prefill {len(ids)} tokens in {s.prefill_s:.2f}s; decoded {len(new)} tokens in "
-              f"{s.decode_s:.2f}s = {len(new) / max(s.decode_s, 1e-9):.1f} tokens/s (includes compilation); "
-              f"acceptance length {s.acceptance_length:.2f} over {s.verify_steps} verify steps; "
-              f"acceptance rate per draft position: {rates}]", file=sys.stderr)
-    return 0
+        print(f"\n[prefill in {s.prefill_s:.2f}s; {n} new tokens in {s.decode_s:.2f}s = "
+              f"{n / max(s.decode_s, 1e-9):.1f} tokens/s (includes compilation); acceptance length "
+              f"{s.acceptance_length:.2f} over {s.verify_steps} verify steps; acceptance rate per draft "
+              f"position: {rates}]", file=sys.stderr)
+    else:
+        s = gen.stats
+        decode_s = s.get("decode_s", elapsed)
+        print(f"\n[prefill {s['prompt_tokens']} tokens in {s['prefill_s']:.2f}s; {n} new tokens in "
+              f"{decode_s:.2f}s = {n / max(decode_s, 1e-9):.1f} tokens/s (first block includes compilation)]",
+              file=sys.stderr)
 
 
 if __name__ == "__main__":

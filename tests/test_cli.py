@@ -98,3 +98,23 @@ def test_resume_continues_bit_exactly(tmp_path):
     assert train.main(common + ["--out", str(tmp_path / "b"), "--steps", "5", "--save-every", "100",
                                 "--resume"]) == 0
     assert losses(tmp_path / "b") == losses(tmp_path / "a")
+
+
+def test_decode_a_batch_of_prompts_from_a_file(trained_run, tmp_path):
+    out, _ = trained_run
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('"def f(x):"\n{"prompt": "import os\\nclass A:"}\n')
+    result = tmp_path / "out.jsonl"
+    for k in ("0", "2"):
+        assert decode.main(["--checkpoint", str(out), "--prompts-file", str(prompts), "--max-new-tokens", "6",
+                            "--speculative", k, "--output", str(result)]) == 0
+        rows = [json.loads(line) for line in result.read_text().splitlines()]
+        assert [r["prompt"] for r in rows] == ["def f(x):", "import os\nclass A:"]
+
+
+def test_bad_prompts_file_is_refused(trained_run, tmp_path, capsys):
+    out, _ = trained_run
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"text": "x"}\n')
+    assert decode.main(["--checkpoint", str(out), "--prompts-file", str(prompts)]) == 2
+    assert "prompts.jsonl:1" in capsys.readouterr().err

@@ -117,3 +117,22 @@ def test_kv_share_draft_runs_no_indexer_and_reads_only_target_kv(monkeypatch):
             assert calls["max_index"] <= n - 1
         else:          # the baseline reads the draft steps' own KV at positions n, n+1
             assert calls["max_index"] >= n
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_ragged_batch_equals_one_by_one(speculative):
+    """Prompts of different lengths in one batch give each prompt's own greedy continuation."""
+    cfg = micro_config()
+    model = GLMModel(cfg, rngs=nnx.Rngs(0))
+    prompts = [np.arange(1, 12) % cfg.vocab_size, np.arange(30, 34), np.arange(50, 69) % cfg.vocab_size]
+
+    def run(batch, items):
+        if speculative:
+            return SpeculativeGenerator(model, batch=batch, max_len=64, num_draft=2, prefill_chunk=8).generate(
+                items, max_new_tokens=9)
+        gen = Generator(model, batch=batch, max_len=64, prefill_chunk=8, block_size=4)
+        return np.concatenate(list(gen.generate(items, max_new_tokens=9)), axis=1)[:, :9]
+
+    together = run(3, prompts)
+    for i, prompt in enumerate(prompts):
+        np.testing.assert_array_equal(together[i], run(1, [prompt])[0])

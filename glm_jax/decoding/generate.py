@@ -82,20 +82,36 @@ class GeneratorBase:
                 f"prompt of {prompt_len} tokens + {max_new_tokens} new tokens = {need} exceeds the "
                 f"context of {self.max_len} tokens; shorten the prompt or lower --max-new-tokens")
 
-    def _prompt_batch(self, prompt_ids, max_new_tokens: int) -> np.ndarray:
-        """prompt_ids int [P] or [B, P] -> int32 [B, P], checked against the batch and the context."""
-        prompt_ids = np.asarray(prompt_ids, np.int32)
-        if prompt_ids.ndim == 1:
-            prompt_ids = prompt_ids[None]
-        if prompt_ids.shape[0] != self.batch:
-            raise ValueError(f"batch of {prompt_ids.shape[0]} prompts, but the generator was built for "
-                             f"{self.batch}")
-        self.check_fits(prompt_ids.shape[1], max_new_tokens)
-        return prompt_ids
+    def _prompt_batch(self, prompts, max_new_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+        """prompts: int [P], int [B, P], or a list of B int sequences of any lengths
+        -> (padded int32 [B, P_max], lengths int32 [B]), checked against the batch and the context."""
+        if isinstance(prompts, np.ndarray) or (len(prompts) and np.isscalar(prompts[0])):
+            arr = np.asarray(prompts, np.int32)
+            rows = [arr] if arr.ndim == 1 else list(arr)
+        else:
+            rows = [np.asarray(r, np.int32).reshape(-1) for r in prompts]
+        if len(rows) != self.batch:
+            raise ValueError(f"batch of {len(rows)} prompts, but the generator was built for {self.batch}")
+        lengths = np.array([len(r) for r in rows], np.int32)
+        for n in lengths:
+            self.check_fits(int(n), max_new_tokens)
+        padded = np.zeros((len(rows), int(lengths.max())), np.int32)
+        for i, r in enumerate(rows):
+            padded[i, :len(r)] = r
+        return padded, lengths
+
+    def _chunks(self, padded: np.ndarray, lengths: np.ndarray):
+        """Prefill chunks: yields (start, tokens int32 [B, C] zero-padded, real tokens per row [B])."""
+        c = self.prefill_chunk
+        for start in range(0, padded.shape[1], c):
+            tokens = np.zeros((padded.shape[0], c), np.int32)
+            piece = padded[:, start:start + c]
+            tokens[:, :piece.shape[1]] = piece
+            yield start, tokens, np.clip(lengths - start, 0, c).astype(np.int32)
 
 
 class Generator(GeneratorBase):
-    """Holds one model; generates for a batch of equal-length prompts from a fresh cache."""
+    """Holds one model; generates for a batch of prompts (of any lengths) from a fresh cache."""
 
     def __init__(self, model, *, batch: int = 1, max_len: int | None = None, prefill_chunk: int = 256,
                  block_size: int = 16, kernels: ops.KernelChoice = ops.KernelChoice(), cache_dtype=None):
@@ -107,29 +123,26 @@ class Generator(GeneratorBase):
     def generate(self, prompt_ids: np.ndarray, *, max_new_tokens: int, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int = 0, stop_token: int | None = None,
                  progress: Callable[[int, int], None] | None = None) -> Iterator[np.ndarray]:
-        """prompt_ids int [B, P] -> yields int32 numpy blocks [B, n] of new tokens.
+        """prompt_ids: see `_prompt_batch` -> yields int32 numpy blocks [B, n] of new tokens.
 
         Stops after max_new_tokens or once every sequence has produced stop_token (the block
         holding it is the last; tokens after the stop token are the caller's to drop)."""
-        prompt_ids = self._prompt_batch(prompt_ids, max_new_tokens)
-        b, p = prompt_ids.shape
+        padded, lengths = self._prompt_batch(prompt_ids, max_new_tokens)
+        b, p = padded.shape
         # Room for whole prefill chunks and whole decode blocks (their padding rows are written).
         cache_len = max(_round_up(p, self.prefill_chunk), p + _round_up(max_new_tokens, self.block_size))
         cache = create_cache(self.cfg, b, cache_len, self.cache_dtype)
 
         t0 = time.perf_counter()
         logits = None
-        for start in range(0, p, self.prefill_chunk):
-            chunk = prompt_ids[:, start:start + self.prefill_chunk]
-            n = chunk.shape[1]
-            padded = np.zeros((b, self.prefill_chunk), np.int32)
-            padded[:, :n] = chunk
-            logits, cache = _prefill_chunk(self.graphdef, self.state, jnp.asarray(padded),
-                                           jnp.full((b,), n, jnp.int32), cache, self.kernels)
+        for start, tokens, num_valid in self._chunks(padded, lengths):
+            last, cache = _prefill_chunk(self.graphdef, self.state, jnp.asarray(tokens), jnp.asarray(num_valid),
+                                         cache, self.kernels)
+            logits = last if logits is None else jnp.where(jnp.asarray(num_valid > 0)[:, None], last, logits)
             if progress is not None:
-                progress(start + n, p)
+                progress(min(start + self.prefill_chunk, p), p)
         logits.block_until_ready()
-        self.stats = {"prompt_tokens": p, "prefill_s": time.perf_counter() - t0, "new_tokens": 0}
+        self.stats = {"prompt_tokens": int(lengths.sum()), "prefill_s": time.perf_counter() - t0, "new_tokens": 0}
 
         key = jax.random.key(seed)
         produced, stopped = 0, np.zeros((b,), bool)

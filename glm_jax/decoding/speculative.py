@@ -171,26 +171,32 @@ class SpeculativeGenerator(GeneratorBase):
 
     def generate(self, prompt_ids, *, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
                  seed: int = 0, stop_token: int | None = None, progress=None) -> np.ndarray:
-        """prompt_ids int [B, P] -> int32 [B, max_new_tokens] (-1 where a sequence stopped early)."""
-        prompt_ids = self._prompt_batch(prompt_ids, max_new_tokens)
-        b, p = prompt_ids.shape
+        """prompt_ids: see `GeneratorBase._prompt_batch` -> int32 [B, max_new_tokens]
+        (-1 where a sequence stopped early)."""
+        padded, lengths = self._prompt_batch(prompt_ids, max_new_tokens)
+        b, p = padded.shape
         k, chunk = self.num_draft, self.prefill_chunk
         cache_len = max(_round_up(p, chunk), p + max_new_tokens + 2 * (k + 1))
         cache = create_cache(self.cfg, b, cache_len)
         mtp_cache = create_mtp_cache(self.cfg, b, cache_len)
         t0 = time.perf_counter()
-        shifted = np.concatenate([prompt_ids[:, 1:], np.zeros((b, 1), np.int32)], axis=1)
-        for start in range(0, p, chunk):
-            n = min(chunk, p - start)
-            toks = np.zeros((b, chunk), np.int32)
-            nxt = np.zeros((b, chunk), np.int32)
-            toks[:, :n] = prompt_ids[:, start:start + n]
-            nxt[:, :n] = shifted[:, start:start + n]
-            logits, hidden, cache, mtp_cache = _prefill_chunk(
-                self.graphdef, self.state, jnp.asarray(toks), jnp.asarray(nxt), jnp.full((b,), n, jnp.int32),
-                jnp.full((b,), min(n, p - 1 - start), jnp.int32), cache, mtp_cache, self.kernels)
+        shifted = np.concatenate([padded[:, 1:], np.zeros((b, 1), np.int32)], axis=1)
+        logits = hidden = None
+        for start, tokens, num_valid in self._chunks(padded, lengths):
+            nxt = np.zeros_like(tokens)
+            piece = shifted[:, start:start + chunk]
+            nxt[:, :piece.shape[1]] = piece
+            num_valid_mtp = np.clip(lengths - 1 - start, 0, chunk).astype(np.int32)
+            last, last_hidden, cache, mtp_cache = _prefill_chunk(
+                self.graphdef, self.state, jnp.asarray(tokens), jnp.asarray(nxt), jnp.asarray(num_valid),
+                jnp.asarray(num_valid_mtp), cache, mtp_cache, self.kernels)
+            if logits is None:
+                logits, hidden = last, last_hidden
+            else:
+                fresh = jnp.asarray(num_valid > 0)[:, None]
+                logits, hidden = jnp.where(fresh, last, logits), jnp.where(fresh, last_hidden, hidden)
             if progress is not None:
-                progress(start + n, p)
+                progress(min(start + chunk, p), p)
         logits.block_until_ready()
         t1 = time.perf_counter()
         out, count, steps, accepted, accepted_at, _, _ = _speculate(
