@@ -44,6 +44,10 @@ def parse_args(argv=None):
                     help="steps of dense attention (indexer warm-up) before sparse attention")
     ap.add_argument("--indexer-weight", type=float, default=1.0)
     ap.add_argument("--mtp-weight", type=float, default=0.3)
+    ap.add_argument("--mtp-depth", type=int, default=1, help="MTP applications per position (shared weights)")
+    ap.add_argument("--tv-weight", type=float, default=0.0, help="end-to-end total-variation loss weight")
+    ap.add_argument("--no-mtp-kv-share", action="store_true",
+                    help="MTP depths >= 2 compute their own KV and indices instead of reusing depth 1's")
     ap.add_argument("--log-every", type=int, default=10, help="print and record metrics every N steps")
     ap.add_argument("--eval-every", type=int, default=100)
     ap.add_argument("--eval-batches", type=int, default=8)
@@ -122,7 +126,8 @@ def main(argv=None) -> int:
             print(f"resume: continuing from step {start}")
 
     kernels = ops.KernelChoice()
-    weights = LossWeights(indexer=args.indexer_weight, mtp=args.mtp_weight)
+    weights = LossWeights(indexer=args.indexer_weight, mtp=args.mtp_weight, mtp_depth=args.mtp_depth,
+                          kv_share=not args.no_mtp_kv_share, tv=args.tv_weight)
     metrics_file = (out / "metrics.jsonl").open("a")
     stop_requested = []
     signal.signal(signal.SIGTERM, lambda *_: stop_requested.append(True))  # preemption: save, then exit

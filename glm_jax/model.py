@@ -72,7 +72,7 @@ class GLMModel(nnx.Module):
 
             def body(carry, group_state, graphdef=graphdef):
                 x, kl = carry
-                x, group_kl = nnx.merge(graphdef, group_state).forward(x, positions, kv_len, settings)
+                x, group_kl, _, _ = nnx.merge(graphdef, group_state).forward(x, positions, kv_len, settings)
                 return (x, kl + group_kl), None
 
             if remat:
@@ -82,13 +82,18 @@ class GLMModel(nnx.Module):
         return ForwardOutput(self.logits(hidden), hidden, kl)
 
     def mtp_forward(self, hidden: jnp.ndarray, next_tokens: jnp.ndarray, *,
-                    settings: AttentionSettings = AttentionSettings(), lengths=None) -> ForwardOutput:
-        """One MTP depth over a sequence: hidden [B, S, hidden] (normed h_i), next_tokens [B, S] (t_{i+1})."""
+                    settings: AttentionSettings = AttentionSettings(), lengths=None, shared_kv=None):
+        """One MTP depth over a sequence: hidden [B, S, hidden] (normed h_i, or the previous
+        depth's output), next_tokens [B, S] (the tokens one further ahead).
+
+        shared_kv: (latent, indices) of depth 1, reused by depths >= 2 (KVShare training).
+        -> (ForwardOutput, (latent [B, S, latent], indices [B, S, topk] or None)) of this depth."""
         b, s = next_tokens.shape
         positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
         kv_len = jnp.full((b,), s, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
-        out, kl = self.mtp.forward(self.embed_tokens(next_tokens), hidden, positions, kv_len, settings)
-        return ForwardOutput(self.logits(out), out, kl)
+        out, kl, latent, indices = self.mtp.forward(self.embed_tokens(next_tokens), hidden, positions, kv_len,
+                                                    settings, shared_kv=shared_kv)
+        return ForwardOutput(self.logits(out), out, kl), (latent, indices)
 
     # ------------------------------------------------------------------ with a KV cache
     def forward_cached(self, tokens: jnp.ndarray, cache: KVCache, *,

@@ -152,6 +152,7 @@ def test_moe_dispatch_equals_per_expert_loop(micro_cfg):
 def test_mtp_forward_shapes(micro_cfg):
     model, tokens = _model(micro_cfg), _tokens(micro_cfg, 2, 9)
     out = model(tokens)
-    mtp = model.mtp_forward(out.hidden, tokens)
+    mtp, (latent, indices) = model.mtp_forward(out.hidden, tokens)
+    assert latent.shape == (2, 9, micro_cfg.latent_dim) and indices.shape == (2, 9, micro_cfg.index_topk)
     assert mtp.logits.shape == (2, 9, micro_cfg.vocab_size)
     assert np.isfinite(np.asarray(mtp.logits)).all()

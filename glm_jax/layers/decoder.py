@@ -124,36 +124,45 @@ class IndexShareGroup(nnx.Module):
         self.layers = nnx.List([DecoderLayer(cfg, k, rngs=rngs, dtype=dtype) for k in kinds])
         self.cfg = cfg
 
-    def forward(self, x, positions, kv_len, settings: AttentionSettings):
+    def forward(self, x, positions, kv_len, settings: AttentionSettings, *, shared_kv=None):
         """Full-sequence forward. x [B, S, hidden], positions int32 [B, S], kv_len int32 [B].
 
-        -> (x [B, S, hidden], indexer KL summed over this group's layers, scalar float32)."""
+        shared_kv: optional (latent [B, S, latent], indices [B, S, topk] or None in dense mode)
+        of an earlier pass (KVShare training of MTP depths >= 2): the Full layer then attends
+        those latent rows with those indices instead of its own, and runs no indexer.
+        -> (x [B, S, hidden], indexer KL summed over the group's layers (scalar float32),
+            the Full layer's latent rows [B, S, latent], its indices [B, S, topk] or None)."""
         s = x.shape[1]
         causal = (jnp.arange(s)[None, None, :] <= positions[:, :, None]) & \
                  (jnp.arange(s)[None, None, :] < kv_len[:, None, None])
         indices, index_logits, kl = None, None, jnp.zeros((), jnp.float32)
+        first_latent = None
         for j, layer in enumerate(self.layers):
             h, q_resid, q_nope, q_rope, latent = layer.attention_inputs(x, positions)
-            if j == 0:
+            if j == 0 and shared_kv is not None:
+                latent, indices = shared_kv
+            elif j == 0:
                 hd, qd = jax.lax.stop_gradient(h), jax.lax.stop_gradient(q_resid)
                 keys = layer.indexer.keys(hd, positions)
                 if settings.mode == "sparse":
                     indices = layer.indexer.select(hd, qd, positions, keys, kv_len, settings.kernels)
                 if settings.indexer_loss:
                     index_logits = layer.indexer.scores(hd, qd, positions, keys, kv_len, settings.kernels)
+            if j == 0:
+                first_latent = latent
             if settings.mode == "dense":
                 mask = causal
             else:
                 mask = indices_to_mask(indices, s) & causal
             if settings.form == "expanded":
                 out, probs = layer.self_attn.attend_expanded(q_nope, q_rope, latent, mask, return_probs=True)
-                if settings.indexer_loss:
+                if index_logits is not None:
                     kl = kl + indexer_kl(_head_summed_target(probs), index_logits, mask) / len(self.layers)
             else:
                 sel = indices if settings.mode == "sparse" else _causal_indices(positions, kv_len, s)
                 out = layer.self_attn.attend_absorbed(q_nope, q_rope, latent, sel, settings.kernels)
             x = layer.finish(x, out)
-        return x, kl
+        return x, kl, first_latent, indices
 
     def forward_cached(self, x, positions, latent_cache, key_cache, group, kv_len, kernels: ops.KernelChoice):
         """Forward of new tokens against the cache of group number `group` of a stack.

@@ -36,7 +36,10 @@ class MTPLayer(nnx.Module):
         joined = jnp.concatenate([self.enorm(next_token_embeddings), self.hnorm(hidden)], axis=-1)
         return self.eh_proj(joined)
 
-    def forward(self, next_token_embeddings, hidden, positions, kv_len, settings: AttentionSettings):
-        """Full-sequence MTP step -> (normed output hidden [B, S, hidden], indexer KL)."""
-        x, kl = self.block.forward(self.inputs(next_token_embeddings, hidden), positions, kv_len, settings)
-        return self.shared_head.norm(x), kl
+    def forward(self, next_token_embeddings, hidden, positions, kv_len, settings: AttentionSettings,
+                *, shared_kv=None):
+        """Full-sequence MTP step -> (normed output hidden [B, S, hidden], indexer KL, latent rows,
+        indices); see IndexShareGroup.forward for shared_kv."""
+        x, kl, latent, indices = self.block.forward(self.inputs(next_token_embeddings, hidden), positions,
+                                                    kv_len, settings, shared_kv=shared_kv)
+        return self.shared_head.norm(x), kl, latent, indices

@@ -1,4 +1,4 @@
-"""Loss terms: next-token cross-entropy for the model and for the MTP layer."""
+"""Loss terms: next-token cross-entropy, and the total-variation losses of MTP drafting."""
 
 from __future__ import annotations
 
@@ -17,10 +17,30 @@ def cross_entropy(logits: jnp.ndarray, targets: jnp.ndarray, mask: jnp.ndarray |
     return jnp.sum(nll * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
 
-def mtp_targets(targets: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
-    """Labels for MTP depth 1: position i predicts t_{i+2} = targets[i + 1].
+def shift_left(x: jnp.ndarray, n: int, fill=0) -> jnp.ndarray:
+    """x [B, S, ...] -> x[:, n:] padded with `fill` at the end to length S."""
+    if n == 0:
+        return x
+    pad = jnp.full((x.shape[0], n) + x.shape[2:], fill, x.dtype)
+    return jnp.concatenate([x[:, n:], pad], axis=1)
 
-    targets int32 [B, S] -> (labels [B, S], mask bool [B, S]; the last position has no label)."""
-    labels = jnp.concatenate([targets[:, 1:], jnp.zeros_like(targets[:, :1])], axis=1)
-    mask = jnp.arange(targets.shape[1])[None, :] < targets.shape[1] - 1
-    return labels, jnp.broadcast_to(mask, targets.shape)
+
+def total_variation(p_logits: jnp.ndarray, q_logits: jnp.ndarray) -> jnp.ndarray:
+    """TV(p, q) = 1 - sum_v min(p_v, q_v) per position, [B, S]; p (the target) gets no gradient."""
+    p = jax.lax.stop_gradient(jax.nn.softmax(p_logits.astype(jnp.float32), axis=-1))
+    q = jax.nn.softmax(q_logits.astype(jnp.float32), axis=-1)
+    return 1.0 - jnp.sum(jnp.minimum(p, q), axis=-1)
+
+
+def end_to_end_tv(tvs: list[jnp.ndarray], mask: jnp.ndarray) -> jnp.ndarray:
+    """L = 1 - (1/gamma) sum_j prod_{i<=j} (1 - TV_i), averaged over positions where mask holds.
+
+    tvs: gamma arrays [B, S] (TV of draft depth i at each position), mask bool [B, S]."""
+    alive = jnp.ones_like(tvs[0])
+    expected = jnp.zeros_like(tvs[0])
+    for tv in tvs:
+        alive = alive * (1.0 - tv)
+        expected = expected + alive
+    loss = 1.0 - expected / len(tvs)
+    mask = jnp.broadcast_to(mask, loss.shape).astype(jnp.float32)
+    return jnp.sum(loss * mask) / jnp.maximum(jnp.sum(mask), 1.0)

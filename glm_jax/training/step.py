@@ -19,13 +19,23 @@ from flax import nnx
 
 from glm_jax import ops
 from glm_jax.layers.decoder import AttentionSettings
-from glm_jax.training.losses import cross_entropy, mtp_targets
+from glm_jax.training.losses import cross_entropy, end_to_end_tv, shift_left, total_variation
 
 
 @dataclasses.dataclass(frozen=True)
 class LossWeights:
+    """Loss weights and the MTP training setup.
+
+    mtp: weight of the MTP cross-entropy (averaged over depths); mtp_depth: how many times the
+    MTP layer is applied (shared parameters); kv_share: depths >= 2 reuse depth 1's latent KV
+    and top-k indices; tv: weight of the end-to-end total-variation loss between the target's
+    and the MTP layer's distributions (the target side detached)."""
+
     indexer: float = 1.0
     mtp: float = 0.3
+    mtp_depth: int = 1
+    kv_share: bool = True
+    tv: float = 0.0
 
 
 def make_optimizer(lr: float, total_steps: int, warmup_steps: int, weight_decay: float = 0.1):
@@ -47,14 +57,33 @@ def loss_terms(model, inputs, targets, *, stage: str, weights: LossWeights, kern
     n_full = len(model.cfg.full_layers)
     terms = {"lm": cross_entropy(out.logits, targets), "indexer_kl": out.indexer_kl / (s * n_full)}
     total = terms["lm"] + weights.indexer * terms["indexer_kl"]
-    if model.mtp is not None and weights.mtp > 0:
-        mtp = model.mtp_forward(out.hidden, targets, settings=settings)
-        labels, mask = mtp_targets(targets)
-        terms["mtp"] = cross_entropy(mtp.logits, labels, mask)
-        terms["mtp_indexer_kl"] = mtp.indexer_kl / s
-        total = total + weights.mtp * terms["mtp"] + weights.indexer * terms["mtp_indexer_kl"]
+    if model.mtp is not None and (weights.mtp > 0 or weights.tv > 0):
+        total = total + _mtp_losses(model, out, targets, settings, weights, terms)
     terms["loss"] = total
     return total, terms
+
+
+def _mtp_losses(model, out, targets, settings, weights: LossWeights, terms: dict):
+    """MTP depths d = 1..D with shared parameters. Depth d at position i reads the previous
+    depth's normed hidden (the target's for d = 1) and token t_{i+d}, and predicts t_{i+d+1}.
+    Adds 'mtp' (mean CE over depths), 'mtp_indexer_kl' and, with a TV weight, 'mtp_tv' to terms;
+    returns their weighted sum."""
+    s = targets.shape[1]
+    hidden, shared, ces, tvs = out.hidden, None, [], []
+    total = jnp.zeros((), jnp.float32)
+    for d in range(1, weights.mtp_depth + 1):
+        mtp, kv = model.mtp_forward(hidden, shift_left(targets, d - 1), settings=settings, shared_kv=shared)
+        mask = jnp.broadcast_to(jnp.arange(s)[None, :] < s - d, targets.shape)
+        ces.append(cross_entropy(mtp.logits, shift_left(targets, d), mask))
+        tvs.append(total_variation(shift_left(out.logits, d), mtp.logits))
+        if d == 1:
+            terms["mtp_indexer_kl"] = mtp.indexer_kl / s
+            total = total + weights.indexer * terms["mtp_indexer_kl"]
+            shared = kv if weights.kv_share else None
+        hidden = mtp.hidden
+    terms["mtp"] = sum(ces) / len(ces)
+    terms["mtp_tv"] = end_to_end_tv(tvs, jnp.arange(s)[None, :] < s - weights.mtp_depth)
+    return total + weights.mtp * terms["mtp"] + weights.tv * terms["mtp_tv"]
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "tx", "stage", "weights", "kernels", "remat"),
