@@ -21,12 +21,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from glm_jax import ops
+from glm_jax import costs, ops
 from glm_jax.checkpoint import check_same_config, save_model_dir
 from glm_jax.config import ConfigError, load_config, save_config
 from glm_jax.data import batches as data_batches
 from glm_jax.data import corpus, tokenizer as tok_lib
-from glm_jax.model import GLMModel, count_params
+from glm_jax.info import params_by_part
+from glm_jax.model import GLMModel, abstract_model, count_params
 from glm_jax.training import checkpointing
 from glm_jax.training.step import LossWeights, eval_step, make_optimizer, train_step
 
@@ -49,6 +50,9 @@ def parse_args(argv=None):
     ap.add_argument("--no-mtp-kv-share", action="store_true",
                     help="MTP depths >= 2 compute their own KV and indices instead of reusing depth 1's")
     ap.add_argument("--log-every", type=int, default=10, help="print and record metrics every N steps")
+    ap.add_argument("--metrics-file", default=None, help="JSON lines, one per logged step (default OUT/metrics.jsonl)")
+    ap.add_argument("--peak-tflops", type=float, default=None,
+                    help="the device's peak bf16 TFLOP/s, for MFU (default: known accelerators, else none)")
     ap.add_argument("--eval-every", type=int, default=100)
     ap.add_argument("--eval-batches", type=int, default=8)
     ap.add_argument("--save-every", type=int, default=200)
@@ -87,6 +91,22 @@ def prepare_tokens(args, cfg, out: Path):
     print(f"corpus: {len(train_files)} train files ({train_tokens.size:,} tokens), "
           f"{len(heldout_files)} held-out files ({heldout_tokens.size:,} tokens)")
     return tok, train_tokens, heldout_tokens
+
+
+# Dense bf16 peak FLOP/s by device kind (vendor figures), for MFU.
+_PEAK_FLOPS = {"NVIDIA H200": 989e12, "NVIDIA H100 80GB HBM3": 989e12, "TPU v5p": 459e12, "TPU v6e": 918e12,
+               "TPU v5 lite": 197e12}
+
+
+def _peak_flops(peak_tflops: float | None) -> float | None:
+    if peak_tflops:
+        return peak_tflops * 1e12
+    return _PEAK_FLOPS.get(jax.devices()[0].device_kind)
+
+
+def _bar(step: int, total: int, width: int = 20) -> str:
+    filled = width * step // max(total, 1)
+    return f"[{'#' * filled}{'.' * (width - filled)}]"
 
 
 def main(argv=None) -> int:
@@ -128,7 +148,9 @@ def main(argv=None) -> int:
     kernels = ops.KernelChoice()
     weights = LossWeights(indexer=args.indexer_weight, mtp=args.mtp_weight, mtp_depth=args.mtp_depth,
                           kv_share=not args.no_mtp_kv_share, tv=args.tv_weight)
-    metrics_file = (out / "metrics.jsonl").open("a")
+    metrics_file = Path(args.metrics_file or out / "metrics.jsonl").open("a")
+    peak = _peak_flops(args.peak_tflops)
+    active = costs.active_params(cfg, params_by_part(abstract_model(cfg)))
     stop_requested = []
     signal.signal(signal.SIGTERM, lambda *_: stop_requested.append(True))  # preemption: save, then exit
     tokens_per_step = args.batch_size * args.seq_len
@@ -145,10 +167,15 @@ def main(argv=None) -> int:
             now = time.perf_counter()
             steps_since = args.log_every if step % args.log_every == 0 else 1
             record["tokens_per_s"] = tokens_per_step * steps_since / (now - t_last)
+            flops = costs.training_flops_per_token(cfg, args.seq_len, active, sparse=stage == "sparse")
+            if peak:
+                record["mfu"] = record["tokens_per_s"] * flops / peak
             t_last = now
             print(f"step {step:5d}/{args.steps} [{stage}] loss {record['loss']:.3f} lm {record['lm']:.3f} "
                   f"idx_kl {record['indexer_kl']:.3f} mtp {record.get('mtp', 0):.3f} "
-                  f"lr {record['lr']:.2e} {record['tokens_per_s']:.0f} tok/s", flush=True)
+                  f"lr {record['lr']:.2e} {record['tokens_per_s']:.0f} tok/s"
+                  + (f" MFU {record['mfu']:.1%}" if "mfu" in record else "") + f"  {_bar(step, args.steps)}",
+                  flush=True)
         if step % args.eval_every == 0 or step == args.steps:
             val = float(np.mean([eval_step(graphdef, params, rest, jnp.asarray(x), jnp.asarray(y),
                                            stage=stage, kernels=kernels) for x, y in heldout]))

@@ -18,7 +18,7 @@ from glm_jax.config import ConfigError, load_config
 from glm_jax.model import abstract_model
 
 
-def _params_by_part(model) -> dict[str, int]:
+def params_by_part(model) -> dict[str, int]:
     """Parameter counts of the abstract model: total, routed-expert weights, embedding, MTP."""
     parts = {"total": 0, "routed": 0, "embedding": 0, "mtp": 0, "mtp_routed": 0}
     for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param)):
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    parts = _params_by_part(abstract_model(cfg))
+    parts = params_by_part(abstract_model(cfg))
     active = costs.active_params(cfg, parts)
     print(f"config            {cfg.name} ({cfg.model_type}), {cfg.num_hidden_layers} layers"
           f" + {cfg.num_nextn_predict_layers} MTP")
