@@ -88,7 +88,8 @@ def sparse_mla(q: jax.Array, kv: jax.Array, indices: jax.Array, *, sm_scale: flo
         Duplicates are not expected; they do not fail, but how they count is unspecified.
       sm_scale: softmax scale (static).
       v_dim: value width (static), <= Dk.
-      impl, interpret, q_chunk: see the package docstring.
+      impl, interpret, q_chunk: see the package docstring. "auto" is "pallas_tpu" on TPU,
+        "pallas_gpu" on GPU and "xla" elsewhere; q_chunk only applies to "xla".
 
     Returns:
       out: [B, S, H, v_dim] in q.dtype, softmax(sm_scale * q . kv[sel]) @ kv[sel, :v_dim].
@@ -96,10 +97,16 @@ def sparse_mla(q: jax.Array, kv: jax.Array, indices: jax.Array, *, sm_scale: flo
       A query with no valid index gets out 0 and lse -inf. Differentiable in q and kv, with
       finite gradients also for such rows (mask the -inf lse before using it in a loss).
     """
-    del interpret
-    impl = resolve_impl("sparse_mla", impl)
+    if impl == "auto" and jax.default_backend() in ("tpu", "gpu"):
+        impl = "pallas_tpu" if jax.default_backend() == "tpu" else "pallas_gpu"
+    elif impl not in ("pallas_tpu", "pallas_gpu"):
+        impl = resolve_impl("sparse_mla", impl)
     if not 0 < v_dim <= kv.shape[-1]:
         raise ValueError(f"pallas_kernels.sparse_mla: v_dim={v_dim} must be in [1, {kv.shape[-1]}]")
+    if impl == "pallas_tpu":
+        return _attention.tpu.sparse_mla(q, kv, indices, sm_scale=sm_scale, v_dim=v_dim, interpret=interpret)
+    if impl == "pallas_gpu":
+        return _attention.gpu.sparse_mla(q, kv, indices, sm_scale=sm_scale, v_dim=v_dim, interpret=interpret)
     if impl == "reference":
         return _attention.reference.sparse_mla(q, kv, indices, sm_scale=sm_scale, v_dim=v_dim)
     return _attention.xla.sparse_mla(q, kv, indices, sm_scale=sm_scale, v_dim=v_dim, q_chunk=q_chunk)

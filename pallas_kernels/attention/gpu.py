@@ -1,0 +1,292 @@
+"""Sparse MLA on NVIDIA GPUs: Pallas kernels with the Triton lowering.
+
+Why Triton rather than Mosaic GPU: the op is a gather of arbitrary latent rows. The Triton
+lowering addresses memory through pointers, so `kv_ref[b, rows, cols]` with a vector of row
+indices is one coalesced gather load (each 1152-byte row is contiguous) that Triton software-
+pipelines across loop iterations; Mosaic GPU moves data with TMA, whose row gather only
+exists on Blackwell, so on Hopper it would need per-row copies through shared memory.
+
+Layout. One program handles one query (b, s) with all heads (the heads, padded to a power of
+two >= 16, are the M dimension of the matmuls) and loops over its K selected rows in blocks
+of `block_k` with an online softmax. Triton blocks must have power-of-two sizes, so the
+latent width is cut into power-of-two column chunks ([0, v_dim) first, then [v_dim, Dk):
+576 = 512 + 64); the logits are summed over the chunks and the value accumulators are the
+chunks of [0, v_dim). When B*S programs are too few to fill the GPU (decode), the K slots
+are split over `num_splits` programs per query, each writing a partial (out, lse), merged
+by a log-sum-exp in XLA.
+
+Backward: one program per query recomputes p = exp(s - lse) per block and writes dq and the
+per-(query, slot) dkv contributions; `vjp.backward` scatter-adds them into dkv.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.attention import vjp
+
+#: Rows per loop step of the forward and the backward for 2-byte inputs (halved for 4-byte).
+#: Sized for Hopper's 227 KiB of shared memory at 64 heads x 576: the forward keeps q
+#: ([64, 576] bf16, 72 KiB) and 2 row blocks ([64, 576], 72 KiB each) there. The backward
+#: uses q and dout as operands in two layouts each and did not fit at 64 heads (316 KiB asked
+#: at 64 heads x 32 rows), so it runs 32 heads per program, 16 rows per step, unpipelined.
+DEFAULT_BLOCK_K = 64
+DEFAULT_BWD_BLOCK_K = 16
+#: Programs the forward aims for (about two waves of an H100/H200's 132 SMs).
+TARGET_PROGRAMS = 264
+
+
+def pow2_chunks(start: int, stop: int) -> list[tuple[int, int]]:
+    """[start, stop) cut into power-of-two (offset, size) chunks, largest first."""
+    out = []
+    while start < stop:
+        size = 1 << ((stop - start).bit_length() - 1)
+        out.append((start, size))
+        start += size
+    return out
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def _dot_nt(a, b):
+    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _dot(a, b):
+    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _load_block(idx_ref, kv_ref, *, b, row, k0, block_k, num_keys, chunks):
+    idx = idx_ref[row, pl.ds(k0, block_k)]
+    valid = (idx >= 0) & (idx < num_keys)
+    safe = jnp.where(valid, idx, 0)
+    rows = [kv_ref[b, safe, pl.ds(c0, cs)] for c0, cs in chunks]       # [bk, cs] each
+    return valid, rows
+
+
+def _fwd_kernel(q_ref, kv_ref, idx_ref, out_ref, lse_ref, *, seq_len, num_keys, sm_scale, block_k,
+                blocks_per_split, kchunks, vchunks):
+    row = pl.program_id(0)                  # b * S + s
+    split = pl.program_id(1)
+    b = row // seq_len
+    qs = [q_ref[row, :, pl.ds(c0, cs)] for c0, cs in kchunks]          # [Hp, cs] each
+    heads = qs[0].shape[0]
+    nv = len(vchunks)
+
+    def body(j, carry):
+        m, l, accs = carry
+        k0 = (split * blocks_per_split + j) * block_k
+        valid, rows = _load_block(idx_ref, kv_ref, b=b, row=row, k0=k0, block_k=block_k,
+                                  num_keys=num_keys, chunks=kchunks)
+        s = _dot_nt(qs[0], rows[0])
+        for qc, rc in zip(qs[1:], rows[1:]):
+            s += _dot_nt(qc, rc)
+        s = jnp.where(valid[None, :], s * sm_scale, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        p = jnp.exp(s - m_use[:, None])
+        alpha = jnp.exp(m - m_use)
+        l = l * alpha + jnp.sum(p, axis=1)
+        pc = p.astype(rows[0].dtype)
+        accs = tuple(a * alpha[:, None] + _dot(pc, r) for a, r in zip(accs, rows[:nv]))
+        return m_new, l, accs
+
+    init = (jnp.full((heads,), -jnp.inf, jnp.float32), jnp.zeros((heads,), jnp.float32),
+            tuple(jnp.zeros((heads, cs), jnp.float32) for _, cs in vchunks))
+    m, l, accs = lax.fori_loop(0, blocks_per_split, body, init)
+    has_any = l > 0
+    safe = jnp.where(has_any, l, 1.0)
+    for (c0, cs), a in zip(vchunks, accs):
+        out_ref[row, split, :, pl.ds(c0, cs)] = (a / safe[:, None]).astype(out_ref.dtype)
+    m = jnp.where(m == -jnp.inf, 0.0, m)
+    lse_ref[row, split, :] = jnp.where(has_any, m + jnp.log(safe), -jnp.inf)
+
+
+def _pad_heads(q):
+    """[B, S, H, Dk] -> [B*S, Hp, Dk] with Hp a power of two >= 16 (Triton dot sizes)."""
+    batch, seq_len, heads, dk = q.shape
+    hp = max(16, _next_pow2(heads))
+    qp = q.reshape(batch * seq_len, heads, dk)
+    if hp != heads:
+        qp = jnp.pad(qp, ((0, 0), (0, hp - heads), (0, 0)))
+    return qp, hp
+
+
+def _params(num_warps, num_stages):
+    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def _forward(q, kv, idx, *, sm_scale, v_dim, block_k, splits, num_warps, num_stages, interpret):
+    """q [B, S, H, Dk]; idx int32 [B*S, Kp] (Kp a multiple of block_k * splits)."""
+    batch, seq_len, heads, dk = q.shape
+    qp, hp = _pad_heads(q)
+    kchunks = pow2_chunks(0, v_dim) + pow2_chunks(v_dim, dk)
+    vchunks = pow2_chunks(0, v_dim)
+    rows_total = batch * seq_len
+    blocks_per_split = idx.shape[-1] // (block_k * splits)
+    final = splits == 1
+    kernel = functools.partial(
+        _fwd_kernel, seq_len=seq_len, num_keys=kv.shape[1], sm_scale=sm_scale, block_k=block_k,
+        blocks_per_split=blocks_per_split, kchunks=kchunks, vchunks=vchunks)
+    out_dtype = q.dtype if final else jnp.float32
+    out, lse = pl.pallas_call(
+        kernel,
+        grid=(rows_total, splits),
+        out_shape=[jax.ShapeDtypeStruct((rows_total, splits, hp, v_dim), out_dtype),
+                   jax.ShapeDtypeStruct((rows_total, splits, hp), jnp.float32)],
+        compiler_params=_params(num_warps, num_stages),
+        interpret=interpret,
+        name="sparse_mla_fwd",
+    )(qp, kv, idx)
+    if not final:
+        lse_all = lse
+        lse = jax.nn.logsumexp(lse_all, axis=1, keepdims=True)
+        w = jnp.where(jnp.isfinite(lse), jnp.exp(lse_all - jnp.where(jnp.isfinite(lse), lse, 0.0)), 0.0)
+        out = jnp.sum(out * w[..., None], axis=1, keepdims=True).astype(q.dtype)
+    out = out[:, 0, :heads].reshape(batch, seq_len, heads, v_dim)
+    lse = lse[:, 0, :heads].reshape(batch, seq_len, heads)
+    return out, lse
+
+
+def _bwd_kernel(q_ref, do_ref, lse_ref, delta_ref, kv_ref, idx_ref, dq_ref, contrib_ref, *, seq_len,
+                num_keys, sm_scale, block_k, num_blocks, kchunks, vchunks, group):
+    row = pl.program_id(0)
+    g = pl.program_id(1)                    # head group
+    b = row // seq_len
+    hs = pl.ds(g * group, group)
+    qs = [q_ref[row, hs, pl.ds(c0, cs)] for c0, cs in kchunks]
+    dos = [do_ref[row, hs, pl.ds(c0, cs)] for c0, cs in vchunks]
+    lse = lse_ref[row, hs]
+    lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)                      # empty row: p = 0
+    delta = delta_ref[row, hs]
+    nv = len(vchunks)
+    heads = qs[0].shape[0]
+
+    def body(j, dqs):
+        k0 = j * block_k
+        valid, rows = _load_block(idx_ref, kv_ref, b=b, row=row, k0=k0, block_k=block_k,
+                                  num_keys=num_keys, chunks=kchunks)
+        dtype = rows[0].dtype
+        s = _dot_nt(qs[0], rows[0])
+        for qc, rc in zip(qs[1:], rows[1:]):
+            s += _dot_nt(qc, rc)
+        p = jnp.where(valid[None, :], jnp.exp(s * sm_scale - lse[:, None]), 0.0)
+        dp = _dot_nt(dos[0], rows[0])
+        for dc, rc in zip(dos[1:], rows[1:nv]):
+            dp += _dot_nt(dc, rc)
+        ds = p * (dp - delta[:, None]) * sm_scale
+        dsc = ds.astype(dtype)
+        dst = dsc.T
+        pt = p.astype(dtype).T
+        new = []
+        for i, ((c0, cs), qc, rc, dq) in enumerate(zip(kchunks, qs, rows, dqs)):
+            new.append(dq + _dot(dsc, rc))
+            dkv = _dot(dst, qc)                                          # [bk, cs]
+            if i < nv:
+                dkv += _dot(pt, dos[i])
+            contrib_ref[row, g, pl.ds(k0, block_k), pl.ds(c0, cs)] = dkv.astype(contrib_ref.dtype)
+        return tuple(new)
+
+    init = tuple(jnp.zeros((heads, cs), jnp.float32) for _, cs in kchunks)
+    dqs = lax.fori_loop(0, num_blocks, body, init)
+    for (c0, cs), dq in zip(kchunks, dqs):
+        dq_ref[row, hs, pl.ds(c0, cs)] = dq.astype(dq_ref.dtype)
+
+
+def _backward(q, kv, idx, dout, lse, delta, *, sm_scale, v_dim, block_k, num_warps, num_stages,
+              head_group, interpret):
+    batch, seq_len, heads, dk = q.shape
+    rows_total = batch * seq_len
+    hp = max(16, _next_pow2(heads))
+    pad_h = ((0, 0), (0, hp - heads))
+
+    def flat(x, value=0):
+        x = x.reshape((rows_total, heads) + x.shape[3:])
+        widths = pad_h + ((0, 0),) * (x.ndim - 2)
+        return jnp.pad(x, widths, constant_values=value) if hp != heads else x
+
+    kchunks = pow2_chunks(0, v_dim) + pow2_chunks(v_dim, dk)
+    vchunks = pow2_chunks(0, v_dim)
+    topk = idx.shape[-1]
+    group = min(hp, head_group)
+    groups = hp // group
+    kernel = functools.partial(
+        _bwd_kernel, seq_len=seq_len, num_keys=kv.shape[1], sm_scale=sm_scale, block_k=block_k,
+        num_blocks=topk // block_k, kchunks=kchunks, vchunks=vchunks, group=group)
+    dq, contrib = pl.pallas_call(
+        kernel,
+        grid=(rows_total, groups),
+        out_shape=[jax.ShapeDtypeStruct((rows_total, hp, dk), jnp.float32),
+                   jax.ShapeDtypeStruct((rows_total, groups, topk, dk), kv.dtype)],
+        compiler_params=_params(num_warps, num_stages),
+        interpret=interpret,
+        name="sparse_mla_bwd",
+    )(flat(q), flat(dout.astype(q.dtype)), flat(lse, -jnp.inf), flat(delta), kv,
+      idx.reshape(rows_total, topk))
+    dq = dq[:, :heads].reshape(batch, seq_len, heads, dk)
+    if groups > 1:
+        contrib = jnp.sum(contrib, axis=1, dtype=jnp.float32)
+    return dq, contrib.reshape(batch, seq_len, topk, dk)
+
+
+@functools.lru_cache(maxsize=None)
+def _op(sm_scale, v_dim, block_k, splits, num_warps, num_stages, bwd_block_k, bwd_num_stages,
+        bwd_head_group, interpret):
+    def fwd(q, kv, idx):
+        b, s, kp = idx.shape
+        return _forward(q, kv, idx.reshape(b * s, kp), sm_scale=sm_scale, v_dim=v_dim,
+                        block_k=block_k, splits=splits, num_warps=num_warps,
+                        num_stages=num_stages, interpret=interpret)
+
+    bwd = functools.partial(_backward, sm_scale=sm_scale, v_dim=v_dim, block_k=bwd_block_k,
+                            num_warps=num_warps, num_stages=bwd_num_stages,
+                            head_group=bwd_head_group, interpret=interpret)
+    return vjp.make_sparse_mla(fwd, bwd)
+
+
+def default_splits(num_queries: int, topk: int, block_k: int) -> int:
+    """K splits per query so that about TARGET_PROGRAMS programs run (1 for prefill)."""
+    splits = max(1, TARGET_PROGRAMS // max(1, num_queries))
+    splits = min(splits, max(1, -(-topk // block_k)))
+    return 1 << (splits.bit_length() - 1)
+
+
+def sparse_mla(q: jax.Array, kv: jax.Array, indices: jax.Array, *, sm_scale: float, v_dim: int,
+               interpret: bool = False, block_k: int | None = None, num_splits: int | None = None,
+               num_warps: int = 8, num_stages: int = 2, bwd_block_k: int | None = None,
+               bwd_num_stages: int = 1, bwd_head_group: int = 32):
+    """Sparse MLA forward/backward with Pallas Triton kernels; contract of
+    `pallas_kernels.sparse_mla`.
+
+    q [B, S, H, Dk], kv [B, T, Dk], indices int32 [B, S, K] (-1 = skip)
+    -> (out [B, S, H, v_dim] in q.dtype, lse float32 [B, S, H]).
+    block_k, bwd_block_k: rows per loop step of the forward / backward (powers of two);
+    num_splits: programs per query in the forward (default: enough to fill the GPU);
+    num_warps, num_stages, bwd_num_stages: Triton settings; bwd_head_group: heads per backward
+    program (power of two; the groups' dkv contributions are summed in XLA).
+    Compiled for a GPU, every power-of-two column chunk of Dk must be >= 16 wide, and the
+    backward's q, dout and row block must fit in shared memory (bf16 at 64 x 576 does;
+    float32 at 64 heads does not)."""
+    batch, seq_len = q.shape[:2]
+    topk = indices.shape[-1]
+    shrink = max(1, jnp.dtype(kv.dtype).itemsize // 2)
+    bk = int(block_k or min(DEFAULT_BLOCK_K // shrink, max(16, _next_pow2(topk))))
+    bbk = int(bwd_block_k or max(16, DEFAULT_BWD_BLOCK_K // shrink))
+    splits = int(num_splits or default_splits(batch * seq_len, topk, bk))
+    unit = math.lcm(bk * splits, bbk)
+    padded = -(-topk // unit) * unit
+    idx = jnp.asarray(indices, jnp.int32)
+    if padded != topk:
+        idx = jnp.pad(idx, ((0, 0), (0, 0), (0, padded - topk)), constant_values=-1)
+    op = _op(float(sm_scale), int(v_dim), bk, splits, int(num_warps), int(num_stages), bbk,
+             int(bwd_num_stages), int(bwd_head_group), bool(interpret))
+    return op(q, kv, idx)
