@@ -167,9 +167,9 @@ class GLMConfig:
         path = Path(path)
         if path.is_dir():
             path = path / "config.json"
-        values = json.loads(path.read_text())
-        values = {k: v for k, v in values.items() if k not in _HF_METADATA_KEYS}
-        rope_parameters = json.loads(path.read_text()).get("rope_parameters")
+        raw = json.loads(path.read_text())
+        values = {k: v for k, v in raw.items() if k not in _HF_METADATA_KEYS}
+        rope_parameters = raw.get("rope_parameters")
         if rope_parameters and "rope_theta" not in values:
             values["rope_theta"] = rope_parameters["rope_theta"]
             if rope_parameters.get("rope_type", "default") != "default":

@@ -97,10 +97,7 @@ def sparse_mla(q: jax.Array, kv: jax.Array, indices: jax.Array, *, sm_scale: flo
       A query with no valid index gets out 0 and lse -inf. Differentiable in q and kv, with
       finite gradients also for such rows (mask the -inf lse before using it in a loss).
     """
-    if impl == "auto" and jax.default_backend() in ("tpu", "gpu"):
-        impl = "pallas_tpu" if jax.default_backend() == "tpu" else "pallas_gpu"
-    elif impl not in ("pallas_tpu", "pallas_gpu"):
-        impl = resolve_impl("sparse_mla", impl)
+    impl = resolve_impl("sparse_mla", impl, implemented=("reference", "xla", "pallas_tpu", "pallas_gpu"))
     if not 0 < v_dim <= kv.shape[-1]:
         raise ValueError(f"pallas_kernels.sparse_mla: v_dim={v_dim} must be in [1, {kv.shape[-1]}]")
     if impl == "pallas_tpu":

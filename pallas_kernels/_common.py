@@ -11,9 +11,9 @@ from jax import lax
 
 #: Every accepted value of `impl`, in the order the error messages list them.
 VALID_IMPLS = ("auto", "reference", "xla", "pallas_tpu", "pallas_gpu")
-#: The implementations that exist today; "auto" resolves to the first Pallas one available later.
+#: The implementations every op has.
 IMPLEMENTED = ("reference", "xla")
-#: What "auto" resolves to.
+#: What "auto" resolves to where the backend has no Pallas implementation of the op.
 AUTO_IMPL = "xla"
 
 #: Upper bound on the bytes of the per-chunk intermediates of the `xla` impls.
@@ -22,17 +22,20 @@ CHUNK_BUDGET_BYTES = 256 * 2**20
 MAX_Q_CHUNK = 256
 
 
-def resolve_impl(op: str, impl: str) -> str:
+def resolve_impl(op: str, impl: str, implemented: Sequence[str] = IMPLEMENTED) -> str:
     """Validates `impl` for op `op` and returns the concrete implementation name.
 
+    `implemented` lists the op's implementations; "auto" becomes the Pallas one of the current
+    backend ("pallas_tpu" on TPU, "pallas_gpu" on GPU) when the op has it, else AUTO_IMPL.
     Raises ValueError (listing the valid choices) for an unknown name and NotImplementedError
     for an implementation that does not exist yet."""
     if not isinstance(impl, str) or impl not in VALID_IMPLS:
         choices = ", ".join(repr(c) for c in VALID_IMPLS)
         raise ValueError(f"pallas_kernels.{op}: unknown impl {impl!r}; valid choices are {choices}")
     if impl == "auto":
-        return AUTO_IMPL
-    if impl not in IMPLEMENTED:
+        native = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(jax.default_backend())
+        return native if native in implemented else AUTO_IMPL
+    if impl not in implemented:
         raise NotImplementedError(
             f"pallas_kernels.{op}: impl={impl!r} is not implemented yet; "
             f"use impl='auto', 'xla' or 'reference'")
@@ -47,13 +50,7 @@ def choose_q_chunk(seq_len: int, bytes_per_query: int, q_chunk: int | None = Non
     <= max_chunk whose intermediates (bytes_per_query each) fit in `budget`."""
     seq_len = int(seq_len)
     if q_chunk is not None:
-        try:
-            q_chunk = operator.index(q_chunk)
-        except TypeError:
-            raise ValueError(f"q_chunk must be a positive int or None, got {q_chunk!r}") from None
-        if q_chunk < 1:
-            raise ValueError(f"q_chunk must be a positive int or None, got {q_chunk!r}")
-        return max(1, min(q_chunk, seq_len))
+        return max(1, min(_positive_int("q_chunk", q_chunk, " or None"), seq_len))
     c = max(1, min(int(budget) // max(1, int(bytes_per_query)), int(max_chunk)))
     c = 1 << (c.bit_length() - 1)
     return max(1, min(c, seq_len))
@@ -72,14 +69,6 @@ def map_query_chunks(fn: Callable, args: Sequence[jax.Array], pad_values: Sequen
     if seq_len <= chunk:
         return fn(*args)
     n = -(-seq_len // chunk)
-    pad = n * chunk - seq_len
-
-    def split(x, value):
-        if pad:
-            widths = [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)
-            x = jnp.pad(x, widths, constant_values=jnp.asarray(value, x.dtype))
-        x = x.reshape((x.shape[0], n, chunk) + x.shape[2:])
-        return jnp.moveaxis(x, 1, 0)
 
     def merge(y):
         y = jnp.moveaxis(y, 0, 1)
@@ -87,9 +76,20 @@ def map_query_chunks(fn: Callable, args: Sequence[jax.Array], pad_values: Sequen
         return y[:, :seq_len]
 
     body = jax.checkpoint(fn) if remat else fn
-    xs = tuple(split(a, v) for a, v in zip(args, pad_values))
+    xs = tuple(split_query_chunks(a, v, chunk) for a, v in zip(args, pad_values))
     ys = lax.map(lambda chunk_args: body(*chunk_args), xs)
     return jax.tree.map(merge, ys)
+
+
+def split_query_chunks(x: jax.Array, pad_value, chunk: int) -> jax.Array:
+    """[B, S, ...] -> [n, B, chunk, ...] with n = ceil(S / chunk), the tail padded with pad_value."""
+    seq_len = x.shape[1]
+    n = -(-seq_len // chunk)
+    pad = n * chunk - seq_len
+    if pad:
+        widths = [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)
+        x = jnp.pad(x, widths, constant_values=jnp.asarray(pad_value, x.dtype))
+    return jnp.moveaxis(x.reshape((x.shape[0], n, chunk) + x.shape[2:]), 1, 0)
 
 
 def key_mask(q_pos: jax.Array, kv_len: jax.Array, num_keys: int) -> jax.Array:
@@ -116,10 +116,14 @@ def normalize_zero(x: jax.Array) -> jax.Array:
 
 def check_topk(topk) -> int:
     """Validates the static `topk` and returns it as a Python int."""
+    return _positive_int("topk", topk)
+
+
+def _positive_int(name: str, value, alternatives: str = "") -> int:
     try:
-        value = operator.index(topk)
+        result = operator.index(value)
     except TypeError:
-        raise ValueError(f"topk must be a positive int, got {topk!r}") from None
-    if value < 1:
-        raise ValueError(f"topk must be a positive int, got {topk!r}")
-    return value
+        result = 0
+    if result < 1:
+        raise ValueError(f"{name} must be a positive int{alternatives}, got {value!r}")
+    return result

@@ -1,4 +1,4 @@
-"""Decoding: sampling, the cached generation loop and (later) speculative decoding."""
+"""Decoding: sampling, the cached generation loop, rejection sampling and speculative decoding."""
 
 from glm_jax.decoding.rejection import rejection_sample
 from glm_jax.decoding.sampling import sample_tokens

@@ -130,7 +130,7 @@ class Generator(GeneratorBase):
         padded, lengths = self._prompt_batch(prompt_ids, max_new_tokens)
         b, p = padded.shape
         # Room for whole prefill chunks and whole decode blocks (their padding rows are written).
-        cache_len = max(_round_up(p, self.prefill_chunk), p + _round_up(max_new_tokens, self.block_size))
+        cache_len = max(round_up(p, self.prefill_chunk), p + round_up(max_new_tokens, self.block_size))
         cache = create_cache(self.cfg, b, cache_len, self.cache_dtype)
 
         t0 = time.perf_counter()
@@ -162,7 +162,7 @@ class Generator(GeneratorBase):
                     break
 
 
-def _round_up(n: int, m: int) -> int:
+def round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 

@@ -30,7 +30,7 @@ from flax import nnx
 
 from glm_jax import ops
 from glm_jax.cache import KVCache, create_cache, create_mtp_cache
-from glm_jax.decoding.generate import GeneratorBase, _round_up
+from glm_jax.decoding.generate import GeneratorBase, round_up
 from glm_jax.decoding.rejection import rejection_sample, sampling_probs
 
 
@@ -176,7 +176,7 @@ class SpeculativeGenerator(GeneratorBase):
         padded, lengths = self._prompt_batch(prompt_ids, max_new_tokens)
         b, p = padded.shape
         k, chunk = self.num_draft, self.prefill_chunk
-        cache_len = max(_round_up(p, chunk), p + max_new_tokens + 2 * (k + 1))
+        cache_len = max(round_up(p, chunk), p + max_new_tokens + 2 * (k + 1))
         cache = create_cache(self.cfg, b, cache_len)
         mtp_cache = create_mtp_cache(self.cfg, b, cache_len)
         t0 = time.perf_counter()

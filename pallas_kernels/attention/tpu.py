@@ -162,15 +162,20 @@ def _params():
     return pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary"))
 
 
-def _forward(q, kv, idx, *, sm_scale, v_dim, block_k, interpret):
-    """idx already padded to a multiple of block_k."""
+def _layout(q, kv, idx, block_k):
+    """Shapes, the [B, T, 1, Dk] / [B, S, 1, K] views the kernels read, and the shared block specs."""
     batch, seq_len, heads, dk = q.shape
-    num_keys = kv.shape[1]
-    topk = idx.shape[-1]
-    nk = topk // block_k
+    num_keys, topk = kv.shape[1], idx.shape[-1]
     kv4 = kv.reshape(batch, num_keys, 1, dk)
     idx4 = idx.reshape(batch, seq_len, 1, topk)
-    idx_smem, idx_vmem, q_spec, kv_spec = _common_specs(batch, heads, dk, block_k, topk)
+    specs = _common_specs(batch, heads, dk, block_k, topk)
+    return batch, seq_len, heads, dk, num_keys, topk, topk // block_k, kv4, idx4, specs
+
+
+def _forward(q, kv, idx, *, sm_scale, v_dim, block_k, interpret):
+    """idx already padded to a multiple of block_k."""
+    batch, seq_len, heads, dk, num_keys, topk, nk, kv4, idx4, specs = _layout(q, kv, idx, block_k)
+    idx_smem, idx_vmem, q_spec, kv_spec = specs
     kernel = functools.partial(_fwd_kernel, sm_scale=sm_scale, v_dim=v_dim, block_k=block_k,
                                num_keys=num_keys)
     out, lse = pl.pallas_call(
@@ -228,13 +233,8 @@ def _bwd_kernel(idx_smem, idx_vmem, q_ref, do_ref, lse_ref, delta_ref, kv_hbm, d
 
 
 def _backward(q, kv, idx, dout, lse, delta, *, sm_scale, v_dim, block_k, interpret):
-    batch, seq_len, heads, dk = q.shape
-    num_keys = kv.shape[1]
-    topk = idx.shape[-1]
-    nk = topk // block_k
-    kv4 = kv.reshape(batch, num_keys, 1, dk)
-    idx4 = idx.reshape(batch, seq_len, 1, topk)
-    idx_smem, idx_vmem, q_spec, kv_spec = _common_specs(batch, heads, dk, block_k, topk)
+    batch, seq_len, heads, dk, num_keys, topk, nk, kv4, idx4, specs = _layout(q, kv, idx, block_k)
+    idx_smem, idx_vmem, q_spec, kv_spec = specs
     per_head = lambda width: pl.BlockSpec((None, None, heads, width), lambda b, s, k: (b, s, 0, 0))
     kernel = functools.partial(_bwd_kernel, sm_scale=sm_scale, v_dim=v_dim, block_k=block_k,
                                num_keys=num_keys)

@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels._common import split_query_chunks
+
 #: Upper bound on the bytes of one chunk's per-(query, slot) gradient contributions.
 CONTRIB_BUDGET_BYTES = 2 * 2**30
 
@@ -46,15 +48,8 @@ def backward(fwd_res, dout, dlse, *, bwd: Callable, budget: int = CONTRIB_BUDGET
 
     chunk = _query_chunk(batch, seq_len, topk, dk, jnp.dtype(kv.dtype).itemsize, budget)
     n = -(-seq_len // chunk)
-    pad = n * chunk - seq_len
-
-    def split(x, value):
-        if pad:
-            widths = [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)
-            x = jnp.pad(x, widths, constant_values=jnp.asarray(value, x.dtype))
-        return jnp.moveaxis(x.reshape((batch, n, chunk) + x.shape[2:]), 1, 0)
-
-    xs = (split(q, 0), split(idx, -1), split(dout, 0), split(lse, -jnp.inf), split(delta, 0))
+    xs = tuple(split_query_chunks(x, v, chunk) for x, v in
+               ((q, 0), (idx, -1), (dout, 0), (lse, -jnp.inf), (delta, 0)))
     row_base = (jnp.arange(batch, dtype=jnp.int32) * num_keys)[:, None, None]
 
     def step(dkv, chunk_args):
