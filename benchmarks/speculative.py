@@ -4,7 +4,12 @@
 
 Each configuration is run twice with the same inputs; the second (compiled) run is timed.
 Prompts are the first lines of held-out standard-library files, so the text is code the model
-did not train on. Greedy decoding (temperature 0), where speculative output equals plain output.
+did not train on. Greedy by default (speculative output is checked to equal plain output);
+`--temperature T` samples instead, `--kv-share-ablation` adds runs with KVShare off.
+
+The physical limit printed beside plain decoding: a decode step must read every weight and the
+KV it attends, so tokens/s <= batch x copy bandwidth / (weight bytes + KV bytes read per step),
+with the device's copy bandwidth measured in the same run.
 """
 
 from __future__ import annotations
@@ -13,7 +18,9 @@ import argparse
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from glm_jax.checkpoint import load_model_dir
 from glm_jax.data import corpus
@@ -36,6 +43,31 @@ def prompts(tok, batch: int, length: int) -> np.ndarray:
     return np.asarray(rows, np.int32)
 
 
+def copy_bandwidth() -> float:
+    """Bytes/s of a device-to-device copy (read + write), median of 10."""
+    n = (256 if jax.default_backend() != "cpu" else 32) * 2**20 // 4
+    x = jnp.ones((n,), jnp.float32)
+    copy = jax.jit(lambda a: a + 1.0)
+    copy(x).block_until_ready()
+    times = []
+    for _ in range(10):
+        t = time.perf_counter()
+        copy(x).block_until_ready()
+        times.append(time.perf_counter() - t)
+    return 2 * x.nbytes / float(np.median(times))
+
+
+def bytes_per_step(model, batch: int, context: int) -> int:
+    """Weights (all of them) plus, per sequence, the latent rows attended on every layer and the
+    indexer keys scanned on Full layers, at the given context."""
+    cfg = model.cfg
+    weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model)))
+    item = jnp.dtype(cfg.dtype).itemsize
+    kv = (cfg.num_hidden_layers * min(cfg.index_topk, context) * cfg.latent_dim
+          + len(cfg.full_layers) * context * cfg.index_head_dim) * item
+    return weights + batch * kv
+
+
 def timed(fn):
     fn()                                   # compile
     t = time.perf_counter()
@@ -50,34 +82,46 @@ def main() -> None:
     ap.add_argument("--draft", type=int, nargs="+", default=[3, 7])
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--kv-share-ablation", action="store_true", help="also run with KVShare off")
     args = ap.parse_args()
     model = load_model_dir(args.checkpoint)
     tok = load_tokenizer(args.checkpoint)
     max_len = args.prompt_len + args.new_tokens + 64
-    print(f"device {jax.devices()[0].device_kind}; model {model.cfg.name}; prompt {args.prompt_len} tokens; "
-          f"{args.new_tokens} new tokens per sequence; greedy")
+    bandwidth = copy_bandwidth()
+    mode = "greedy" if args.temperature == 0 else f"temperature {args.temperature}"
+    print(f"device {jax.devices()[0].device_kind}; copy bandwidth {bandwidth / 1e9:.1f} GB/s; model "
+          f"{model.cfg.name}; prompt {args.prompt_len} tokens; {args.new_tokens} new tokens per sequence; {mode}")
     print("| batch | decoding | tokens/s | acceptance length | accept rate per draft position | speedup |")
     print("|---|---|---|---|---|---|")
     for batch in args.batch:
         ids = prompts(tok, batch, args.prompt_len)
         plain = Generator(model, batch=batch, max_len=max_len, prefill_chunk=64, block_size=16)
 
+        sampling = dict(max_new_tokens=args.new_tokens, temperature=args.temperature, top_p=1.0)
+
         def run_plain():
-            out = np.concatenate(list(plain.generate(ids, max_new_tokens=args.new_tokens)), axis=1)
+            out = np.concatenate(list(plain.generate(ids, **sampling)), axis=1)
             return out[:, :args.new_tokens]
 
         ref, t_plain = timed(run_plain)
         plain_rate = batch * args.new_tokens / (t_plain - plain.stats["prefill_s"])
+        limit = batch * bandwidth / bytes_per_step(model, batch, args.prompt_len + args.new_tokens)
         print(f"| {batch} | plain | {plain_rate:.1f} | 1.00 | - | 1.00x |", flush=True)
+        print(f"| {batch} | limit: copy bandwidth / bytes read per step | {limit:.0f} | | | |", flush=True)
         for k in args.draft:
-            spec = SpeculativeGenerator(model, batch=batch, max_len=max_len, num_draft=k, prefill_chunk=64)
-            out, _ = timed(lambda: spec.generate(ids, max_new_tokens=args.new_tokens))
-            assert np.array_equal(out, ref), "greedy speculative decoding must equal greedy plain decoding"
-            s = spec.stats
-            rate = batch * args.new_tokens / s.decode_s
-            rates = " ".join(f"{r:.2f}" for r in s.acceptance_rate)
-            print(f"| {batch} | speculative K={k} | {rate:.1f} | {s.acceptance_length:.2f} | {rates} | "
-                  f"{rate / plain_rate:.2f}x |", flush=True)
+            for kv_share in (True, False) if args.kv_share_ablation else (True,):
+                spec = SpeculativeGenerator(model, batch=batch, max_len=max_len, num_draft=k, prefill_chunk=64,
+                                            kv_share=kv_share)
+                out, _ = timed(lambda: spec.generate(ids, **sampling))
+                if args.temperature == 0:
+                    assert np.array_equal(out, ref), "greedy speculative decoding must equal greedy plain decoding"
+                s = spec.stats
+                rate = batch * args.new_tokens / s.decode_s
+                rates = " ".join(f"{r:.2f}" for r in s.acceptance_rate)
+                name = f"speculative K={k}" + ("" if kv_share else ", KVShare off")
+                print(f"| {batch} | {name} | {rate:.1f} | {s.acceptance_length:.2f} | {rates} | "
+                      f"{rate / plain_rate:.2f}x |", flush=True)
 
 
 if __name__ == "__main__":
