@@ -17,52 +17,18 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels as pk
+from benchmarks._measure import bench, ceilings
 from pallas_kernels.attention import gpu as gpu_kernels
 from pallas_kernels.attention import tpu as tpu_kernels
 
 H, DK, DV = 64, 576, 512
 SCALE = DK ** -0.5
-
-
-def bench(fn, *args, reps=7, inner=None, min_time=0.02):
-    """Median seconds per call of jitted fn(*args)."""
-    out = fn(*args)
-    jax.block_until_ready(out)
-    if inner is None:
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        once = time.perf_counter() - t
-        inner = max(1, min(200, int(min_time / max(once, 1e-6))))
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        for _ in range(inner):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t) / inner)
-    return statistics.median(times)
-
-
-def ceilings(smoke):
-    n = 1 << (20 if smoke else 30)                       # 2 GiB of bf16 (read + write 4 GiB)
-    x = jax.random.normal(jax.random.key(0), (n,), jnp.bfloat16)
-    copy = jax.jit(lambda a: a * 2)
-    t = bench(copy, x)
-    bw = 2 * n * 2 / t
-    m = 256 if smoke else 8192
-    a = jax.random.normal(jax.random.key(1), (m, m), jnp.bfloat16)
-    b = jax.random.normal(jax.random.key(2), (m, m), jnp.bfloat16)
-    mm = jax.jit(lambda a, b: a @ b)
-    t = bench(mm, a, b)
-    return bw, 2 * m ** 3 / t
 
 
 def inputs(key, B, S, T, K, dtype=jnp.bfloat16, invalid=0.0):

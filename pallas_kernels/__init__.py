@@ -9,21 +9,28 @@ Public ops (pure functions of arrays; jittable with the keyword-only config argu
 Every op takes `impl`:
     "reference"   dense plain-jnp oracle (builds [B, S, T]-sized matrices; tests, small shapes)
     "xla"         memory-sane jnp, chunked over queries (never all of [S, T] at once)
-    "auto"        the best available implementation; currently "xla"
-    "pallas_tpu", "pallas_gpu"   accepted names, not implemented yet (NotImplementedError)
-`interpret` is for the Pallas implementations (run on the CPU) and ignored by the others;
-`q_chunk` is the number of queries per chunk of the "xla" implementation (None: chosen from
-the shapes so that a chunk's intermediates stay under ~256 MB) and ignored by "reference".
+    "auto"        the Pallas implementation of the current backend on TPU and GPU, else "xla"
+    "pallas_tpu"  Mosaic TPU kernels;  "pallas_gpu"  Pallas kernels with the Triton lowering
+`interpret` runs a Pallas implementation on the CPU (tests) and is ignored by the others;
+`q_chunk` is the number of queries per chunk of the "xla" implementation and of the Pallas
+indexer top-k (None: chosen from the shapes so that a chunk's intermediates stay bounded)
+and ignored by "reference".
 All arithmetic is float32 internally; inputs may be bfloat16.
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
+import jax.numpy as jnp
 
 from pallas_kernels import attention as _attention
 from pallas_kernels import indexer as _indexer
 from pallas_kernels._common import AUTO_IMPL, VALID_IMPLS, resolve_impl
+
+_INDEXER_PALLAS = {"pallas_gpu": _indexer.gpu, "pallas_tpu": _indexer.tpu}
+_INDEXER_IMPLS = ("reference", "xla") + tuple(_INDEXER_PALLAS)
 
 __all__ = ["VALID_IMPLS", "AUTO_IMPL", "resolve_impl", "indexer_scores", "indexer_topk", "sparse_mla"]
 
@@ -45,11 +52,38 @@ def indexer_scores(q: jax.Array, k: jax.Array, weights: jax.Array, *, q_pos: jax
       float32 [B, S, T]: score[b,s,t] = sum_h weights[b,s,h] * relu(q[b,s,h] . k[b,t]) where
       t <= q_pos[b,s] and t < kv_len[b]; -inf elsewhere.
     """
-    del interpret
-    impl = resolve_impl("indexer_scores", impl)
+    impl = resolve_impl("indexer_scores", impl, implemented=_INDEXER_IMPLS)
+    if impl in _INDEXER_PALLAS:
+        return _pallas_scores(impl, interpret, q_chunk)(q, k, weights, jnp.asarray(q_pos, jnp.int32),
+                                                        jnp.asarray(kv_len, jnp.int32))
     if impl == "reference":
         return _indexer.reference.indexer_scores(q, k, weights, q_pos=q_pos, kv_len=kv_len)
     return _indexer.xla.indexer_scores(q, k, weights, q_pos=q_pos, kv_len=kv_len, q_chunk=q_chunk)
+
+
+@functools.cache
+def _pallas_scores(impl: str, interpret: bool, q_chunk: int | None):
+    """The Pallas scores, differentiable: the backward pass is that of the `xla` scores (the
+    indexer losses train through them)."""
+    forward = functools.partial(_INDEXER_PALLAS[impl].indexer_scores, interpret=interpret)
+
+    def xla_scores(q, k, weights, q_pos, kv_len):
+        return _indexer.xla.indexer_scores(q, k, weights, q_pos=q_pos, kv_len=kv_len, q_chunk=q_chunk)
+
+    @jax.custom_vjp
+    def scores(q, k, weights, q_pos, kv_len):
+        return forward(q, k, weights, q_pos=q_pos, kv_len=kv_len)
+
+    def fwd(q, k, weights, q_pos, kv_len):
+        return scores(q, k, weights, q_pos, kv_len), (q, k, weights, q_pos, kv_len)
+
+    def bwd(res, g):
+        q, k, weights, q_pos, kv_len = res
+        _, vjp = jax.vjp(lambda a, b, c: xla_scores(a, b, c, q_pos, kv_len), q, k, weights)
+        return (*vjp(g), None, None)
+
+    scores.defvjp(fwd, bwd)
+    return scores
 
 
 def indexer_topk(q: jax.Array, k: jax.Array, weights: jax.Array, *, topk: int, q_pos: jax.Array,
@@ -69,8 +103,10 @@ def indexer_topk(q: jax.Array, k: jax.Array, weights: jax.Array, *, topk: int, q
       ordered by descending score, equal scores by ascending t, and the remaining trailing
       slots are -1. Masked keys are never selected. Deterministic.
     """
-    del interpret
-    impl = resolve_impl("indexer_topk", impl)
+    impl = resolve_impl("indexer_topk", impl, implemented=_INDEXER_IMPLS)
+    if impl in _INDEXER_PALLAS:
+        return _INDEXER_PALLAS[impl].indexer_topk(q, k, weights, topk=topk, q_pos=q_pos, kv_len=kv_len,
+                                                  interpret=interpret, q_chunk=q_chunk)
     if impl == "reference":
         return _indexer.reference.indexer_topk(q, k, weights, topk=topk, q_pos=q_pos, kv_len=kv_len)
     return _indexer.xla.indexer_topk(q, k, weights, topk=topk, q_pos=q_pos, kv_len=kv_len,

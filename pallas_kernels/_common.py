@@ -92,6 +92,16 @@ def split_query_chunks(x: jax.Array, pad_value, chunk: int) -> jax.Array:
     return jnp.moveaxis(x.reshape((x.shape[0], n, chunk) + x.shape[2:]), 1, 0)
 
 
+def pad_axis(x: jax.Array, axis: int, size: int, value=0) -> jax.Array:
+    """Pads `axis` of x at the end with `value` up to `size` (no-op when already that long)."""
+    extra = size - x.shape[axis]
+    if extra <= 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x, widths, constant_values=value)
+
+
 def key_mask(q_pos: jax.Array, kv_len: jax.Array, num_keys: int) -> jax.Array:
     """q_pos int [B, S], kv_len int [B] -> bool [B, S, T]: t <= q_pos[b, s] and t < kv_len[b]."""
     t = lax.broadcasted_iota(jnp.int32, (1, 1, num_keys), 2)

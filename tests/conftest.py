@@ -7,6 +7,8 @@ import sys
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Ahead-of-time TPU compilation (libtpu, no TPU) from several test workers at once.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import pytest  # noqa: E402
@@ -29,3 +31,17 @@ def micro_config(**changes) -> GLMConfig:
 @pytest.fixture
 def micro_cfg() -> GLMConfig:
     return micro_config()
+
+
+def tpu_compile_mesh(topology: str):
+    """A one-device mesh of an ahead-of-time TPU topology (libtpu, no TPU); skips without it."""
+    pytest.importorskip("libtpu")
+    import numpy as np
+    from jax.experimental import topologies
+    from jax.sharding import Mesh
+
+    try:
+        topo = topologies.get_topology_desc(platform="tpu", topology_name=topology)
+    except Exception as e:  # libtpu present but unable to describe TPUs here
+        pytest.skip(f"no TPU topology: {e}")
+    return Mesh(np.array(topo.devices)[:1], ("x",))

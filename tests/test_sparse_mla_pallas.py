@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels as pk
+from conftest import tpu_compile_mesh
 from pallas_kernels.attention import gpu, reference, tpu
 
 H, DK, DV, T = 4, 80, 64, 50
@@ -142,15 +143,9 @@ def _fwd_and_grad(module, v_dim):
 @pytest.mark.parametrize("topology", ["v5p:2x2x1", "v6e:2x2"])
 @pytest.mark.parametrize("shape", [DECODE, PREFILL], ids=["decode", "prefill"])
 def test_tpu_kernels_compile_ahead_of_time(topology, shape):
-    pytest.importorskip("libtpu")
-    from jax.experimental import topologies
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding, PartitionSpec as P
 
-    try:
-        topo = topologies.get_topology_desc(platform="tpu", topology_name=topology)
-    except Exception as e:  # libtpu present but unable to describe TPUs here
-        pytest.skip(f"no TPU topology: {e}")
-    mesh = Mesh(np.array(topo.devices)[:1], ("x",))
+    mesh = tpu_compile_mesh(topology)
     args = _shapes(shape, NamedSharding(mesh, P()))
     for fn in _fwd_and_grad(tpu, shape[4]):
         wrapped = jax.shard_map(fn, mesh=mesh, in_specs=(P(), P(), P()), out_specs=P(),

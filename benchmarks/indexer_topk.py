@@ -1,0 +1,135 @@
+"""Lightning-indexer benchmark: the Pallas top-k vs the XLA baseline, next to the roofline.
+
+    PYTHONPATH=. python3 benchmarks/indexer_topk.py            # on a GPU
+    PYTHONPATH=. python3 benchmarks/indexer_topk.py --smoke    # tiny shapes, interpret mode, CPU
+
+Prints, in one run: the measured device copy bandwidth and bf16 matmul rate (the ceilings); an
+exactness check of the Pallas top-k against the reference on integer-valued inputs (exact
+scores, many ties); selection alone over given float32 scores [64, T]; decode (64 sequences x
+1 query, 32 heads x 128, bf16 keys) at several contexts, with bandwidth on the key bytes; and
+prefill scoring and top-k (4K and 8K queries at the end of a 128K context) with the FLOP rate
+of the causal scores. The baseline is what one writes without the kernels: the `xla` scores
+followed by `jax.lax.top_k`. `--json FILE` also writes the rows for plotting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import pallas_kernels as pk
+from benchmarks._measure import bench, ceilings
+from pallas_kernels.indexer import gpu as gpu_kernels
+
+H, D, TOPK = 32, 128, 2048
+
+
+def impl_name() -> str:
+    return {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(jax.default_backend(), "pallas_gpu")
+
+
+def decode_inputs(key, B, S, T, dtype=jnp.bfloat16):
+    kq, kk, kw = jax.random.split(key, 3)
+    q = jax.random.normal(kq, (B, S, H, D), dtype)
+    k = jax.random.normal(kk, (B, T, D), dtype)
+    w = jax.random.uniform(kw, (B, S, H), jnp.float32, 0.0, 1.0) * H ** -0.5 * D ** -0.5
+    q_pos = jnp.broadcast_to(T - S + jnp.arange(S, dtype=jnp.int32), (B, S))
+    return q, k, w, q_pos, jnp.full((B,), T, jnp.int32)
+
+
+def check(impl, interpret):
+    """Exactness on integer-valued inputs (exact float32 scores, plentiful ties)."""
+    rng = np.random.default_rng(0)
+    B, S, T, topk = (2, 3, 700, 64) if interpret else (4, 5, 40000, TOPK)
+    q = jnp.asarray(rng.integers(-2, 3, (B, S, H, D)), jnp.bfloat16)
+    k = jnp.asarray(rng.integers(-2, 3, (B, T, D)), jnp.bfloat16)
+    w = jnp.asarray(rng.integers(0, 3, (B, S, H)), jnp.float32)
+    q_pos = jnp.asarray(rng.integers(T // 2, T, (B, S)), jnp.int32)
+    kv_len = jnp.asarray(rng.integers(T // 2, T + 1, (B,)), jnp.int32)
+    args = dict(topk=topk, q_pos=q_pos, kv_len=kv_len)
+    want = jax.jit(functools.partial(pk.indexer_topk, impl="xla", **args))(q, k, w)
+    got = jax.jit(functools.partial(pk.indexer_topk, impl=impl, interpret=interpret, **args))(q, k, w)
+    same = bool(np.array_equal(np.asarray(got), np.asarray(want)))
+    print(f"exactness vs xla on integer inputs [{B}x{S} queries, {T} keys, top-{topk}]: "
+          f"{'identical' if same else 'DIFFERENT'}")
+    return same
+
+
+def baseline_topk(q, k, w, q_pos, kv_len, topk):
+    s = pk.indexer_scores(q, k, w, q_pos=q_pos, kv_len=kv_len, impl="xla")
+    return jax.lax.top_k(s, topk)[1]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (CPU)")
+    ap.add_argument("--contexts", type=int, nargs="+", default=[131072, 262144, 1048576])
+    ap.add_argument("--prefill-queries", type=int, nargs="+", default=[4096, 8192])
+    ap.add_argument("--json", help="also write the rows here")
+    args = ap.parse_args()
+    interpret = args.smoke
+    impl = impl_name()
+    bw, mm = ceilings(args.smoke)
+    print(f"device: {jax.devices()[0].device_kind}; copy bandwidth {bw / 1e9:.0f} GB/s; "
+          f"bf16 matmul {mm / 1e12:.0f} TFLOP/s; impl {impl}")
+    ok = check(impl, interpret)
+    rows = []
+    contexts = [4096] if args.smoke else args.contexts
+    batch = 2 if args.smoke else 64
+    topk = 64 if args.smoke else TOPK
+
+    print("\n| selection alone, f32 scores | ours ms | lax.top_k ms | speedup | GB/s on scores | copy GB/s |")
+    print("|---|---|---|---|---|---|")
+    for T in contexts:
+        s = jax.random.normal(jax.random.key(1), (batch, T), jnp.float32)
+        ours = bench(jax.jit(lambda x: gpu_kernels.select_topk(x, topk, interpret=interpret)), s)
+        base = bench(jax.jit(lambda x: jax.lax.top_k(x, topk)[1]), s)
+        gbs = s.nbytes / ours / 1e9
+        print(f"| [{batch}, {T}] | {ours * 1e3:.3f} | {base * 1e3:.3f} | {base / ours:.1f}x | {gbs:.0f} | {bw / 1e9:.0f} |",
+              flush=True)
+        rows.append(dict(kind="select", T=T, ours_s=ours, baseline_s=base))
+
+    print("\n| decode: 64 seq x 1 query, bf16 keys | ours ms | baseline ms | speedup | key GB/s | % of copy |")
+    print("|---|---|---|---|---|---|")
+    for T in contexts:
+        q, k, w, q_pos, kv_len = decode_inputs(jax.random.key(2), batch, 1, T)
+        ours_fn = jax.jit(lambda q, k, w, p, n: pk.indexer_topk(q, k, w, topk=topk, q_pos=p, kv_len=n,
+                                                                impl=impl, interpret=interpret))
+        base_fn = jax.jit(functools.partial(baseline_topk, topk=topk))
+        ours = bench(ours_fn, q, k, w, q_pos, kv_len)
+        base = bench(base_fn, q, k, w, q_pos, kv_len)
+        gbs = k.nbytes / ours / 1e9
+        print(f"| {T} | {ours * 1e3:.3f} | {base * 1e3:.3f} | {base / ours:.1f}x | {gbs:.0f} | "
+              f"{100 * k.nbytes / ours / bw:.0f}% |", flush=True)
+        rows.append(dict(kind="decode", T=T, ours_s=ours, baseline_s=base, key_bytes=k.nbytes))
+        del q, k
+
+    T = 4096 if args.smoke else 131072
+    print(f"\n| prefill, {T} keys | scores ms | TFLOP/s | % of matmul | top-k ms | baseline ms | speedup |")
+    print("|---|---|---|---|---|---|---|")
+    for S in ([256] if args.smoke else args.prefill_queries):
+        q, k, w, q_pos, kv_len = decode_inputs(jax.random.key(3), 1, S, T)
+        flops = 2 * H * D * float(jnp.sum(q_pos + 1))
+        score_fn = jax.jit(lambda q, k, w, p, n: gpu_kernels.scores(
+            q, k, w, q_pos=p, kv_len=n, interpret=interpret))
+        t_scores = bench(score_fn, q, k, w, q_pos, kv_len)
+        ours_fn = jax.jit(lambda q, k, w, p, n: pk.indexer_topk(q, k, w, topk=topk, q_pos=p, kv_len=n,
+                                                                impl=impl, interpret=interpret))
+        ours = bench(ours_fn, q, k, w, q_pos, kv_len, reps=3)
+        base = bench(jax.jit(functools.partial(baseline_topk, topk=topk)), q, k, w, q_pos, kv_len, reps=3)
+        rate = flops / t_scores
+        print(f"| {S} queries | {t_scores * 1e3:.2f} | {rate / 1e12:.0f} | {100 * rate / mm:.0f}% | "
+              f"{ours * 1e3:.2f} | {base * 1e3:.2f} | {base / ours:.1f}x |", flush=True)
+        rows.append(dict(kind="prefill", S=S, T=T, scores_s=t_scores, ours_s=ours, baseline_s=base))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(copy_bytes_per_s=bw, matmul_flops=mm, exact=ok, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,265 @@
+"""The lightning indexer on NVIDIA GPUs: Pallas kernels with the Triton lowering.
+
+Three kernels, driven by `threshold.select_topk`:
+
+* `scores` -- one program per (sequence, block of `block_q` queries, chunk of keys). The
+  queries' heads are the M dimension of one matmul ([block_q * H, D] x [D, block_t]); the
+  epilogue applies relu, the head weights, sums the heads, masks by q_pos and kv_len, writes
+  the float32 scores and each tile's maximum (the bound the selection starts from). Tiles past
+  the last key any query of the block may see are not read, only written as -inf.
+* `count` -- one program per (row, chunk of `chunk` scores): how many scores reach each of the
+  selection's edges (a few compares per score, one read of the scores).
+* `compact` -- one program per (row, chunk): a running count (cumsum) of the scores above / in
+  the selection bracket gives each one its candidate slot, written by a masked scatter store.
+
+Why Triton rather than Mosaic GPU: the compaction is a data-dependent scatter, which the
+pointer-based Triton lowering expresses directly as one masked store. Block sizes must be
+powers of two, so heads and the key width are zero-padded to powers of two >= 16 and queries
+to a multiple of `block_q` (padded queries have q_pos -1: every key masked).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels._common import check_topk, map_query_chunks, pad_axis, pad_topk
+from pallas_kernels.indexer import threshold
+
+#: Keys per score tile (one matmul's N) and tiles per program.
+BLOCK_T = 128
+TILES_PER_PROGRAM = 16
+#: Scores per count / compaction program, and per loop step inside it (one step: many small
+#: programs hide memory latency better than few looping ones).
+CHUNK = 2048
+BLOCK = 2048
+#: Upper bound on the score bytes of one query chunk (longer prefills are chunked).
+SCORE_BUDGET_BYTES = 2 * 2**30
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def _params(num_warps: int, num_stages: int = 1):
+    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+# ----------------------------------------------------------------------------------- scores
+
+def _score_kernel(q_ref, w_ref, pos_ref, len_ref, k_ref, s_ref, *, block_q, heads, block_t, tiles):
+    b, qb, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    rows = pl.ds(qb * block_q * heads, block_q * heads)
+    qs = pl.ds(qb * block_q, block_q)
+    q = q_ref[b, rows, :]                                      # [M, D]
+    w = w_ref[b, rows]                                         # [M]
+    pos = pos_ref[b, qs]                                       # [block_q]
+    n_keys = len_ref[b]
+    limit = jnp.minimum(jnp.max(pos) + 1, n_keys)              # keys this block may see
+
+    def tile(i, carry):
+        t0 = (c * tiles + i) * block_t
+        t = t0 + lax.broadcasted_iota(jnp.int32, (1, block_t), 1)
+        valid = (t <= pos[:, None]) & (t < n_keys)              # [block_q, block_t]
+
+        @pl.when(t0 < limit)
+        def _():
+            k = k_ref[b, pl.ds(t0, block_t), :]                 # [block_t, D]
+            logits = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                                     preferred_element_type=jnp.float32)      # [M, block_t]
+            weighted = jnp.maximum(logits, 0.0) * w[:, None]
+            s = jnp.sum(weighted.reshape(block_q, heads, block_t), axis=1)
+            s_ref[b, qs, pl.ds(t0, block_t)] = jnp.where(valid, jnp.where(s == 0.0, 0.0, s), -jnp.inf)
+
+        @pl.when(t0 >= limit)
+        def _():
+            s_ref[b, qs, pl.ds(t0, block_t)] = jnp.full((block_q, block_t), -jnp.inf, jnp.float32)
+
+        return carry
+
+    lax.fori_loop(0, tiles, tile, 0)
+
+
+def _layout(q, k, weights, q_pos, block_q):
+    """Pads heads / key width to powers of two >= 16 and queries to a multiple of block_q.
+
+    -> (q [B, Sp*Hp, Dp], k [B, T, Dp], w f32 [B, Sp*Hp], q_pos int32 [B, Sp], Hp)."""
+    batch, seq_len, heads, dim = q.shape
+    hp = max(16 // block_q if block_q < 16 else 1, _next_pow2(heads))
+    dp = max(16, _next_pow2(dim))
+    sp = -(-seq_len // block_q) * block_q
+    q = pad_axis(pad_axis(pad_axis(q, 3, dp), 2, hp), 1, sp)
+    w = pad_axis(pad_axis(weights.astype(jnp.float32), 2, hp), 1, sp)
+    pos = pad_axis(jnp.asarray(q_pos, jnp.int32), 1, sp, -1)
+    return q.reshape(batch, sp * hp, dp), pad_axis(k, 2, dp), w.reshape(batch, sp * hp), pos, hp
+
+
+def _block_q(seq_len: int, heads: int) -> int:
+    """Queries per score program: all of a decode step's (<= 8), else 4 (M = 4 x heads)."""
+    cap = 8 if seq_len <= 8 else max(1, 128 // max(16, _next_pow2(heads)))
+    return min(_next_pow2(seq_len), cap)
+
+
+def scores(q, k, weights, *, q_pos, kv_len, block_q: int | None = None, block_t: int = BLOCK_T,
+           tiles_per_program: int = TILES_PER_PROGRAM, num_warps: int = 8, num_stages: int = 2,
+           interpret: bool = False):
+    """q [B, S, H, D], k [B, T, D], weights f32 [B, S, H], q_pos int32 [B, S], kv_len int32 [B]
+    -> scores f32 [B, S, T], -inf where masked."""
+    batch, seq_len, heads, _ = q.shape
+    num_keys = k.shape[1]
+    bq = int(block_q or _block_q(seq_len, heads))
+    qf, kf, w, pos, hp = _layout(q, k, weights, q_pos, bq)
+    n_tiles = -(-num_keys // block_t)
+    tiles = max(1, min(tiles_per_program, n_tiles))
+    n_chunks = -(-n_tiles // tiles)
+    tp = n_chunks * tiles * block_t
+    kf = pad_axis(kf, 1, tp)
+    sp = pos.shape[1]
+    kernel = functools.partial(_score_kernel, block_q=bq, heads=hp, block_t=block_t, tiles=tiles)
+    out = pl.pallas_call(
+        kernel,
+        grid=(batch, sp // bq, n_chunks),
+        out_shape=jax.ShapeDtypeStruct((batch, sp, tp), jnp.float32),
+        compiler_params=_params(num_warps, num_stages),
+        interpret=interpret,
+        name="indexer_scores",
+    )(qf, w, pos, jnp.asarray(kv_len, jnp.int32), kf)
+    return out[:, :seq_len, :num_keys]
+
+
+# ----------------------------------------------------------------------- count and compact
+
+def _count_kernel(s_ref, e_ref, act_ref, out_ref, *, chunk, block):
+    r, c = pl.program_id(0), pl.program_id(1)
+    edges = e_ref[r, :]                                        # [E]
+
+    @pl.when(act_ref[r] != 0)
+    def _():
+        def step(i, acc):
+            x = s_ref[r, pl.ds(c * chunk + i * block, block)]  # [block]
+            return acc + jnp.sum((x[None, :] >= edges[:, None]).astype(jnp.int32), axis=1)
+
+        out_ref[r, c, :] = lax.fori_loop(0, chunk // block, step, jnp.zeros_like(edges, jnp.int32))
+
+    @pl.when(act_ref[r] == 0)
+    def _():
+        out_ref[r, c, :] = jnp.zeros_like(edges, jnp.int32)
+
+
+def _compact_kernel(s_ref, lo_ref, hi_ref, oa_ref, ob_ref, init_ref, out_ref, *, chunk, block, cap):
+    del init_ref                                               # aliased with out_ref (-1 filled)
+    r, c = pl.program_id(0), pl.program_id(1)
+    lo, hi = lo_ref[r], hi_ref[r]
+
+    def step(i, offsets):
+        off_a, off_b = offsets
+        t0 = c * chunk + i * block
+        x = s_ref[r, pl.ds(t0, block)]
+        above = x >= hi
+        between = (x >= lo) & ~above
+        packed = jnp.where(above, 1 << 16, 0) + between.astype(jnp.int32)   # both ranks, one scan
+        rank = jnp.cumsum(packed) - packed
+        a, bt = packed >> 16, packed & 0xFFFF
+        slot = jnp.where(above, off_a + (rank >> 16), off_b + (rank & 0xFFFF))
+        keep = (above | between) & (slot < cap)
+        lane = lax.broadcasted_iota(jnp.int32, (block,), 0)
+        slot = jnp.where(keep, slot, cap + lane)               # distinct slots, even when masked
+        plgpu.store(out_ref.at[r, slot], t0 + lane, mask=keep)
+        return off_a + jnp.sum(a), off_b + jnp.sum(bt)
+
+    lax.fori_loop(0, chunk // block, step, (oa_ref[r, c], ob_ref[r, c]))
+
+
+def _pad_scores(scores: jax.Array, chunk: int) -> jax.Array:
+    n = threshold.chunk_count(scores.shape[1], chunk)
+    return pad_axis(scores, 1, n * chunk, -jnp.inf)
+
+
+def count(scores, edges, active, *, chunk=CHUNK, block=BLOCK, num_warps=4, interpret=False):
+    """`threshold.CountFn`: scores f32 [R, T] -> int32 [R, ceil(T / chunk), E]."""
+    block = min(block, chunk)
+    padded = _pad_scores(scores, chunk)
+    rows, n = scores.shape[0], padded.shape[1] // chunk
+    return pl.pallas_call(
+        functools.partial(_count_kernel, chunk=chunk, block=block),
+        grid=(rows, n),
+        out_shape=jax.ShapeDtypeStruct((rows, n, edges.shape[1]), jnp.int32),
+        compiler_params=_params(num_warps),
+        interpret=interpret,
+        name="indexer_select_count",
+    )(padded, edges, active.astype(jnp.int32))
+
+
+def compact(scores, lo, hi, above_offset, between_offset, cap, *, chunk=CHUNK, block=BLOCK,
+            num_warps=4, interpret=False):
+    """`threshold.CompactFn`: candidate positions int32 [R, cap], -1 where empty."""
+    block = min(block, chunk)
+    padded = _pad_scores(scores, chunk)
+    rows, n = scores.shape[0], padded.shape[1] // chunk
+    init = jnp.full((rows, cap + block), -1, jnp.int32)          # block spill slots, never kept
+    out = pl.pallas_call(
+        functools.partial(_compact_kernel, chunk=chunk, block=block, cap=cap),
+        grid=(rows, n),
+        out_shape=jax.ShapeDtypeStruct((rows, cap + block), jnp.int32),
+        input_output_aliases={5: 0},
+        compiler_params=_params(num_warps),
+        interpret=interpret,
+        name="indexer_select_compact",
+    )(padded, lo, hi, above_offset, between_offset, init)
+    return out[:, :cap]
+
+
+def _chunk_for(num_keys: int, chunk: int | None) -> int:
+    """Count / compaction chunk: CHUNK, or the row length rounded up to a power of two
+    (>= 16) when that is shorter."""
+    if chunk is not None:
+        return int(chunk)
+    return min(CHUNK, max(16, _next_pow2(num_keys)))
+
+
+def select_topk(scores: jax.Array, topk: int, *, chunk: int | None = None, block: int = BLOCK,
+                num_warps: int = 4, num_edges: int = threshold.NUM_EDGES,
+                sample_rank: int = threshold.SAMPLE_RANK, interpret: bool = False) -> jax.Array:
+    """Exact top-k of each row of float32 scores [R, T] (-inf = masked) -> int32 [R, topk]."""
+    ch = _chunk_for(scores.shape[1], chunk)
+    kw = dict(chunk=ch, block=min(block, ch), num_warps=num_warps, interpret=interpret)
+    return threshold.select_topk(scores.astype(jnp.float32), topk, num_edges=num_edges,
+                                 sample_rank=sample_rank, count_fn=functools.partial(count, **kw),
+                                 compact_fn=functools.partial(compact, **kw))
+
+
+def _query_chunk(batch: int, seq_len: int, num_keys: int, block_q: int) -> int:
+    per_query = batch * max(num_keys, 1) * 4
+    q_chunk = max(block_q, SCORE_BUDGET_BYTES // per_query // block_q * block_q)
+    return min(seq_len, q_chunk)
+
+
+def indexer_scores(q, k, weights, *, q_pos, kv_len, interpret=False):
+    """Contract of `pallas_kernels.indexer_scores`."""
+    return scores(q, k, weights, q_pos=q_pos, kv_len=kv_len, interpret=interpret)
+
+
+def indexer_topk(q, k, weights, *, topk, q_pos, kv_len, interpret=False, q_chunk=None):
+    """Contract of `pallas_kernels.indexer_topk`: scores kernel, then threshold selection, over
+    chunks of `q_chunk` queries (default: as many as keep the scores under ~2 GiB)."""
+    topk = check_topk(topk)
+    batch, seq_len, heads, _ = q.shape
+    num_keys = k.shape[1]
+    if num_keys == 0:
+        return jnp.full((batch, seq_len, topk), -1, jnp.int32)
+    bq = _block_q(seq_len, heads)
+    chunk = int(q_chunk or _query_chunk(batch, seq_len, num_keys, bq))
+
+    def body(q_c, w_c, pos_c):
+        s = scores(q_c, k, w_c, q_pos=pos_c, kv_len=kv_len, block_q=bq, interpret=interpret)
+        rows = s.shape[0] * s.shape[1]
+        idx = select_topk(s.reshape(rows, num_keys), min(topk, num_keys), interpret=interpret)
+        return idx.reshape(s.shape[0], s.shape[1], -1)
+
+    out = map_query_chunks(body, (q, weights, jnp.asarray(q_pos, jnp.int32)), (0, 0, -1), chunk)
+    return pad_topk(out, topk)

@@ -1,0 +1,182 @@
+"""The lightning indexer on TPUs: Pallas Mosaic kernels.
+
+* `scores` -- grid (sequence, block of queries, tile of `block_t` keys). The block's queries and
+  heads are the M dimension of one MXU matmul ([block_q * H, D] x [D, block_t]); the epilogue
+  applies relu and the head weights, sums the heads (a sublane reduction), masks by q_pos and
+  kv_len and writes the float32 scores. The key tile's index map is clamped to the last tile
+  the block may see (scalar-prefetched), so tiles past it are not fetched again, only written
+  as -inf.
+* `count` -- grid (8 rows, chunk of scores): how many scores reach each edge of the
+  threshold selection (`threshold.select_topk`).
+
+The compaction of the few candidates is the plain-jnp `threshold.compact_xla` (running counts
+and a bisection per slot): a data-dependent scatter has no cheap Mosaic form, and after the
+counting pass it touches the scores only once more.
+
+Mosaic block rules: the last two block dims are multiples of (8, 128) or the whole array dims.
+Heads are zero-padded to a multiple of 8, queries to a multiple of `block_q` (8 in prefill,
+all of them in decode), keys to a multiple of `block_t`, rows of the selection to 8.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels._common import check_topk, map_query_chunks, pad_axis, pad_topk
+from pallas_kernels.indexer import threshold
+
+#: Keys per score tile (lanes of the output block).
+BLOCK_T = 512
+#: Scores per counting program.
+CHUNK = 4096
+#: Upper bound on the score bytes of one query chunk (longer prefills are chunked).
+SCORE_BUDGET_BYTES = 2 * 2**30
+
+
+def _interpret_arg(interpret: bool):
+    return pltpu.InterpretParams() if interpret else False
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-int(n) // m) * m
+
+
+# ----------------------------------------------------------------------------------- scores
+
+def _score_kernel(last_ref, len_ref, q_ref, w_ref, pos_ref, k_ref, s_ref, *, block_q, heads,
+                  block_t, n_qblocks, precision):
+    b, qb, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+
+    @pl.when(t <= last_ref[b * n_qblocks + qb])
+    def _():
+        logits = lax.dot_general(q_ref[...], k_ref[...], (((1,), (1,)), ((), ())),
+                                 precision=precision, preferred_element_type=jnp.float32)
+        weighted = jnp.maximum(logits, 0.0) * w_ref[...]                 # [M, block_t]
+        s = jnp.sum(weighted.reshape(block_q, heads, block_t), axis=1)  # [block_q, block_t]
+        key = t * block_t + lax.broadcasted_iota(jnp.int32, (block_q, block_t), 1)
+        valid = (key <= pos_ref[...]) & (key < len_ref[b])
+        s_ref[...] = jnp.where(valid, jnp.where(s == 0.0, 0.0, s), -jnp.inf)
+
+    @pl.when(t > last_ref[b * n_qblocks + qb])
+    def _():
+        s_ref[...] = jnp.full(s_ref.shape, -jnp.inf, jnp.float32)
+
+
+def scores(q, k, weights, *, q_pos, kv_len, block_t: int = BLOCK_T, interpret: bool = False):
+    """q [B, S, H, D], k [B, T, D], weights f32 [B, S, H], q_pos int32 [B, S], kv_len int32 [B]
+    -> scores f32 [B, S, T], -inf where masked."""
+    batch, seq_len, heads, dim = q.shape
+    num_keys = k.shape[1]
+    bq = seq_len if seq_len <= 8 else 8
+    sp = _round_up(seq_len, bq)
+    hp = _round_up(heads, 8)
+    tp = _round_up(max(num_keys, 1), block_t)
+    n_qb, n_t = sp // bq, tp // block_t
+    q = pad_axis(pad_axis(q, 2, hp), 1, sp).reshape(batch, sp * hp, dim)
+    w = pad_axis(pad_axis(weights.astype(jnp.float32), 2, hp), 1, sp).reshape(batch, sp * hp, 1)
+    pos = pad_axis(jnp.asarray(q_pos, jnp.int32), 1, sp, -1)
+    kv_len = jnp.asarray(kv_len, jnp.int32)
+    k = pad_axis(k, 1, tp)
+    # The last key tile each query block may see (-1: none), for skipping and index clamping.
+    seen = jnp.minimum(pos.reshape(batch, n_qb, bq).max(axis=2) + 1, kv_len[:, None])
+    last = ((seen + block_t - 1) // block_t - 1).reshape(-1).astype(jnp.int32)
+    clamp = lambda b, qb, t, last_ref: jnp.clip(jnp.minimum(t, last_ref[b * n_qb + qb]), 0, n_t - 1)
+    precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+    kernel = functools.partial(_score_kernel, block_q=bq, heads=hp, block_t=block_t,
+                               n_qblocks=n_qb, precision=precision)
+    out = pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2,
+            grid=(batch, n_qb, n_t),
+            in_specs=[
+                pl.BlockSpec((None, bq * hp, dim), lambda b, qb, t, last, n: (b, qb, 0)),
+                pl.BlockSpec((None, bq * hp, 1), lambda b, qb, t, last, n: (b, qb, 0)),
+                pl.BlockSpec((None, bq, 1), lambda b, qb, t, last, n: (b, qb, 0)),
+                pl.BlockSpec((None, block_t, dim),
+                             lambda b, qb, t, last, n: (b, clamp(b, qb, t, last), 0)),
+            ],
+            out_specs=pl.BlockSpec((None, bq, block_t), lambda b, qb, t, last, n: (b, qb, t)),
+        ),
+        out_shape=jax.ShapeDtypeStruct((batch, sp, tp), jnp.float32),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
+        interpret=_interpret_arg(interpret),
+        name="indexer_scores",
+    )(last, kv_len, q, w, pos[..., None], k)
+    return out[:, :seq_len, :num_keys]
+
+
+# -------------------------------------------------------------------------------- counting
+
+def _count_kernel(s_ref, e_ref, act_ref, out_ref):
+    x = s_ref[...]                                             # [8, chunk]
+    edges = e_ref[...]                                         # [8, E]
+    lane = lax.broadcasted_iota(jnp.int32, edges.shape, 1)
+    acc = jnp.zeros(edges.shape, jnp.int32)
+    for j in range(edges.shape[1]):
+        hits = jnp.sum((x >= edges[:, j:j + 1]).astype(jnp.int32), axis=1, keepdims=True)
+        acc = acc + jnp.where(lane == j, hits, 0)
+    out_ref[...] = jnp.where(act_ref[...] != 0, acc, 0)
+
+
+def count(scores, edges, active, *, chunk: int = CHUNK, interpret: bool = False):
+    """`threshold.CountFn`: scores f32 [R, T] -> int32 [R, ceil(T / chunk), E]."""
+    rows, num_keys = scores.shape
+    chunk = min(chunk, _round_up(num_keys, 128))
+    n = threshold.chunk_count(num_keys, chunk)
+    rp = _round_up(rows, 8)
+    padded = pad_axis(pad_axis(scores, 1, n * chunk, -jnp.inf), 0, rp, -jnp.inf)
+    e = pad_axis(edges, 0, rp)
+    act = pad_axis(active.astype(jnp.int32)[:, None], 0, rp)
+    out = pl.pallas_call(
+        _count_kernel,
+        grid=(rp // 8, n),
+        in_specs=[pl.BlockSpec((8, chunk), lambda r, c: (r, c)),
+                  pl.BlockSpec((8, e.shape[1]), lambda r, c: (r, 0)),
+                  pl.BlockSpec((8, 1), lambda r, c: (r, 0))],
+        out_specs=pl.BlockSpec((None, 8, e.shape[1]), lambda r, c: (c, r, 0)),
+        out_shape=jax.ShapeDtypeStruct((n, rp, e.shape[1]), jnp.int32),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+        interpret=_interpret_arg(interpret),
+        name="indexer_select_count",
+    )(padded, e, act)
+    return jnp.moveaxis(out, 0, 1)[:rows]
+
+
+def select_topk(scores: jax.Array, topk: int, *, chunk: int = CHUNK, interpret: bool = False) -> jax.Array:
+    """Exact top-k of each row of float32 scores [R, T] (-inf = masked) -> int32 [R, topk]."""
+    return threshold.select_topk(
+        scores.astype(jnp.float32), topk, compact_fn=threshold.compact_xla,
+        count_fn=functools.partial(count, chunk=chunk, interpret=interpret))
+
+
+def indexer_scores(q, k, weights, *, q_pos, kv_len, interpret=False):
+    """Contract of `pallas_kernels.indexer_scores`."""
+    return scores(q, k, weights, q_pos=q_pos, kv_len=kv_len, interpret=interpret)
+
+
+def indexer_topk(q, k, weights, *, topk, q_pos, kv_len, interpret=False, q_chunk=None):
+    """Contract of `pallas_kernels.indexer_topk`: scores kernel, then threshold selection, over
+    chunks of `q_chunk` queries (default: as many as keep the scores under ~2 GiB)."""
+    topk = check_topk(topk)
+    batch, seq_len = q.shape[:2]
+    num_keys = k.shape[1]
+    if num_keys == 0:
+        return jnp.full((batch, seq_len, topk), -1, jnp.int32)
+    per_query = batch * num_keys * 4
+    chunk = int(q_chunk or min(seq_len, max(8, SCORE_BUDGET_BYTES // per_query // 8 * 8)))
+
+    def body(q_c, w_c, pos_c):
+        s = scores(q_c, k, w_c, q_pos=pos_c, kv_len=kv_len, interpret=interpret)
+        rows = s.shape[0] * s.shape[1]
+        idx = select_topk(s.reshape(rows, num_keys), min(topk, num_keys), interpret=interpret)
+        return idx.reshape(s.shape[0], s.shape[1], -1)
+
+    out = map_query_chunks(body, (q, weights, jnp.asarray(q_pos, jnp.int32)), (0, 0, -1), chunk)
+    return pad_topk(out, topk)
