@@ -21,7 +21,7 @@ from flax import nnx
 from glm_jax.config import GLMConfig
 from glm_jax.convert.check import natural_key
 from glm_jax.convert.files import INDEX_FILE
-from glm_jax.convert.names import ParamSpec, mtp_copies, param_specs
+from glm_jax.convert.names import ParamSpec, lookup, mtp_copies, param_specs
 from glm_jax.convert.progress import Progress
 from glm_jax.convert.safetensors_io import write_file
 
@@ -63,9 +63,7 @@ def export_hf_checkpoint(model, directory: str | Path, *, dtype: str = "bfloat16
 
     def produce(name):
         spec, pos, dt = entries[name]
-        value = state
-        for key in spec.path:
-            value = value[key]
+        value = lookup(state, spec.path)
         tensor = np.asarray(jax.device_get(value[pos] if pos else value))
         tensor = tensor.T if spec.transpose else tensor
         bar.advance(tensor.size * dt.itemsize, name)

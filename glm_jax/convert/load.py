@@ -24,7 +24,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 from glm_jax.config import GLMConfig
 from glm_jax.convert.check import CheckpointConversionError, find_problems
 from glm_jax.convert.files import CheckpointFiles
-from glm_jax.convert.names import ParamSpec, param_specs
+from glm_jax.convert.names import ParamSpec, nest, param_specs
 from glm_jax.convert.progress import Progress
 
 ShardingChoice = Callable[[str, tuple[int, ...]], Sharding] | Mapping[str, Sharding] | None
@@ -55,8 +55,6 @@ def load_hf_checkpoint(directory: str | Path, *, config: GLMConfig | None = None
     gate_proj', shape) -> jax.sharding.Sharding; else `mesh` with default_mesh_sharding; else
     the first local device. drop_unused_indexers: accept (and skip) indexer tensors of layers
     the config makes Shared, to load an all-Full checkpoint with a sparser IndexShare pattern."""
-    from glm_jax.model import GLMModel
-
     directory = Path(directory)
     ckpt = CheckpointFiles(directory)
     cfg = config or GLMConfig.from_hf_json(directory / "config.json")
@@ -74,9 +72,15 @@ def load_hf_checkpoint(directory: str | Path, *, config: GLMConfig | None = None
         arrays[spec.path] = build_array(spec, ckpt.read, choose(spec.key, spec.shape))
         bar.advance(int(np.prod(spec.shape)) * spec.dtype.itemsize, spec.key)
     bar.close()
-    abstract = nnx.eval_shape(lambda: GLMModel(cfg, rngs=nnx.Rngs(0)))
-    graphdef, state = nnx.split(abstract)
-    nnx.replace_by_pure_dict(state, _nest(arrays))
+    return assemble_model(cfg, arrays)
+
+
+def assemble_model(cfg: GLMConfig, arrays: dict[tuple, jax.Array]):
+    """GLMModel(cfg) holding `arrays` ({state path: array}, every variable), without initialising."""
+    from glm_jax.model import GLMModel
+
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: GLMModel(cfg, rngs=nnx.Rngs(0))))
+    nnx.replace_by_pure_dict(state, nest(arrays))
     return nnx.merge(graphdef, state)
 
 
@@ -117,12 +121,3 @@ def host_block(spec: ParamSpec, index: tuple[slice, ...], read: Callable[[str], 
         block[pos] = np.asarray(tensor[slot]).astype(spec.dtype)
     return block
 
-
-def _nest(flat: dict[tuple, jax.Array]) -> dict:
-    out: dict = {}
-    for path, value in flat.items():
-        node = out
-        for key in path[:-1]:
-            node = node.setdefault(key, {})
-        node[path[-1]] = value
-    return out

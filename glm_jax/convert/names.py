@@ -134,3 +134,21 @@ def mtp_copies(cfg: GLMConfig) -> dict[str, str]:
     prefix = f"model.layers.{cfg.num_hidden_layers}."
     return {prefix + "embed_tokens.weight": "model.embed_tokens.weight",
             prefix + "shared_head.head.weight": "lm_head.weight"}
+
+
+def lookup(tree: dict, path: tuple):
+    """tree[path[0]][path[1]]... (a leaf of a nested state dict)."""
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def nest(flat: dict[tuple, Any]) -> dict:
+    """{path tuple: leaf} -> the nested dict nnx.replace_by_pure_dict takes."""
+    out: dict = {}
+    for path, value in flat.items():
+        node = out
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = value
+    return out
