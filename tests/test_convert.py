@@ -132,3 +132,54 @@ def test_config_that_disagrees_with_tensors(glm_dir):
     model = load_hf_checkpoint(directory, config=cfg.replace(index_topk_pattern="FSSFS"),
                                drop_unused_indexers=True, progress=False)
     assert model.cfg.full_layers == (0, 3)
+
+
+def test_decode_cli_with_hf_checkpoint(glm_dir, capsys):
+    import decode
+
+    directory, _ = glm_dir
+    args = ["--hf-checkpoint", str(directory), "--max-new-tokens", "3", "--temperature", "0", "--speculative", "0",
+            "--quiet"]
+    assert decode.main(args + ["--prompt", "hello"]) == 2
+    err = capsys.readouterr().err
+    assert "holds no tokenizer.json" in err and "--prompt-ids" in err
+    assert decode.main(args + ["--prompt-ids", "3,17,42"]) == 0
+    printed = capsys.readouterr().out.strip()
+    new = [int(t) for t in printed.removeprefix("3,17,42").split(",") if t]
+    assert printed.startswith("3,17,42,") and len(new) == 3 and all(0 <= t < 61 for t in new)
+
+
+def test_train_cli_refuses_a_checkpoint_that_does_not_fit(tmp_path, capsys):
+    import train
+
+    hf.write_checkpoint(tmp_path / "ckpt", hf.GLM, edit=lambda t: t.pop("model.norm.weight"))
+    assert train.main(["--init-from-hf", str(tmp_path / "ckpt"), "--out", str(tmp_path / "run")]) == 2
+    assert "missing: model.norm.weight" in capsys.readouterr().err
+
+
+_MESH_SCRIPT = r"""
+import sys
+import jax, numpy as np
+from jax.sharding import Mesh
+from glm_jax.convert import load_hf_checkpoint
+mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "model"))
+model = load_hf_checkpoint(sys.argv[1], mesh=mesh, dtype="float32", progress=False)
+experts = model.stacks[1].layers[0].mlp.gate_proj[...]           # [groups 2, experts 4, 32, 12]
+assert experts.sharding.spec[2] == ("data", "model"), experts.sharding.spec  # largest dim 4 divides
+assert len({s.index for s in experts.addressable_shards}) == 4
+np.save(sys.argv[2], np.asarray(model(jax.numpy.asarray([[3, 17, 42, 5, 29, 11]])).logits))
+"""
+
+
+def test_load_onto_a_mesh_shards_the_arrays(glm_dir, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    directory, values = glm_dir
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    done = subprocess.run([sys.executable, "-c", _MESH_SCRIPT, str(directory), str(tmp_path / "logits.npy")],
+                          env=env, capture_output=True, text=True, cwd=str(hf.Path(__file__).parents[1]))
+    assert done.returncode == 0, done.stderr[-3000:]
+    want, _ = hf.forward(hf.GLM, values, np.array([3, 17, 42, 5, 29, 11]))
+    np.testing.assert_allclose(np.load(tmp_path / "logits.npy")[0], want, rtol=2e-4, atol=2e-4)
