@@ -2,6 +2,8 @@
 
     python decode.py                                   # the shipped default model, a default prompt
     python decode.py --checkpoint runs/tiny --prompt "def parse(" --max-new-tokens 200
+    python decode.py --hf-checkpoint GLM-5.2/ --prompt "Hello"      # a Hugging Face checkpoint directory
+    python decode.py --hf-checkpoint DIR --prompt-ids 1,2,3          # token ids in and out, no tokenizer
 """
 
 from __future__ import annotations
@@ -22,9 +24,12 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", default=str(DEFAULT_CHECKPOINT),
                     help="a model directory (config.yaml, tokenizer.json, params/)")
+    ap.add_argument("--hf-checkpoint", default=None, metavar="DIR",
+                    help="a Hugging Face checkpoint (config.json, *.safetensors; tokenizer.json for text prompts)")
     ap.add_argument("--config", default=None, help="expected config; refused if the checkpoint's differs")
     ap.add_argument("--prompt", default=None, help="prompt text (default: a Python function header)")
     ap.add_argument("--prompt-file", default=None, help="read the prompt from this file")
+    ap.add_argument("--prompt-ids", default=None, help="the prompt as comma-separated token ids (prints ids)")
     ap.add_argument("--prompts-file", default=None,
                     help="a batch: JSON lines, each a string or {\"prompt\": ...}; prompts may differ in length")
     ap.add_argument("--output", default=None, help="write {prompt, completion} JSON lines here")
@@ -64,8 +69,13 @@ def main(argv=None) -> int:
     try:
         prompts = _read_prompts(args)
         expected = load_config(args.config) if args.config else None
-        model = load_model_dir(args.checkpoint, config=expected)
-        tok = load_tokenizer(args.checkpoint)
+        if args.hf_checkpoint:
+            from glm_jax.convert import load_hf_checkpoint
+            args.checkpoint = args.hf_checkpoint
+            model = load_hf_checkpoint(args.hf_checkpoint, config=expected)
+        else:
+            model = load_model_dir(args.checkpoint, config=expected)
+        tok = _TokenIds() if args.prompt_ids else _load_tokenizer(args.checkpoint, load_tokenizer)
         ids = [np.asarray(tok.encode(p).ids, np.int32) for p in prompts]
         batch = len(ids)
         if args.speculative and model.mtp is not None:
@@ -78,7 +88,7 @@ def main(argv=None) -> int:
     except (ConfigError, CheckpointMismatchError, ContextTooLongError, FileNotFoundError, ValueError) as e:
         return fail(str(e))
 
-    stop = eos_id(tok)
+    stop = _stop_token(model.cfg, tok, eos_id)
     speculative = isinstance(gen, SpeculativeGenerator)
     if not args.quiet:
         mode = f"speculative, K={gen.num_draft}, KVShare {'on' if gen.kv_share else 'off'}" if speculative \
@@ -109,7 +119,45 @@ def main(argv=None) -> int:
     return 0
 
 
+class _TokenIds:
+    """Stands in for a tokenizer when prompts are token ids: text is comma-separated ids."""
+
+    class _Encoding:
+        def __init__(self, ids):
+            self.ids = ids
+
+    def encode(self, text: str):
+        try:
+            return self._Encoding([int(t) for t in text.replace(",", " ").split()])
+        except ValueError:
+            raise ValueError(f"--prompt-ids: expected comma-separated integers, got {text!r}") from None
+
+    def decode(self, ids) -> str:
+        return "".join(f",{i}" for i in ids)
+
+
+def _load_tokenizer(directory, load_tokenizer):
+    try:
+        return load_tokenizer(directory)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{directory} holds no tokenizer.json, so text prompts cannot be encoded; "
+                                "give token ids with --prompt-ids 1,2,3 (or copy the model's tokenizer.json "
+                                "there)") from None
+
+
+def _stop_token(cfg, tok, eos_id) -> int | None:
+    """The config's eos_token_id (first of a list) if set, else the tokenizer's end-of-text token."""
+    eos = cfg.eos_token_id
+    if isinstance(eos, (tuple, list)):
+        eos = eos[0] if eos else None
+    if eos is None and not isinstance(tok, _TokenIds):
+        eos = eos_id(tok)
+    return eos
+
+
 def _read_prompts(args) -> list[str]:
+    if args.prompt_ids:
+        return [args.prompt_ids]
     if args.prompts_file:
         prompts = []
         for n, line in enumerate(Path(args.prompts_file).read_text().splitlines(), 1):
@@ -129,7 +177,7 @@ def _read_prompts(args) -> list[str]:
     return [args.prompt if args.prompt is not None else DEFAULT_PROMPT]
 
 
-def _cut(tokens: list[int], stop: int) -> list[int]:
+def _cut(tokens: list[int], stop: int | None) -> list[int]:
     """New tokens up to (not including) the stop token or the -1 padding."""
     out = []
     for t in tokens:

@@ -1,6 +1,7 @@
 """Train a GLM-5.2-style model on the Python standard library's source (or resume a run).
 
     python train.py --config configs/tiny.yaml --out runs/tiny --steps 600
+    python train.py --init-from-hf GLM-5.2/ --out runs/glm --steps 100   # fine-tune published weights
 
 The run directory receives tokenizer.json (a byte-level BPE trained on the training files),
 config.yaml, checkpoints/ (orbax: params, optimizer state, data position) every --save-every
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import signal
 import sys
 import time
@@ -34,7 +36,10 @@ from glm_jax.training.step import LossWeights, eval_step, make_optimizer, train_
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", default="configs/tiny.yaml", help="configs/*.yaml or a config.json")
+    ap.add_argument("--config", default=None,
+                    help="configs/*.yaml or a config.json (default: configs/tiny.yaml, or the --init-from-hf config)")
+    ap.add_argument("--init-from-hf", default=None, metavar="DIR",
+                    help="start from the weights (and tokenizer.json, if any) of a Hugging Face checkpoint")
     ap.add_argument("--out", required=True, help="run directory (created; reused with --resume)")
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--batch-size", type=int, default=16)
@@ -113,17 +118,25 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     out = Path(args.out).absolute()
     try:
-        cfg = load_config(args.config)
+        cfg = load_config(args.config or (Path(args.init_from_hf) / "config.json" if args.init_from_hf
+                                          else "configs/tiny.yaml"))
         if args.resume and (out / "config.yaml").exists():
             check_same_config(load_config(out / "config.yaml"), cfg, str(out))
-    except (ConfigError, ValueError) as e:
+        if args.init_from_hf:  # before the corpus work: a checkpoint that does not fit fails at once
+            from glm_jax.convert import load_hf_checkpoint
+            model = load_hf_checkpoint(args.init_from_hf, config=cfg)
+    except (ConfigError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     out.mkdir(parents=True, exist_ok=True)
     save_config(cfg, out / "config.yaml")
+    hf_tokenizer = Path(args.init_from_hf or ".") / "tokenizer.json"
+    if args.init_from_hf and hf_tokenizer.exists() and not (out / "tokenizer.json").exists():
+        shutil.copy(hf_tokenizer, out / "tokenizer.json")
     tok, train_tokens, heldout_tokens = prepare_tokens(args, cfg, out)
 
-    model = GLMModel(cfg, rngs=nnx.Rngs(args.seed))
+    if not args.init_from_hf:
+        model = GLMModel(cfg, rngs=nnx.Rngs(args.seed))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     tx, schedule = make_optimizer(args.lr, args.steps, args.warmup_steps)
     opt_state = tx.init(params)

@@ -1,0 +1,171 @@
+"""Training-free IndexCache search for an IndexShare pattern (REFERENCE section 3).
+
+Start from the model's pattern (all-Full for DeepSeek-V3.2-style checkpoints) and repeatedly flip
+to Shared the layer whose flip gives the lowest LM loss on a fixed calibration set; layer 0
+stays Full. Each flip prints the pattern and its loss; the state file records every candidate
+evaluated, so an interrupted search continues where it stopped (and a finished one continues
+with a larger --flips).
+
+    python -m glm_jax.indexcache_search --hf-checkpoint DeepSeek-V3.2/ --flips 45 --state search.json
+    python -m glm_jax.indexcache_search --checkpoint runs/tiny --text-file calib.txt --seq-len 256
+
+The last line printed is the pattern as a config value: `index_topk_pattern: FFSS...`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Callable, Iterable
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from glm_jax import ops
+from glm_jax.convert.repattern import with_pattern
+from glm_jax.training.step import eval_step
+
+
+def calibration_loss(model, batches: list[tuple[np.ndarray, np.ndarray]]) -> float:
+    """Mean LM loss (sparse attention, as the model runs) over (inputs, targets) int32 [B, S] pairs."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    losses = [float(eval_step(graphdef, params, rest, jnp.asarray(x), jnp.asarray(y), stage="sparse",
+                              kernels=ops.KernelChoice())) for x, y in batches]
+    return float(np.mean(losses))
+
+
+def fingerprint(batches) -> str:
+    h = hashlib.sha1()
+    for x, y in batches:
+        h.update(np.ascontiguousarray(x, np.int32).tobytes() + np.ascontiguousarray(y, np.int32).tobytes())
+    return h.hexdigest()[:16]
+
+
+def flip(pattern: str, layer: int) -> str:
+    return pattern[:layer] + "S" + pattern[layer + 1:]
+
+
+def greedy_search(model, batches, *, flips: int, state_path: Path | None = None,
+                  log: Callable[[str], None] = print, evaluate=calibration_loss) -> dict:
+    """Flip `flips` layers to Shared in total (counting flips a resumed state already made).
+
+    -> state {"start_pattern", "calibration", "base_loss", "steps": [{"layer", "pattern", "loss",
+    "candidates": {layer: loss of flipping it}}],
+    "pending": {layer: loss} of the step in progress}; written to state_path after every evaluation."""
+    start, calib = model.cfg.pattern, fingerprint(batches)
+    state = _load_state(state_path, start, calib, log)
+    save = (lambda: state_path.write_text(json.dumps(state, indent=1) + "\n")) if state_path else (lambda: None)
+    if state["base_loss"] is None:
+        state["base_loss"] = evaluate(model, batches)
+        save()
+        log(f"start   {start}  loss {state['base_loss']:.5f}")
+    while len(state["steps"]) < flips:
+        pattern = state["steps"][-1]["pattern"] if state["steps"] else start
+        candidates = [i for i in range(1, len(pattern)) if pattern[i] == "F"]
+        if not candidates:
+            log("every layer but layer 0 is Shared; nothing left to flip")
+            break
+        for layer in candidates:
+            if str(layer) not in state["pending"]:
+                state["pending"][str(layer)] = evaluate(with_pattern(model, flip(pattern, layer)), batches)
+                save()
+        best = min(candidates, key=lambda i: (state["pending"][str(i)], i))
+        step = {"layer": best, "pattern": flip(pattern, best), "loss": state["pending"][str(best)],
+                "candidates": state["pending"]}
+        state["steps"].append(step)
+        state["pending"] = {}
+        save()
+        log(f"flip {len(state['steps']):2d}: layer {best:3d} -> {step['pattern']}  loss {step['loss']:.5f} "
+            f"({step['loss'] - state['base_loss']:+.5f})")
+    return state
+
+
+def _load_state(path: Path | None, start: str, calib: str, log) -> dict:
+    fresh = {"start_pattern": start, "calibration": calib, "base_loss": None, "steps": [], "pending": {}}
+    if path is None or not path.exists():
+        return fresh
+    state = json.loads(path.read_text())
+    if state.get("start_pattern") != start or state.get("calibration") != calib:
+        raise ValueError(f"{path} belongs to another search (start pattern {state.get('start_pattern')}, "
+                         f"calibration {state.get('calibration')}; now {start}, {calib}); use another --state "
+                         "file or the same model and calibration settings")
+    log(f"resuming {path}: {len(state['steps'])} flip(s) done, {len(state['pending'])} candidate(s) of the next")
+    return state
+
+
+# ---------------------------------------------------------------------- command line
+def calibration_batches(tok, texts: Iterable[str], seq_len: int, batch_size: int, num_batches: int):
+    """Fixed windows of the concatenated token stream -> list of (inputs, targets) int32 [B, S]."""
+    from glm_jax.data.batches import heldout_batches
+
+    stream = np.concatenate([np.asarray(e.ids, np.int32) for e in tok.encode_batch(list(texts))])
+    return list(heldout_batches(stream, seq_len, batch_size, num_batches))
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", help="a model directory (config.yaml, params/, tokenizer.json)")
+    src.add_argument("--hf-checkpoint", help="a Hugging Face checkpoint directory (config.json, *.safetensors)")
+    ap.add_argument("--text-file", action="append", default=None,
+                    help="calibration text (repeatable); default: held-out Python standard library files")
+    ap.add_argument("--seq-len", type=int, default=512, help="should exceed index_topk, else sharing changes nothing")
+    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--batches", type=int, default=4)
+    ap.add_argument("--flips", type=int, default=None,
+                    help="layers to turn Shared in total (default: until about 1/4 of the layers stay Full)")
+    ap.add_argument("--state", required=True, help="JSON state file; rerun with it to resume")
+    ap.add_argument("--dtype", default=None, help="override the compute dtype (e.g. float32)")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from glm_jax.config import ConfigError
+    from glm_jax.data import corpus
+    from glm_jax.data.tokenizer import load_tokenizer
+
+    try:
+        directory = Path(args.checkpoint or args.hf_checkpoint)
+        if args.hf_checkpoint:
+            from glm_jax.convert import load_hf_checkpoint
+            model = load_hf_checkpoint(directory, dtype=args.dtype)
+        else:
+            from glm_jax.checkpoint import load_model_dir
+            model = load_model_dir(directory)
+        tok = load_tokenizer(directory)
+        if args.text_file:
+            texts = [Path(f).read_text() for f in args.text_file]
+        else:
+            texts = corpus.read_texts(corpus.split_files(corpus.stdlib_source_files())[1])
+        batches = calibration_batches(tok, texts, args.seq_len, args.batch_size, args.batches)
+    except (ConfigError, FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    cfg = model.cfg
+    if args.seq_len <= cfg.index_topk:
+        print(f"warning: --seq-len {args.seq_len} <= index_topk {cfg.index_topk}: every query attends every "
+              "earlier token, so all patterns give the same loss", file=sys.stderr)
+    flips = args.flips if args.flips is not None else \
+        max(len(cfg.full_layers) - math.ceil(cfg.num_hidden_layers / 4), 0)
+    print(f"model {cfg.name}: {cfg.num_hidden_layers} layers, pattern {cfg.pattern}; calibration "
+          f"{len(batches)} batch(es) of {args.batch_size} x {args.seq_len} tokens; {flips} flip(s)", flush=True)
+    try:
+        state = greedy_search(model, batches, flips=flips, state_path=Path(args.state),
+                              log=lambda m: print(m, flush=True))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    pattern = state["steps"][-1]["pattern"] if state["steps"] else cfg.pattern
+    cfg.replace(index_topk_pattern=pattern)  # the pattern is a valid config value
+    print(f"index_topk_pattern: {pattern}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
