@@ -1,6 +1,7 @@
 """A dependency-free log-log line chart in SVG, for the benchmark plots in docs/.
 
     PYTHONPATH=. python3 benchmarks/svg_plot.py indexer docs/data/indexer_topk_h200.json docs/img/indexer_topk_h200.svg
+    PYTHONPATH=. python3 benchmarks/svg_plot.py long_context docs/data/long_context_h200.json docs/img/long_context_h200.svg
 """
 
 from __future__ import annotations
@@ -64,16 +65,31 @@ def indexer_chart(rows: list[dict]) -> str:
         ylabel="ms per call")
 
 
+def long_context_chart(rows: list[dict]) -> str:
+    """Rows of benchmarks/long_context.py --json -> ms per decode step vs context."""
+    pick = lambda pattern, key: [(r["context"], r[key]) for r in rows if r["pattern"] == pattern]
+    return line_chart({
+        "decode step, all layers Full": pick("all Full", "step_ms"),
+        "decode step, IndexShare (1 indexer / 4 layers)": pick("IndexShare", "step_ms"),
+        "attention + indexer, all Full": pick("all Full", "attention_indexer_ms"),
+        "attention + indexer, IndexShare": pick("IndexShare", "attention_indexer_ms"),
+    }, title="8-layer GLM-5.2-attention model, decode (H200)", xlabel="context (tokens)",
+        ylabel="ms per step")
+
+
+CHARTS = {"indexer": indexer_chart, "long_context": long_context_chart}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("chart", choices=["indexer"])
+    ap.add_argument("chart", choices=sorted(CHARTS))
     ap.add_argument("data", help="the --json output of the benchmark")
     ap.add_argument("out", help="the .svg to write")
     args = ap.parse_args()
     with open(args.data) as f:
         rows = json.load(f)["rows"]
     with open(args.out, "w") as f:
-        f.write(indexer_chart(rows))
+        f.write(CHARTS[args.chart](rows))
 
 
 if __name__ == "__main__":
