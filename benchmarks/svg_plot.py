@@ -53,28 +53,27 @@ def _short(x: float) -> str:
     return f"{x:g}"
 
 
+def _series(rows: list[dict], x: str, match: dict, y: str, scale: float = 1.0) -> list[tuple[float, float]]:
+    """The (row[x], row[y] * scale) points of the rows whose fields equal `match`."""
+    return [(r[x], r[y] * scale) for r in rows if all(r[k] == v for k, v in match.items())]
+
+
 def indexer_chart(rows: list[dict]) -> str:
     """Decode and selection rows of benchmarks/indexer_topk.py --json -> time vs context."""
-    pick = lambda kind, key: [(r["T"], r[key] * 1e3) for r in rows if r["kind"] == kind]
-    return line_chart({
-        "decode top-k, Pallas": pick("decode", "ours_s"),
-        "decode top-k, XLA scores + lax.top_k": pick("decode", "baseline_s"),
-        "selection alone, Pallas": pick("select", "ours_s"),
-        "selection alone, lax.top_k": pick("select", "baseline_s"),
-    }, title="Indexer top-2048, 64 sequences x 1 query (H200)", xlabel="context (keys)",
-        ylabel="ms per call")
+    series = {f"{what}, {impl}": _series(rows, "T", {"kind": kind}, key, 1e3)
+              for kind, what in (("decode", "decode top-k"), ("select", "selection alone"))
+              for key, impl in (("ours_s", "Pallas"), ("baseline_s", "XLA baseline"))}
+    return line_chart(series, title="Indexer top-2048, 64 sequences x 1 query (H200)",
+                      xlabel="context (keys)", ylabel="ms per call")
 
 
 def long_context_chart(rows: list[dict]) -> str:
     """Rows of benchmarks/long_context.py --json -> ms per decode step vs context."""
-    pick = lambda pattern, key: [(r["context"], r[key]) for r in rows if r["pattern"] == pattern]
-    return line_chart({
-        "decode step, all layers Full": pick("all Full", "step_ms"),
-        "decode step, IndexShare (1 indexer / 4 layers)": pick("IndexShare", "step_ms"),
-        "attention + indexer, all Full": pick("all Full", "attention_indexer_ms"),
-        "attention + indexer, IndexShare": pick("IndexShare", "attention_indexer_ms"),
-    }, title="8-layer GLM-5.2-attention model, decode (H200)", xlabel="context (tokens)",
-        ylabel="ms per step")
+    series = {f"{what}, {pattern}": _series(rows, "context", {"pattern": pattern}, key)
+              for key, what in (("step_ms", "decode step"), ("attention_indexer_ms", "attention + indexer"))
+              for pattern in ("all Full", "IndexShare")}
+    return line_chart(series, title="8-layer GLM-5.2-attention model, decode (H200)",
+                      xlabel="context (tokens)", ylabel="ms per step")
 
 
 CHARTS = {"indexer": indexer_chart, "long_context": long_context_chart}
