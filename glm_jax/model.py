@@ -15,14 +15,17 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec
 
 from glm_jax import ops
 from glm_jax.cache import KVCache
+from glm_jax.cache_view import GroupCacheView
 from glm_jax.config import GLMConfig
 from glm_jax.layers.decoder import AttentionSettings, GroupStackPlan, IndexShareGroup, plan_groups
 from glm_jax.layers.linear import Linear
 from glm_jax.layers.mtp import MTPLayer
 from glm_jax.layers.norms import RMSNorm
+from glm_jax.layer_split import Placement
 
 
 def _stacked_groups(cfg: GLMConfig, plan: GroupStackPlan, key: jax.Array, dtype) -> IndexShareGroup:
@@ -106,25 +109,49 @@ class GLMModel(nnx.Module):
         -> (logits float32 [B, S, vocab], hidden normed [B, S, hidden], updated cache)."""
         b, s = tokens.shape
         positions = cache.lengths[:, None] + jnp.arange(s, dtype=jnp.int32)[None, :]
-        kv_len = cache.lengths + s
-        x = self.embed_tokens(tokens)
-        latent, keys = list(cache.latent), list(cache.index_keys)
-        for k, stack in enumerate(self.stacks):
-            graphdef, state = nnx.split(stack)
-
-            def body(carry, xs, graphdef=graphdef):
-                x, lat, key = carry
-                group_state, g = xs
-                x, lat, key, _ = nnx.merge(graphdef, group_state).forward_cached(
-                    x, positions, lat, key, g, kv_len, kernels)
-                return (x, lat, key), None
-
-            (x, latent[k], keys[k]), _ = jax.lax.scan(
-                body, (x, latent[k], keys[k]), (state, jnp.arange(self.plan[k].count)))
+        x, latent, keys = self._cached_stacks(self.embed_tokens(tokens), positions, cache.lengths + s, cache,
+                                              kernels)
         hidden = self.norm(x)
         advance = jnp.full((b,), s, jnp.int32) if num_valid is None else num_valid.astype(jnp.int32)
-        return self.logits(hidden), hidden, KVCache(tuple(latent), tuple(keys), cache.lengths + advance)
+        return self.logits(hidden), hidden, dataclasses.replace(
+            cache, latent=latent, index_keys=keys, lengths=cache.lengths + advance)
 
+    def _cached_stacks(self, x, positions, kv_len, cache: KVCache, kernels: ops.KernelChoice):
+        """Every group stack against the cache: x [B, S, hidden] -> (x, latent store, key store).
+
+        With a LayerSplit cache this runs inside `jax.shard_map`, manual over the split axis and
+        the `data` axis (each device sees its own cache slots and its batch rows with their
+        pages; page ids are made local), automatic over the others (tensor parallelism)."""
+        graphdefs, states = zip(*(nnx.split(stack) for stack in self.stacks))
+        plan, split = self.plan, cache.split
+
+        def run(x, positions, kv_len, page_table, states, latent, keys):
+            placement = Placement(split, latent.shape[0], keys.shape[0])
+            if split is not None and "data" in split.mesh.shape:
+                page_table = page_table - jax.lax.axis_index("data") * latent.shape[1]
+            full_base = 0
+            for graphdef, stack_state, p in zip(graphdefs, states, plan):
+                def body(carry, xs, graphdef=graphdef, p=p, full_base=full_base):
+                    x, latent, keys = carry
+                    group_state, g = xs
+                    view = GroupCacheView(latent, keys, page_table, placement, p.first_layer + g * len(p.kinds),
+                                          full_base + g, positions)
+                    x, _ = nnx.merge(graphdef, group_state).forward_cached(x, positions, view, kv_len, kernels)
+                    return (x, view.latent, view.keys), None
+
+                (x, latent, keys), _ = jax.lax.scan(body, (x, latent, keys),
+                                                    (stack_state, jnp.arange(p.count, dtype=jnp.int32)))
+                full_base += p.count
+            return x, latent, keys
+
+        args = (x, positions, kv_len, cache.page_table, states, cache.latent, cache.index_keys)
+        if split is None:
+            return run(*args)
+        data = "data" if "data" in split.mesh.shape else None
+        rows, store = PartitionSpec(data), PartitionSpec(split.axis, data)
+        return jax.shard_map(run, mesh=split.mesh, in_specs=(rows,) * 4 + (PartitionSpec(),) + (store,) * 2,
+                             out_specs=(rows, store, store), axis_names={split.axis} | ({data} - {None}),
+                             check_vma=False)(*args)
 
     # ------------------------------------------------------------------ MTP with a cache
     def mtp_forward_cached(self, next_tokens, hidden, cache: KVCache, *,
@@ -136,11 +163,12 @@ class GLMModel(nnx.Module):
         b, s = next_tokens.shape
         positions = cache.lengths[:, None] + jnp.arange(s, dtype=jnp.int32)[None, :]
         x = self.mtp.inputs(self.embed_tokens(next_tokens), hidden)
-        x, lat, key, indices = self.mtp.block.forward_cached(
-            x, positions, cache.latent[0], cache.index_keys[0], 0, cache.lengths + s, kernels)
+        view = _mtp_view(cache, positions)
+        x, indices = self.mtp.block.forward_cached(x, positions, view, cache.lengths + s, kernels)
         out = self.mtp.shared_head.norm(x)
         advance = jnp.full((b,), s, jnp.int32) if num_valid is None else num_valid.astype(jnp.int32)
-        return self.logits(out), out, KVCache((lat,), (key,), cache.lengths + advance), indices
+        return self.logits(out), out, dataclasses.replace(
+            cache, latent=view.latent, index_keys=view.keys, lengths=cache.lengths + advance), indices
 
     def mtp_draft_step(self, next_tokens, hidden, positions, cache: KVCache, indices, *,
                        kernels: ops.KernelChoice = ops.KernelChoice()):
@@ -148,9 +176,14 @@ class GLMModel(nnx.Module):
         computed from the target's hidden states is read; nothing is written.
         next_tokens [B, 1], hidden [B, 1, hidden], positions [B, 1] -> (logits [B, 1, V], hidden)."""
         x = self.mtp.inputs(self.embed_tokens(next_tokens), hidden)
-        x = self.mtp.block.forward_reusing_indices(x, positions, cache.latent[0], 0, indices, kernels)
+        x = self.mtp.block.forward_reusing_indices(x, positions, _mtp_view(cache, positions), indices, kernels)
         out = self.mtp.shared_head.norm(x)
         return self.logits(out), out
+
+
+def _mtp_view(cache: KVCache, positions) -> GroupCacheView:
+    """The MTP layer's cache (`create_mtp_cache`: one local Full layer) as a group view."""
+    return GroupCacheView(cache.latent, cache.index_keys, cache.page_table, Placement(None, 1, 1), 0, 0, positions)
 
 
 def count_params(model_or_state) -> int:
