@@ -71,3 +71,12 @@ def test_per_device_cache_bytes_shrink_as_one_over_n(checks):
 def test_indivisible_dimension_names_dimension_and_fix(checks):
     msg = checks["indivisible_error"]
     assert "'vocab'" in msg and "97" in msg and "'tensor'" in msg and "divides" in msg
+
+
+def test_layer_split_transfers_are_async_and_overlap_compute(checks):
+    """Compiled for a TPU slice: the owner broadcasts are collective-permute-start/done pairs
+    and some have compute scheduled while they are in flight."""
+    if checks["hlo_overlap"] is None:
+        pytest.skip("libtpu is not installed")
+    permutes = checks["hlo_overlap"]["collective-permute"]
+    assert permutes["pairs"] > 0 and permutes["overlapped"] > 0

@@ -1,0 +1,66 @@
+"""Ahead-of-time compilation of the decode step for a TPU slice, from abstract params.
+
+    compiled = compile_decode_step(cfg, topology="v5p:2x2x1", mesh_spec="layer=4",
+                                   batch=1, max_len=4096)
+    compiled.memory_analysis()      # per-chip bytes
+    compiled.as_text()              # the scheduled HLO (see glm_jax.hlo_overlap)
+
+Needs libtpu (`pip install glm-jax[tpu]`), not a TPU: the topology is described, not attached.
+Parameters and the cache are ShapeDtypeStructs carrying their NamedShardings, so nothing is
+allocated here.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from glm_jax import ops
+from glm_jax.cache import create_cache
+from glm_jax.config import GLMConfig
+from glm_jax.layer_split import LayerSplit
+from glm_jax.model import abstract_model
+from glm_jax.sharding import cache_shardings, logical_sharding, make_mesh, param_shardings
+
+
+def topology_devices(topology: str):
+    """TPU devices of a slice such as 'v5p:4x4x4' (libtpu, no TPU needed)."""
+    from jax.experimental import topologies
+    # Describing a topology loads libtpu; other processes on the host may have it loaded too.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    try:
+        return topologies.get_topology_desc(platform="tpu", topology_name=topology).devices
+    except Exception as e:       # libtpu missing or an unknown topology name
+        raise ValueError(f"cannot describe TPU topology {topology!r} ({e}); install libtpu "
+                         "(pip install 'glm-jax[tpu]') and use a name like v5p:2x2x1") from e
+
+
+def _abstract(tree, shardings):
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+def compile_decode_step(cfg: GLMConfig, *, topology: str, mesh_spec: str, batch: int, max_len: int,
+                        collective: str = "permute", kernels: ops.KernelChoice | None = None,
+                        compiler_options: dict | None = None):
+    """Compile one decode step (tokens int32 [B, 1] against a cache of max_len rows, cache
+    donated) for the slice. With a `layer` axis > 1 in mesh_spec the cache is LayerSplit."""
+    mesh = make_mesh(mesh_spec, topology_devices(topology))
+    split = LayerSplit(mesh, collective=collective) if mesh.shape["layer"] > 1 else None
+    graphdef, state = nnx.split(abstract_model(cfg))
+    params = _abstract(state, param_shardings(state, mesh))
+    cache = jax.eval_shape(functools.partial(create_cache, cfg, batch, max_len, split=split))
+    cache = _abstract(cache, cache_shardings(cache, mesh))
+    tokens = jax.ShapeDtypeStruct((batch, 1), jnp.int32,
+                                  sharding=logical_sharding(mesh, ("batch", None), (batch, 1), "tokens"))
+    kernels = kernels or ops.KernelChoice(indexer="xla", attention="xla")
+
+    @functools.partial(jax.jit, donate_argnums=(1,))
+    def step(state, cache, tokens):
+        logits, _, cache = nnx.merge(graphdef, state).forward_cached(tokens, cache, kernels=kernels)
+        return jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32), cache
+
+    return step.lower(params, cache, tokens).compile(compiler_options or {})
