@@ -65,6 +65,20 @@ def generator_tokens() -> dict:
     return result
 
 
+def engine_tokens() -> dict:
+    """The paged engine on a data=2,layer=4 mesh (pool pages split by data shard) vs one device."""
+    from glm_jax.decoding.engine import Request, ServingEngine
+
+    model = GLMModel(micro_config(), rngs=nnx.Rngs(0))
+    requests = [Request(np.arange(3, 12), 5), Request(np.arange(20, 25), 5), Request(np.arange(30, 44), 5)]
+    out = {}
+    for spec in (None, "data=2,layer=4"):
+        engine = ServingEngine(model, slots=2, num_pages=12, page_size=8, max_context=48, prefill_chunk=8,
+                               mesh=None if spec is None else make_mesh(spec))
+        out[str(spec)] = [r.tokens for r in engine.serve(requests)]
+    return out
+
+
 def cache_bytes_per_device() -> dict:
     cfg = micro_config(num_hidden_layers=8, index_topk_pattern="FSFSFSFS")
     out = {}
@@ -103,5 +117,6 @@ def hlo_overlap() -> dict | None:
 
 if __name__ == "__main__":
     print(json.dumps({"devices": len(jax.devices()), "split_equals_unsplit": split_equals_unsplit(),
-                      "generator_tokens": generator_tokens(), "cache_bytes": cache_bytes_per_device(),
+                      "generator_tokens": generator_tokens(), "engine_tokens": engine_tokens(),
+                      "cache_bytes": cache_bytes_per_device(),
                       "indivisible_error": indivisible_mesh_error(), "hlo_overlap": hlo_overlap()}))

@@ -59,6 +59,12 @@ def test_layer_split_generator_same_greedy_tokens(checks):
     assert tokens["None"] == tokens["data=1,layer=8"]
 
 
+def test_layer_split_paged_engine_same_tokens(checks):
+    tokens = checks["engine_tokens"]
+    assert tokens["None"] == tokens["data=2,layer=4"]
+    assert all(len(t) == 5 for t in tokens["None"])
+
+
 def test_per_device_cache_bytes_shrink_as_one_over_n(checks):
     b = {int(n): r for n, r in checks["cache_bytes"].items()}
     for n in (2, 4):

@@ -121,6 +121,18 @@ class GeneratorBase:
             padded[i, :len(r)] = r
         return padded, lengths
 
+    def _prefill(self, cache: KVCache, padded: np.ndarray, lengths: np.ndarray, progress=None):
+        """Chunked prefill of padded int32 [B, P] (real lengths [B]), one jitted call per chunk
+        -> (logits float32 [B, V] after each row's last prompt token, cache)."""
+        logits = None
+        for start, tokens, num_valid in self._chunks(padded, lengths):
+            last, cache = _prefill_chunk(self.graphdef, self.state, jnp.asarray(tokens), jnp.asarray(num_valid),
+                                         cache, self.kernels)
+            logits = last if logits is None else jnp.where(jnp.asarray(num_valid > 0)[:, None], last, logits)
+            if progress is not None:
+                progress(min(start + self.prefill_chunk, padded.shape[1]), padded.shape[1])
+        return logits, cache
+
     def _chunks(self, padded: np.ndarray, lengths: np.ndarray):
         """Prefill chunks: yields (start, tokens int32 [B, C] zero-padded, real tokens per row [B])."""
         c = self.prefill_chunk
@@ -157,13 +169,7 @@ class Generator(GeneratorBase):
         cache = self.new_cache(b, cache_len, self.cache_dtype)
 
         t0 = time.perf_counter()
-        logits = None
-        for start, tokens, num_valid in self._chunks(padded, lengths):
-            last, cache = _prefill_chunk(self.graphdef, self.state, jnp.asarray(tokens), jnp.asarray(num_valid),
-                                         cache, self.kernels)
-            logits = last if logits is None else jnp.where(jnp.asarray(num_valid > 0)[:, None], last, logits)
-            if progress is not None:
-                progress(min(start + self.prefill_chunk, p), p)
+        logits, cache = self._prefill(cache, padded, lengths, progress)
         logits.block_until_ready()
         self.stats = {"prompt_tokens": int(lengths.sum()), "prefill_s": time.perf_counter() - t0, "new_tokens": 0}
 
