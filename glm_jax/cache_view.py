@@ -69,13 +69,15 @@ class GroupCacheView:
     """The cache seen by one IndexShare group (layers first_layer .. first_layer + G - 1, whose
     Full layer is number full_index) while tokens at positions int32 [B, S] run through it.
 
-    Holds the (local) stores latent [slots, pages, P, latent] and keys [slots, pages, P, D];
-    methods replace them functionally, so read `.latent` / `.keys` back after the group ran."""
+    Holds the stores latent [slots, pages, P, latent] and keys [slots, pages, P, D]; methods
+    replace them functionally, so read `.latent` / `.keys` back after the group ran. Every
+    method that touches a store runs through `placement.manual` (per device under LayerSplit)."""
 
     def __init__(self, latent, keys, page_table, placement: Placement, first_layer, full_index, positions):
         self.latent, self.keys, self.page_table = latent, keys, page_table
         self.placement = placement
-        self.first_layer, self.full_index = first_layer, full_index
+        self.first_layer = jnp.asarray(first_layer, jnp.int32)
+        self.full_index = jnp.asarray(full_index, jnp.int32)
         self.positions = positions
         self.fetched: list[jnp.ndarray] = []
         self.mode = "slice"
@@ -84,49 +86,62 @@ class GroupCacheView:
     def max_len(self) -> int:
         return self.page_table.shape[1] * self.latent.shape[2]
 
-    def _latent_home(self, j):
-        return self.placement.locate(self.first_layer + j, self.placement.latent_slots)
-
-    def _key_home(self):
-        return self.placement.locate(self.full_index, self.placement.key_slots)
+    def _write(self, store, index, rows):
+        def fn(store, page_table, positions, rows, index):
+            slot, mine = self.placement.locate(index, store.shape[0])
+            return (write_rows(store, slot, page_table, positions, rows, mine),)
+        return self.placement.manual(fn, (store,), (self.page_table, self.positions, rows), (index,),
+                                     out_stores=1, out_rows=0)[0]
 
     def write_latent(self, j: int, rows: jnp.ndarray) -> None:
         """rows [B, S, latent] of layer j of the group."""
-        slot, mine = self._latent_home(j)
-        self.latent = write_rows(self.latent, slot, self.page_table, self.positions, rows, mine)
+        self.latent = self._write(self.latent, self.first_layer + j, rows)
 
     def write_keys(self, keys: jnp.ndarray) -> None:
         """keys [B, S, D] of the Full layer."""
-        slot, mine = self._key_home()
-        self.keys = write_rows(self.keys, slot, self.page_table, self.positions, keys, mine)
+        self.keys = self._write(self.keys, self.full_index, keys)
 
-    def select(self, select_fn) -> jnp.ndarray:
-        """select_fn(keys [B, T, D]) -> indices int32 [B, S, K], run on the keys' owner, shared."""
-        slot, mine = self._key_home()
-        return self.placement.share(select_fn(read_sequence(self.keys, slot, self.page_table)), mine)
+    def select(self, select_fn, *batch_args) -> jnp.ndarray:
+        """select_fn(keys [B, T, D], *batch_args) -> indices int32 [B, S, K]; run where the keys
+        live and shared. batch_args: arrays with a leading batch dim the selection needs."""
+        def fn(keys, page_table, *rest):
+            *args, index = rest
+            slot, mine = self.placement.locate(index, keys.shape[0])
+            return (self.placement.share(select_fn(read_sequence(keys, slot, page_table), *args), mine),)
+        return self.placement.manual(fn, (self.keys,), (self.page_table, *batch_args), (self.full_index,),
+                                     out_stores=0, out_rows=1)[0]
 
     def read_latent(self, j: int) -> jnp.ndarray:
-        """Every row of layer j: [B, T, latent] (local caches only, e.g. the MTP layer's)."""
-        slot, mine = self._latent_home(j)
-        return self.placement.share(read_sequence(self.latent, slot, self.page_table), mine)
+        """Every row of layer j: [B, T, latent] (e.g. the MTP layer's KVShare draft steps)."""
+        def fn(latent, page_table, index):
+            slot, mine = self.placement.locate(index, latent.shape[0])
+            return (self.placement.share(read_sequence(latent, slot, page_table), mine),)
+        return self.placement.manual(fn, (self.latent,), (self.page_table,), (self.first_layer + j,),
+                                     out_stores=0, out_rows=1)[0]
 
     def fetch(self, indices: jnp.ndarray, num_layers: int) -> None:
         """Bring what attention of layers 0 .. num_layers-1 will read; indices int32 [B, S, K]."""
-        self.mode = fetch_mode(indices.shape[1], indices.shape[2], self.max_len)
+        self.mode = mode = fetch_mode(indices.shape[1], indices.shape[2], self.max_len)
+        placement = self.placement
 
-        def owned(j):
-            slot, mine = self._latent_home(j)
-            if self.mode == "rows":
-                data = gather_rows(self.latent, slot, self.page_table, indices)
-            else:
-                data = read_sequence(self.latent, slot, self.page_table)
-            return data if mine is True else jnp.where(mine, data, jnp.zeros_like(data))
+        def fn(latent, page_table, indices, first_layer):
+            def owned(j):
+                slot, mine = placement.locate(first_layer + j, latent.shape[0])
+                if mode == "rows":
+                    data = gather_rows(latent, slot, page_table, indices)
+                else:
+                    data = read_sequence(latent, slot, page_table)
+                return data if mine is True else jnp.where(mine, data, jnp.zeros_like(data))
 
-        # Layer 0 is needed at once; layers 1.. travel in one message while layer 0 computes.
-        self.fetched = [self.placement.share(owned(0), True)]
-        if num_layers > 1:
-            rest = self.placement.share(jnp.stack([owned(j) for j in range(1, num_layers)]), True)
-            self.fetched += list(rest)
+            # Layer 0 is needed at once; layers 1.. travel in one message while layer 0 computes.
+            first = placement.share(owned(0), True)
+            if num_layers == 1:
+                return (first,)
+            return first, placement.share(jnp.stack([owned(j) for j in range(1, num_layers)], axis=1), True)
+
+        out = placement.manual(fn, (self.latent,), (self.page_table, indices), (self.first_layer,),
+                               out_stores=0, out_rows=min(num_layers, 2))
+        self.fetched = [out[0]] + ([out[1][:, j] for j in range(num_layers - 1)] if num_layers > 1 else [])
 
     def attention_kv(self, j: int, indices: jnp.ndarray, new_rows: jnp.ndarray):
         """-> (kv [B, T', latent], indices int32 [B, S, K] into kv) for layer j.

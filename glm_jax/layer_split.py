@@ -27,7 +27,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
+from jax.sharding import Mesh, PartitionSpec
 
 COLLECTIVES = ("permute", "psum")
 
@@ -64,23 +64,49 @@ def padded_slots(split: LayerSplit | None, count: int) -> int:
 
 
 class Placement:
-    """Inside a traced forward: where layer l's rows live and how the owner shares a value.
+    """Where layer l's rows live, and how code that touches the cache runs.
 
-    Without a split every layer is local (slot l, owned here). With one, the code runs inside
-    `jax.shard_map` over `split.axis` and sees only the local slots."""
+    Without a split every layer is local (slot l, owned here) and `manual` just calls. With
+    one, `manual` runs its function under `jax.shard_map`, manual over the split axis and the
+    `data` axis: the function sees this device's cache slots [local slots, local pages, P, D],
+    its batch rows, and page ids made local; the other mesh axes (tensor) stay automatic. Only
+    cache access runs there: the weights outside may be sharded over the `layer` axis too."""
 
-    def __init__(self, split: LayerSplit | None, latent_slots: int, key_slots: int):
+    def __init__(self, split: LayerSplit | None):
         self.split = split
-        self.latent_slots, self.key_slots = latent_slots, key_slots   # local slots per device
+
+    def manual(self, fn, stores: tuple, rows: tuple, scalars: tuple = (), *, out_stores: int, out_rows: int):
+        """fn(*local_stores, local_page_table..., *rows, *scalars) -> (stores..., rows...).
+
+        stores: cache arrays [slots, pages, P, D]; rows: arrays with a leading batch dim (the
+        page table first); scalars: replicated int32 values."""
+        if self.split is None:
+            return fn(*stores, *rows, *scalars)
+        mesh, axis = self.split.mesh, self.split.axis
+        data = "data" if mesh.shape.get("data", 1) > 1 else None
+
+        def local(*args):
+            st, rw, sc = args[:len(stores)], list(args[len(stores):len(stores) + len(rows)]), args[len(stores) + len(rows):]
+            if data is not None:          # page ids are global; this device holds a contiguous range
+                rw[0] = rw[0] - jax.lax.axis_index(data) * st[0].shape[1]
+            return fn(*st, *rw, *sc)
+
+        store_spec, row_spec = PartitionSpec(axis, data), PartitionSpec(data)
+        out = jax.shard_map(local, mesh=mesh,
+                            in_specs=(store_spec,) * len(stores) + (row_spec,) * len(rows) + (PartitionSpec(),) * len(scalars),
+                            out_specs=(store_spec,) * out_stores + (row_spec,) * out_rows,
+                            axis_names={axis} | ({data} - {None}), check_vma=False)(*stores, *rows, *scalars)
+        return out
 
     def locate(self, index, slots: int):
-        """Global layer index (int or int32 scalar) -> (local slot, owned by this device: bool)."""
+        """Global layer index (int or int32 scalar) -> (local slot, owned by this device: bool).
+        slots: local slots per device. Inside `manual` only."""
         if self.split is None:
             return index, True
         return index % slots, jax.lax.axis_index(self.split.axis) == index // slots
 
     def share(self, x: jnp.ndarray, mine) -> jnp.ndarray:
-        """The owner's x on every device (x computed everywhere, valid only where mine)."""
+        """The owner's x on every device (x computed everywhere, valid only where mine). Inside `manual`."""
         if self.split is None:
             return x
         return broadcast_from_owner(x, mine, self.split.axis, self.split.size, self.split.collective)

@@ -15,7 +15,6 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import PartitionSpec
 
 from glm_jax import ops
 from glm_jax.cache import KVCache
@@ -119,39 +118,24 @@ class GLMModel(nnx.Module):
     def _cached_stacks(self, x, positions, kv_len, cache: KVCache, kernels: ops.KernelChoice):
         """Every group stack against the cache: x [B, S, hidden] -> (x, latent store, key store).
 
-        With a LayerSplit cache this runs inside `jax.shard_map`, manual over the split axis and
-        the `data` axis (each device sees its own cache slots and its batch rows with their
-        pages; page ids are made local), automatic over the others (tensor parallelism)."""
-        graphdefs, states = zip(*(nnx.split(stack) for stack in self.stacks))
-        plan, split = self.plan, cache.split
+        With a LayerSplit cache only the cache accesses run per device (see
+        `layer_split.Placement.manual`); everything else is ordinary sharded XLA."""
+        placement = Placement(cache.split)
+        latent, keys, full_base = cache.latent, cache.index_keys, 0
+        for stack, p in zip(self.stacks, self.plan):
+            graphdef, state = nnx.split(stack)
 
-        def run(x, positions, kv_len, page_table, states, latent, keys):
-            placement = Placement(split, latent.shape[0], keys.shape[0])
-            if split is not None and "data" in split.mesh.shape:
-                page_table = page_table - jax.lax.axis_index("data") * latent.shape[1]
-            full_base = 0
-            for graphdef, stack_state, p in zip(graphdefs, states, plan):
-                def body(carry, xs, graphdef=graphdef, p=p, full_base=full_base):
-                    x, latent, keys = carry
-                    group_state, g = xs
-                    view = GroupCacheView(latent, keys, page_table, placement, p.first_layer + g * len(p.kinds),
-                                          full_base + g, positions)
-                    x, _ = nnx.merge(graphdef, group_state).forward_cached(x, positions, view, kv_len, kernels)
-                    return (x, view.latent, view.keys), None
+            def body(carry, xs, graphdef=graphdef, p=p, full_base=full_base):
+                x, latent, keys = carry
+                group_state, g = xs
+                view = GroupCacheView(latent, keys, cache.page_table, placement, p.first_layer + g * len(p.kinds),
+                                      full_base + g, positions)
+                x, _ = nnx.merge(graphdef, group_state).forward_cached(x, positions, view, kv_len, kernels)
+                return (x, view.latent, view.keys), None
 
-                (x, latent, keys), _ = jax.lax.scan(body, (x, latent, keys),
-                                                    (stack_state, jnp.arange(p.count, dtype=jnp.int32)))
-                full_base += p.count
-            return x, latent, keys
-
-        args = (x, positions, kv_len, cache.page_table, states, cache.latent, cache.index_keys)
-        if split is None:
-            return run(*args)
-        data = "data" if "data" in split.mesh.shape else None
-        rows, store = PartitionSpec(data), PartitionSpec(split.axis, data)
-        return jax.shard_map(run, mesh=split.mesh, in_specs=(rows,) * 4 + (PartitionSpec(),) + (store,) * 2,
-                             out_specs=(rows, store, store), axis_names={split.axis} | ({data} - {None}),
-                             check_vma=False)(*args)
+            (x, latent, keys), _ = jax.lax.scan(body, (x, latent, keys), (state, jnp.arange(p.count, dtype=jnp.int32)))
+            full_base += p.count
+        return x, latent, keys
 
     # ------------------------------------------------------------------ MTP with a cache
     def mtp_forward_cached(self, next_tokens, hidden, cache: KVCache, *,
@@ -183,7 +167,7 @@ class GLMModel(nnx.Module):
 
 def _mtp_view(cache: KVCache, positions) -> GroupCacheView:
     """The MTP layer's cache (`create_mtp_cache`: one local Full layer) as a group view."""
-    return GroupCacheView(cache.latent, cache.index_keys, cache.page_table, Placement(None, 1, 1), 0, 0, positions)
+    return GroupCacheView(cache.latent, cache.index_keys, cache.page_table, Placement(None), 0, 0, positions)
 
 
 def count_params(model_or_state) -> int:

@@ -8,7 +8,8 @@ Mesh axes (always in this order; a missing one has size 1):
     data    batch rows (and the cache pages that hold them)
     tensor  attention heads, MLP columns, routed experts, vocabulary ("expert" is an alias)
     layer   LayerSplit: each device of this axis stores the KV cache of a disjoint subset of
-            layers (glm_jax.layer_split); weights and activations are replicated along it
+            layers (glm_jax.layer_split); routed experts are split over tensor x layer, the
+            other weights and the activations are replicated along it
 
 Layers never name mesh axes: every array dimension carries a logical name and LOGICAL_AXIS_RULES
 (the only table) maps it to a mesh axis or to None (replicated).
@@ -26,14 +27,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 MESH_AXES = ("data", "tensor", "layer")
 AXIS_ALIASES = {"expert": "tensor", "experts": "tensor", "dp": "data", "tp": "tensor", "ep": "tensor"}
 
-# logical dimension name -> mesh axis (None = replicated)
-LOGICAL_AXIS_RULES: dict[str, str | None] = {
+# logical dimension name -> mesh axis, tuple of mesh axes (split over their product), or None
+LOGICAL_AXIS_RULES: dict[str, str | tuple[str, ...] | None] = {
     "batch": "data",
     "embed": None,
     "heads": "tensor",          # attention heads (q_b, kv_b outputs; o_proj input)
     "index_heads": "tensor",    # lightning-indexer query heads
     "mlp": "tensor",            # dense FFN columns
-    "experts": "tensor",        # routed experts (expert parallelism)
+    "experts": ("tensor", "layer"),  # routed experts: expert parallelism over tensor x layer devices
     "vocab": "tensor",
     "stack": None,              # stacked IndexShare groups (the scan axis of parameters)
     "cache_layers": "layer",    # LayerSplit: one slot per layer (latent) / per Full layer (keys)
@@ -107,12 +108,12 @@ def logical_sharding(mesh: Mesh, names: tuple[str | None, ...], shape: tuple[int
     for name, size, axis in zip(names, shape, spec):
         if axis is None:
             continue
-        n = mesh.shape[axis]
+        n = math.prod(mesh.shape[a] for a in ((axis,) if isinstance(axis, str) else axis))
         if size % n:
             raise ShardingError(
                 f"{what}: dimension {name!r} of size {size} (shape {shape}) is split over mesh axis "
                 f"{axis!r} of size {n}, which does not divide it; use a mesh whose {axis!r} size divides "
-                f"{size} (mesh is {format_mesh(mesh)}), or map {name!r} to None in LOGICAL_AXIS_RULES")
+                f"{size} (mesh is {format_mesh(mesh)}), or change the rule for {name!r} in LOGICAL_AXIS_RULES")
     return NamedSharding(mesh, spec)
 
 

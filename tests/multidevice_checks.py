@@ -36,7 +36,7 @@ def _prefill_then_decode(model, cache, tokens, prefill: int):
 
 
 def split_equals_unsplit() -> dict:
-    cfg = micro_config(vocab_size=96)
+    cfg = micro_config(vocab_size=96, n_routed_experts=8)   # experts split over tensor x layer = 8
     model = GLMModel(cfg, rngs=nnx.Rngs(0))
     tokens = jax.random.randint(jax.random.key(1), (4, 10), 0, cfg.vocab_size)
     run = jax.jit(_prefill_then_decode, static_argnames="prefill")
@@ -54,7 +54,7 @@ def split_equals_unsplit() -> dict:
 
 
 def generator_tokens() -> dict:
-    cfg = micro_config()
+    cfg = micro_config(n_routed_experts=8)        # experts split over the 8 layer devices
     model = GLMModel(cfg, rngs=nnx.Rngs(0))
     prompts = [np.arange(3, 12) % cfg.vocab_size, np.arange(20, 25), np.arange(40, 53) % cfg.vocab_size]
     result = {}

@@ -178,8 +178,9 @@ class IndexShareGroup(nnx.Module):
             view.write_latent(j, latent)
             if j == 0:
                 view.write_keys(layer.indexer.keys(h, positions))
-                indices = view.select(lambda keys, layer=layer, h=h, q_resid=q_resid: layer.indexer.select(
-                    h, q_resid, positions, keys, kv_len, kernels))
+                indices = view.select(
+                    lambda keys, h, q_resid, positions, kv_len, layer=layer: layer.indexer.select(
+                        h, q_resid, positions, keys, kv_len, kernels), h, q_resid, positions, kv_len)
                 view.fetch(indices, len(self.layers))
             kv, kv_indices = view.attention_kv(j, indices, latent)
             out = layer.self_attn.attend_absorbed(q_nope, q_rope, kv, kv_indices, kernels)
