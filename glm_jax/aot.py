@@ -64,3 +64,25 @@ def compile_decode_step(cfg: GLMConfig, *, topology: str, mesh_spec: str, batch:
         return jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32), cache
 
     return step.lower(params, cache, tokens).compile(compiler_options or {})
+
+
+# HBM per chip by TPU generation (public specifications), for the fits / does-not-fit verdict.
+HBM_PER_CHIP_GIB = {"v4": 32, "v5e": 16, "v5litepod": 16, "v5p": 95, "v6e": 32, "tpu7x": 192}
+
+
+def memory_report(compiled, topology: str) -> dict:
+    """Per-chip bytes of a compiled step: arguments (params + cache), outputs not aliased to
+    arguments, temporaries, code; and whether they fit the chip's HBM."""
+    m = compiled.memory_analysis()
+    total = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+             + m.temp_size_in_bytes + m.generated_code_size_in_bytes)
+    hbm = HBM_PER_CHIP_GIB.get(topology.split(":")[0])
+    return {"arguments": m.argument_size_in_bytes, "outputs_not_aliased": m.output_size_in_bytes - m.alias_size_in_bytes,
+            "temporaries": m.temp_size_in_bytes, "code": m.generated_code_size_in_bytes, "total": total,
+            "hbm": None if hbm is None else hbm * 2**30,
+            "fits": None if hbm is None else total <= hbm * 2**30}
+
+
+def default_mesh_spec(num_chips: int) -> str:
+    """tensor x layer = 8-way LayerSplit when the slice allows it, else LayerSplit over all chips."""
+    return f"tensor={num_chips // 8},layer=8" if num_chips % 8 == 0 and num_chips >= 8 else f"layer={num_chips}"
