@@ -12,12 +12,14 @@ allocated here.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.experimental.layout import Format, Layout
 
 from glm_jax import ops
 from glm_jax.cache import create_cache
@@ -43,6 +45,18 @@ def _abstract(tree, shardings):
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
+def _row_major_stores(cache):
+    """Cache formats: the latent and key stores pinned to the row-major layout the decode loop
+    works in (in and out, so the donated cache aliases its update). Left to choose, the TPU
+    compiler gives a [slots, pages, P, 576] store a lane-friendlier transposed entry layout and
+    copies the whole store into and out of the loop over groups: about 2x its size in
+    temporaries. Row-major costs the lane padding of 576 to 640 instead (+11%)."""
+    def pinned(x):
+        return Format(Layout(major_to_minor=tuple(range(x.ndim))), x.sharding)
+    return dataclasses.replace(cache, latent=pinned(cache.latent), index_keys=pinned(cache.index_keys),
+                               page_table=cache.page_table.sharding, lengths=cache.lengths.sharding)
+
+
 def compile_decode_step(cfg: GLMConfig, *, topology: str, mesh_spec: str, batch: int, max_len: int,
                         collective: str = "permute", kernels: ops.KernelChoice | None = None,
                         compiler_options: dict | None = None):
@@ -53,12 +67,13 @@ def compile_decode_step(cfg: GLMConfig, *, topology: str, mesh_spec: str, batch:
     graphdef, state = nnx.split(abstract_model(cfg))
     params = _abstract(state, param_shardings(state, mesh))
     cache = jax.eval_shape(functools.partial(create_cache, cfg, batch, max_len, split=split))
-    cache = _abstract(cache, cache_shardings(cache, mesh))
+    formats = _row_major_stores(_abstract(cache, cache_shardings(cache, mesh)))
+    cache = _abstract(cache, formats)
     tokens = jax.ShapeDtypeStruct((batch, 1), jnp.int32,
                                   sharding=logical_sharding(mesh, ("batch", None), (batch, 1), "tokens"))
     kernels = kernels or ops.KernelChoice(indexer="xla", attention="xla")
 
-    @functools.partial(jax.jit, donate_argnums=(1,))
+    @functools.partial(jax.jit, donate_argnums=(1,), out_shardings=(None, formats))
     def step(state, cache, tokens):
         logits, _, cache = nnx.merge(graphdef, state).forward_cached(tokens, cache, kernels=kernels)
         return jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32), cache
