@@ -38,7 +38,7 @@ def _prefill_then_decode(model, cache, tokens, prefill: int):
 def split_equals_unsplit() -> dict:
     cfg = micro_config(vocab_size=96, n_routed_experts=8)   # experts split over tensor x layer = 8
     model = GLMModel(cfg, rngs=nnx.Rngs(0))
-    tokens = jax.random.randint(jax.random.key(1), (4, 10), 0, cfg.vocab_size)
+    tokens = jax.random.randint(jax.random.key(1), (4, 9), 0, cfg.vocab_size)
     run = jax.jit(_prefill_then_decode, static_argnames="prefill")
     ref = run(model, create_cache(cfg, 4, 32), tokens, prefill=8)
     out = {}
@@ -53,30 +53,24 @@ def split_equals_unsplit() -> dict:
     return out
 
 
+PROMPTS = [np.arange(3, 12), np.arange(20, 25), np.arange(40, 53)]
+
+
 def generator_tokens() -> dict:
-    cfg = micro_config(n_routed_experts=8)        # experts split over the 8 layer devices
-    model = GLMModel(cfg, rngs=nnx.Rngs(0))
-    prompts = [np.arange(3, 12) % cfg.vocab_size, np.arange(20, 25), np.arange(40, 53) % cfg.vocab_size]
+    """Greedy tokens: contiguous Generator on one device and on data=1,layer=8; the paged
+    engine on data=2,layer=4 (pool pages split by data shard)."""
+    from glm_jax.decoding.engine import Request, ServingEngine
+
+    model = GLMModel(micro_config(n_routed_experts=8), rngs=nnx.Rngs(0))   # experts over 8 devices
     result = {}
     for spec in (None, "data=1,layer=8"):
         gen = Generator(model, batch=3, max_len=48, prefill_chunk=4, block_size=4,
                         mesh=None if spec is None else make_mesh(spec))
-        result[str(spec)] = np.concatenate(list(gen.generate(prompts, max_new_tokens=8)), axis=1).tolist()
+        result[str(spec)] = np.concatenate(list(gen.generate(PROMPTS, max_new_tokens=8)), axis=1).tolist()
+    engine = ServingEngine(model, slots=2, num_pages=12, page_size=8, max_context=48, prefill_chunk=8,
+                           mesh=make_mesh("data=2,layer=4"))
+    result["engine data=2,layer=4"] = [r.tokens for r in engine.serve([Request(p, 8) for p in PROMPTS])]
     return result
-
-
-def engine_tokens() -> dict:
-    """The paged engine on a data=2,layer=4 mesh (pool pages split by data shard) vs one device."""
-    from glm_jax.decoding.engine import Request, ServingEngine
-
-    model = GLMModel(micro_config(), rngs=nnx.Rngs(0))
-    requests = [Request(np.arange(3, 12), 5), Request(np.arange(20, 25), 5), Request(np.arange(30, 44), 5)]
-    out = {}
-    for spec in (None, "data=2,layer=4"):
-        engine = ServingEngine(model, slots=2, num_pages=12, page_size=8, max_context=48, prefill_chunk=8,
-                               mesh=None if spec is None else make_mesh(spec))
-        out[str(spec)] = [r.tokens for r in engine.serve(requests)]
-    return out
 
 
 def cache_bytes_per_device() -> dict:
@@ -117,6 +111,6 @@ def hlo_overlap() -> dict | None:
 
 if __name__ == "__main__":
     print(json.dumps({"devices": len(jax.devices()), "split_equals_unsplit": split_equals_unsplit(),
-                      "generator_tokens": generator_tokens(), "engine_tokens": engine_tokens(),
+                      "generator_tokens": generator_tokens(),
                       "cache_bytes": cache_bytes_per_device(),
                       "indivisible_error": indivisible_mesh_error(), "hlo_overlap": hlo_overlap()}))
