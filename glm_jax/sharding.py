@@ -17,6 +17,7 @@ Layers never name mesh axes: every array dimension carries a logical name and LO
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 
@@ -174,8 +175,6 @@ CACHE_AXES = {
 def cache_shardings(cache, mesh: Mesh):
     """A KVCache of NamedShardings. Without LayerSplit the layer slots are replicated along
     the `layer` axis (each device keeps every layer)."""
-    import dataclasses
-
     rules = LOGICAL_AXIS_RULES if cache.split is not None else {**LOGICAL_AXIS_RULES, "cache_layers": None}
     fields = {name: logical_sharding(mesh, CACHE_AXES[name], tuple(getattr(cache, name).shape),
                                      f"cache.{name}", rules) for name in CACHE_AXES}

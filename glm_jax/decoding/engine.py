@@ -55,7 +55,7 @@ class ServingEngine(GeneratorBase):
                  collective: str = "permute"):
         super().__init__(model, batch=slots, max_len=max_context, prefill_chunk=prefill_chunk, kernels=kernels,
                          mesh=mesh, collective=collective)
-        shards = 1 if mesh is None else mesh.shape["data"]
+        shards = 1 if mesh is None else mesh.shape.get("data", 1)
         self.pool = PagePool(self.cfg, num_pages=num_pages, page_size=page_size, data_shards=shards)
         # Room in every row's table for its longest context plus the padding of a prefill chunk.
         self.width = self.pool.pages_for(max_context + prefill_chunk)

@@ -73,10 +73,10 @@ class GeneratorBase:
         self.mesh = mesh
         self.split = None
         if mesh is not None:
-            if batch % mesh.shape["data"]:
+            data = mesh.shape.get("data", 1)
+            if batch % data:
                 raise ShardingError(f"a batch of {batch} prompt(s) cannot be split over mesh axis 'data' of "
-                                    f"size {mesh.shape['data']}; give a multiple of {mesh.shape['data']} prompts "
-                                    "or use data=1")
+                                    f"size {data}; give a multiple of {data} prompts or use data=1")
             self.state = shard_params(self.state, mesh)
             if mesh.shape.get("layer", 1) > 1:
                 self.split = LayerSplit(mesh, collective=collective)
