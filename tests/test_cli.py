@@ -118,3 +118,17 @@ def test_bad_prompts_file_is_refused(trained_run, tmp_path, capsys):
     prompts.write_text('{"text": "x"}\n')
     assert decode.main(["--checkpoint", str(out), "--prompts-file", str(prompts)]) == 2
     assert "prompts.jsonl:1" in capsys.readouterr().err
+
+
+def test_decode_mesh_that_does_not_fit_is_refused(trained_run, capsys, monkeypatch):
+    out, _ = trained_run
+    monkeypatch.setenv("XLA_FLAGS", "")
+    assert decode.main(["--checkpoint", str(out), "--mesh", "tensor=3", "--max-new-tokens", "4"]) == 2
+    assert "error:" in capsys.readouterr().err
+    assert decode.main(["--checkpoint", str(out), "--mesh", "layers=2"]) == 2
+    assert "unknown axis 'layers'" in capsys.readouterr().err
+
+
+def test_compile_only_needs_config_and_topology(capsys):
+    assert decode.main(["--compile-only"]) == 2
+    assert "--topology" in capsys.readouterr().err

@@ -20,8 +20,12 @@ import numpy as np
 from flax import nnx
 
 from glm_jax import ops
+from jax.sharding import Mesh
+
 from glm_jax.cache import KVCache, create_cache
 from glm_jax.decoding.sampling import sample_tokens
+from glm_jax.layer_split import LayerSplit
+from glm_jax.sharding import ShardingError, shard_cache, shard_params
 
 
 class ContextTooLongError(ValueError):
@@ -58,12 +62,24 @@ def _decode_block(graphdef, state, cache: KVCache, logits, key, temperature, top
 
 
 class GeneratorBase:
-    """What every generator shares: the split model, the batch size, the context check."""
+    """What every generator shares: the split model, the batch size, the context check, and
+    the placement on a device mesh (params by the logical-axis rules; with a `layer` axis > 1
+    the target cache is LayerSplit across it)."""
 
     def __init__(self, model, *, batch: int, max_len: int | None, prefill_chunk: int,
-                 kernels: ops.KernelChoice):
+                 kernels: ops.KernelChoice, mesh: Mesh | None = None, collective: str = "permute"):
         self.cfg = model.cfg
         self.graphdef, self.state = nnx.split(model)
+        self.mesh = mesh
+        self.split = None
+        if mesh is not None:
+            data = mesh.shape.get("data", 1)
+            if batch % data:
+                raise ShardingError(f"a batch of {batch} prompt(s) cannot be split over mesh axis 'data' of "
+                                    f"size {data}; give a multiple of {data} prompts or use data=1")
+            self.state = shard_params(self.state, mesh)
+            if mesh.shape.get("layer", 1) > 1:
+                self.split = LayerSplit(mesh, collective=collective)
         self.batch = batch
         self.max_len = max_len or self.cfg.max_position_embeddings
         if self.max_len > self.cfg.max_position_embeddings:
@@ -72,6 +88,11 @@ class GeneratorBase:
                 f"{self.cfg.max_position_embeddings} tokens (max_position_embeddings)")
         self.prefill_chunk = prefill_chunk
         self.kernels = kernels
+
+    def new_cache(self, batch: int, cache_len: int, dtype=None) -> KVCache:
+        """An empty target cache, LayerSplit and placed on the mesh when there is one."""
+        cache = create_cache(self.cfg, batch, cache_len, dtype, split=self.split)
+        return cache if self.mesh is None else shard_cache(cache, self.mesh)
 
     def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
         need = prompt_len + max_new_tokens
@@ -100,6 +121,18 @@ class GeneratorBase:
             padded[i, :len(r)] = r
         return padded, lengths
 
+    def _prefill(self, cache: KVCache, padded: np.ndarray, lengths: np.ndarray, progress=None):
+        """Chunked prefill of padded int32 [B, P] (real lengths [B]), one jitted call per chunk
+        -> (logits float32 [B, V] after each row's last prompt token, cache)."""
+        logits = None
+        for start, tokens, num_valid in self._chunks(padded, lengths):
+            last, cache = _prefill_chunk(self.graphdef, self.state, jnp.asarray(tokens), jnp.asarray(num_valid),
+                                         cache, self.kernels)
+            logits = last if logits is None else jnp.where(jnp.asarray(num_valid > 0)[:, None], last, logits)
+            if progress is not None:
+                progress(min(start + self.prefill_chunk, padded.shape[1]), padded.shape[1])
+        return logits, cache
+
     def _chunks(self, padded: np.ndarray, lengths: np.ndarray):
         """Prefill chunks: yields (start, tokens int32 [B, C] zero-padded, real tokens per row [B])."""
         c = self.prefill_chunk
@@ -114,8 +147,10 @@ class Generator(GeneratorBase):
     """Holds one model; generates for a batch of prompts (of any lengths) from a fresh cache."""
 
     def __init__(self, model, *, batch: int = 1, max_len: int | None = None, prefill_chunk: int = 256,
-                 block_size: int = 16, kernels: ops.KernelChoice = ops.KernelChoice(), cache_dtype=None):
-        super().__init__(model, batch=batch, max_len=max_len, prefill_chunk=prefill_chunk, kernels=kernels)
+                 block_size: int = 16, kernels: ops.KernelChoice = ops.KernelChoice(), cache_dtype=None,
+                 mesh: Mesh | None = None, collective: str = "permute"):
+        super().__init__(model, batch=batch, max_len=max_len, prefill_chunk=prefill_chunk, kernels=kernels,
+                         mesh=mesh, collective=collective)
         self.block_size = block_size
         self.cache_dtype = cache_dtype
         self.stats: dict[str, float] = {}
@@ -131,16 +166,10 @@ class Generator(GeneratorBase):
         b, p = padded.shape
         # Room for whole prefill chunks and whole decode blocks (their padding rows are written).
         cache_len = max(round_up(p, self.prefill_chunk), p + round_up(max_new_tokens, self.block_size))
-        cache = create_cache(self.cfg, b, cache_len, self.cache_dtype)
+        cache = self.new_cache(b, cache_len, self.cache_dtype)
 
         t0 = time.perf_counter()
-        logits = None
-        for start, tokens, num_valid in self._chunks(padded, lengths):
-            last, cache = _prefill_chunk(self.graphdef, self.state, jnp.asarray(tokens), jnp.asarray(num_valid),
-                                         cache, self.kernels)
-            logits = last if logits is None else jnp.where(jnp.asarray(num_valid > 0)[:, None], last, logits)
-            if progress is not None:
-                progress(min(start + self.prefill_chunk, p), p)
+        logits, cache = self._prefill(cache, padded, lengths, progress)
         logits.block_until_ready()
         self.stats = {"prompt_tokens": int(lengths.sum()), "prefill_s": time.perf_counter() - t0, "new_tokens": 0}
 

@@ -29,7 +29,7 @@ import numpy as np
 from flax import nnx
 
 from glm_jax import ops
-from glm_jax.cache import KVCache, create_cache, create_mtp_cache
+from glm_jax.cache import KVCache, create_mtp_cache
 from glm_jax.decoding.generate import GeneratorBase, round_up
 from glm_jax.decoding.rejection import rejection_sample, sampling_probs
 
@@ -160,12 +160,13 @@ class SpeculativeGenerator(GeneratorBase):
 
     def __init__(self, model, *, batch: int = 1, max_len: int | None = None, num_draft: int = 3,
                  kv_share: bool = True, prefill_chunk: int = 256,
-                 kernels: ops.KernelChoice = ops.KernelChoice()):
+                 kernels: ops.KernelChoice = ops.KernelChoice(), mesh=None, collective: str = "permute"):
         if model.mtp is None:
             raise ValueError("speculative decoding needs the model's MTP layer (num_nextn_predict_layers: 1)")
         if num_draft < 1:
             raise ValueError(f"num_draft must be >= 1, got {num_draft}")
-        super().__init__(model, batch=batch, max_len=max_len, prefill_chunk=prefill_chunk, kernels=kernels)
+        super().__init__(model, batch=batch, max_len=max_len, prefill_chunk=prefill_chunk, kernels=kernels,
+                         mesh=mesh, collective=collective)
         self.num_draft, self.kv_share = num_draft, kv_share
         self.stats = SpecStats()
 
@@ -177,7 +178,7 @@ class SpeculativeGenerator(GeneratorBase):
         b, p = padded.shape
         k, chunk = self.num_draft, self.prefill_chunk
         cache_len = max(round_up(p, chunk), p + max_new_tokens + 2 * (k + 1))
-        cache = create_cache(self.cfg, b, cache_len)
+        cache = self.new_cache(b, cache_len)
         mtp_cache = create_mtp_cache(self.cfg, b, cache_len)
         t0 = time.perf_counter()
         shifted = np.concatenate([padded[:, 1:], np.zeros((b, 1), np.int32)], axis=1)

@@ -164,33 +164,36 @@ class IndexShareGroup(nnx.Module):
             x = layer.finish(x, out)
         return x, kl, first_latent, indices
 
-    def forward_cached(self, x, positions, latent_cache, key_cache, group, kv_len, kernels: ops.KernelChoice):
-        """Forward of new tokens against the cache of group number `group` of a stack.
+    def forward_cached(self, x, positions, view, kv_len, kernels: ops.KernelChoice):
+        """Forward of new tokens against the cache, through `view` (cache_view.GroupCacheView).
 
-        The new tokens' rows are written in place first, then attention reads the cache.
-        x [B, S, hidden]; positions int32 [B, S]; latent_cache [n, G, B, T, latent] (G layers per
-        group); key_cache [n, B, T, D]; group int32 scalar; kv_len int32 [B] (valid rows after the
-        write) -> (x, latent_cache, key_cache, the Full layer's indices int32 [B, S, topk])."""
-        rows = jnp.arange(x.shape[0])[:, None]
+        The Full layer writes its rows and keys, selects the top-k (where its keys live), then
+        the rows every layer will attend are fetched at once; each layer attends them with its
+        own chunk rows patched in, and writes those rows to its cache slot.
+        x [B, S, hidden]; positions int32 [B, S]; kv_len int32 [B] (valid rows after the write)
+        -> (x [B, S, hidden], the Full layer's indices int32 [B, S, topk])."""
         indices = None
         for j, layer in enumerate(self.layers):
             h, q_resid, q_nope, q_rope, latent = layer.attention_inputs(x, positions)
-            latent_cache = latent_cache.at[group, j, rows, positions].set(latent.astype(latent_cache.dtype))
+            view.write_latent(j, latent)
             if j == 0:
-                keys = layer.indexer.keys(h, positions)
-                key_cache = key_cache.at[group, rows, positions].set(keys.astype(key_cache.dtype))
-                indices = layer.indexer.select(h, q_resid, positions, key_cache[group], kv_len, kernels)
-            out = layer.self_attn.attend_absorbed(q_nope, q_rope, latent_cache[group, j], indices, kernels)
+                view.write_keys(layer.indexer.keys(h, positions))
+                indices = view.select(
+                    lambda keys, h, q_resid, positions, kv_len, layer=layer: layer.indexer.select(
+                        h, q_resid, positions, keys, kv_len, kernels), h, q_resid, positions, kv_len)
+                view.fetch(indices, len(self.layers))
+            kv, kv_indices = view.attention_kv(j, indices, latent)
+            out = layer.self_attn.attend_absorbed(q_nope, q_rope, kv, kv_indices, kernels)
             x = layer.finish(x, out)
-        return x, latent_cache, key_cache, indices
+        return x, indices
 
-    def forward_reusing_indices(self, x, positions, latent_cache, group, indices, kernels: ops.KernelChoice):
+    def forward_reusing_indices(self, x, positions, view, indices, kernels: ops.KernelChoice):
         """KVShare draft step: attend the cached rows named by `indices` (computed earlier),
-        running no indexer and writing nothing. x [B, S, hidden], latent_cache [n, G, B, T, latent],
-        indices int32 [B, S, topk] -> x [B, S, hidden]."""
+        running no indexer and writing nothing. x [B, S, hidden], view: the group's cache
+        (cache_view.GroupCacheView), indices int32 [B, S, topk] -> x [B, S, hidden]."""
         for j, layer in enumerate(self.layers):
             _, _, q_nope, q_rope, _ = layer.attention_inputs(x, positions)
-            out = layer.self_attn.attend_absorbed(q_nope, q_rope, latent_cache[group, j], indices, kernels)
+            out = layer.self_attn.attend_absorbed(q_nope, q_rope, view.read_latent(j), indices, kernels)
             x = layer.finish(x, out)
         return x
 
