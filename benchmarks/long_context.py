@@ -20,6 +20,7 @@ and the bytes the indexers read. `--json FILE` writes the rows for plotting.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import time
@@ -31,7 +32,7 @@ from flax import nnx
 
 import pallas_kernels as pk
 from benchmarks._measure import bench, ceilings
-from glm_jax.cache import KVCache, create_cache
+from glm_jax.cache import KVCache, contiguous_page_table, create_cache
 from glm_jax.config import load_config
 from glm_jax.model import GLMModel
 
@@ -52,12 +53,13 @@ def model_config(pattern: str, smoke: bool):
 
 
 def filled_cache(cfg, batch: int, context: int, extra: int, key) -> KVCache:
-    """A cache of `context` random rows per sequence (room for `extra` more)."""
-    empty = jax.eval_shape(lambda: create_cache(cfg, batch, context + extra))   # shapes only
-    keys = iter(jax.random.split(key, 2 * len(empty.latent)))
-    fill = lambda a: jax.random.normal(next(keys), a.shape, a.dtype)
-    return KVCache(tuple(fill(a) for a in empty.latent), tuple(fill(a) for a in empty.index_keys),
-                   jnp.full((batch,), context, jnp.int32))
+    """A contiguous cache of `context` random rows per sequence (room for `extra` more)."""
+    shape = jax.eval_shape(lambda: create_cache(cfg, batch, context + extra))   # no allocation
+    k_latent, k_keys = jax.random.split(key)
+    return dataclasses.replace(
+        shape, latent=jax.random.normal(k_latent, shape.latent.shape, shape.latent.dtype),
+        index_keys=jax.random.normal(k_keys, shape.index_keys.shape, shape.index_keys.dtype),
+        page_table=contiguous_page_table(batch), lengths=jnp.full((batch,), context, jnp.int32))
 
 
 def decode_stepper(cfg):
