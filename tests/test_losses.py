@@ -80,7 +80,7 @@ def test_selected_set_kl_equals_dense_indexer_kl():
     """The chunked sparse-stage KL (for long sequences) equals the dense-matrix one, with the
     same gradients into the indexer's queries, keys and weights."""
     import pallas_kernels as pk
-    from glm_jax.training.selected_kl import selected_set_kl
+    from glm_jax.layers.selected_kl import selected_set_kl
 
     rng = np.random.default_rng(0)
     B, S, H, Dk, K, Hi, Di, scale = 2, 9, 3, 8, 4, 2, 5, 0.3
@@ -108,3 +108,32 @@ def test_selected_set_kl_equals_dense_indexer_kl():
     np.testing.assert_allclose(chunked(iq, ik, iw), dense(iq, ik, iw), rtol=1e-5)
     for a, b in zip(jax.grad(chunked, (0, 1, 2))(iq, ik, iw), jax.grad(dense, (0, 1, 2))(iq, ik, iw)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_long_sequence_forms_equal_the_expanded_form():
+    """The forms that hold no [S, T] matrices (dense: fused causal attention; sparse: sparse MLA
+    with the chunked selected-set KL) give the expanded form's logits, KL and KL gradients."""
+    from glm_jax.layers.decoder import AttentionSettings
+
+    cfg = micro_config()
+    model = GLMModel(cfg, rngs=nnx.Rngs(0))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 12)), jnp.int32)
+    run = lambda m, **kw: m(tokens, settings=AttentionSettings(**kw))
+    np.testing.assert_allclose(run(model, mode="dense", form="absorbed").logits,
+                               run(model, mode="dense", form="expanded").logits, atol=2e-5)
+
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def kl(params, form):
+        out = run(nnx.merge(graphdef, params, rest), mode="sparse", form=form, indexer_loss=True)
+        return out.indexer_kl, out.logits
+
+    (kl_a, logits_a), grads_a = jax.value_and_grad(kl, has_aux=True)(params, "absorbed")
+    (kl_e, logits_e), grads_e = jax.value_and_grad(kl, has_aux=True)(params, "expanded")
+    np.testing.assert_allclose(logits_a, logits_e, atol=2e-5)
+    np.testing.assert_allclose(kl_a, kl_e, rtol=1e-5)
+    assert float(kl_a) > 0
+    for a, e in zip(jax.tree.leaves(grads_a), jax.tree.leaves(grads_e)):
+        np.testing.assert_allclose(a, e, rtol=1e-4, atol=1e-6)
+    with pytest.raises(ValueError, match="dense-stage indexer loss"):
+        run(model, mode="dense", form="absorbed", indexer_loss=True)

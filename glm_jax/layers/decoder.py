@@ -23,6 +23,7 @@ from glm_jax.config import GLMConfig
 from glm_jax.layers.indexer import Indexer
 from glm_jax.layers.mla import MLAProjection, indices_to_mask
 from glm_jax.layers.moe import MLP, MoE
+from glm_jax.layers.selected_kl import selected_set_kl
 from glm_jax.layers.norms import RMSNorm
 
 
@@ -70,7 +71,7 @@ class AttentionSettings:
 
     mode: str = "sparse"          # "sparse" | "dense"
     form: str = "absorbed"        # "absorbed" (ops.sparse_mla) | "expanded" (per-head K/V)
-    indexer_loss: bool = False    # compute the IndexCache multi-layer KL (needs form="expanded")
+    indexer_loss: bool = False    # compute the IndexCache multi-layer KL (absorbed form: sparse mode only)
     kernels: ops.KernelChoice = ops.KernelChoice()
 
 
@@ -135,7 +136,11 @@ class IndexShareGroup(nnx.Module):
         s = x.shape[1]
         causal = (jnp.arange(s)[None, None, :] <= positions[:, :, None]) & \
                  (jnp.arange(s)[None, None, :] < kv_len[:, None, None])
-        indices, index_logits, kl = None, None, jnp.zeros((), jnp.float32)
+        if settings.indexer_loss and settings.form == "absorbed" and settings.mode == "dense":
+            raise ValueError("the dense-stage indexer loss needs the attention probabilities over every "
+                             "key: use form='expanded' (short sequences) or train the indexer in the "
+                             "sparse stage")
+        indices, index_logits, index_inputs, kl = None, None, None, jnp.zeros((), jnp.float32)
         first_latent = None
         for j, layer in enumerate(self.layers):
             h, q_resid, q_nope, q_rope, latent = layer.attention_inputs(x, positions)
@@ -146,8 +151,10 @@ class IndexShareGroup(nnx.Module):
                 keys = layer.indexer.keys(hd, positions)
                 if settings.mode == "sparse":
                     indices = layer.indexer.select(hd, qd, positions, keys, kv_len, settings.kernels)
-                if settings.indexer_loss:
+                if settings.indexer_loss and settings.form == "expanded":
                     index_logits = layer.indexer.scores(hd, qd, positions, keys, kv_len, settings.kernels)
+                elif settings.indexer_loss:
+                    index_inputs = (layer.indexer.queries(qd, positions), keys, layer.indexer.head_weights(hd))
             if j == 0:
                 first_latent = latent
             if settings.mode == "dense":
@@ -158,9 +165,16 @@ class IndexShareGroup(nnx.Module):
                 out, probs = layer.self_attn.attend_expanded(q_nope, q_rope, latent, mask, return_probs=True)
                 if index_logits is not None:
                     kl = kl + indexer_kl(_head_summed_target(probs), index_logits, mask) / len(self.layers)
+            elif settings.mode == "dense":
+                out = layer.self_attn.attend_causal(q_nope, q_rope, latent, kv_len)
+            elif index_inputs is not None:
+                out, q_abs, lse = layer.self_attn.attend_absorbed(q_nope, q_rope, latent, indices,
+                                                                  settings.kernels, return_stats=True)
+                idx_q, idx_keys, idx_w = index_inputs
+                kl = kl + selected_set_kl(q_abs, latent, indices, lse, sm_scale=layer.self_attn.sm_scale,
+                                          idx_q=idx_q, idx_keys=idx_keys, idx_w=idx_w) / len(self.layers)
             else:
-                sel = indices if settings.mode == "sparse" else _causal_indices(positions, kv_len, s)
-                out = layer.self_attn.attend_absorbed(q_nope, q_rope, latent, sel, settings.kernels)
+                out = layer.self_attn.attend_absorbed(q_nope, q_rope, latent, indices, settings.kernels)
             x = layer.finish(x, out)
         return x, kl, first_latent, indices
 
@@ -196,10 +210,3 @@ class IndexShareGroup(nnx.Module):
             out = layer.self_attn.attend_absorbed(q_nope, q_rope, view.read_latent(j), indices, kernels)
             x = layer.finish(x, out)
         return x
-
-
-def _causal_indices(positions, kv_len, num_keys):
-    """Every causal position as an index list: int32 [B, S, num_keys], -1 where not visible."""
-    t = jnp.arange(num_keys, dtype=jnp.int32)[None, None, :]
-    visible = (t <= positions[:, :, None]) & (t < kv_len[:, None, None])
-    return jnp.where(visible, t, -1)

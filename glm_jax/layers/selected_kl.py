@@ -3,7 +3,7 @@
 The sparse stage trains each Full layer's indexer toward the main attention restricted to the
 selected set: target[s, j] = L1-normalised sum over heads of softmax(sm_scale q[s] . kv[idx[s, j]])
 over the selected j, and the loss is KL(target || softmax over j of the indexer logits at the
-same positions). `layers.decoder.indexer_kl` computes it from dense [B, S, T] matrices, which
+same positions). `decoder.indexer_kl` computes it from dense [B, S, T] matrices, which
 a 128K-token sequence cannot hold. Here it is computed per chunk of queries from the absorbed
 queries, the latent rows of the selected positions and the log-sum-exp the sparse attention
 kernel already returns, so memory is O(chunk x K) and the attention side is not recomputed
