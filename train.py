@@ -31,7 +31,8 @@ from glm_jax.data import corpus, tokenizer as tok_lib
 from glm_jax.info import params_by_part
 from glm_jax.model import GLMModel, abstract_model, count_params
 from glm_jax.training import checkpointing
-from glm_jax.training.step import LossWeights, eval_step, make_optimizer, train_step
+from glm_jax.training.step import (EXPANDED_MAX_LEN, LossWeights, attention_form, eval_step, make_optimizer,
+                                   train_step)
 
 
 def parse_args(argv=None):
@@ -68,6 +69,14 @@ def parse_args(argv=None):
     ap.add_argument("--stop-after", type=int, default=None, metavar="N",
                     help="run at most N steps in this invocation, save and exit (for time-limited jobs)")
     ap.add_argument("--remat", action="store_true", help="recompute activations in the backward pass")
+    ap.add_argument("--attention-form", default="auto", choices=["auto", "expanded", "absorbed"],
+                    help="expanded: [S, S] attention matrices, every loss (short sequences); absorbed: none, "
+                         "for long sequences (the dense stage then cannot train the indexer); auto: "
+                         f"expanded up to {EXPANDED_MAX_LEN} tokens")
+    ap.add_argument("--attention-impl", default="auto", choices=["auto", "xla", "pallas_tpu", "pallas_gpu"],
+                    help="sparse attention kernel; auto: the backend's Pallas kernel, except the chunked "
+                         "xla one for absorbed-form training of sequences over 8192 tokens (the Pallas "
+                         "backward keeps one 576-wide row per query and selected key)")
     return ap.parse_args(argv)
 
 
@@ -109,6 +118,22 @@ def _peak_flops(peak_tflops: float | None) -> float | None:
     return _PEAK_FLOPS.get(jax.devices()[0].device_kind)
 
 
+def _attention_impl(impl: str, form: str, seq_len: int) -> str:
+    if impl == "auto" and form == "absorbed" and seq_len > 8192:
+        return "xla"
+    return impl
+
+
+def _check_stages(args, form: str) -> None:
+    """Refuses, before any work, a dense warm-up that would need [S, S] matrices it cannot hold."""
+    if form == "absorbed" and args.dense_steps > 0 and args.indexer_weight > 0:
+        raise ValueError(
+            f"the dense warm-up trains the indexer on the full attention matrix, which the absorbed "
+            f"form (--seq-len {args.seq_len}) does not build; warm the indexer up at a shorter "
+            f"--seq-len (<= {EXPANDED_MAX_LEN}, or --attention-form expanded) and continue with "
+            f"--dense-steps 0, or pass --indexer-weight 0 for dense steps without the indexer loss")
+
+
 def _bar(step: int, total: int, width: int = 20) -> str:
     filled = width * step // max(total, 1)
     return f"[{'#' * filled}{'.' * (width - filled)}]"
@@ -122,6 +147,7 @@ def main(argv=None) -> int:
                                           else "configs/tiny.yaml"))
         if args.resume and (out / "config.yaml").exists():
             check_same_config(load_config(out / "config.yaml"), cfg, str(out))
+        _check_stages(args, attention_form(args.attention_form, args.seq_len))
         if args.init_from_hf:  # before the corpus work: a checkpoint that does not fit fails at once
             from glm_jax.convert import load_hf_checkpoint
             model = load_hf_checkpoint(args.init_from_hf, config=cfg)
@@ -158,7 +184,8 @@ def main(argv=None) -> int:
             batches = data_batches.TokenBatches.from_state(train_tokens, meta["data"])
             print(f"resume: continuing from step {start}")
 
-    kernels = ops.KernelChoice()
+    form = attention_form(args.attention_form, args.seq_len)
+    kernels = ops.KernelChoice(attention=_attention_impl(args.attention_impl, form, args.seq_len))
     weights = LossWeights(indexer=args.indexer_weight, mtp=args.mtp_weight, mtp_depth=args.mtp_depth,
                           kv_share=not args.no_mtp_kv_share, tv=args.tv_weight)
     metrics_file = Path(args.metrics_file or out / "metrics.jsonl").open("a")
@@ -173,7 +200,7 @@ def main(argv=None) -> int:
         stage = "dense" if step <= args.dense_steps else "sparse"
         params, opt_state, terms = train_step(graphdef, params, rest, opt_state, jnp.asarray(inputs),
                                               jnp.asarray(targets), tx=tx, stage=stage, weights=weights,
-                                              kernels=kernels, remat=args.remat)
+                                              kernels=kernels, remat=args.remat, form=form)
         record = {"step": step, "stage": stage, "lr": float(schedule(step - 1))}
         if step % args.log_every == 0 or step == args.steps or step == start + 1:
             record.update({k: float(v) for k, v in terms.items()})
