@@ -66,8 +66,9 @@ def main(argv=None) -> int:
     if args.compile_only:
         return _compile_only(args)
     if args.mesh:
+        from glm_jax.sharding import simulate_cpu_devices
         try:
-            _simulate_devices_on_cpu(args.mesh)
+            simulate_cpu_devices(args.mesh)
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
@@ -180,18 +181,6 @@ def _stop_token(cfg, tok, eos_id) -> int | None:
     if eos is None and not isinstance(tok, _TokenIds):
         eos = eos_id(tok)
     return eos
-
-
-def _simulate_devices_on_cpu(spec: str) -> None:
-    """Let the host platform offer as many devices as the mesh needs (read when jax starts;
-    it only affects the CPU platform, so it is harmless on GPU and TPU hosts)."""
-    from glm_jax.sharding import parse_mesh_spec
-
-    sizes = parse_mesh_spec(spec)
-    need = sizes["data"] * sizes["tensor"] * sizes["layer"]
-    flags = os.environ.get("XLA_FLAGS", "")
-    if need > 1 and "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={need}".strip()
 
 
 def _compile_only(args) -> int:

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from glm_jax import costs, ops
+from glm_jax import costs, ops, sharding
 from glm_jax.checkpoint import check_same_config, save_model_dir
 from glm_jax.config import ConfigError, load_config, save_config
 from glm_jax.data import batches as data_batches
@@ -69,6 +69,10 @@ def parse_args(argv=None):
     ap.add_argument("--stop-after", type=int, default=None, metavar="N",
                     help="run at most N steps in this invocation, save and exit (for time-limited jobs)")
     ap.add_argument("--remat", action="store_true", help="recompute activations in the backward pass")
+    ap.add_argument("--mesh", default=None, metavar="SPEC",
+                    help="shard the run over a device mesh, e.g. data=8 or data=2,tensor=2,layer=2: batch "
+                         "and (FSDP) the model dimension of the weights over data, heads / FFN / experts "
+                         "over tensor (and layer); on a CPU the devices are simulated")
     ap.add_argument("--attention-form", default="auto", choices=["auto", "expanded", "absorbed"],
                     help="expanded: [S, S] attention matrices, every loss (short sequences); absorbed: none, "
                          "for long sequences (the dense stage then cannot train the indexer); auto: "
@@ -118,6 +122,22 @@ def _peak_flops(peak_tflops: float | None) -> float | None:
     return _PEAK_FLOPS.get(jax.devices()[0].device_kind)
 
 
+def _placement(args, params, rest, tx):
+    """-> (params, rest, optimizer state, place_batch) on the --mesh (params by TRAINING_RULES,
+    the optimizer state like its params, everything else replicated, batches split over data),
+    or on one device."""
+    if not args.mesh:
+        return params, rest, tx.init(params), jnp.asarray
+    mesh = sharding.make_mesh(args.mesh)
+    batch = sharding.batch_sharding(mesh, (args.batch_size, args.seq_len))   # checks that data divides it
+    params = sharding.shard_params(params, mesh, sharding.TRAINING_RULES)
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    on_mesh = lambda x: x if getattr(x.sharding, "mesh", None) == mesh else jax.device_put(x, replicated)
+    opt_state = jax.tree.map(on_mesh, tx.init(params))        # scalars (step counts) replicated
+    print(f"mesh: {sharding.format_mesh(mesh)} over {mesh.size} devices")
+    return params, jax.device_put(rest, replicated), opt_state, lambda x: jax.device_put(jnp.asarray(x), batch)
+
+
 def _attention_impl(impl: str, form: str, seq_len: int) -> str:
     if impl == "auto" and form == "absorbed" and seq_len > 8192:
         return "xla"
@@ -142,6 +162,12 @@ def _bar(step: int, total: int, width: int = 20) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     out = Path(args.out).absolute()
+    if args.mesh:
+        try:
+            sharding.simulate_cpu_devices(args.mesh)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     try:
         cfg = load_config(args.config or (Path(args.init_from_hf) / "config.json" if args.init_from_hf
                                           else "configs/tiny.yaml"))
@@ -165,7 +191,11 @@ def main(argv=None) -> int:
         model = GLMModel(cfg, rngs=nnx.Rngs(args.seed))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     tx, schedule = make_optimizer(args.lr, args.steps, args.warmup_steps)
-    opt_state = tx.init(params)
+    try:
+        params, rest, opt_state, place_batch = _placement(args, params, rest, tx)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(f"model: {cfg.name}, {count_params(model):,} parameters, pattern {cfg.pattern}")
 
     batches = data_batches.TokenBatches(train_tokens, seq_len=args.seq_len, batch_size=args.batch_size,
@@ -198,8 +228,8 @@ def main(argv=None) -> int:
     for step in range(start + 1, args.steps + 1):
         inputs, targets = next(batches)
         stage = "dense" if step <= args.dense_steps else "sparse"
-        params, opt_state, terms = train_step(graphdef, params, rest, opt_state, jnp.asarray(inputs),
-                                              jnp.asarray(targets), tx=tx, stage=stage, weights=weights,
+        params, opt_state, terms = train_step(graphdef, params, rest, opt_state, place_batch(inputs),
+                                              place_batch(targets), tx=tx, stage=stage, weights=weights,
                                               kernels=kernels, remat=args.remat, form=form)
         record = {"step": step, "stage": stage, "lr": float(schedule(step - 1))}
         if step % args.log_every == 0 or step == args.steps or step == start + 1:
@@ -217,7 +247,7 @@ def main(argv=None) -> int:
                   + (f" MFU {record['mfu']:.1%}" if "mfu" in record else "") + f"  {_bar(step, args.steps)}",
                   flush=True)
         if step % args.eval_every == 0 or step == args.steps:
-            val = float(np.mean([eval_step(graphdef, params, rest, jnp.asarray(x), jnp.asarray(y),
+            val = float(np.mean([eval_step(graphdef, params, rest, place_batch(x), place_batch(y),
                                            stage=stage, kernels=kernels) for x, y in heldout]))
             record["val_lm"] = val
             print(f"step {step:5d} validation lm loss {val:.3f} (held-out files)", flush=True)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 
 import jax
@@ -68,6 +69,16 @@ def parse_mesh_spec(spec: str) -> dict[str, int]:
         seen.add(name)
         sizes[name] = int(m.group(2))
     return sizes
+
+
+def simulate_cpu_devices(spec: str) -> None:
+    """Lets the host platform offer as many devices as the mesh `spec` needs. Call it before
+    jax starts a backend; it only affects the CPU platform (harmless on GPU and TPU hosts)."""
+    sizes = parse_mesh_spec(spec)
+    need = sizes["data"] * sizes["tensor"] * sizes["layer"]
+    flags = os.environ.get("XLA_FLAGS", "")
+    if need > 1 and "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={need}".strip()
 
 
 def make_mesh(spec: str | dict[str, int], devices=None) -> Mesh:
@@ -150,17 +161,29 @@ def _path_str(path) -> str:
     return "/".join(parts[:-1] if parts and parts[-1] == "value" else parts)
 
 
-def param_shardings(state, mesh: Mesh):
+def param_shardings(state, mesh: Mesh, rules: dict = LOGICAL_AXIS_RULES):
     """A pytree like `state` (nnx.State or any pytree of arrays) of NamedShardings."""
     def one(path, leaf):
         p = _path_str(path)
-        return logical_sharding(mesh, param_logical_axes(p, leaf.ndim), tuple(leaf.shape), f"parameter {p}")
+        return logical_sharding(mesh, param_logical_axes(p, leaf.ndim), tuple(leaf.shape), f"parameter {p}",
+                                rules)
     return jax.tree_util.tree_map_with_path(one, state)
 
 
-def shard_params(state, mesh: Mesh):
+def shard_params(state, mesh: Mesh, rules: dict = LOGICAL_AXIS_RULES):
     """device_put the parameters with `param_shardings` (checked before any transfer)."""
-    return jax.device_put(state, param_shardings(state, mesh))
+    return jax.device_put(state, param_shardings(state, mesh, rules))
+
+
+#: Training adds FSDP: the model dimension of every parameter that has one is split over the
+#: data axis too (gathered per layer inside the step), so weights and optimizer state shrink
+#: with the data-parallel degree.
+TRAINING_RULES = {**LOGICAL_AXIS_RULES, "embed": "data"}
+
+
+def batch_sharding(mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:
+    """Token batches [B, S, ...]: rows over the data axis."""
+    return logical_sharding(mesh, ("batch",) + (None,) * (len(shape) - 1), shape, "the batch")
 
 
 # ------------------------------------------------------------------ KV cache
