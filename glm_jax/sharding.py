@@ -25,6 +25,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from glm_jax.multihost import place
+
 MESH_AXES = ("data", "tensor", "layer")
 AXIS_ALIASES = {"expert": "tensor", "experts": "tensor", "dp": "data", "tp": "tensor", "ep": "tensor"}
 
@@ -80,6 +82,11 @@ def make_mesh(spec: str | dict[str, int], devices=None) -> Mesh:
             f"mesh {format_mesh(sizes)} needs {need} devices but {len(devices)} are available; "
             f"shrink the mesh (on CPU, XLA_FLAGS=--xla_force_host_platform_device_count={need} "
             "simulates more devices)")
+    if jax.process_count() > 1 and need != len(devices):
+        raise ShardingError(
+            f"mesh {format_mesh(sizes)} uses {need} of the {len(devices)} devices of {jax.process_count()} "
+            f"processes; a mesh over several processes must use all {len(devices)}, so that each process "
+            "holds part of it")
     grid = np.array(devices[:need], dtype=object).reshape([sizes[a] for a in MESH_AXES])
     return Mesh(grid, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
 
@@ -159,8 +166,9 @@ def param_shardings(state, mesh: Mesh):
 
 
 def shard_params(state, mesh: Mesh):
-    """device_put the parameters with `param_shardings` (checked before any transfer)."""
-    return jax.device_put(state, param_shardings(state, mesh))
+    """Place the parameters with `param_shardings` (checked before any transfer); on a mesh over
+    several processes each process fills its own shards."""
+    return place(state, param_shardings(state, mesh))
 
 
 # ------------------------------------------------------------------ KV cache
@@ -182,7 +190,7 @@ def cache_shardings(cache, mesh: Mesh):
 
 
 def shard_cache(cache, mesh: Mesh):
-    return jax.device_put(cache, cache_shardings(cache, mesh))
+    return place(cache, cache_shardings(cache, mesh))
 
 
 def per_device_bytes(tree) -> dict:
