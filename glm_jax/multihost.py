@@ -47,7 +47,7 @@ class DistributedSetup:
         if len(missing) not in (0, 3):
             present = ", ".join(flag for flag in given if flag not in missing)
             raise DistributedSetupError(
-                f"{present} needs {', '.join(missing)}: give --coordinator HOST:PORT, --num-processes N and "
+                f"{present} given without {', '.join(missing)}: give --coordinator HOST:PORT, --num-processes N and "
                 "--process-id I together (or --distributed to let jax.distributed find them on a TPU pod or "
                 "under SLURM)")
         if self.coordinator is None:

@@ -94,7 +94,7 @@ def test_two_processes_speculative_layer_split_across_processes(tmp_path):
 def test_distributed_flags_must_come_together():
     DistributedSetup().check()
     DistributedSetup(coordinator="10.0.0.1:1234", num_processes=2, process_id=1).check()
-    with pytest.raises(DistributedSetupError, match="--num-processes needs --coordinator, --process-id"):
+    with pytest.raises(DistributedSetupError, match="--num-processes given without --coordinator, --process-id"):
         DistributedSetup(num_processes=2).check()
     with pytest.raises(DistributedSetupError, match="HOST:PORT"):
         DistributedSetup(coordinator="10.0.0.1", num_processes=2, process_id=0).check()
@@ -106,4 +106,4 @@ def test_decode_refuses_half_given_flags(capsys):
     import decode
 
     assert decode.main(["--num-processes", "2", "--process-id", "0"]) == 2
-    assert "needs --coordinator" in capsys.readouterr().err
+    assert "given without --coordinator" in capsys.readouterr().err
