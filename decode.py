@@ -5,12 +5,16 @@
     python decode.py --hf-checkpoint GLM-5.2/ --prompt "Hello"      # a Hugging Face checkpoint directory
     python decode.py --hf-checkpoint DIR --prompt-ids 1,2,3          # token ids in and out, no tokenizer
     python decode.py --mesh data=1,layer=8             # KV cache LayerSplit over 8 devices
+    python decode.py --mesh data=2,layer=4 --coordinator 10.0.0.1:1234 --num-processes 2 --process-id 0
+                                                       # one of several processes (hosts); --distributed
+                                                       # finds these by itself on a TPU pod or under SLURM
     python decode.py --config configs/glm-5.2.yaml --topology v5p:4x4x4 --max-context 1048576 --compile-only
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -58,6 +62,15 @@ def parse_args(argv=None):
     ap.add_argument("--max-context", type=int, default=None,
                     help="cache rows per sequence for --compile-only (default: the model's context)")
     ap.add_argument("--batch", type=int, default=1, help="sequences per step for --compile-only")
+    hosts = ap.add_argument_group("several processes (hosts)", "every process runs the same command; "
+                                  "the mesh spans all their devices; only process 0 prints and writes --output")
+    hosts.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                       help="process 0's address, which every process gives (with --num-processes, --process-id)")
+    hosts.add_argument("--num-processes", type=int, default=None, metavar="N")
+    hosts.add_argument("--process-id", type=int, default=None, metavar="I", help="0..N-1")
+    hosts.add_argument("--distributed", action="store_true",
+                       help="join a multi-process run that jax.distributed detects by itself (TPU pod, SLURM, "
+                            "Open MPI, or JAX_COORDINATOR_ADDRESS in the environment, which also turns this on)")
     return ap.parse_args(argv)
 
 
@@ -65,13 +78,24 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.compile_only:
         return _compile_only(args)
-    if args.mesh:
-        from glm_jax.sharding import simulate_cpu_devices
-        try:
-            simulate_cpu_devices(args.mesh)
-        except ValueError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
+    from glm_jax.multihost import initialize_distributed, is_main_process
+    from glm_jax.sharding import simulate_cpu_devices
+
+    try:
+        setup = _distributed_setup(args)
+        if args.mesh:
+            simulate_cpu_devices(args.mesh, setup.num_processes or 1)
+        initialize_distributed(setup)      # before the first jax computation
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if is_main_process():
+        return _decode(args)
+    with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
+        return _decode(argparse.Namespace(**{**vars(args), "quiet": True, "output": None}))
+
+
+def _decode(args) -> int:
     # Imported here so that --help answers at once.
     from glm_jax.checkpoint import CheckpointMismatchError, load_model_dir
     from glm_jax.config import ConfigError, load_config
@@ -124,7 +148,7 @@ def main(argv=None) -> int:
         print(f"model {model.cfg.name} from {args.checkpoint}; {batch} prompt(s), {sum(map(len, ids))} tokens; "
               f"{mode} decoding{where}", file=sys.stderr)
     sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                    seed=args.seed, stop_token=stop, progress=print_progress)
+                    seed=args.seed, stop_token=stop, progress=None if args.quiet else print_progress)
     t0 = time.perf_counter()
     if batch == 1 and not speculative:
         completions = [_stream(gen, tok, prompts[0], ids[0], stop, sampling)]
@@ -138,7 +162,7 @@ def main(argv=None) -> int:
             if batch > 1:
                 print(f"\n===== prompt {i} =====")
             print(prompt + tok.decode(new), flush=True)
-    if args.output:
+    if args.output:     # None on every process but the first
         with open(args.output, "w") as f:
             for prompt, new in zip(prompts, completions):
                 f.write(json.dumps({"prompt": prompt, "completion": tok.decode(new)}) + "\n")
@@ -181,6 +205,17 @@ def _stop_token(cfg, tok, eos_id) -> int | None:
     if eos is None and not isinstance(tok, _TokenIds):
         eos = eos_id(tok)
     return eos
+
+
+def _distributed_setup(args):
+    """The multi-process launch the flags (or the environment) describe; checked."""
+    from glm_jax.multihost import DistributedSetup
+
+    setup = DistributedSetup(coordinator=args.coordinator, num_processes=args.num_processes,
+                             process_id=args.process_id,
+                             auto=args.distributed or bool(os.environ.get("JAX_COORDINATOR_ADDRESS")))
+    setup.check()
+    return setup
 
 
 def _compile_only(args) -> int:

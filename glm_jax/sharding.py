@@ -26,6 +26,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from glm_jax.multihost import place
+
 MESH_AXES = ("data", "tensor", "layer")
 AXIS_ALIASES = {"expert": "tensor", "experts": "tensor", "dp": "data", "tp": "tensor", "ep": "tensor"}
 
@@ -71,11 +73,12 @@ def parse_mesh_spec(spec: str) -> dict[str, int]:
     return sizes
 
 
-def simulate_cpu_devices(spec: str) -> None:
-    """Lets the host platform offer as many devices as the mesh `spec` needs. Call it before
-    jax starts a backend; it only affects the CPU platform (harmless on GPU and TPU hosts)."""
+def simulate_cpu_devices(spec: str, processes: int = 1) -> None:
+    """Lets the host platform offer each of `processes` processes its share of the devices the
+    mesh `spec` needs. Call it before jax starts a backend; it only affects the CPU platform
+    (harmless on GPU and TPU hosts)."""
     sizes = parse_mesh_spec(spec)
-    need = sizes["data"] * sizes["tensor"] * sizes["layer"]
+    need = -(-sizes["data"] * sizes["tensor"] * sizes["layer"] // processes)
     flags = os.environ.get("XLA_FLAGS", "")
     if need > 1 and "xla_force_host_platform_device_count" not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={need}".strip()
@@ -91,6 +94,11 @@ def make_mesh(spec: str | dict[str, int], devices=None) -> Mesh:
             f"mesh {format_mesh(sizes)} needs {need} devices but {len(devices)} are available; "
             f"shrink the mesh (on CPU, XLA_FLAGS=--xla_force_host_platform_device_count={need} "
             "simulates more devices)")
+    if jax.process_count() > 1 and need != len(devices):
+        raise ShardingError(
+            f"mesh {format_mesh(sizes)} uses {need} of the {len(devices)} devices of {jax.process_count()} "
+            f"processes; a mesh over several processes must use all {len(devices)}, so that each process "
+            "holds part of it")
     grid = np.array(devices[:need], dtype=object).reshape([sizes[a] for a in MESH_AXES])
     return Mesh(grid, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
 
@@ -171,8 +179,9 @@ def param_shardings(state, mesh: Mesh, rules: dict = LOGICAL_AXIS_RULES):
 
 
 def shard_params(state, mesh: Mesh, rules: dict = LOGICAL_AXIS_RULES):
-    """device_put the parameters with `param_shardings` (checked before any transfer)."""
-    return jax.device_put(state, param_shardings(state, mesh, rules))
+    """Place the parameters with `param_shardings` (checked before any transfer); on a mesh over
+    several processes each process fills its own shards."""
+    return place(state, param_shardings(state, mesh, rules))
 
 
 #: Training adds FSDP: the model dimension of every parameter that has one is split over the
@@ -205,7 +214,7 @@ def cache_shardings(cache, mesh: Mesh):
 
 
 def shard_cache(cache, mesh: Mesh):
-    return jax.device_put(cache, cache_shardings(cache, mesh))
+    return place(cache, cache_shardings(cache, mesh))
 
 
 def per_device_bytes(tree) -> dict:

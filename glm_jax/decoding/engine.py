@@ -20,11 +20,11 @@ import time
 from collections import deque
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from glm_jax import ops
 from glm_jax.decoding.generate import ContextTooLongError, GeneratorBase, _decode_block
+from glm_jax.multihost import global_array, to_host
 from glm_jax.page_pool import CacheFullError, PagePool
 from glm_jax.sharding import shard_cache
 
@@ -98,7 +98,8 @@ class ServingEngine(GeneratorBase):
             if not wave:
                 continue
             key, sub = jax.random.split(key)
-            rows = self._run_wave(wave, sub, temperature, top_p, stop_token)
+            rows = self._run_wave(wave, self.put(sub), self.put(np.float32(temperature)),
+                                  self.put(np.float32(top_p)), stop_token)
             for (i, req), new in zip(wave, rows):
                 results[i].tokens = new
                 self.pool.release(i)
@@ -112,20 +113,19 @@ class ServingEngine(GeneratorBase):
         for b, p in enumerate(prompts):
             padded[b, :len(p)] = p
         cache = dataclasses.replace(
-            self.cache, lengths=jax.device_put(np.zeros((self.batch,), np.int32), self.cache.lengths.sharding),
-            page_table=jax.device_put(self.pool.page_table(ids, self.width), self.cache.page_table.sharding))
+            self.cache, lengths=global_array(np.zeros((self.batch,), np.int32), self.cache.lengths.sharding),
+            page_table=global_array(self.pool.page_table(ids, self.width), self.cache.page_table.sharding))
         logits, cache = self._prefill(cache, padded, lengths)
         budget = np.array([r.max_new_tokens for _, r in wave] + [0] * (self.batch - len(wave)))
         out = [[] for _ in range(self.batch)]
         done = budget == 0
-        temperature, top_p = jnp.float32(temperature), jnp.float32(top_p)
         context = int(lengths.max())
         while not done.all():
             t0 = time.perf_counter()
             tokens, logits, cache, key = _decode_block(self.graphdef, self.state, cache, logits, key, temperature,
                                                        top_p, self.kernels, 1)
             t1 = time.perf_counter()
-            tokens = np.asarray(tokens)[:, 0]
+            tokens = to_host(tokens)[:, 0]
             self.step_times.append(StepTime(context, t1 - t0, time.perf_counter() - t0))
             context += 1
             for b in np.flatnonzero(~done):

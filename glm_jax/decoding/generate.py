@@ -25,7 +25,8 @@ from jax.sharding import Mesh
 from glm_jax.cache import KVCache, create_cache
 from glm_jax.decoding.sampling import sample_tokens
 from glm_jax.layer_split import LayerSplit
-from glm_jax.sharding import ShardingError, shard_cache, shard_params
+from glm_jax.multihost import global_array, place, replicated, to_host
+from glm_jax.sharding import ShardingError, logical_sharding, shard_cache, shard_params
 
 
 class ContextTooLongError(ValueError):
@@ -94,6 +95,23 @@ class GeneratorBase:
         cache = create_cache(self.cfg, batch, cache_len, dtype, split=self.split)
         return cache if self.mesh is None else shard_cache(cache, self.mesh)
 
+    def put(self, x, names: tuple[str | None, ...] | None = None):
+        """A host value as a device array; on a mesh a global array, split by the logical `names`
+        of its dims (None: replicated). Every process passes the same value."""
+        if self.mesh is None:
+            return jnp.asarray(x)
+        if names is None:
+            return global_array(x, replicated(self.mesh))
+        return global_array(x, logical_sharding(self.mesh, names, np.shape(x), "input"))
+
+    def put_replicated(self, tree):
+        """A pytree of arrays (e.g. the MTP cache) whole on every device of the mesh."""
+        return tree if self.mesh is None else place(tree, jax.tree.map(lambda _: replicated(self.mesh), tree))
+
+    def sampling_args(self, seed: int, temperature: float, top_p: float):
+        """(key, temperature, top_p) on the device; the same key on every process."""
+        return self.put(jax.random.key(seed)), self.put(np.float32(temperature)), self.put(np.float32(top_p))
+
     def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
         need = prompt_len + max_new_tokens
         if prompt_len == 0:
@@ -126,9 +144,9 @@ class GeneratorBase:
         -> (logits float32 [B, V] after each row's last prompt token, cache)."""
         logits = None
         for start, tokens, num_valid in self._chunks(padded, lengths):
-            last, cache = _prefill_chunk(self.graphdef, self.state, jnp.asarray(tokens), jnp.asarray(num_valid),
-                                         cache, self.kernels)
-            logits = last if logits is None else jnp.where(jnp.asarray(num_valid > 0)[:, None], last, logits)
+            last, cache = _prefill_chunk(self.graphdef, self.state, self.put(tokens, ("batch", None)),
+                                         self.put(num_valid, ("batch",)), cache, self.kernels)
+            logits = last if logits is None else jnp.where(self.put((num_valid > 0)[:, None]), last, logits)
             if progress is not None:
                 progress(min(start + self.prefill_chunk, padded.shape[1]), padded.shape[1])
         return logits, cache
@@ -173,15 +191,14 @@ class Generator(GeneratorBase):
         logits.block_until_ready()
         self.stats = {"prompt_tokens": int(lengths.sum()), "prefill_s": time.perf_counter() - t0, "new_tokens": 0}
 
-        key = jax.random.key(seed)
+        key, temperature, top_p = self.sampling_args(seed, temperature, top_p)
         produced, stopped = 0, np.zeros((b,), bool)
         t1 = time.perf_counter()
         while produced < max_new_tokens:
             steps = self.block_size
             tokens, logits, cache, key = _decode_block(
-                self.graphdef, self.state, cache, logits, key, jnp.float32(temperature),
-                jnp.float32(top_p), self.kernels, steps)
-            tokens = np.asarray(tokens)[:, : max_new_tokens - produced]
+                self.graphdef, self.state, cache, logits, key, temperature, top_p, self.kernels, steps)
+            tokens = to_host(tokens)[:, : max_new_tokens - produced]
             produced += tokens.shape[1]
             self.stats.update(new_tokens=produced, decode_s=time.perf_counter() - t1)
             yield tokens
