@@ -4,12 +4,19 @@
     python decode.py --checkpoint runs/tiny --prompt "def parse(" --max-new-tokens 200
     python decode.py --hf-checkpoint GLM-5.2/ --prompt "Hello"      # a Hugging Face checkpoint directory
     python decode.py --hf-checkpoint DIR --prompt-ids 1,2,3          # token ids in and out, no tokenizer
+    python decode.py --mesh data=1,layer=8             # KV cache LayerSplit over 8 devices
+    python decode.py --mesh data=2,layer=4 --coordinator 10.0.0.1:1234 --num-processes 2 --process-id 0
+                                                       # one of several processes (hosts); --distributed
+                                                       # finds these by itself on a TPU pod or under SLURM
+    python decode.py --config configs/glm-5.2.yaml --topology v5p:4x4x4 --max-context 1048576 --compile-only
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -44,17 +51,58 @@ def parse_args(argv=None):
                     help="draft steps 2..K run their own indexer over target+draft KV (the baseline)")
     ap.add_argument("--prefill-chunk", type=int, default=256)
     ap.add_argument("--quiet", action="store_true", help="print only the generated text")
+    ap.add_argument("--mesh", default=None, metavar="SPEC",
+                    help="device mesh, e.g. data=1,layer=8 (axes data, tensor, layer); layer > 1 splits the "
+                         "KV cache across devices by layer (LayerSplit). On CPU the devices are simulated")
+    ap.add_argument("--collective", default="permute", choices=("permute", "psum"),
+                    help="how a layer's cache owner sends rows to the other devices (LayerSplit)")
+    ap.add_argument("--compile-only", action="store_true",
+                    help="compile one decode step for --topology ahead of time and print per-chip memory")
+    ap.add_argument("--topology", default=None, help="TPU slice for --compile-only, e.g. v5p:4x4x4")
+    ap.add_argument("--max-context", type=int, default=None,
+                    help="cache rows per sequence for --compile-only (default: the model's context)")
+    ap.add_argument("--batch", type=int, default=1, help="sequences per step for --compile-only")
+    hosts = ap.add_argument_group("several processes (hosts)", "every process runs the same command; "
+                                  "the mesh spans all their devices; only process 0 prints and writes --output")
+    hosts.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                       help="process 0's address, which every process gives (with --num-processes, --process-id)")
+    hosts.add_argument("--num-processes", type=int, default=None, metavar="N")
+    hosts.add_argument("--process-id", type=int, default=None, metavar="I", help="0..N-1")
+    hosts.add_argument("--distributed", action="store_true",
+                       help="join a multi-process run that jax.distributed detects by itself (TPU pod, SLURM, "
+                            "Open MPI, or JAX_COORDINATOR_ADDRESS in the environment, which also turns this on)")
     return ap.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.compile_only:
+        return _compile_only(args)
+    from glm_jax.multihost import initialize_distributed, is_main_process
+    from glm_jax.sharding import simulate_cpu_devices
+
+    try:
+        setup = _distributed_setup(args)
+        if args.mesh:
+            simulate_cpu_devices(args.mesh, setup.num_processes or 1)
+        initialize_distributed(setup)      # before the first jax computation
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if is_main_process():
+        return _decode(args)
+    with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
+        return _decode(argparse.Namespace(**{**vars(args), "quiet": True, "output": None}))
+
+
+def _decode(args) -> int:
     # Imported here so that --help answers at once.
     from glm_jax.checkpoint import CheckpointMismatchError, load_model_dir
     from glm_jax.config import ConfigError, load_config
     from glm_jax.data.tokenizer import eos_id, load_tokenizer
     from glm_jax.decoding.generate import ContextTooLongError, Generator, print_progress
     from glm_jax.decoding.speculative import SpeculativeGenerator
+    from glm_jax.sharding import make_mesh
 
     def fail(message: str) -> int:
         print(f"error: {message}", file=sys.stderr)
@@ -78,11 +126,13 @@ def main(argv=None) -> int:
         tok = _TokenIds() if args.prompt_ids else _load_tokenizer(args.checkpoint, load_tokenizer)
         ids = [np.asarray(tok.encode(p).ids, np.int32) for p in prompts]
         batch = len(ids)
+        placement = dict(mesh=make_mesh(args.mesh) if args.mesh else None, collective=args.collective)
         if args.speculative and model.mtp is not None:
             gen = SpeculativeGenerator(model, batch=batch, max_len=args.max_len, num_draft=args.speculative,
-                                       kv_share=not args.no_kv_share, prefill_chunk=args.prefill_chunk)
+                                       kv_share=not args.no_kv_share, prefill_chunk=args.prefill_chunk,
+                                       **placement)
         else:
-            gen = Generator(model, batch=batch, max_len=args.max_len, prefill_chunk=args.prefill_chunk)
+            gen = Generator(model, batch=batch, max_len=args.max_len, prefill_chunk=args.prefill_chunk, **placement)
         for row in ids:
             gen.check_fits(len(row), args.max_new_tokens)
     except (ConfigError, CheckpointMismatchError, ContextTooLongError, FileNotFoundError, ValueError) as e:
@@ -93,10 +143,12 @@ def main(argv=None) -> int:
     if not args.quiet:
         mode = f"speculative, K={gen.num_draft}, KVShare {'on' if gen.kv_share else 'off'}" if speculative \
             else "plain"
+        where = f"; mesh {args.mesh}" + (" (KV cache LayerSplit)" if gen.split is not None else "") \
+            if args.mesh else ""
         print(f"model {model.cfg.name} from {args.checkpoint}; {batch} prompt(s), {sum(map(len, ids))} tokens; "
-              f"{mode} decoding", file=sys.stderr)
+              f"{mode} decoding{where}", file=sys.stderr)
     sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                    seed=args.seed, stop_token=stop, progress=print_progress)
+                    seed=args.seed, stop_token=stop, progress=None if args.quiet else print_progress)
     t0 = time.perf_counter()
     if batch == 1 and not speculative:
         completions = [_stream(gen, tok, prompts[0], ids[0], stop, sampling)]
@@ -110,7 +162,7 @@ def main(argv=None) -> int:
             if batch > 1:
                 print(f"\n===== prompt {i} =====")
             print(prompt + tok.decode(new), flush=True)
-    if args.output:
+    if args.output:     # None on every process but the first
         with open(args.output, "w") as f:
             for prompt, new in zip(prompts, completions):
                 f.write(json.dumps({"prompt": prompt, "completion": tok.decode(new)}) + "\n")
@@ -153,6 +205,50 @@ def _stop_token(cfg, tok, eos_id) -> int | None:
     if eos is None and not isinstance(tok, _TokenIds):
         eos = eos_id(tok)
     return eos
+
+
+def _distributed_setup(args):
+    """The multi-process launch the flags (or the environment) describe; checked."""
+    from glm_jax.multihost import DistributedSetup
+
+    setup = DistributedSetup(coordinator=args.coordinator, num_processes=args.num_processes,
+                             process_id=args.process_id,
+                             auto=args.distributed or bool(os.environ.get("JAX_COORDINATOR_ADDRESS")))
+    setup.check()
+    return setup
+
+
+def _compile_only(args) -> int:
+    """Compile one decode step for a TPU slice from abstract params and report per-chip memory."""
+    from glm_jax.aot import compile_decode_step, default_mesh_spec, memory_report, topology_devices
+    from glm_jax.config import ConfigError, load_config
+
+    if not args.config or not args.topology:
+        print("error: --compile-only needs --config (a model config) and --topology (e.g. v5p:4x4x4)",
+              file=sys.stderr)
+        return 2
+    try:
+        cfg = load_config(args.config)
+        chips = len(topology_devices(args.topology))
+        mesh = args.mesh or default_mesh_spec(chips)
+        max_len = args.max_context or cfg.max_position_embeddings
+        compiled = compile_decode_step(cfg, topology=args.topology, mesh_spec=mesh, batch=args.batch,
+                                       max_len=max_len, collective=args.collective)
+    except (ConfigError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:          # the TPU compiler refusing the program, e.g. out of HBM
+        print(f"{cfg.name} decode step, batch {args.batch}, {max_len} cache rows, mesh {mesh} on "
+              f"{args.topology}: does not compile: {str(e).splitlines()[0]}")
+        return 1
+    r = memory_report(compiled, args.topology)
+    gib = lambda n: f"{n / 2**30:.2f} GiB"  # noqa: E731
+    print(f"{cfg.name} decode step, batch {args.batch}, {max_len} cache rows, mesh {mesh} on {args.topology} "
+          f"({chips} chips); per chip: arguments (params + cache) {gib(r['arguments'])}, temporaries "
+          f"{gib(r['temporaries'])}, outputs not aliased {gib(r['outputs_not_aliased'])}, code {gib(r['code'])}, "
+          f"total {gib(r['total'])}" + ("" if r["hbm"] is None else
+                                          f" of {gib(r['hbm'])} HBM: {'fits' if r['fits'] else 'does not fit'}"))
+    return 0 if r["fits"] is not False else 1
 
 
 def _read_prompts(args) -> list[str]:

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from glm_jax import costs, ops
+from glm_jax import costs, ops, sharding
 from glm_jax.checkpoint import check_same_config, save_model_dir
 from glm_jax.config import ConfigError, load_config, save_config
 from glm_jax.data import batches as data_batches
@@ -31,7 +31,8 @@ from glm_jax.data import corpus, pipeline, sources, tokenizer as tok_lib
 from glm_jax.info import params_by_part
 from glm_jax.model import GLMModel, abstract_model, count_params
 from glm_jax.training import checkpointing
-from glm_jax.training.step import LossWeights, eval_step, make_optimizer, train_step
+from glm_jax.training.step import (EXPANDED_MAX_LEN, LossWeights, attention_form, eval_step, make_optimizer,
+                                   train_step)
 
 TOKENIZER_DOCS = 20_000  # documents the tokenizer is trained on (and the most held-out ones encoded)
 
@@ -73,6 +74,18 @@ def parse_args(argv=None):
     ap.add_argument("--stop-after", type=int, default=None, metavar="N",
                     help="run at most N steps in this invocation, save and exit (for time-limited jobs)")
     ap.add_argument("--remat", action="store_true", help="recompute activations in the backward pass")
+    ap.add_argument("--mesh", default=None, metavar="SPEC",
+                    help="shard the run over a device mesh, e.g. data=8 or data=2,tensor=2,layer=2: batch "
+                         "and (FSDP) the model dimension of the weights over data, heads / FFN / experts "
+                         "over tensor (and layer); on a CPU the devices are simulated")
+    ap.add_argument("--attention-form", default="auto", choices=["auto", "expanded", "absorbed"],
+                    help="expanded: [S, S] attention matrices, every loss (short sequences); absorbed: none, "
+                         "for long sequences (the dense stage then cannot train the indexer); auto: "
+                         f"expanded up to {EXPANDED_MAX_LEN} tokens")
+    ap.add_argument("--attention-impl", default="auto", choices=["auto", "xla", "pallas_tpu", "pallas_gpu"],
+                    help="sparse attention kernel; auto: the backend's Pallas kernel, except the chunked "
+                         "xla one for absorbed-form training of sequences over 8192 tokens (the Pallas "
+                         "backward keeps one 576-wide row per query and selected key)")
     return ap.parse_args(argv)
 
 
@@ -119,6 +132,38 @@ def _peak_flops(peak_tflops: float | None) -> float | None:
     return _PEAK_FLOPS.get(jax.devices()[0].device_kind)
 
 
+def _placement(args, params, rest, tx):
+    """-> (params, rest, optimizer state, place_batch) on the --mesh (params by TRAINING_RULES,
+    the optimizer state like its params, everything else replicated, batches split over data),
+    or on one device."""
+    if not args.mesh:
+        return params, rest, tx.init(params), jnp.asarray
+    mesh = sharding.make_mesh(args.mesh)
+    batch = sharding.batch_sharding(mesh, (args.batch_size, args.seq_len))   # checks that data divides it
+    params = sharding.shard_params(params, mesh, sharding.TRAINING_RULES)
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    on_mesh = lambda x: x if getattr(x.sharding, "mesh", None) == mesh else jax.device_put(x, replicated)
+    opt_state = jax.tree.map(on_mesh, tx.init(params))        # scalars (step counts) replicated
+    print(f"mesh: {sharding.format_mesh(mesh)} over {mesh.size} devices")
+    return params, jax.device_put(rest, replicated), opt_state, lambda x: jax.device_put(jnp.asarray(x), batch)
+
+
+def _attention_impl(impl: str, form: str, seq_len: int) -> str:
+    if impl == "auto" and form == "absorbed" and seq_len > 8192:
+        return "xla"
+    return impl
+
+
+def _check_stages(args, form: str) -> None:
+    """Refuses, before any work, a dense warm-up that would need [S, S] matrices it cannot hold."""
+    if form == "absorbed" and args.dense_steps > 0 and args.indexer_weight > 0:
+        raise ValueError(
+            f"the dense warm-up trains the indexer on the full attention matrix, which the absorbed "
+            f"form (--seq-len {args.seq_len}) does not build; warm the indexer up at a shorter "
+            f"--seq-len (<= {EXPANDED_MAX_LEN}, or --attention-form expanded) and continue with "
+            f"--dense-steps 0, or pass --indexer-weight 0 for dense steps without the indexer loss")
+
+
 def _bar(step: int, total: int, width: int = 20) -> str:
     filled = width * step // max(total, 1)
     return f"[{'#' * filled}{'.' * (width - filled)}]"
@@ -127,11 +172,18 @@ def _bar(step: int, total: int, width: int = 20) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     out = Path(args.out).absolute()
+    if args.mesh:
+        try:
+            sharding.simulate_cpu_devices(args.mesh)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     try:
         cfg = load_config(args.config or (Path(args.init_from_hf) / "config.json" if args.init_from_hf
                                           else "configs/tiny.yaml"))
         if args.resume and (out / "config.yaml").exists():
             check_same_config(load_config(out / "config.yaml"), cfg, str(out))
+        _check_stages(args, attention_form(args.attention_form, args.seq_len))
         if args.init_from_hf:  # before the corpus work: a checkpoint that does not fit fails at once
             from glm_jax.convert import load_hf_checkpoint
             model = load_hf_checkpoint(args.init_from_hf, config=cfg)
@@ -151,7 +203,11 @@ def main(argv=None) -> int:
         model = GLMModel(cfg, rngs=nnx.Rngs(args.seed))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     tx, schedule = make_optimizer(args.lr, args.steps, args.warmup_steps)
-    opt_state = tx.init(params)
+    try:
+        params, rest, opt_state, place_batch = _placement(args, params, rest, tx)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(f"model: {cfg.name}, {count_params(model):,} parameters, pattern {cfg.pattern}")
 
     batches = pipeline.PackedBatches(train_docs, encode, seq_len=args.seq_len, batch_size=args.batch_size,
@@ -170,7 +226,8 @@ def main(argv=None) -> int:
             batches = pipeline.PackedBatches.from_state(train_docs, encode, meta["data"])
             print(f"resume: continuing from step {start}")
 
-    kernels = ops.KernelChoice()
+    form = attention_form(args.attention_form, args.seq_len)
+    kernels = ops.KernelChoice(attention=_attention_impl(args.attention_impl, form, args.seq_len))
     weights = LossWeights(indexer=args.indexer_weight, mtp=args.mtp_weight, mtp_depth=args.mtp_depth,
                           kv_share=not args.no_mtp_kv_share, tv=args.tv_weight)
     metrics_file = Path(args.metrics_file or out / "metrics.jsonl").open("a")
@@ -183,9 +240,9 @@ def main(argv=None) -> int:
     for step in range(start + 1, args.steps + 1):
         inputs, targets = next(batches)[:2]
         stage = "dense" if step <= args.dense_steps else "sparse"
-        params, opt_state, terms = train_step(graphdef, params, rest, opt_state, jnp.asarray(inputs),
-                                              jnp.asarray(targets), tx=tx, stage=stage, weights=weights,
-                                              kernels=kernels, remat=args.remat)
+        params, opt_state, terms = train_step(graphdef, params, rest, opt_state, place_batch(inputs),
+                                              place_batch(targets), tx=tx, stage=stage, weights=weights,
+                                              kernels=kernels, remat=args.remat, form=form)
         record = {"step": step, "stage": stage, "lr": float(schedule(step - 1))}
         if step % args.log_every == 0 or step == args.steps or step == start + 1:
             record.update({k: float(v) for k, v in terms.items()})
@@ -202,7 +259,7 @@ def main(argv=None) -> int:
                   + (f" MFU {record['mfu']:.1%}" if "mfu" in record else "") + f"  {_bar(step, args.steps)}",
                   flush=True)
         if step % args.eval_every == 0 or step == args.steps:
-            val = float(np.mean([eval_step(graphdef, params, rest, jnp.asarray(x), jnp.asarray(y),
+            val = float(np.mean([eval_step(graphdef, params, rest, place_batch(x), place_batch(y),
                                            stage=stage, kernels=kernels) for x, y in heldout]))
             record["val_lm"] = val
             print(f"step {step:5d} validation lm loss {val:.3f} (held-out files)", flush=True)

@@ -1,10 +1,15 @@
 """The decode-time KV cache: MLA latent rows on every layer, indexer keys on Full layers only.
 
-Laid out per group stack (see `layers.decoder.plan_groups`) so the model's scan over a stack
-reads and writes its slice in place:
-    latent[k]     [groups in stack k, layers per group, B, T, kv_lora + rope]
-    index_keys[k] [groups in stack k, B, T, index_head_dim]      (one Full layer per group)
-    lengths       int32 [B]: rows written so far in each sequence
+Rows are addressed through pages; a contiguous cache is the special case of one page per
+sequence (page size = max_len, page table [[0], [1], ...]):
+    latent       [layer slots, pages, page_size, kv_lora + rope]   one slot per decoder layer
+    index_keys   [key slots, pages, page_size, index_head_dim]      one slot per Full layer
+    page_table   int32 [B, pages per sequence]: page of row t of sequence b = page_table[b, t // page_size]
+    lengths      int32 [B]: rows written so far in each sequence
+    split        static LayerSplit or None: with one, the slot axis is sharded over the mesh's
+                 `layer` axis and padded to a multiple of its size (glm_jax.layer_split)
+Layer l's latent slot is l (decoder order); Full layer number f (in order) has key slot f.
+A page pool (glm_jax.page_pool) hands out pages to requests and fills the page table.
 """
 
 from __future__ import annotations
@@ -15,19 +20,26 @@ import jax
 import jax.numpy as jnp
 
 from glm_jax.config import GLMConfig
-from glm_jax.layers.decoder import plan_groups
+from glm_jax.layer_split import LayerSplit, padded_slots
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVCache:
-    latent: tuple[jnp.ndarray, ...]
-    index_keys: tuple[jnp.ndarray, ...]
+    latent: jnp.ndarray
+    index_keys: jnp.ndarray
+    page_table: jnp.ndarray
     lengths: jnp.ndarray
+    split: LayerSplit | None = dataclasses.field(default=None, metadata=dict(static=True))
+
+    @property
+    def page_size(self) -> int:
+        return self.latent.shape[2]
 
     @property
     def max_len(self) -> int:
-        return self.latent[0].shape[3]
+        """Rows each sequence can address through its page table."""
+        return self.page_table.shape[1] * self.page_size
 
     @property
     def batch(self) -> int:
@@ -37,25 +49,30 @@ class KVCache:
         return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self))
 
 
-def create_cache(cfg: GLMConfig, batch: int, max_len: int, dtype=None) -> KVCache:
-    """An empty cache for `batch` sequences of up to `max_len` rows.
+def contiguous_page_table(batch: int) -> jnp.ndarray:
+    """One page per sequence: int32 [B, 1] = [[0], [1], ...]."""
+    return jnp.arange(batch, dtype=jnp.int32)[:, None]
+
+
+def create_cache(cfg: GLMConfig, batch: int, max_len: int, dtype=None, *,
+                 split: LayerSplit | None = None) -> KVCache:
+    """An empty contiguous cache for `batch` sequences of up to `max_len` rows.
 
     Rows past the model's context may exist as padding of whole prefill chunks / decode blocks;
     the caller (decoding.generate.Generator) checks that real tokens fit the context."""
     dtype = jnp.dtype(dtype or cfg.dtype)
-    latent, keys = [], []
-    for plan in plan_groups(cfg):
-        latent.append(jnp.zeros((plan.count, len(plan.kinds), batch, max_len, cfg.latent_dim), dtype))
-        keys.append(jnp.zeros((plan.count, batch, max_len, cfg.index_head_dim), dtype))
-    return KVCache(tuple(latent), tuple(keys), jnp.zeros((batch,), jnp.int32))
+    return KVCache(
+        jnp.zeros((padded_slots(split, cfg.num_hidden_layers), batch, max_len, cfg.latent_dim), dtype),
+        jnp.zeros((padded_slots(split, len(cfg.full_layers)), batch, max_len, cfg.index_head_dim), dtype),
+        contiguous_page_table(batch), jnp.zeros((batch,), jnp.int32), split)
 
 
 def create_mtp_cache(cfg: GLMConfig, batch: int, max_len: int, dtype=None) -> KVCache:
-    """The MTP layer's own cache: one group of one Full layer."""
+    """The MTP layer's own cache: one Full layer, never split."""
     dtype = jnp.dtype(dtype or cfg.dtype)
-    return KVCache((jnp.zeros((1, 1, batch, max_len, cfg.latent_dim), dtype),),
-                   (jnp.zeros((1, batch, max_len, cfg.index_head_dim), dtype),),
-                   jnp.zeros((batch,), jnp.int32))
+    return KVCache(jnp.zeros((1, batch, max_len, cfg.latent_dim), dtype),
+                   jnp.zeros((1, batch, max_len, cfg.index_head_dim), dtype),
+                   contiguous_page_table(batch), jnp.zeros((batch,), jnp.int32))
 
 
 def cache_bytes_per_token(cfg: GLMConfig, *, layout: str = "bf16", index_share: bool = True) -> int:

@@ -39,12 +39,15 @@ def flops_per_token(cfg: GLMConfig, context: int, active: int, *, index_share: b
 def training_flops_per_token(cfg: GLMConfig, seq_len: int, active: int, *, sparse: bool = True) -> float:
     """Forward + backward FLOPs per trained token of a seq_len-token sequence (3x the forward).
 
-    Token t attends min(topk, t + 1) keys when sparse (t + 1 when dense) and, on Full layers,
-    its indexer scores t + 1 keys; averaged over the positions of the sequence."""
+    Token t attends min(topk, t + 1) keys when sparse (absorbed form), t + 1 when dense (per-head
+    form) and, on Full layers, its indexer scores t + 1 keys; averaged over the positions."""
     positions = range(seq_len)
     mean_keys = sum(min(cfg.index_topk, t + 1) if sparse else t + 1 for t in positions) / seq_len
     mean_context = sum(t + 1 for t in positions) / seq_len
-    attention = 2 * cfg.num_attention_heads * (2 * cfg.kv_lora_rank + cfg.qk_rope_head_dim) * mean_keys
+    if sparse:      # absorbed form: q'.k and p.v over the 576-wide latent rows
+        attention = 2 * cfg.num_attention_heads * (2 * cfg.kv_lora_rank + cfg.qk_rope_head_dim) * mean_keys
+    else:           # per-head q.k and p.v (the latent rows are expanded once per token: 2 x active)
+        attention = 2 * cfg.num_attention_heads * (cfg.qk_head_dim + cfg.v_head_dim) * mean_keys
     indexer = 2 * cfg.index_n_heads * cfg.index_head_dim * mean_context
     forward = 2 * active + cfg.num_hidden_layers * attention + len(cfg.full_layers) * indexer
     return 3.0 * forward

@@ -18,11 +18,13 @@ from flax import nnx
 
 from glm_jax import ops
 from glm_jax.cache import KVCache
+from glm_jax.cache_view import GroupCacheView
 from glm_jax.config import GLMConfig
 from glm_jax.layers.decoder import AttentionSettings, GroupStackPlan, IndexShareGroup, plan_groups
 from glm_jax.layers.linear import Linear
 from glm_jax.layers.mtp import MTPLayer
 from glm_jax.layers.norms import RMSNorm
+from glm_jax.layer_split import Placement
 
 
 def _stacked_groups(cfg: GLMConfig, plan: GroupStackPlan, key: jax.Array, dtype) -> IndexShareGroup:
@@ -106,25 +108,34 @@ class GLMModel(nnx.Module):
         -> (logits float32 [B, S, vocab], hidden normed [B, S, hidden], updated cache)."""
         b, s = tokens.shape
         positions = cache.lengths[:, None] + jnp.arange(s, dtype=jnp.int32)[None, :]
-        kv_len = cache.lengths + s
-        x = self.embed_tokens(tokens)
-        latent, keys = list(cache.latent), list(cache.index_keys)
-        for k, stack in enumerate(self.stacks):
-            graphdef, state = nnx.split(stack)
-
-            def body(carry, xs, graphdef=graphdef):
-                x, lat, key = carry
-                group_state, g = xs
-                x, lat, key, _ = nnx.merge(graphdef, group_state).forward_cached(
-                    x, positions, lat, key, g, kv_len, kernels)
-                return (x, lat, key), None
-
-            (x, latent[k], keys[k]), _ = jax.lax.scan(
-                body, (x, latent[k], keys[k]), (state, jnp.arange(self.plan[k].count)))
+        x, latent, keys = self._cached_stacks(self.embed_tokens(tokens), positions, cache.lengths + s, cache,
+                                              kernels)
         hidden = self.norm(x)
         advance = jnp.full((b,), s, jnp.int32) if num_valid is None else num_valid.astype(jnp.int32)
-        return self.logits(hidden), hidden, KVCache(tuple(latent), tuple(keys), cache.lengths + advance)
+        return self.logits(hidden), hidden, dataclasses.replace(
+            cache, latent=latent, index_keys=keys, lengths=cache.lengths + advance)
 
+    def _cached_stacks(self, x, positions, kv_len, cache: KVCache, kernels: ops.KernelChoice):
+        """Every group stack against the cache: x [B, S, hidden] -> (x, latent store, key store).
+
+        With a LayerSplit cache only the cache accesses run per device (see
+        `layer_split.Placement.manual`); everything else is ordinary sharded XLA."""
+        placement = Placement(cache.split)
+        latent, keys, full_base = cache.latent, cache.index_keys, 0
+        for stack, p in zip(self.stacks, self.plan):
+            graphdef, state = nnx.split(stack)
+
+            def body(carry, xs, graphdef=graphdef, p=p, full_base=full_base):
+                x, latent, keys = carry
+                group_state, g = xs
+                view = GroupCacheView(latent, keys, cache.page_table, placement, p.first_layer + g * len(p.kinds),
+                                      full_base + g, positions)
+                x, _ = nnx.merge(graphdef, group_state).forward_cached(x, positions, view, kv_len, kernels)
+                return (x, view.latent, view.keys), None
+
+            (x, latent, keys), _ = jax.lax.scan(body, (x, latent, keys), (state, jnp.arange(p.count, dtype=jnp.int32)))
+            full_base += p.count
+        return x, latent, keys
 
     # ------------------------------------------------------------------ MTP with a cache
     def mtp_forward_cached(self, next_tokens, hidden, cache: KVCache, *,
@@ -136,11 +147,12 @@ class GLMModel(nnx.Module):
         b, s = next_tokens.shape
         positions = cache.lengths[:, None] + jnp.arange(s, dtype=jnp.int32)[None, :]
         x = self.mtp.inputs(self.embed_tokens(next_tokens), hidden)
-        x, lat, key, indices = self.mtp.block.forward_cached(
-            x, positions, cache.latent[0], cache.index_keys[0], 0, cache.lengths + s, kernels)
+        view = _mtp_view(cache, positions)
+        x, indices = self.mtp.block.forward_cached(x, positions, view, cache.lengths + s, kernels)
         out = self.mtp.shared_head.norm(x)
         advance = jnp.full((b,), s, jnp.int32) if num_valid is None else num_valid.astype(jnp.int32)
-        return self.logits(out), out, KVCache((lat,), (key,), cache.lengths + advance), indices
+        return self.logits(out), out, dataclasses.replace(
+            cache, latent=view.latent, index_keys=view.keys, lengths=cache.lengths + advance), indices
 
     def mtp_draft_step(self, next_tokens, hidden, positions, cache: KVCache, indices, *,
                        kernels: ops.KernelChoice = ops.KernelChoice()):
@@ -148,9 +160,14 @@ class GLMModel(nnx.Module):
         computed from the target's hidden states is read; nothing is written.
         next_tokens [B, 1], hidden [B, 1, hidden], positions [B, 1] -> (logits [B, 1, V], hidden)."""
         x = self.mtp.inputs(self.embed_tokens(next_tokens), hidden)
-        x = self.mtp.block.forward_reusing_indices(x, positions, cache.latent[0], 0, indices, kernels)
+        x = self.mtp.block.forward_reusing_indices(x, positions, _mtp_view(cache, positions), indices, kernels)
         out = self.mtp.shared_head.norm(x)
         return self.logits(out), out
+
+
+def _mtp_view(cache: KVCache, positions) -> GroupCacheView:
+    """The MTP layer's cache (`create_mtp_cache`: one local Full layer) as a group view."""
+    return GroupCacheView(cache.latent, cache.index_keys, cache.page_table, Placement(None), 0, 0, positions)
 
 
 def count_params(model_or_state) -> int:

@@ -2,8 +2,8 @@
 
 Public ops (pure functions of arrays; jittable with the keyword-only config arguments static):
 
-    indexer_scores(q, k, weights, *, q_pos, kv_len, ...)        -> float32 [B, S, T]
-    indexer_topk(q, k, weights, *, topk, q_pos, kv_len, ...)    -> int32 [B, S, topk]
+    indexer_scores(q, k, weights, *, q_pos, kv_len, kv_start, ...)        -> float32 [B, S, T]
+    indexer_topk(q, k, weights, *, topk, q_pos, kv_len, kv_start, ...)    -> int32 [B, S, topk]
     sparse_mla(q, kv, indices, *, sm_scale, v_dim, ...)         -> (out [B, S, H, v_dim], lse [B, S, H])
 
 Every op takes `impl`:
@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import attention as _attention
 from pallas_kernels import indexer as _indexer
-from pallas_kernels._common import AUTO_IMPL, VALID_IMPLS, resolve_impl
+from pallas_kernels._common import AUTO_IMPL, VALID_IMPLS, resolve_impl, start_or_zero
 
 _INDEXER_PALLAS = {"pallas_gpu": _indexer.gpu, "pallas_tpu": _indexer.tpu}
 _INDEXER_IMPLS = ("reference", "xla") + tuple(_INDEXER_PALLAS)
@@ -36,8 +36,8 @@ __all__ = ["VALID_IMPLS", "AUTO_IMPL", "resolve_impl", "indexer_scores", "indexe
 
 
 def indexer_scores(q: jax.Array, k: jax.Array, weights: jax.Array, *, q_pos: jax.Array,
-                   kv_len: jax.Array, impl: str = "auto", interpret: bool = False,
-                   q_chunk: int | None = None) -> jax.Array:
+                   kv_len: jax.Array, kv_start: jax.Array | None = None, impl: str = "auto",
+                   interpret: bool = False, q_chunk: int | None = None) -> jax.Array:
     """Lightning-indexer scores of every key for every query.
 
     Args:
@@ -46,19 +46,26 @@ def indexer_scores(q: jax.Array, k: jax.Array, weights: jax.Array, *, q_pos: jax
       weights: float32 [B, S, H] per-head weights, every scale folded in.
       q_pos: int32 [B, S] absolute position of each query.
       kv_len: int32 [B] number of valid keys.
+      kv_start: int32 [B, S] first valid key of each query (packed documents: where the
+        query's document starts), or None for 0.
       impl, interpret, q_chunk: see the package docstring.
 
     Returns:
       float32 [B, S, T]: score[b,s,t] = sum_h weights[b,s,h] * relu(q[b,s,h] . k[b,t]) where
-      t <= q_pos[b,s] and t < kv_len[b]; -inf elsewhere.
+      kv_start[b,s] <= t <= q_pos[b,s] and t < kv_len[b]; -inf elsewhere. Differentiable in
+      q, k and weights.
     """
     impl = resolve_impl("indexer_scores", impl, implemented=_INDEXER_IMPLS)
+    q_pos = jnp.asarray(q_pos, jnp.int32)
+    kv_start = start_or_zero(kv_start, q_pos)
     if impl in _INDEXER_PALLAS:
-        return _pallas_scores(impl, interpret, q_chunk)(q, k, weights, jnp.asarray(q_pos, jnp.int32),
-                                                        jnp.asarray(kv_len, jnp.int32))
+        return _pallas_scores(impl, interpret, q_chunk)(q, k, weights, q_pos,
+                                                        jnp.asarray(kv_len, jnp.int32), kv_start)
     if impl == "reference":
-        return _indexer.reference.indexer_scores(q, k, weights, q_pos=q_pos, kv_len=kv_len)
-    return _indexer.xla.indexer_scores(q, k, weights, q_pos=q_pos, kv_len=kv_len, q_chunk=q_chunk)
+        return _indexer.reference.indexer_scores(q, k, weights, q_pos=q_pos, kv_len=kv_len,
+                                                 kv_start=kv_start)
+    return _indexer.xla.indexer_scores(q, k, weights, q_pos=q_pos, kv_len=kv_len, kv_start=kv_start,
+                                       q_chunk=q_chunk)
 
 
 @functools.cache
@@ -67,50 +74,49 @@ def _pallas_scores(impl: str, interpret: bool, q_chunk: int | None):
     indexer losses train through them)."""
     forward = functools.partial(_INDEXER_PALLAS[impl].indexer_scores, interpret=interpret)
 
-    def xla_scores(q, k, weights, q_pos, kv_len):
-        return _indexer.xla.indexer_scores(q, k, weights, q_pos=q_pos, kv_len=kv_len, q_chunk=q_chunk)
-
     @jax.custom_vjp
-    def scores(q, k, weights, q_pos, kv_len):
-        return forward(q, k, weights, q_pos=q_pos, kv_len=kv_len)
+    def scores(q, k, weights, q_pos, kv_len, kv_start):
+        return forward(q, k, weights, q_pos=q_pos, kv_len=kv_len, kv_start=kv_start)
 
-    def fwd(q, k, weights, q_pos, kv_len):
-        return scores(q, k, weights, q_pos, kv_len), (q, k, weights, q_pos, kv_len)
+    def fwd(*args):
+        return scores(*args), args
 
     def bwd(res, g):
-        q, k, weights, q_pos, kv_len = res
-        _, vjp = jax.vjp(lambda a, b, c: xla_scores(a, b, c, q_pos, kv_len), q, k, weights)
-        return (*vjp(g), None, None)
+        q, k, weights, q_pos, kv_len, kv_start = res
+        _, vjp = jax.vjp(lambda a, b, c: _indexer.xla.indexer_scores(
+            a, b, c, q_pos=q_pos, kv_len=kv_len, kv_start=kv_start, q_chunk=q_chunk), q, k, weights)
+        return (*vjp(g), None, None, None)
 
     scores.defvjp(fwd, bwd)
     return scores
 
 
 def indexer_topk(q: jax.Array, k: jax.Array, weights: jax.Array, *, topk: int, q_pos: jax.Array,
-                 kv_len: jax.Array, impl: str = "auto", interpret: bool = False,
-                 q_chunk: int | None = None) -> jax.Array:
+                 kv_len: jax.Array, kv_start: jax.Array | None = None, impl: str = "auto",
+                 interpret: bool = False, q_chunk: int | None = None) -> jax.Array:
     """The exact top-k keys of each query under the indexer scores (see `indexer_scores`).
 
     Args:
       q: [B, S, H, D];  k: [B, T, D];  weights: float32 [B, S, H];
-      q_pos: int32 [B, S];  kv_len: int32 [B]   -- as in `indexer_scores`.
+      q_pos: int32 [B, S];  kv_len: int32 [B];  kv_start: int32 [B, S] or None
+        -- as in `indexer_scores`.
       topk: number of slots per query (static); may exceed T.
       impl, interpret, q_chunk: see the package docstring.
 
     Returns:
-      int32 [B, S, topk]. Row (b, s) holds the min(topk, #valid) valid keys t (t <= q_pos[b,s],
-      t < kv_len[b]) with the largest scores; on equal scores the lower t wins. The row is
-      ordered by descending score, equal scores by ascending t, and the remaining trailing
-      slots are -1. Masked keys are never selected. Deterministic.
+      int32 [B, S, topk]. Row (b, s) holds the min(topk, #valid) valid keys t (kv_start[b,s]
+      <= t <= q_pos[b,s], t < kv_len[b]) with the largest scores; on equal scores the lower t
+      wins. The row is ordered by descending score, equal scores by ascending t, and the
+      remaining trailing slots are -1. Masked keys are never selected. Deterministic.
     """
     impl = resolve_impl("indexer_topk", impl, implemented=_INDEXER_IMPLS)
+    args = dict(topk=topk, q_pos=q_pos, kv_len=kv_len, kv_start=start_or_zero(kv_start, q_pos))
     if impl in _INDEXER_PALLAS:
-        return _INDEXER_PALLAS[impl].indexer_topk(q, k, weights, topk=topk, q_pos=q_pos, kv_len=kv_len,
-                                                  interpret=interpret, q_chunk=q_chunk)
+        return _INDEXER_PALLAS[impl].indexer_topk(q, k, weights, interpret=interpret, q_chunk=q_chunk,
+                                                  **args)
     if impl == "reference":
-        return _indexer.reference.indexer_topk(q, k, weights, topk=topk, q_pos=q_pos, kv_len=kv_len)
-    return _indexer.xla.indexer_topk(q, k, weights, topk=topk, q_pos=q_pos, kv_len=kv_len,
-                                     q_chunk=q_chunk)
+        return _indexer.reference.indexer_topk(q, k, weights, **args)
+    return _indexer.xla.indexer_topk(q, k, weights, q_chunk=q_chunk, **args)
 
 
 def sparse_mla(q: jax.Array, kv: jax.Array, indices: jax.Array, *, sm_scale: float, v_dim: int,

@@ -102,12 +102,26 @@ def pad_axis(x: jax.Array, axis: int, size: int, value=0) -> jax.Array:
     return jnp.pad(x, widths, constant_values=value)
 
 
-def key_mask(q_pos: jax.Array, kv_len: jax.Array, num_keys: int) -> jax.Array:
-    """q_pos int [B, S], kv_len int [B] -> bool [B, S, T]: t <= q_pos[b, s] and t < kv_len[b]."""
+def key_mask(q_pos: jax.Array, kv_len: jax.Array, num_keys: int,
+             kv_start: jax.Array | None = None) -> jax.Array:
+    """q_pos int [B, S], kv_len int [B], kv_start int [B, S] or None (0) -> bool [B, S, T]:
+    kv_start[b, s] <= t <= q_pos[b, s] and t < kv_len[b]."""
     t = lax.broadcasted_iota(jnp.int32, (1, 1, num_keys), 2)
     q_pos = jnp.asarray(q_pos, jnp.int32)[:, :, None]
     kv_len = jnp.asarray(kv_len, jnp.int32)[:, None, None]
-    return (t <= q_pos) & (t < kv_len)
+    valid = (t <= q_pos) & (t < kv_len)
+    if kv_start is not None:
+        valid &= t >= jnp.asarray(kv_start, jnp.int32)[:, :, None]
+    return valid
+
+
+def start_or_zero(kv_start: jax.Array | None, q_pos: jax.Array) -> jax.Array:
+    """kv_start as int32 [B, S] (zeros when None: every key from 0 on)."""
+    if kv_start is None:
+        return jnp.zeros(jnp.shape(q_pos), jnp.int32)
+    if jnp.shape(kv_start) != jnp.shape(q_pos):
+        raise ValueError(f"kv_start must have the shape of q_pos {jnp.shape(q_pos)}, got {jnp.shape(kv_start)}")
+    return jnp.asarray(kv_start, jnp.int32)
 
 
 def pad_topk(indices: jax.Array, topk: int) -> jax.Array:

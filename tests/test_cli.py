@@ -81,13 +81,15 @@ def test_info_prints_counts(capsys):
     assert "2.73x" in text
 
 
-def test_resume_continues_bit_exactly(tmp_path):
-    """Losses after --resume equal those of an uninterrupted run, bit for bit."""
+@pytest.mark.parametrize("form,dense_steps", [("expanded", "2"), ("absorbed", "0")])
+def test_resume_continues_bit_exactly(tmp_path, form, dense_steps):
+    """Losses after --resume equal those of an uninterrupted run, bit for bit (also in the
+    absorbed form long sequences train with: sparse stage, chunked selected-set indexer KL)."""
     cfg_path = tmp_path / "micro.yaml"
     save_config(micro_config(vocab_size=320, max_position_embeddings=128), cfg_path)
-    common = ["--config", str(cfg_path), "--batch-size", "2", "--seq-len", "16", "--dense-steps", "2",
+    common = ["--config", str(cfg_path), "--batch-size", "2", "--seq-len", "16", "--dense-steps", dense_steps,
               "--warmup-steps", "1", "--max-files", "4", "--eval-every", "100", "--log-every", "1",
-              "--eval-batches", "1"]
+              "--eval-batches", "1", "--attention-form", form]
 
     def losses(run):
         return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -118,3 +120,23 @@ def test_bad_prompts_file_is_refused(trained_run, tmp_path, capsys):
     prompts.write_text('{"text": "x"}\n')
     assert decode.main(["--checkpoint", str(out), "--prompts-file", str(prompts)]) == 2
     assert "prompts.jsonl:1" in capsys.readouterr().err
+
+
+def test_decode_mesh_that_does_not_fit_is_refused(trained_run, capsys, monkeypatch):
+    out, _ = trained_run
+    monkeypatch.setenv("XLA_FLAGS", "")
+    assert decode.main(["--checkpoint", str(out), "--mesh", "tensor=3", "--max-new-tokens", "4"]) == 2
+    assert "error:" in capsys.readouterr().err
+    assert decode.main(["--checkpoint", str(out), "--mesh", "layers=2"]) == 2
+    assert "unknown axis 'layers'" in capsys.readouterr().err
+
+
+def test_compile_only_needs_config_and_topology(capsys):
+    assert decode.main(["--compile-only"]) == 2
+    assert "--topology" in capsys.readouterr().err
+
+
+def test_dense_warmup_in_the_absorbed_form_is_refused(tmp_path, capsys):
+    code = train.main(["--out", str(tmp_path / "run"), "--seq-len", "8192", "--dense-steps", "5"])
+    assert code == 2
+    assert "--dense-steps 0" in capsys.readouterr().err

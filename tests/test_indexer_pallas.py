@@ -79,6 +79,13 @@ def _int_inputs(rng, B, S, T, H, D, lim=3):
     return q, k, w, q_pos, kv_len
 
 
+def _doc_starts(rng, q_pos, T):
+    """Packed documents: each query's first valid key, somewhere at or before it."""
+    pos = np.asarray(q_pos)
+    return jnp.asarray(np.where(rng.random(pos.shape) < 0.3, 0,
+                                rng.integers(0, np.maximum(pos, 0) + 1)), jnp.int32)
+
+
 @pytest.mark.parametrize("impl", list(BACKENDS))
 @pytest.mark.parametrize("B,S,T,H,D,topk,lim", [
     (2, 1, 300, 4, 8, 16, 3),      # decode: one query per sequence
@@ -89,7 +96,7 @@ def _int_inputs(rng, B, S, T, H, D, lim=3):
 def test_pallas_indexer_equals_reference(impl, B, S, T, H, D, topk, lim):
     rng = np.random.default_rng(B * 1000 + S * 10 + T)
     q, k, w, q_pos, kv_len = _int_inputs(rng, B, S, T, H, D, lim)
-    args = dict(q_pos=q_pos, kv_len=kv_len)
+    args = dict(q_pos=q_pos, kv_len=kv_len, kv_start=_doc_starts(rng, q_pos, T) if S > 1 else None)
     want_scores = reference.indexer_scores(q, k, w, **args)
     got_scores = pk.indexer_scores(q, k, w, impl=impl, interpret=True, **args)
     np.testing.assert_array_equal(np.asarray(got_scores), np.asarray(want_scores))
@@ -160,3 +167,22 @@ def test_pallas_scores_gradients_equal_xla(impl):
     got = jax.grad(functools.partial(loss, impl), argnums=(0, 1, 2))(q, k, w)
     for a, b in zip(got, want):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
+
+
+def test_kv_start_in_every_impl():
+    """kv_start (packed documents) bounds the keys from below: reference against a direct
+    brute force, and xla against the reference; a wrong shape is refused."""
+    rng = np.random.default_rng(5)
+    q, k, w, q_pos, kv_len = _int_inputs(rng, 2, 6, 40, 2, 8)
+    start = _doc_starts(rng, q_pos, 40)
+    scores = np.asarray(reference.indexer_scores(q, k, w, q_pos=q_pos, kv_len=kv_len, kv_start=start))
+    t = np.arange(40)
+    below = t[None, None, :] < np.asarray(start)[..., None]
+    assert np.all(np.isneginf(scores[below]))
+    free = np.asarray(reference.indexer_scores(q, k, w, q_pos=q_pos, kv_len=kv_len))
+    np.testing.assert_array_equal(scores[~below], free[~below])
+    args = dict(topk=9, q_pos=q_pos, kv_len=kv_len, kv_start=start)
+    np.testing.assert_array_equal(np.asarray(pk.indexer_topk(q, k, w, impl="xla", q_chunk=4, **args)),
+                                  np.asarray(pk.indexer_topk(q, k, w, impl="reference", **args)))
+    with pytest.raises(ValueError, match="kv_start must have the shape of q_pos"):
+        pk.indexer_topk(q, k, w, topk=3, q_pos=q_pos, kv_len=kv_len, kv_start=start[:, :2])

@@ -74,3 +74,66 @@ def test_multi_depth_mtp_losses_with_and_without_kv_share(stage):
     one = [float(loss_terms(model, inputs, targets, stage=stage, weights=LossWeights(kv_share=k),
                             kernels=ops.KernelChoice())[1]["mtp"]) for k in (True, False)]
     assert one[0] == one[1]
+
+
+def test_selected_set_kl_equals_dense_indexer_kl():
+    """The chunked sparse-stage KL (for long sequences) equals the dense-matrix one, with the
+    same gradients into the indexer's queries, keys and weights."""
+    import pallas_kernels as pk
+    from glm_jax.layers.selected_kl import selected_set_kl
+
+    rng = np.random.default_rng(0)
+    B, S, H, Dk, K, Hi, Di, scale = 2, 9, 3, 8, 4, 2, 5, 0.3
+    f32 = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
+    q, latent, iq, ik = f32(B, S, H, Dk), f32(B, S, Dk), f32(B, S, Hi, Di), f32(B, S, Di)
+    iw = jnp.asarray(rng.random((B, S, Hi)), jnp.float32)
+    pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+    n = jnp.full((B,), S, jnp.int32)
+    idx = pk.indexer_topk(iq, ik, iw, topk=K, q_pos=pos, kv_len=n, impl="reference")
+    _, lse = pk.sparse_mla(q, latent, idx, sm_scale=scale, v_dim=4, impl="reference")
+
+    def chunked(iq, ik, iw):
+        return selected_set_kl(q, latent, idx, lse, sm_scale=scale, idx_q=iq, idx_keys=ik, idx_w=iw,
+                               q_chunk=4)
+
+    def dense(iq, ik, iw):
+        b, s = jnp.arange(B)[:, None, None], jnp.arange(S)[None, :, None]
+        mask = jnp.zeros((B, S, S), bool).at[b, s, jnp.maximum(idx, 0)].max(idx >= 0)
+        logits = jnp.where(mask[:, None], jnp.einsum("bshd,btd->bhst", q, latent) * scale, -jnp.inf)
+        probs = jnp.where(mask[:, None], jax.nn.softmax(logits, -1), 0.0).sum(1)
+        target = probs / probs.sum(-1, keepdims=True)
+        scores = pk.indexer_scores(iq, ik, iw, q_pos=pos, kv_len=n, impl="reference")
+        return indexer_kl(target, scores, mask)
+
+    np.testing.assert_allclose(chunked(iq, ik, iw), dense(iq, ik, iw), rtol=1e-5)
+    for a, b in zip(jax.grad(chunked, (0, 1, 2))(iq, ik, iw), jax.grad(dense, (0, 1, 2))(iq, ik, iw)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_long_sequence_forms_equal_the_expanded_form():
+    """The forms that hold no [S, T] matrices (dense: fused causal attention; sparse: sparse MLA
+    with the chunked selected-set KL) give the expanded form's logits, KL and KL gradients."""
+    from glm_jax.layers.decoder import AttentionSettings
+
+    cfg = micro_config()
+    model = GLMModel(cfg, rngs=nnx.Rngs(0))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 12)), jnp.int32)
+    run = lambda m, **kw: m(tokens, settings=AttentionSettings(**kw))
+    np.testing.assert_allclose(run(model, mode="dense", form="absorbed").logits,
+                               run(model, mode="dense", form="expanded").logits, atol=2e-5)
+
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def kl(params, form):
+        out = run(nnx.merge(graphdef, params, rest), mode="sparse", form=form, indexer_loss=True)
+        return out.indexer_kl, out.logits
+
+    (kl_a, logits_a), grads_a = jax.value_and_grad(kl, has_aux=True)(params, "absorbed")
+    (kl_e, logits_e), grads_e = jax.value_and_grad(kl, has_aux=True)(params, "expanded")
+    np.testing.assert_allclose(logits_a, logits_e, atol=2e-5)
+    np.testing.assert_allclose(kl_a, kl_e, rtol=1e-5)
+    assert float(kl_a) > 0
+    for a, e in zip(jax.tree.leaves(grads_a), jax.tree.leaves(grads_e)):
+        np.testing.assert_allclose(a, e, rtol=1e-4, atol=1e-6)
+    with pytest.raises(ValueError, match="dense-stage indexer loss"):
+        run(model, mode="dense", form="absorbed", indexer_loss=True)

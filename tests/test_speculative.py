@@ -10,6 +10,7 @@ from flax import nnx
 
 from glm_jax import ops
 from glm_jax.cache import create_cache, create_mtp_cache
+from glm_jax.cache_view import GroupCacheView
 from glm_jax.decoding import rejection_sample
 from glm_jax.decoding.generate import Generator
 from glm_jax.decoding.speculative import SpeculativeGenerator, draft
@@ -100,12 +101,20 @@ def test_kv_share_draft_runs_no_indexer_and_reads_only_target_kv(monkeypatch):
         calls["indexer"] += 1
         return real_topk(*a, **k)
 
-    def spy_mla(q, kv, indices, **k):
-        calls["max_index"] = max(calls["max_index"], int(np.max(np.asarray(indices))))
+    def spy_mla(q, kv, indices, **k):   # reads of a whole cached sequence (KVShare draft steps)
+        if kv.shape[1] == 32:
+            calls["max_index"] = max(calls["max_index"], int(np.max(np.asarray(indices))))
         return real_mla(q, kv, indices, **k)
+
+    real_kv = GroupCacheView.attention_kv
+
+    def spy_kv(self, j, indices, new_rows):   # cache positions a cached forward attends
+        calls["max_index"] = max(calls["max_index"], int(np.max(np.asarray(indices))))
+        return real_kv(self, j, indices, new_rows)
 
     monkeypatch.setattr(ops, "indexer_topk", spy_topk)
     monkeypatch.setattr(ops, "sparse_mla", spy_mla)
+    monkeypatch.setattr(GroupCacheView, "attention_kv", spy_kv)
     for kv_share, want_calls in ((True, 0), (False, 2)):
         calls.update(indexer=0, max_index=-1)
         with jax.disable_jit():

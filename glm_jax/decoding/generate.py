@@ -20,8 +20,13 @@ import numpy as np
 from flax import nnx
 
 from glm_jax import ops
+from jax.sharding import Mesh
+
 from glm_jax.cache import KVCache, create_cache
 from glm_jax.decoding.sampling import sample_tokens
+from glm_jax.layer_split import LayerSplit
+from glm_jax.multihost import global_array, place, replicated, to_host
+from glm_jax.sharding import ShardingError, logical_sharding, shard_cache, shard_params
 
 
 class ContextTooLongError(ValueError):
@@ -58,12 +63,24 @@ def _decode_block(graphdef, state, cache: KVCache, logits, key, temperature, top
 
 
 class GeneratorBase:
-    """What every generator shares: the split model, the batch size, the context check."""
+    """What every generator shares: the split model, the batch size, the context check, and
+    the placement on a device mesh (params by the logical-axis rules; with a `layer` axis > 1
+    the target cache is LayerSplit across it)."""
 
     def __init__(self, model, *, batch: int, max_len: int | None, prefill_chunk: int,
-                 kernels: ops.KernelChoice):
+                 kernels: ops.KernelChoice, mesh: Mesh | None = None, collective: str = "permute"):
         self.cfg = model.cfg
         self.graphdef, self.state = nnx.split(model)
+        self.mesh = mesh
+        self.split = None
+        if mesh is not None:
+            data = mesh.shape.get("data", 1)
+            if batch % data:
+                raise ShardingError(f"a batch of {batch} prompt(s) cannot be split over mesh axis 'data' of "
+                                    f"size {data}; give a multiple of {data} prompts or use data=1")
+            self.state = shard_params(self.state, mesh)
+            if mesh.shape.get("layer", 1) > 1:
+                self.split = LayerSplit(mesh, collective=collective)
         self.batch = batch
         self.max_len = max_len or self.cfg.max_position_embeddings
         if self.max_len > self.cfg.max_position_embeddings:
@@ -72,6 +89,28 @@ class GeneratorBase:
                 f"{self.cfg.max_position_embeddings} tokens (max_position_embeddings)")
         self.prefill_chunk = prefill_chunk
         self.kernels = kernels
+
+    def new_cache(self, batch: int, cache_len: int, dtype=None) -> KVCache:
+        """An empty target cache, LayerSplit and placed on the mesh when there is one."""
+        cache = create_cache(self.cfg, batch, cache_len, dtype, split=self.split)
+        return cache if self.mesh is None else shard_cache(cache, self.mesh)
+
+    def put(self, x, names: tuple[str | None, ...] | None = None):
+        """A host value as a device array; on a mesh a global array, split by the logical `names`
+        of its dims (None: replicated). Every process passes the same value."""
+        if self.mesh is None:
+            return jnp.asarray(x)
+        if names is None:
+            return global_array(x, replicated(self.mesh))
+        return global_array(x, logical_sharding(self.mesh, names, np.shape(x), "input"))
+
+    def put_replicated(self, tree):
+        """A pytree of arrays (e.g. the MTP cache) whole on every device of the mesh."""
+        return tree if self.mesh is None else place(tree, jax.tree.map(lambda _: replicated(self.mesh), tree))
+
+    def sampling_args(self, seed: int, temperature: float, top_p: float):
+        """(key, temperature, top_p) on the device; the same key on every process."""
+        return self.put(jax.random.key(seed)), self.put(np.float32(temperature)), self.put(np.float32(top_p))
 
     def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
         need = prompt_len + max_new_tokens
@@ -100,6 +139,18 @@ class GeneratorBase:
             padded[i, :len(r)] = r
         return padded, lengths
 
+    def _prefill(self, cache: KVCache, padded: np.ndarray, lengths: np.ndarray, progress=None):
+        """Chunked prefill of padded int32 [B, P] (real lengths [B]), one jitted call per chunk
+        -> (logits float32 [B, V] after each row's last prompt token, cache)."""
+        logits = None
+        for start, tokens, num_valid in self._chunks(padded, lengths):
+            last, cache = _prefill_chunk(self.graphdef, self.state, self.put(tokens, ("batch", None)),
+                                         self.put(num_valid, ("batch",)), cache, self.kernels)
+            logits = last if logits is None else jnp.where(self.put((num_valid > 0)[:, None]), last, logits)
+            if progress is not None:
+                progress(min(start + self.prefill_chunk, padded.shape[1]), padded.shape[1])
+        return logits, cache
+
     def _chunks(self, padded: np.ndarray, lengths: np.ndarray):
         """Prefill chunks: yields (start, tokens int32 [B, C] zero-padded, real tokens per row [B])."""
         c = self.prefill_chunk
@@ -114,8 +165,10 @@ class Generator(GeneratorBase):
     """Holds one model; generates for a batch of prompts (of any lengths) from a fresh cache."""
 
     def __init__(self, model, *, batch: int = 1, max_len: int | None = None, prefill_chunk: int = 256,
-                 block_size: int = 16, kernels: ops.KernelChoice = ops.KernelChoice(), cache_dtype=None):
-        super().__init__(model, batch=batch, max_len=max_len, prefill_chunk=prefill_chunk, kernels=kernels)
+                 block_size: int = 16, kernels: ops.KernelChoice = ops.KernelChoice(), cache_dtype=None,
+                 mesh: Mesh | None = None, collective: str = "permute"):
+        super().__init__(model, batch=batch, max_len=max_len, prefill_chunk=prefill_chunk, kernels=kernels,
+                         mesh=mesh, collective=collective)
         self.block_size = block_size
         self.cache_dtype = cache_dtype
         self.stats: dict[str, float] = {}
@@ -131,28 +184,21 @@ class Generator(GeneratorBase):
         b, p = padded.shape
         # Room for whole prefill chunks and whole decode blocks (their padding rows are written).
         cache_len = max(round_up(p, self.prefill_chunk), p + round_up(max_new_tokens, self.block_size))
-        cache = create_cache(self.cfg, b, cache_len, self.cache_dtype)
+        cache = self.new_cache(b, cache_len, self.cache_dtype)
 
         t0 = time.perf_counter()
-        logits = None
-        for start, tokens, num_valid in self._chunks(padded, lengths):
-            last, cache = _prefill_chunk(self.graphdef, self.state, jnp.asarray(tokens), jnp.asarray(num_valid),
-                                         cache, self.kernels)
-            logits = last if logits is None else jnp.where(jnp.asarray(num_valid > 0)[:, None], last, logits)
-            if progress is not None:
-                progress(min(start + self.prefill_chunk, p), p)
+        logits, cache = self._prefill(cache, padded, lengths, progress)
         logits.block_until_ready()
         self.stats = {"prompt_tokens": int(lengths.sum()), "prefill_s": time.perf_counter() - t0, "new_tokens": 0}
 
-        key = jax.random.key(seed)
+        key, temperature, top_p = self.sampling_args(seed, temperature, top_p)
         produced, stopped = 0, np.zeros((b,), bool)
         t1 = time.perf_counter()
         while produced < max_new_tokens:
             steps = self.block_size
             tokens, logits, cache, key = _decode_block(
-                self.graphdef, self.state, cache, logits, key, jnp.float32(temperature),
-                jnp.float32(top_p), self.kernels, steps)
-            tokens = np.asarray(tokens)[:, : max_new_tokens - produced]
+                self.graphdef, self.state, cache, logits, key, temperature, top_p, self.kernels, steps)
+            tokens = to_host(tokens)[:, : max_new_tokens - produced]
             produced += tokens.shape[1]
             self.stats.update(new_tokens=produced, decode_s=time.perf_counter() - t1)
             yield tokens

@@ -29,9 +29,10 @@ import numpy as np
 from flax import nnx
 
 from glm_jax import ops
-from glm_jax.cache import KVCache, create_cache, create_mtp_cache
+from glm_jax.cache import KVCache, create_mtp_cache
 from glm_jax.decoding.generate import GeneratorBase, round_up
 from glm_jax.decoding.rejection import rejection_sample, sampling_probs
+from glm_jax.multihost import to_host
 
 
 @dataclasses.dataclass
@@ -160,12 +161,13 @@ class SpeculativeGenerator(GeneratorBase):
 
     def __init__(self, model, *, batch: int = 1, max_len: int | None = None, num_draft: int = 3,
                  kv_share: bool = True, prefill_chunk: int = 256,
-                 kernels: ops.KernelChoice = ops.KernelChoice()):
+                 kernels: ops.KernelChoice = ops.KernelChoice(), mesh=None, collective: str = "permute"):
         if model.mtp is None:
             raise ValueError("speculative decoding needs the model's MTP layer (num_nextn_predict_layers: 1)")
         if num_draft < 1:
             raise ValueError(f"num_draft must be >= 1, got {num_draft}")
-        super().__init__(model, batch=batch, max_len=max_len, prefill_chunk=prefill_chunk, kernels=kernels)
+        super().__init__(model, batch=batch, max_len=max_len, prefill_chunk=prefill_chunk, kernels=kernels,
+                         mesh=mesh, collective=collective)
         self.num_draft, self.kv_share = num_draft, kv_share
         self.stats = SpecStats()
 
@@ -177,8 +179,8 @@ class SpeculativeGenerator(GeneratorBase):
         b, p = padded.shape
         k, chunk = self.num_draft, self.prefill_chunk
         cache_len = max(round_up(p, chunk), p + max_new_tokens + 2 * (k + 1))
-        cache = create_cache(self.cfg, b, cache_len)
-        mtp_cache = create_mtp_cache(self.cfg, b, cache_len)
+        cache = self.new_cache(b, cache_len)
+        mtp_cache = self.put_replicated(create_mtp_cache(self.cfg, b, cache_len))
         t0 = time.perf_counter()
         shifted = np.concatenate([padded[:, 1:], np.zeros((b, 1), np.int32)], axis=1)
         logits = hidden = None
@@ -188,24 +190,27 @@ class SpeculativeGenerator(GeneratorBase):
             nxt[:, :piece.shape[1]] = piece
             num_valid_mtp = np.clip(lengths - 1 - start, 0, chunk).astype(np.int32)
             last, last_hidden, cache, mtp_cache = _prefill_chunk(
-                self.graphdef, self.state, jnp.asarray(tokens), jnp.asarray(nxt), jnp.asarray(num_valid),
-                jnp.asarray(num_valid_mtp), cache, mtp_cache, self.kernels)
+                self.graphdef, self.state, self.put(tokens, ("batch", None)), self.put(nxt, ("batch", None)),
+                self.put(num_valid, ("batch",)), self.put(num_valid_mtp, ("batch",)), cache, mtp_cache,
+                self.kernels)
             if logits is None:
                 logits, hidden = last, last_hidden
             else:
-                fresh = jnp.asarray(num_valid > 0)[:, None]
+                fresh = self.put((num_valid > 0)[:, None])
                 logits, hidden = jnp.where(fresh, last, logits), jnp.where(fresh, last_hidden, hidden)
             if progress is not None:
                 progress(min(start + chunk, p), p)
         logits.block_until_ready()
         t1 = time.perf_counter()
+        key, temperature, top_p = self.sampling_args(seed, temperature, top_p)
+        eos = self.put(np.int32(-1 if stop_token is None else stop_token))
         out, count, steps, accepted, accepted_at, _, _ = _speculate(
-            self.graphdef, self.state, cache, mtp_cache, logits, hidden, jax.random.key(seed),
-            jnp.float32(temperature), jnp.float32(top_p), jnp.int32(-1 if stop_token is None else stop_token),
+            self.graphdef, self.state, cache, mtp_cache, logits, hidden, key, temperature, top_p, eos,
             kernels=self.kernels, num_draft=k, kv_share=self.kv_share, max_new=max_new_tokens)
-        out = np.asarray(out)[:, :max_new_tokens]
+        out, steps, accepted, accepted_at = map(to_host, (out, steps, accepted, accepted_at))
+        out = out[:, :max_new_tokens]
         t2 = time.perf_counter()
         self.stats = SpecStats(verify_steps=int(np.sum(steps)), accepted=int(np.sum(accepted)),
-                               accepted_at=np.asarray(accepted_at), new_tokens=int(np.sum(out >= 0)),
+                               accepted_at=accepted_at, new_tokens=int(np.sum(out >= 0)),
                                prefill_s=t1 - t0, decode_s=t2 - t1)
         return out

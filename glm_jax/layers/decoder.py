@@ -23,6 +23,7 @@ from glm_jax.config import GLMConfig
 from glm_jax.layers.indexer import Indexer
 from glm_jax.layers.mla import MLAProjection, indices_to_mask
 from glm_jax.layers.moe import MLP, MoE
+from glm_jax.layers.selected_kl import selected_set_kl
 from glm_jax.layers.norms import RMSNorm
 
 
@@ -70,7 +71,7 @@ class AttentionSettings:
 
     mode: str = "sparse"          # "sparse" | "dense"
     form: str = "absorbed"        # "absorbed" (ops.sparse_mla) | "expanded" (per-head K/V)
-    indexer_loss: bool = False    # compute the IndexCache multi-layer KL (needs form="expanded")
+    indexer_loss: bool = False    # compute the IndexCache multi-layer KL (absorbed form: sparse mode only)
     kernels: ops.KernelChoice = ops.KernelChoice()
 
 
@@ -135,7 +136,11 @@ class IndexShareGroup(nnx.Module):
         s = x.shape[1]
         causal = (jnp.arange(s)[None, None, :] <= positions[:, :, None]) & \
                  (jnp.arange(s)[None, None, :] < kv_len[:, None, None])
-        indices, index_logits, kl = None, None, jnp.zeros((), jnp.float32)
+        if settings.indexer_loss and settings.form == "absorbed" and settings.mode == "dense":
+            raise ValueError("the dense-stage indexer loss needs the attention probabilities over every "
+                             "key: use form='expanded' (short sequences) or train the indexer in the "
+                             "sparse stage")
+        indices, index_logits, index_inputs, kl = None, None, None, jnp.zeros((), jnp.float32)
         first_latent = None
         for j, layer in enumerate(self.layers):
             h, q_resid, q_nope, q_rope, latent = layer.attention_inputs(x, positions)
@@ -146,8 +151,10 @@ class IndexShareGroup(nnx.Module):
                 keys = layer.indexer.keys(hd, positions)
                 if settings.mode == "sparse":
                     indices = layer.indexer.select(hd, qd, positions, keys, kv_len, settings.kernels)
-                if settings.indexer_loss:
+                if settings.indexer_loss and settings.form == "expanded":
                     index_logits = layer.indexer.scores(hd, qd, positions, keys, kv_len, settings.kernels)
+                elif settings.indexer_loss:
+                    index_inputs = (layer.indexer.queries(qd, positions), keys, layer.indexer.head_weights(hd))
             if j == 0:
                 first_latent = latent
             if settings.mode == "dense":
@@ -158,45 +165,48 @@ class IndexShareGroup(nnx.Module):
                 out, probs = layer.self_attn.attend_expanded(q_nope, q_rope, latent, mask, return_probs=True)
                 if index_logits is not None:
                     kl = kl + indexer_kl(_head_summed_target(probs), index_logits, mask) / len(self.layers)
+            elif settings.mode == "dense":
+                out = layer.self_attn.attend_causal(q_nope, q_rope, latent, kv_len)
+            elif index_inputs is not None:
+                out, q_abs, lse = layer.self_attn.attend_absorbed(q_nope, q_rope, latent, indices,
+                                                                  settings.kernels, return_stats=True)
+                idx_q, idx_keys, idx_w = index_inputs
+                kl = kl + selected_set_kl(q_abs, latent, indices, lse, sm_scale=layer.self_attn.sm_scale,
+                                          idx_q=idx_q, idx_keys=idx_keys, idx_w=idx_w) / len(self.layers)
             else:
-                sel = indices if settings.mode == "sparse" else _causal_indices(positions, kv_len, s)
-                out = layer.self_attn.attend_absorbed(q_nope, q_rope, latent, sel, settings.kernels)
+                out = layer.self_attn.attend_absorbed(q_nope, q_rope, latent, indices, settings.kernels)
             x = layer.finish(x, out)
         return x, kl, first_latent, indices
 
-    def forward_cached(self, x, positions, latent_cache, key_cache, group, kv_len, kernels: ops.KernelChoice):
-        """Forward of new tokens against the cache of group number `group` of a stack.
+    def forward_cached(self, x, positions, view, kv_len, kernels: ops.KernelChoice):
+        """Forward of new tokens against the cache, through `view` (cache_view.GroupCacheView).
 
-        The new tokens' rows are written in place first, then attention reads the cache.
-        x [B, S, hidden]; positions int32 [B, S]; latent_cache [n, G, B, T, latent] (G layers per
-        group); key_cache [n, B, T, D]; group int32 scalar; kv_len int32 [B] (valid rows after the
-        write) -> (x, latent_cache, key_cache, the Full layer's indices int32 [B, S, topk])."""
-        rows = jnp.arange(x.shape[0])[:, None]
+        The Full layer writes its rows and keys, selects the top-k (where its keys live), then
+        the rows every layer will attend are fetched at once; each layer attends them with its
+        own chunk rows patched in, and writes those rows to its cache slot.
+        x [B, S, hidden]; positions int32 [B, S]; kv_len int32 [B] (valid rows after the write)
+        -> (x [B, S, hidden], the Full layer's indices int32 [B, S, topk])."""
         indices = None
         for j, layer in enumerate(self.layers):
             h, q_resid, q_nope, q_rope, latent = layer.attention_inputs(x, positions)
-            latent_cache = latent_cache.at[group, j, rows, positions].set(latent.astype(latent_cache.dtype))
+            view.write_latent(j, latent)
             if j == 0:
-                keys = layer.indexer.keys(h, positions)
-                key_cache = key_cache.at[group, rows, positions].set(keys.astype(key_cache.dtype))
-                indices = layer.indexer.select(h, q_resid, positions, key_cache[group], kv_len, kernels)
-            out = layer.self_attn.attend_absorbed(q_nope, q_rope, latent_cache[group, j], indices, kernels)
+                view.write_keys(layer.indexer.keys(h, positions))
+                indices = view.select(
+                    lambda keys, h, q_resid, positions, kv_len, layer=layer: layer.indexer.select(
+                        h, q_resid, positions, keys, kv_len, kernels), h, q_resid, positions, kv_len)
+                view.fetch(indices, len(self.layers))
+            kv, kv_indices = view.attention_kv(j, indices, latent)
+            out = layer.self_attn.attend_absorbed(q_nope, q_rope, kv, kv_indices, kernels)
             x = layer.finish(x, out)
-        return x, latent_cache, key_cache, indices
+        return x, indices
 
-    def forward_reusing_indices(self, x, positions, latent_cache, group, indices, kernels: ops.KernelChoice):
+    def forward_reusing_indices(self, x, positions, view, indices, kernels: ops.KernelChoice):
         """KVShare draft step: attend the cached rows named by `indices` (computed earlier),
-        running no indexer and writing nothing. x [B, S, hidden], latent_cache [n, G, B, T, latent],
-        indices int32 [B, S, topk] -> x [B, S, hidden]."""
+        running no indexer and writing nothing. x [B, S, hidden], view: the group's cache
+        (cache_view.GroupCacheView), indices int32 [B, S, topk] -> x [B, S, hidden]."""
         for j, layer in enumerate(self.layers):
             _, _, q_nope, q_rope, _ = layer.attention_inputs(x, positions)
-            out = layer.self_attn.attend_absorbed(q_nope, q_rope, latent_cache[group, j], indices, kernels)
+            out = layer.self_attn.attend_absorbed(q_nope, q_rope, view.read_latent(j), indices, kernels)
             x = layer.finish(x, out)
         return x
-
-
-def _causal_indices(positions, kv_len, num_keys):
-    """Every causal position as an index list: int32 [B, S, num_keys], -1 where not visible."""
-    t = jnp.arange(num_keys, dtype=jnp.int32)[None, None, :]
-    visible = (t <= positions[:, :, None]) & (t < kv_len[:, None, None])
-    return jnp.where(visible, t, -1)

@@ -69,19 +69,41 @@ class MLAProjection(nnx.Module):
         return w[..., : c.qk_nope_head_dim], w[..., c.qk_nope_head_dim:]
 
     # ------------------------------------------------------------------ absorbed form
-    def attend_absorbed(self, q_nope, q_rope, latent_kv, indices, kernels: ops.KernelChoice):
+    def attend_absorbed(self, q_nope, q_rope, latent_kv, indices, kernels: ops.KernelChoice, *,
+                        return_stats: bool = False):
         """q_* [B, S, nh, *], latent_kv [B, T, kv_lora + rope], indices int32 [B, S, K]
-        -> attention output [B, S, hidden]."""
+        -> attention output [B, S, hidden]; with return_stats also the absorbed queries
+        [B, S, nh, kv_lora + rope] and the log-sum-exp float32 [B, S, nh] (for the indexer KL)."""
         w_uk, w_uv = self._kv_b()
         q_lat = jnp.einsum("bshn,chn->bshc", q_nope, w_uk.astype(q_nope.dtype),
                            preferred_element_type=jnp.float32).astype(q_nope.dtype)
         q_abs = jnp.concatenate([q_lat, q_rope], axis=-1)
-        o_lat, _ = ops.sparse_mla(q_abs, latent_kv.astype(q_abs.dtype), indices, sm_scale=self.sm_scale,
-                                  v_dim=self.cfg.kv_lora_rank, impl=kernels.attention,
-                                  interpret=kernels.interpret)
+        o_lat, lse = ops.sparse_mla(q_abs, latent_kv.astype(q_abs.dtype), indices, sm_scale=self.sm_scale,
+                                    v_dim=self.cfg.kv_lora_rank, impl=kernels.attention,
+                                    interpret=kernels.interpret)
         o = jnp.einsum("bshc,chv->bshv", o_lat, w_uv.astype(o_lat.dtype),
                        preferred_element_type=jnp.float32).astype(q_nope.dtype)
-        return self.o_proj(o.reshape(o.shape[:2] + (-1,)))
+        out = self.o_proj(o.reshape(o.shape[:2] + (-1,)))
+        return (out, q_abs, lse) if return_stats else out
+
+    # ------------------------------------------------------------------ dense, long sequences
+    def attend_causal(self, q_nope, q_rope, latent_kv, kv_len):
+        """Dense causal attention of a full sequence from position 0 without [S, T] matrices
+        in memory (`jax.nn.dot_product_attention`: a fused flash kernel on GPU).
+
+        q_* [B, S, nh, *], latent_kv [B, S, kv_lora + rope], kv_len int32 [B] -> [B, S, hidden]."""
+        c = self.cfg
+        c_kv, k_rope = latent_kv[..., : c.kv_lora_rank], latent_kv[..., c.kv_lora_rank:]
+        kv = self.kv_b_proj(c_kv).reshape(c_kv.shape[:2] + (c.num_attention_heads, -1))
+        k_nope, v = kv[..., : c.qk_nope_head_dim], kv[..., c.qk_nope_head_dim:]
+        k_rope = jnp.broadcast_to(k_rope[:, :, None, :].astype(k_nope.dtype), k_nope.shape[:3] + k_rope.shape[-1:])
+        q = jnp.concatenate([q_nope, q_rope.astype(q_nope.dtype)], axis=-1)
+        k = jnp.concatenate([k_nope, k_rope], axis=-1)
+        width = max(q.shape[-1], v.shape[-1])                   # one head width for q, k and v
+        pad = lambda x: jnp.pad(x, [(0, 0)] * 3 + [(0, width - x.shape[-1])])
+        o = jax.nn.dot_product_attention(pad(q), pad(k), pad(v), scale=self.sm_scale, is_causal=True,
+                                         key_value_seq_lengths=kv_len)[..., : c.v_head_dim]
+        return self.o_proj(o.astype(q_nope.dtype).reshape(o.shape[:2] + (-1,)))
 
     # ------------------------------------------------------------------ expanded form
     def attend_expanded(self, q_nope, q_rope, latent_kv, mask, *, return_probs: bool = False):

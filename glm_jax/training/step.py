@@ -48,9 +48,13 @@ def make_optimizer(lr: float, total_steps: int, warmup_steps: int, weight_decay:
 
 
 def loss_terms(model, inputs, targets, *, stage: str, weights: LossWeights, kernels: ops.KernelChoice,
-               remat: bool = False):
-    """inputs, targets int32 [B, S] -> (total loss, dict of terms)."""
-    settings = AttentionSettings(mode=stage, form="expanded", indexer_loss=weights.indexer > 0,
+               remat: bool = False, form: str = "expanded"):
+    """inputs, targets int32 [B, S] -> (total loss, dict of terms).
+
+    form "expanded" builds [S, S] attention matrices (short sequences; every stage and loss);
+    "absorbed" holds none (long sequences): dense attention runs the fused causal kernel and the
+    indexer loss exists only in the sparse stage (see `attention_form`)."""
+    settings = AttentionSettings(mode=stage, form=form, indexer_loss=weights.indexer > 0,
                                  kernels=kernels)
     out = model(inputs, settings=settings, remat=remat)
     s = inputs.shape[1]
@@ -86,13 +90,27 @@ def _mtp_losses(model, out, targets, settings, weights: LossWeights, terms: dict
     return total + weights.mtp * terms["mtp"] + weights.tv * terms["mtp_tv"]
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "tx", "stage", "weights", "kernels", "remat"),
+#: Longest sequence trained with the expanded form ([S, S] matrices) when the form is "auto".
+EXPANDED_MAX_LEN = 4096
+
+
+def attention_form(form: str, seq_len: int) -> str:
+    """"auto" -> "expanded" up to EXPANDED_MAX_LEN tokens, "absorbed" beyond; else `form`."""
+    if form not in ("auto", "expanded", "absorbed"):
+        raise ValueError(f"attention form must be 'auto', 'expanded' or 'absorbed', got {form!r}")
+    if form == "auto":
+        return "expanded" if seq_len <= EXPANDED_MAX_LEN else "absorbed"
+    return form
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "tx", "stage", "weights", "kernels", "remat", "form"),
                    donate_argnames=("params", "opt_state"))
-def train_step(graphdef, params, rest, opt_state, inputs, targets, *, tx, stage, weights, kernels, remat=False):
+def train_step(graphdef, params, rest, opt_state, inputs, targets, *, tx, stage, weights, kernels, remat=False,
+               form="expanded"):
     """One optimizer step. -> (params, opt_state, metrics dict of float32 scalars)."""
     def loss_fn(p):
         return loss_terms(nnx.merge(graphdef, p, rest), inputs, targets, stage=stage, weights=weights,
-                          kernels=kernels, remat=remat)
+                          kernels=kernels, remat=remat, form=form)
 
     (_, terms), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
     updates, opt_state = tx.update(grads, opt_state, params)

@@ -2,11 +2,13 @@
 
 Three kernels, driven by `threshold.select_topk`:
 
-* `scores` -- one program per (sequence, block of `block_q` queries, chunk of keys). The
-  queries' heads are the M dimension of one matmul ([block_q * H, D] x [D, block_t]); the
-  epilogue applies relu, the head weights, sums the heads, masks by q_pos and kv_len, writes
-  the float32 scores and each tile's maximum (the bound the selection starts from). Tiles past
-  the last key any query of the block may see are not read, only written as -inf.
+* `scores` -- one program per (sequence, block of queries, chunk of keys), looping over key
+  tiles. The block's queries x heads and the tile's keys are the two sides of one matmul; the
+  epilogue applies relu and the head weights, sums the heads, masks by kv_start <= t <= q_pos
+  and t < kv_len and writes float32 scores. Tiles no query of the block may see are not read,
+  only written as -inf. Decode uses [queries x heads, keys] matmuls (memory-bound; about the
+  copy bandwidth on an H200); prefill uses [keys, queries x heads] ("keys-major"), which keeps
+  the head sum inside each thread's columns instead of across warps (1.7x faster there).
 * `count` -- one program per (row, chunk of `chunk` scores): how many scores reach each of the
   selection's edges (a few compares per score, one read of the scores).
 * `compact` -- one program per (row, chunk): a running count (cumsum) of the scores above / in
@@ -20,6 +22,7 @@ to a multiple of `block_q` (padded queries have q_pos -1: every key masked).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -28,11 +31,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._common import check_topk, map_query_chunks, pad_axis, pad_topk
+from pallas_kernels._common import check_topk, map_query_chunks, pad_axis, pad_topk, start_or_zero
 from pallas_kernels.indexer import threshold
 
-#: Keys per score tile (one matmul's N) and tiles per program.
-BLOCK_T = 128
+#: Key tiles per score program.
 TILES_PER_PROGRAM = 16
 #: Scores per count / compaction program, and per loop step inside it (one step: many small
 #: programs hide memory latency better than few looping ones).
@@ -52,31 +54,41 @@ def _params(num_warps: int, num_stages: int = 1):
 
 # ----------------------------------------------------------------------------------- scores
 
-def _score_kernel(q_ref, w_ref, pos_ref, len_ref, k_ref, s_ref, *, block_q, heads, block_t, tiles):
+def _score_kernel(q_ref, w_ref, pos_ref, start_ref, len_ref, k_ref, s_ref, *, block_q, heads, block_t,
+                  tiles, keys_major):
     b, qb, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rows = pl.ds(qb * block_q * heads, block_q * heads)
     qs = pl.ds(qb * block_q, block_q)
     q = q_ref[b, rows, :]                                      # [M, D]
     w = w_ref[b, rows]                                         # [M]
     pos = pos_ref[b, qs]                                       # [block_q]
+    start = start_ref[b, qs]
     n_keys = len_ref[b]
-    limit = jnp.minimum(jnp.max(pos) + 1, n_keys)              # keys this block may see
+    limit = jnp.minimum(jnp.max(pos) + 1, n_keys)              # keys this block may see: [lower, limit)
+    lower = jnp.min(start)
 
     def tile(i, carry):
         t0 = (c * tiles + i) * block_t
         t = t0 + lax.broadcasted_iota(jnp.int32, (1, block_t), 1)
-        valid = (t <= pos[:, None]) & (t < n_keys)              # [block_q, block_t]
+        valid = (t <= pos[:, None]) & (t < n_keys) & (t >= start[:, None])   # [block_q, block_t]
+        needed = (t0 < limit) & (t0 + block_t > lower)
 
-        @pl.when(t0 < limit)
+        @pl.when(needed)
         def _():
             k = k_ref[b, pl.ds(t0, block_t), :]                 # [block_t, D]
-            logits = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                                     preferred_element_type=jnp.float32)      # [M, block_t]
-            weighted = jnp.maximum(logits, 0.0) * w[:, None]
-            s = jnp.sum(weighted.reshape(block_q, heads, block_t), axis=1)
+            if keys_major:
+                logits = lax.dot_general(k, q, (((1,), (1,)), ((), ())),
+                                         preferred_element_type=jnp.float32)  # [block_t, M]
+                weighted = jnp.maximum(logits, 0.0) * w[None, :]
+                s = jnp.sum(weighted.reshape(block_t, block_q, heads), axis=2).T
+            else:
+                logits = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                                         preferred_element_type=jnp.float32)  # [M, block_t]
+                weighted = jnp.maximum(logits, 0.0) * w[:, None]
+                s = jnp.sum(weighted.reshape(block_q, heads, block_t), axis=1)
             s_ref[b, qs, pl.ds(t0, block_t)] = jnp.where(valid, jnp.where(s == 0.0, 0.0, s), -jnp.inf)
 
-        @pl.when(t0 >= limit)
+        @pl.when(~needed)
         def _():
             s_ref[b, qs, pl.ds(t0, block_t)] = jnp.full((block_q, block_t), -jnp.inf, jnp.float32)
 
@@ -85,10 +97,10 @@ def _score_kernel(q_ref, w_ref, pos_ref, len_ref, k_ref, s_ref, *, block_q, head
     lax.fori_loop(0, tiles, tile, 0)
 
 
-def _layout(q, k, weights, q_pos, block_q):
+def _layout(q, k, weights, q_pos, kv_start, block_q):
     """Pads heads / key width to powers of two >= 16 and queries to a multiple of block_q.
 
-    -> (q [B, Sp*Hp, Dp], k [B, T, Dp], w f32 [B, Sp*Hp], q_pos int32 [B, Sp], Hp)."""
+    -> (q [B, Sp*Hp, Dp], k [B, T, Dp], w f32 [B, Sp*Hp], q_pos, kv_start int32 [B, Sp], Hp)."""
     batch, seq_len, heads, dim = q.shape
     hp = max(16 // block_q if block_q < 16 else 1, _next_pow2(heads))
     dp = max(16, _next_pow2(dim))
@@ -96,39 +108,54 @@ def _layout(q, k, weights, q_pos, block_q):
     q = pad_axis(pad_axis(pad_axis(q, 3, dp), 2, hp), 1, sp)
     w = pad_axis(pad_axis(weights.astype(jnp.float32), 2, hp), 1, sp)
     pos = pad_axis(jnp.asarray(q_pos, jnp.int32), 1, sp, -1)
-    return q.reshape(batch, sp * hp, dp), pad_axis(k, 2, dp), w.reshape(batch, sp * hp), pos, hp
+    start = pad_axis(start_or_zero(kv_start, q_pos), 1, sp, 0)
+    return q.reshape(batch, sp * hp, dp), pad_axis(k, 2, dp), w.reshape(batch, sp * hp), pos, start, hp
 
 
-def _block_q(seq_len: int, heads: int) -> int:
-    """Queries per score program: all of a decode step's (<= 8), else 4 (M = 4 x heads)."""
-    cap = 8 if seq_len <= 8 else max(1, 128 // max(16, _next_pow2(heads)))
-    return min(_next_pow2(seq_len), cap)
+@dataclasses.dataclass(frozen=True)
+class ScoreTiling:
+    """How the score kernel tiles its work (see the module docstring)."""
+    block_q: int        # queries per program
+    block_t: int        # keys per matmul
+    num_warps: int
+    keys_major: bool    # matmul as [keys, queries x heads]: the head sum stays inside a warp
 
 
-def scores(q, k, weights, *, q_pos, kv_len, block_q: int | None = None, block_t: int = BLOCK_T,
-           tiles_per_program: int = TILES_PER_PROGRAM, num_warps: int = 8, num_stages: int = 2,
-           interpret: bool = False):
-    """q [B, S, H, D], k [B, T, D], weights f32 [B, S, H], q_pos int32 [B, S], kv_len int32 [B]
-    -> scores f32 [B, S, T], -inf where masked."""
+def score_tiling(seq_len: int, heads: int) -> ScoreTiling:
+    """Decode (<= 8 queries): all queries per program, [queries x heads, keys] matmuls, 4 warps
+    (memory-bound: about copy bandwidth on an H200). Prefill: up to 8 queries (at most 256
+    query-head columns), keys-major matmuls over 64 keys, 8 warps (compute-bound)."""
+    if seq_len <= 8:
+        return ScoreTiling(_next_pow2(seq_len), 128, 4, False)
+    hp = max(16, _next_pow2(heads))
+    return ScoreTiling(max(1, min(8, 256 // hp)), 64, 8, True)
+
+
+def scores(q, k, weights, *, q_pos, kv_len, kv_start=None, tiling: ScoreTiling | None = None,
+           tiles_per_program: int = TILES_PER_PROGRAM, num_stages: int = 2, interpret: bool = False):
+    """q [B, S, H, D], k [B, T, D], weights f32 [B, S, H], q_pos int32 [B, S], kv_len int32 [B],
+    kv_start int32 [B, S] or None -> scores f32 [B, S, T], -inf where masked."""
     batch, seq_len, heads, _ = q.shape
     num_keys = k.shape[1]
-    bq = int(block_q or _block_q(seq_len, heads))
-    qf, kf, w, pos, hp = _layout(q, k, weights, q_pos, bq)
+    tiling = tiling or score_tiling(seq_len, heads)
+    bq, block_t = tiling.block_q, tiling.block_t
+    qf, kf, w, pos, start, hp = _layout(q, k, weights, q_pos, kv_start, bq)
     n_tiles = -(-num_keys // block_t)
     tiles = max(1, min(tiles_per_program, n_tiles))
     n_chunks = -(-n_tiles // tiles)
     tp = n_chunks * tiles * block_t
     kf = pad_axis(kf, 1, tp)
     sp = pos.shape[1]
-    kernel = functools.partial(_score_kernel, block_q=bq, heads=hp, block_t=block_t, tiles=tiles)
+    kernel = functools.partial(_score_kernel, block_q=bq, heads=hp, block_t=block_t, tiles=tiles,
+                               keys_major=tiling.keys_major)
     out = pl.pallas_call(
         kernel,
         grid=(batch, sp // bq, n_chunks),
         out_shape=jax.ShapeDtypeStruct((batch, sp, tp), jnp.float32),
-        compiler_params=_params(num_warps, num_stages),
+        compiler_params=_params(tiling.num_warps, num_stages),
         interpret=interpret,
         name="indexer_scores",
-    )(qf, w, pos, jnp.asarray(kv_len, jnp.int32), kf)
+    )(qf, w, pos, start, jnp.asarray(kv_len, jnp.int32), kf)
     return out[:, :seq_len, :num_keys]
 
 
@@ -239,12 +266,12 @@ def _query_chunk(batch: int, seq_len: int, num_keys: int, block_q: int) -> int:
     return min(seq_len, q_chunk)
 
 
-def indexer_scores(q, k, weights, *, q_pos, kv_len, interpret=False):
+def indexer_scores(q, k, weights, *, q_pos, kv_len, kv_start=None, interpret=False):
     """Contract of `pallas_kernels.indexer_scores`."""
-    return scores(q, k, weights, q_pos=q_pos, kv_len=kv_len, interpret=interpret)
+    return scores(q, k, weights, q_pos=q_pos, kv_len=kv_len, kv_start=kv_start, interpret=interpret)
 
 
-def indexer_topk(q, k, weights, *, topk, q_pos, kv_len, interpret=False, q_chunk=None):
+def indexer_topk(q, k, weights, *, topk, q_pos, kv_len, kv_start=None, interpret=False, q_chunk=None):
     """Contract of `pallas_kernels.indexer_topk`: scores kernel, then threshold selection, over
     chunks of `q_chunk` queries (default: as many as keep the scores under ~2 GiB)."""
     topk = check_topk(topk)
@@ -252,14 +279,16 @@ def indexer_topk(q, k, weights, *, topk, q_pos, kv_len, interpret=False, q_chunk
     num_keys = k.shape[1]
     if num_keys == 0:
         return jnp.full((batch, seq_len, topk), -1, jnp.int32)
-    bq = _block_q(seq_len, heads)
+    bq = score_tiling(seq_len, heads).block_q
     chunk = int(q_chunk or _query_chunk(batch, seq_len, num_keys, bq))
 
-    def body(q_c, w_c, pos_c):
-        s = scores(q_c, k, w_c, q_pos=pos_c, kv_len=kv_len, block_q=bq, interpret=interpret)
+    def body(q_c, w_c, pos_c, start_c):
+        s = scores(q_c, k, w_c, q_pos=pos_c, kv_len=kv_len, kv_start=start_c,
+                   tiling=score_tiling(seq_len, heads), interpret=interpret)
         rows = s.shape[0] * s.shape[1]
         idx = select_topk(s.reshape(rows, num_keys), min(topk, num_keys), interpret=interpret)
         return idx.reshape(s.shape[0], s.shape[1], -1)
 
-    out = map_query_chunks(body, (q, weights, jnp.asarray(q_pos, jnp.int32)), (0, 0, -1), chunk)
+    args = (q, weights, jnp.asarray(q_pos, jnp.int32), start_or_zero(kv_start, q_pos))
+    out = map_query_chunks(body, args, (0, 0, -1, 0), chunk)
     return pad_topk(out, topk)

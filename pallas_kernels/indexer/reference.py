@@ -12,17 +12,18 @@ from pallas_kernels._common import check_topk, key_mask, normalize_zero, pad_top
 
 
 def indexer_scores(q: jax.Array, k: jax.Array, weights: jax.Array, *, q_pos: jax.Array,
-                   kv_len: jax.Array) -> jax.Array:
+                   kv_len: jax.Array, kv_start: jax.Array | None = None) -> jax.Array:
     """Indexer scores, computed densely in float32.
 
     q [B, S, H, D], k [B, T, D], weights float32 [B, S, H], q_pos int32 [B, S], kv_len int32 [B]
     -> float32 [B, S, T]: sum_h weights[b,s,h] * relu(q[b,s,h] . k[b,t]) where
-    t <= q_pos[b,s] and t < kv_len[b], -inf elsewhere."""
+    kv_start[b,s] <= t <= q_pos[b,s] and t < kv_len[b] (kv_start: int32 [B, S] or None = 0),
+    -inf elsewhere."""
     qf = q.astype(jnp.float32)
     kf = k.astype(jnp.float32)
     logits = jnp.einsum("bshd,btd->bsht", qf, kf, precision=lax.Precision.HIGHEST)
     score = jnp.sum(jnp.maximum(logits, 0.0) * weights.astype(jnp.float32)[..., None], axis=2)
-    valid = key_mask(q_pos, kv_len, k.shape[1])
+    valid = key_mask(q_pos, kv_len, k.shape[1], kv_start)
     return jnp.where(valid, score, -jnp.inf)
 
 
@@ -45,12 +46,12 @@ def topk_from_scores(score: jax.Array, valid: jax.Array, topk: int) -> jax.Array
 
 
 def indexer_topk(q: jax.Array, k: jax.Array, weights: jax.Array, *, topk: int, q_pos: jax.Array,
-                 kv_len: jax.Array) -> jax.Array:
+                 kv_len: jax.Array, kv_start: jax.Array | None = None) -> jax.Array:
     """Top-k keys per query under the indexer scores (see `indexer_scores`).
 
     q [B, S, H, D], k [B, T, D], weights float32 [B, S, H], q_pos int32 [B, S], kv_len int32 [B]
     -> int32 [B, S, topk]: the valid t with the largest scores (ties: lower t wins), ordered by
     descending score then ascending t, -1 in the trailing slots when fewer are valid."""
-    score = indexer_scores(q, k, weights, q_pos=q_pos, kv_len=kv_len)
-    valid = key_mask(q_pos, kv_len, k.shape[1])
+    score = indexer_scores(q, k, weights, q_pos=q_pos, kv_len=kv_len, kv_start=kv_start)
+    valid = key_mask(q_pos, kv_len, k.shape[1], kv_start)
     return topk_from_scores(score, valid, topk)

@@ -33,6 +33,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from pallas_kernels._common import normalize_zero
@@ -43,7 +44,7 @@ NUM_EDGES = 8
 SAMPLE_RANK = 16
 #: Bound on refinement passes: 32 key bits, log2(NUM_EDGES) bits per pass, plus slack.
 MAX_PASSES = 12
-_SIGN = jnp.uint32(0x80000000)
+_SIGN = np.uint32(0x80000000)
 _INT32_MAX = jnp.iinfo(jnp.int32).max
 
 #: count_fn(scores f32 [R, T], edges f32 [R, E], active bool [R]) -> int32 [R, C, E]:
@@ -62,12 +63,15 @@ def float_to_key(x: jax.Array) -> jax.Array:
 
 def key_to_float(key: jax.Array) -> jax.Array:
     """Inverse of `float_to_key`."""
-    u = jnp.where(key >= _SIGN, key & jnp.uint32(0x7FFFFFFF), ~key)
+    u = jnp.where(key >= _SIGN, key & np.uint32(0x7FFFFFFF), ~key)
     return lax.bitcast_convert_type(u, jnp.float32)
 
 
-#: The smallest key of a finite float (-FLT_MAX): ">= MIN_VALID" means "not masked".
-MIN_VALID_KEY = float_to_key(jnp.float32(-jnp.inf)) + jnp.uint32(1)
+#: The smallest key of a finite float (-FLT_MAX): ">= MIN_VALID" means "not masked" (a numpy
+#: constant: importing the module starts no jax backend).
+MIN_VALID_KEY = np.uint32(0x007FFFFF + 1)
+#: The key just above +inf (a NaN pattern no score reaches).
+ABOVE_INF_KEY = np.uint32(0xFF800000 + 1)
 
 
 def chunk_count(num_keys: int, chunk: int) -> int:
@@ -126,7 +130,7 @@ def compact_xla(scores: jax.Array, lo: jax.Array, hi: jax.Array, above_offset: j
 def _edges(lo: jax.Array, hi: jax.Array, num_edges: int) -> jax.Array:
     """uint32 [R] bracket -> uint32 [R, E]: lo, then (hi - lo) / E steps (>= 1), capped at hi."""
     span = hi - lo
-    step = jnp.maximum(span // jnp.uint32(num_edges), jnp.uint32(1))
+    step = jnp.maximum(span // np.uint32(num_edges), np.uint32(1))
     j = jnp.arange(num_edges, dtype=jnp.uint32)
     offset = jnp.minimum(j[None, :] * step[:, None], span[:, None])
     return lo[:, None] + offset
@@ -193,7 +197,7 @@ def select_topk(scores: jax.Array, topk: int, *, count_fn: CountFn, compact_fn: 
     # The bracket starts as [MIN_VALID, +inf]: the key above +inf is a NaN pattern, which no
     # score reaches, so the "above" class starts empty.
     lo = jnp.full((rows,), MIN_VALID_KEY, jnp.uint32)
-    hi = jnp.full((rows,), float_to_key(jnp.float32(jnp.inf)) + jnp.uint32(1), jnp.uint32)
+    hi = jnp.full((rows,), ABOVE_INF_KEY, jnp.uint32)
     edges = initial_edges(scores, k, num_edges, sample_rank=sample_rank)
     chunk_shape = jax.eval_shape(count_fn, scores, key_to_float(edges), jnp.ones((rows,), bool))
     zeros = jnp.zeros(chunk_shape.shape[:2], jnp.int32)

@@ -28,7 +28,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels._common import check_topk, map_query_chunks, pad_axis, pad_topk
+from pallas_kernels._common import check_topk, map_query_chunks, pad_axis, pad_topk, start_or_zero
 from pallas_kernels.indexer import threshold
 
 #: Keys per score tile (lanes of the output block).
@@ -49,28 +49,31 @@ def _round_up(n: int, m: int) -> int:
 
 # ----------------------------------------------------------------------------------- scores
 
-def _score_kernel(last_ref, len_ref, q_ref, w_ref, pos_ref, k_ref, s_ref, *, block_q, heads,
-                  block_t, n_qblocks, precision):
+def _score_kernel(first_ref, last_ref, len_ref, q_ref, w_ref, pos_ref, start_ref, k_ref, s_ref, *,
+                  block_q, heads, block_t, n_qblocks, precision):
     b, qb, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    block = b * n_qblocks + qb
+    needed = (t >= first_ref[block]) & (t <= last_ref[block])
 
-    @pl.when(t <= last_ref[b * n_qblocks + qb])
+    @pl.when(needed)
     def _():
         logits = lax.dot_general(q_ref[...], k_ref[...], (((1,), (1,)), ((), ())),
                                  precision=precision, preferred_element_type=jnp.float32)
         weighted = jnp.maximum(logits, 0.0) * w_ref[...]                 # [M, block_t]
         s = jnp.sum(weighted.reshape(block_q, heads, block_t), axis=1)  # [block_q, block_t]
         key = t * block_t + lax.broadcasted_iota(jnp.int32, (block_q, block_t), 1)
-        valid = (key <= pos_ref[...]) & (key < len_ref[b])
+        valid = (key <= pos_ref[...]) & (key < len_ref[b]) & (key >= start_ref[...])
         s_ref[...] = jnp.where(valid, jnp.where(s == 0.0, 0.0, s), -jnp.inf)
 
-    @pl.when(t > last_ref[b * n_qblocks + qb])
+    @pl.when(~needed)
     def _():
         s_ref[...] = jnp.full(s_ref.shape, -jnp.inf, jnp.float32)
 
 
-def scores(q, k, weights, *, q_pos, kv_len, block_t: int = BLOCK_T, interpret: bool = False):
-    """q [B, S, H, D], k [B, T, D], weights f32 [B, S, H], q_pos int32 [B, S], kv_len int32 [B]
-    -> scores f32 [B, S, T], -inf where masked."""
+def scores(q, k, weights, *, q_pos, kv_len, kv_start=None, block_t: int = BLOCK_T,
+           interpret: bool = False):
+    """q [B, S, H, D], k [B, T, D], weights f32 [B, S, H], q_pos int32 [B, S], kv_len int32 [B],
+    kv_start int32 [B, S] or None -> scores f32 [B, S, T], -inf where masked."""
     batch, seq_len, heads, dim = q.shape
     num_keys = k.shape[1]
     bq = seq_len if seq_len <= 8 else 8
@@ -81,34 +84,41 @@ def scores(q, k, weights, *, q_pos, kv_len, block_t: int = BLOCK_T, interpret: b
     q = pad_axis(pad_axis(q, 2, hp), 1, sp).reshape(batch, sp * hp, dim)
     w = pad_axis(pad_axis(weights.astype(jnp.float32), 2, hp), 1, sp).reshape(batch, sp * hp, 1)
     pos = pad_axis(jnp.asarray(q_pos, jnp.int32), 1, sp, -1)
+    start = pad_axis(start_or_zero(kv_start, q_pos), 1, sp, 0)
     kv_len = jnp.asarray(kv_len, jnp.int32)
     k = pad_axis(k, 1, tp)
-    # The last key tile each query block may see (-1: none), for skipping and index clamping.
+    # The first and last key tiles each query block may see, for skipping and index clamping.
     seen = jnp.minimum(pos.reshape(batch, n_qb, bq).max(axis=2) + 1, kv_len[:, None])
     last = ((seen + block_t - 1) // block_t - 1).reshape(-1).astype(jnp.int32)
-    clamp = lambda b, qb, t, last_ref: jnp.clip(jnp.minimum(t, last_ref[b * n_qb + qb]), 0, n_t - 1)
+    first = (start.reshape(batch, n_qb, bq).min(axis=2) // block_t).reshape(-1).astype(jnp.int32)
+
+    def clamp(b, qb, t, first_ref, last_ref):
+        block = b * n_qb + qb
+        return jnp.clip(jnp.minimum(jnp.maximum(t, first_ref[block]), last_ref[block]), 0, n_t - 1)
+
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     kernel = functools.partial(_score_kernel, block_q=bq, heads=hp, block_t=block_t,
                                n_qblocks=n_qb, precision=precision)
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2,
+            num_scalar_prefetch=3,
             grid=(batch, n_qb, n_t),
             in_specs=[
-                pl.BlockSpec((None, bq * hp, dim), lambda b, qb, t, last, n: (b, qb, 0)),
-                pl.BlockSpec((None, bq * hp, 1), lambda b, qb, t, last, n: (b, qb, 0)),
-                pl.BlockSpec((None, bq, 1), lambda b, qb, t, last, n: (b, qb, 0)),
+                pl.BlockSpec((None, bq * hp, dim), lambda b, qb, t, *_: (b, qb, 0)),
+                pl.BlockSpec((None, bq * hp, 1), lambda b, qb, t, *_: (b, qb, 0)),
+                pl.BlockSpec((None, bq, 1), lambda b, qb, t, *_: (b, qb, 0)),
+                pl.BlockSpec((None, bq, 1), lambda b, qb, t, *_: (b, qb, 0)),
                 pl.BlockSpec((None, block_t, dim),
-                             lambda b, qb, t, last, n: (b, clamp(b, qb, t, last), 0)),
+                             lambda b, qb, t, first, last, n: (b, clamp(b, qb, t, first, last), 0)),
             ],
-            out_specs=pl.BlockSpec((None, bq, block_t), lambda b, qb, t, last, n: (b, qb, t)),
+            out_specs=pl.BlockSpec((None, bq, block_t), lambda b, qb, t, *_: (b, qb, t)),
         ),
         out_shape=jax.ShapeDtypeStruct((batch, sp, tp), jnp.float32),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
         interpret=_interpret_arg(interpret),
         name="indexer_scores",
-    )(last, kv_len, q, w, pos[..., None], k)
+    )(first, last, kv_len, q, w, pos[..., None], start[..., None], k)
     return out[:, :seq_len, :num_keys]
 
 
@@ -156,12 +166,12 @@ def select_topk(scores: jax.Array, topk: int, *, chunk: int = CHUNK, interpret: 
         count_fn=functools.partial(count, chunk=chunk, interpret=interpret))
 
 
-def indexer_scores(q, k, weights, *, q_pos, kv_len, interpret=False):
+def indexer_scores(q, k, weights, *, q_pos, kv_len, kv_start=None, interpret=False):
     """Contract of `pallas_kernels.indexer_scores`."""
-    return scores(q, k, weights, q_pos=q_pos, kv_len=kv_len, interpret=interpret)
+    return scores(q, k, weights, q_pos=q_pos, kv_len=kv_len, kv_start=kv_start, interpret=interpret)
 
 
-def indexer_topk(q, k, weights, *, topk, q_pos, kv_len, interpret=False, q_chunk=None):
+def indexer_topk(q, k, weights, *, topk, q_pos, kv_len, kv_start=None, interpret=False, q_chunk=None):
     """Contract of `pallas_kernels.indexer_topk`: scores kernel, then threshold selection, over
     chunks of `q_chunk` queries (default: as many as keep the scores under ~2 GiB)."""
     topk = check_topk(topk)
@@ -172,11 +182,12 @@ def indexer_topk(q, k, weights, *, topk, q_pos, kv_len, interpret=False, q_chunk
     per_query = batch * num_keys * 4
     chunk = int(q_chunk or min(seq_len, max(8, SCORE_BUDGET_BYTES // per_query // 8 * 8)))
 
-    def body(q_c, w_c, pos_c):
-        s = scores(q_c, k, w_c, q_pos=pos_c, kv_len=kv_len, interpret=interpret)
+    def body(q_c, w_c, pos_c, start_c):
+        s = scores(q_c, k, w_c, q_pos=pos_c, kv_len=kv_len, kv_start=start_c, interpret=interpret)
         rows = s.shape[0] * s.shape[1]
         idx = select_topk(s.reshape(rows, num_keys), min(topk, num_keys), interpret=interpret)
         return idx.reshape(s.shape[0], s.shape[1], -1)
 
-    out = map_query_chunks(body, (q, weights, jnp.asarray(q_pos, jnp.int32)), (0, 0, -1), chunk)
+    args = (q, weights, jnp.asarray(q_pos, jnp.int32), start_or_zero(kv_start, q_pos))
+    out = map_query_chunks(body, args, (0, 0, -1, 0), chunk)
     return pad_topk(out, topk)

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels._common import (check_topk, choose_q_chunk, key_mask, map_query_chunks,
-                                    normalize_zero, pad_topk)
+                                    normalize_zero, pad_topk, start_or_zero)
 
 _INT32_MAX = jnp.iinfo(jnp.int32).max
 
@@ -21,11 +21,11 @@ def _bytes_per_query(batch: int, num_heads: int, num_keys: int) -> int:
     return batch * num_keys * (4 * num_heads + 16)
 
 
-def _chunk_scores(q, weights, q_pos, k, kv_len):
-    """q [B, C, H, D], weights [B, C, H], q_pos [B, C] -> (score f32 [B, C, T], valid bool)."""
+def _chunk_scores(q, weights, q_pos, start, k, kv_len):
+    """q [B, C, H, D], weights [B, C, H], q_pos, start [B, C] -> (score f32 [B, C, T], valid bool)."""
     logits = jnp.einsum("bchd,btd->bcht", q, k, preferred_element_type=jnp.float32)
     score = jnp.sum(jnp.maximum(logits, 0.0) * weights.astype(jnp.float32)[..., None], axis=2)
-    return score, key_mask(q_pos, kv_len, k.shape[1])
+    return score, key_mask(q_pos, kv_len, k.shape[1], start)
 
 
 def select_topk(score: jax.Array, valid: jax.Array, topk: int) -> jax.Array:
@@ -67,23 +67,28 @@ def select_topk(score: jax.Array, valid: jax.Array, topk: int) -> jax.Array:
 
 
 def indexer_scores(q: jax.Array, k: jax.Array, weights: jax.Array, *, q_pos: jax.Array,
-                   kv_len: jax.Array, q_chunk: int | None = None) -> jax.Array:
+                   kv_len: jax.Array, kv_start: jax.Array | None = None,
+                   q_chunk: int | None = None) -> jax.Array:
     """Indexer scores, chunked over queries.
 
     q [B, S, H, D], k [B, T, D], weights float32 [B, S, H], q_pos int32 [B, S], kv_len int32 [B]
-    -> float32 [B, S, T]: sum_h weights * relu(q . k) where t <= q_pos and t < kv_len, else -inf."""
+    kv_start int32 [B, S] or None (0)
+    -> float32 [B, S, T]: sum_h weights * relu(q . k) where kv_start <= t <= q_pos and
+    t < kv_len, else -inf."""
     batch, seq_len, num_heads, _ = q.shape
     chunk = choose_q_chunk(seq_len, _bytes_per_query(batch, num_heads, k.shape[1]), q_chunk)
 
-    def body(q_c, w_c, pos_c):
-        score, valid = _chunk_scores(q_c, w_c, pos_c, k, kv_len)
+    def body(q_c, w_c, pos_c, start_c):
+        score, valid = _chunk_scores(q_c, w_c, pos_c, start_c, k, kv_len)
         return jnp.where(valid, score, -jnp.inf)
 
-    return map_query_chunks(body, (q, weights, jnp.asarray(q_pos, jnp.int32)), (0, 0, -1), chunk)
+    args = (q, weights, jnp.asarray(q_pos, jnp.int32), start_or_zero(kv_start, q_pos))
+    return map_query_chunks(body, args, (0, 0, -1, 0), chunk)
 
 
 def indexer_topk(q: jax.Array, k: jax.Array, weights: jax.Array, *, topk: int, q_pos: jax.Array,
-                 kv_len: jax.Array, q_chunk: int | None = None) -> jax.Array:
+                 kv_len: jax.Array, kv_start: jax.Array | None = None,
+                 q_chunk: int | None = None) -> jax.Array:
     """Top-k keys per query, chunked over queries (see `select_topk` for the selection).
 
     q [B, S, H, D], k [B, T, D], weights float32 [B, S, H], q_pos int32 [B, S], kv_len int32 [B]
@@ -93,9 +98,10 @@ def indexer_topk(q: jax.Array, k: jax.Array, weights: jax.Array, *, topk: int, q
     num_keys = k.shape[1]
     chunk = choose_q_chunk(seq_len, _bytes_per_query(batch, num_heads, num_keys), q_chunk)
 
-    def body(q_c, w_c, pos_c):
-        score, valid = _chunk_scores(q_c, w_c, pos_c, k, kv_len)
+    def body(q_c, w_c, pos_c, start_c):
+        score, valid = _chunk_scores(q_c, w_c, pos_c, start_c, k, kv_len)
         return select_topk(score, valid, min(topk, max(num_keys, 1)))
 
-    out = map_query_chunks(body, (q, weights, jnp.asarray(q_pos, jnp.int32)), (0, 0, -1), chunk)
+    args = (q, weights, jnp.asarray(q_pos, jnp.int32), start_or_zero(kv_start, q_pos))
+    out = map_query_chunks(body, args, (0, 0, -1, 0), chunk)
     return pad_topk(out, topk)

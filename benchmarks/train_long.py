@@ -1,0 +1,98 @@
+"""Training throughput at 128K tokens: sparse (DSA) training against dense-attention training.
+
+    PYTHONPATH=. python3 benchmarks/train_long.py                        # on a GPU
+    PYTHONPATH=. python3 benchmarks/train_long.py --smoke                # tiny, CPU
+
+One optimizer step (forward, backward, AdamW) of `configs/small-128k.yaml` (about 0.3B
+parameters: 8 layers in 2 IndexShare groups, an 8-expert MoE, GLM-5.2's MLA latent and
+indexer, top-2048, one MTP layer) on one sequence of --seq-len tokens, in the two stages:
+
+* dense: causal attention over every earlier token through the fused attention kernel (LM and
+  MTP losses; the indexer is not trained - its loss needs the full attention matrix);
+* sparse: attention over the indexer's top-2048 (sparse MLA, XLA impl chunked over queries),
+  with the selected-set indexer KL and the MTP losses.
+
+Both use the "absorbed" form (no [S, S] matrices) and rematerialise each IndexShare group.
+Prints ms per step, tokens/s and MFU (the FLOPs each stage really does, from
+`glm_jax.costs.training_flops_per_token`) against the bf16 matmul rate measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from benchmarks._measure import ceilings
+from glm_jax import costs, ops
+from glm_jax.config import load_config
+from glm_jax.info import params_by_part
+from glm_jax.model import GLMModel
+from glm_jax.training.step import LossWeights, make_optimizer, train_step
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="configs/small-128k.yaml")
+    ap.add_argument("--seq-len", type=int, default=131072)
+    ap.add_argument("--steps", type=int, default=2, help="timed steps per stage (after one compiling step)")
+    ap.add_argument("--stages", nargs="+", default=["dense", "sparse"], choices=["dense", "sparse"])
+    ap.add_argument("--smoke", action="store_true", help="tiny model and sequence (CPU)")
+    ap.add_argument("--json", help="also write the rows here")
+    args = ap.parse_args()
+    cfg = load_config(args.config)
+    seq_len = args.seq_len
+    if args.smoke:
+        cfg = load_config("configs/tiny.yaml").replace(index_topk=16)
+        seq_len = 256
+    cfg = cfg.replace(max_position_embeddings=max(cfg.max_position_embeddings, seq_len))
+    _, matmul = ceilings(args.smoke)
+    model = GLMModel(cfg, rngs=nnx.Rngs(0))
+    active = costs.active_params(cfg, params_by_part(model))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    del model
+    tx, _ = make_optimizer(3e-4, 1000, 10)
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, seq_len + 1)).astype(np.int32)
+    inputs, targets = jnp.asarray(tokens[:, :-1]), jnp.asarray(tokens[:, 1:])
+    kernels = ops.KernelChoice(attention="xla")      # its backward is chunked; see docs/training.md
+    print(f"device {jax.devices()[0].device_kind}; bf16 matmul {matmul / 1e12:.0f} TFLOP/s; "
+          f"{cfg.name}: {sum(x.size for x in jax.tree.leaves(params)) / 1e6:.0f}M parameters, "
+          f"{active / 1e6:.0f}M active; {seq_len} tokens per step")
+    print("| stage | ms/step | tokens/s | TFLOP/s (model FLOPs) | MFU vs measured matmul | loss |")
+    print("|---|---|---|---|---|---|")
+    rows = []
+    for stage in args.stages:
+        weights = LossWeights(indexer=1.0 if stage == "sparse" else 0.0, mtp=0.3)
+        opt_state = tx.init(params)
+        run = lambda p, o: train_step(graphdef, p, rest, o, inputs, targets, tx=tx, stage=stage,
+                                      weights=weights, kernels=kernels, remat=True, form="absorbed")
+        p = jax.tree.map(jnp.copy, params)
+        p, opt_state, terms = run(p, opt_state)             # compile
+        jax.block_until_ready(terms)
+        times = []
+        for _ in range(args.steps):
+            t = time.perf_counter()
+            p, opt_state, terms = run(p, opt_state)
+            jax.block_until_ready(terms)
+            times.append(time.perf_counter() - t)
+        step_s = float(np.median(times))
+        flops = costs.training_flops_per_token(cfg, seq_len, active, sparse=stage == "sparse") * seq_len
+        print(f"| {stage} | {step_s * 1e3:.0f} | {seq_len / step_s:.0f} | {flops / step_s / 1e12:.0f} | "
+              f"{flops / step_s / matmul:.1%} | {float(terms['loss']):.3f} |", flush=True)
+        rows.append(dict(stage=stage, step_s=step_s, tokens_per_s=seq_len / step_s, model_flops=flops,
+                         loss=float(terms["loss"])))
+        del p, opt_state
+    if len(rows) == 2:
+        print(f"sparse / dense tokens/s: {rows[1]['tokens_per_s'] / rows[0]['tokens_per_s']:.2f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(matmul_flops=matmul, seq_len=seq_len, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""A pool of KV-cache pages shared by requests, with a page table per request.
+
+A page holds `page_size` token rows of one request in every layer slot of the cache: latent
+rows in each decoder layer's slot, indexer-key rows only in the Full layers' slots (Shared
+layers have no key slot). One page id addresses the same rows in every slot, so a request
+needs one page table. With LayerSplit each device stores only its own layers' slots of every
+page, so the pool's memory per device shrinks with the `layer` axis while page ids stay global.
+
+    pool = PagePool(cfg, num_pages=64, page_size=16, data_shards=1)
+    pages = pool.allocate("req-1", tokens=300)      # CacheFullError if it cannot fit
+    pool.release("req-1")                           # its pages go back to the free list
+    table = pool.page_table(["req-1", None], width=20)   # int32 [B, width]
+
+Page 0 of each data shard is a scratch page: table slots not backed by an allocation point to
+it, so padding rows written past a request's last page land there and are never read.
+With a `data` mesh axis the pages are split into `data_shards` contiguous ranges (the cache
+shards its page axis over `data`); a request in batch row b takes pages from the range of the
+shard that holds row b.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from glm_jax.cache import KVCache
+from glm_jax.config import GLMConfig
+from glm_jax.layer_split import LayerSplit, padded_slots
+
+
+class CacheFullError(RuntimeError):
+    """A request needs more cache pages than the pool can give it."""
+
+
+def page_bytes(cfg: GLMConfig, page_size: int, dtype=None) -> int:
+    """Bytes of one page over all layers: latent rows on every layer, keys on Full layers."""
+    itemsize = jnp.dtype(dtype or cfg.dtype).itemsize
+    return page_size * itemsize * (cfg.num_hidden_layers * cfg.latent_dim + len(cfg.full_layers) * cfg.index_head_dim)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+class PagePool:
+    """Host-side allocator: free lists of page ids per data shard, pages held per request."""
+
+    def __init__(self, cfg: GLMConfig, *, num_pages: int, page_size: int, data_shards: int = 1, dtype=None):
+        if page_size < 1 or num_pages < 2 * data_shards or num_pages % data_shards:
+            raise ValueError(f"a pool needs page_size >= 1 and num_pages a multiple of {data_shards} data "
+                             f"shard(s) with >= 2 pages each (one is scratch); got {num_pages} pages of {page_size}")
+        self.cfg, self.num_pages, self.page_size, self.data_shards = cfg, num_pages, page_size, data_shards
+        self.dtype = dtype
+        per = num_pages // data_shards
+        self.scratch = [s * per for s in range(data_shards)]
+        self.free = [list(range(s * per + per - 1, s * per, -1)) for s in range(data_shards)]   # pop() = lowest
+        self.held: dict[object, list[int]] = {}
+
+    @property
+    def bytes_per_page(self) -> int:
+        return page_bytes(self.cfg, self.page_size, self.dtype)
+
+    def pages_for(self, tokens: int) -> int:
+        return -(-tokens // self.page_size)
+
+    def free_pages(self, shard: int = 0) -> int:
+        return len(self.free[shard])
+
+    def allocate(self, request, tokens: int, shard: int = 0) -> list[int]:
+        """Pages for `tokens` rows of `request`; raises CacheFullError naming the memory needed."""
+        if request in self.held:
+            raise ValueError(f"request {request!r} already holds pages; release it first")
+        need = self.pages_for(tokens)
+        usable = self.num_pages // self.data_shards - 1
+        if need > len(self.free[shard]):
+            what = "the whole pool" if need > usable else "what is free now"
+            raise CacheFullError(
+                f"request {request!r} needs {need} pages of {self.page_size} tokens for {tokens} tokens = "
+                f"{_mib(need * self.bytes_per_page)} of KV cache, more than {what}: "
+                f"{len(self.free[shard])} free of {usable} usable pages "
+                f"({_mib(len(self.free[shard]) * self.bytes_per_page)} free); shorten the request or "
+                "give the pool more pages")
+        pages = [self.free[shard].pop() for _ in range(need)]
+        self.held[request] = pages
+        return pages
+
+    def fits_ever(self, tokens: int) -> bool:
+        return self.pages_for(tokens) <= self.num_pages // self.data_shards - 1
+
+    def release(self, request) -> None:
+        """Return the request's pages to the free list (they are reused by later requests)."""
+        pages = self.held.pop(request)
+        shard = pages[0] // (self.num_pages // self.data_shards) if pages else 0
+        self.free[shard].extend(reversed(pages))
+
+    def page_table(self, requests: list, width: int) -> np.ndarray:
+        """int32 [len(requests), width]: each request's pages, then its shard's scratch page;
+        None = an idle batch row (all scratch). Row b belongs to data shard b * shards // B."""
+        table = np.zeros((len(requests), width), np.int32)
+        for b, r in enumerate(requests):
+            table[b] = self.scratch[b * self.data_shards // len(requests)]
+            pages = self.held.get(r, []) if r is not None else []
+            if len(pages) > width:
+                raise ValueError(f"request {r!r} holds {len(pages)} pages, more than the table width {width}")
+            table[b, :len(pages)] = pages
+        return table
+
+    def create_cache(self, batch: int, width: int, split: LayerSplit | None = None) -> KVCache:
+        """The device-side pool: latent [layer slots, num_pages, page_size, latent], keys
+        [Full-layer slots, num_pages, page_size, D], an all-scratch page table int32 [batch, width]."""
+        cfg, dtype = self.cfg, jnp.dtype(self.dtype or self.cfg.dtype)
+        return KVCache(
+            jnp.zeros((padded_slots(split, cfg.num_hidden_layers), self.num_pages, self.page_size,
+                       cfg.latent_dim), dtype),
+            jnp.zeros((padded_slots(split, len(cfg.full_layers)), self.num_pages, self.page_size,
+                       cfg.index_head_dim), dtype),
+            jnp.asarray(self.page_table([None] * batch, width)), jnp.zeros((batch,), jnp.int32), split)
