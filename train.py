@@ -238,11 +238,12 @@ def main(argv=None) -> int:
     tokens_per_step = args.batch_size * args.seq_len
     t_last, step = time.perf_counter(), start
     for step in range(start + 1, args.steps + 1):
-        inputs, targets = next(batches)[:2]
+        batch = next(batches)
         stage = "dense" if step <= args.dense_steps else "sparse"
-        params, opt_state, terms = train_step(graphdef, params, rest, opt_state, place_batch(inputs),
-                                              place_batch(targets), tx=tx, stage=stage, weights=weights,
-                                              kernels=kernels, remat=args.remat, form=form)
+        params, opt_state, terms = train_step(graphdef, params, rest, opt_state, place_batch(batch.inputs),
+                                              place_batch(batch.targets), place_batch(batch.segment_ids),
+                                              tx=tx, stage=stage, weights=weights, kernels=kernels,
+                                              remat=args.remat, form=form)
         record = {"step": step, "stage": stage, "lr": float(schedule(step - 1))}
         if step % args.log_every == 0 or step == args.steps or step == start + 1:
             record.update({k: float(v) for k, v in terms.items()})
