@@ -27,12 +27,14 @@ from glm_jax import costs, ops, sharding
 from glm_jax.checkpoint import check_same_config, save_model_dir
 from glm_jax.config import ConfigError, load_config, save_config
 from glm_jax.data import batches as data_batches
-from glm_jax.data import corpus, tokenizer as tok_lib
+from glm_jax.data import corpus, pipeline, sources, tokenizer as tok_lib
 from glm_jax.info import params_by_part
 from glm_jax.model import GLMModel, abstract_model, count_params
 from glm_jax.training import checkpointing
 from glm_jax.training.step import (EXPANDED_MAX_LEN, LossWeights, attention_form, eval_step, make_optimizer,
                                    train_step)
+
+TOKENIZER_DOCS = 20_000  # documents the tokenizer is trained on (and the most held-out ones encoded)
 
 
 def parse_args(argv=None):
@@ -62,7 +64,10 @@ def parse_args(argv=None):
     ap.add_argument("--eval-every", type=int, default=100)
     ap.add_argument("--eval-batches", type=int, default=8)
     ap.add_argument("--save-every", type=int, default=200)
-    ap.add_argument("--max-files", type=int, default=None, help="use only the first N training files")
+    ap.add_argument("--data", nargs="+", default=None, metavar="PATH",
+                    help="training text: .txt (a file is a document), .jsonl ({\"text\": ...} per line), "
+                         ".array_record files or directories of them (default: the Python standard library)")
+    ap.add_argument("--max-files", type=int, default=None, help="use only the first N training documents")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--export-dtype", default=None, help="cast the exported params/ (e.g. bfloat16)")
     ap.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
@@ -84,31 +89,36 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
-def prepare_tokens(args, cfg, out: Path):
-    """Tokenizer (trained once, then reused) and the encoded train / held-out token streams."""
-    files = corpus.stdlib_source_files()
-    train_files, heldout_files = corpus.split_files(files, seed=args.seed)
+def prepare_data(args, cfg, out: Path, documents=None):
+    """Tokenizer (trained once, then reused), the training documents and the held-out tokens.
+
+    documents: the --data source (default: the standard library's files, split by file)."""
+    if documents is not None:
+        train_docs, heldout_docs = sources.split_documents(documents, seed=args.seed)
+    else:
+        train_files, heldout_files = corpus.split_files(corpus.stdlib_source_files(), seed=args.seed)
+        train_docs, heldout_docs = sources.TextFiles(train_files), sources.TextFiles(heldout_files)
     if args.max_files:
-        train_files = train_files[: args.max_files]
-        heldout_files = heldout_files[: max(1, args.max_files // 20)]
-    train_texts, heldout_texts = corpus.read_texts(train_files), corpus.read_texts(heldout_files)
+        train_docs = sources.Subset(train_docs, range(min(args.max_files, len(train_docs))))
+        heldout_docs = sources.Subset(heldout_docs, range(min(max(1, args.max_files // 20), len(heldout_docs))))
     tok_path = out / "tokenizer.json"
     if tok_path.exists():
         tok = tok_lib.load_tokenizer(out)
     else:
         t = time.perf_counter()
-        tok = tok_lib.train_bpe(train_texts, vocab_size=cfg.vocab_size)
+        n = min(len(train_docs), TOKENIZER_DOCS)
+        tok = tok_lib.train_bpe((train_docs[i] for i in range(n)), vocab_size=cfg.vocab_size)
         tok_lib.save_tokenizer(tok, out)
-        print(f"tokenizer: byte-level BPE, {tok.get_vocab_size()} tokens, trained on {len(train_files)} "
-              f"files in {time.perf_counter() - t:.1f}s")
+        print(f"tokenizer: byte-level BPE, {tok.get_vocab_size()} tokens, trained on {n} "
+              f"documents in {time.perf_counter() - t:.1f}s")
     if tok.get_vocab_size() > cfg.vocab_size:
         raise ConfigError(f"config key `vocab_size`: {cfg.vocab_size} < tokenizer's {tok.get_vocab_size()}; "
                           "raise vocab_size")
-    train_tokens = data_batches.encode_documents(tok, train_texts)
-    heldout_tokens = data_batches.encode_documents(tok, heldout_texts)
-    print(f"corpus: {len(train_files)} train files ({train_tokens.size:,} tokens), "
-          f"{len(heldout_files)} held-out files ({heldout_tokens.size:,} tokens)")
-    return tok, train_tokens, heldout_tokens
+    heldout_tokens = data_batches.encode_documents(
+        tok, [heldout_docs[i] for i in range(min(len(heldout_docs), TOKENIZER_DOCS))])
+    print(f"data: {len(train_docs):,} train documents, {len(heldout_docs):,} held-out documents "
+          f"({heldout_tokens.size:,} tokens)")
+    return tok, train_docs, heldout_tokens
 
 
 # Dense bf16 peak FLOP/s by device kind (vendor figures), for MFU.
@@ -177,6 +187,7 @@ def main(argv=None) -> int:
         if args.init_from_hf:  # before the corpus work: a checkpoint that does not fit fails at once
             from glm_jax.convert import load_hf_checkpoint
             model = load_hf_checkpoint(args.init_from_hf, config=cfg)
+        documents = sources.open_documents(args.data) if args.data else None
     except (ConfigError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -185,7 +196,8 @@ def main(argv=None) -> int:
     hf_tokenizer = Path(args.init_from_hf or ".") / "tokenizer.json"
     if args.init_from_hf and hf_tokenizer.exists() and not (out / "tokenizer.json").exists():
         shutil.copy(hf_tokenizer, out / "tokenizer.json")
-    tok, train_tokens, heldout_tokens = prepare_tokens(args, cfg, out)
+    tok, train_docs, heldout_tokens = prepare_data(args, cfg, out, documents)
+    encode = pipeline.token_encoder(tok)
 
     if not args.init_from_hf:
         model = GLMModel(cfg, rngs=nnx.Rngs(args.seed))
@@ -198,8 +210,8 @@ def main(argv=None) -> int:
         return 2
     print(f"model: {cfg.name}, {count_params(model):,} parameters, pattern {cfg.pattern}")
 
-    batches = data_batches.TokenBatches(train_tokens, seq_len=args.seq_len, batch_size=args.batch_size,
-                                        seed=args.seed)
+    batches = pipeline.PackedBatches(train_docs, encode, seq_len=args.seq_len, batch_size=args.batch_size,
+                                     seed=args.seed)
     heldout = list(data_batches.heldout_batches(heldout_tokens, args.seq_len, args.batch_size,
                                                 args.eval_batches))
     mngr = checkpointing.manager(out)
@@ -211,7 +223,7 @@ def main(argv=None) -> int:
         else:
             start, state, meta = found
             params, opt_state = state["params"], state["opt_state"]
-            batches = data_batches.TokenBatches.from_state(train_tokens, meta["data"])
+            batches = pipeline.PackedBatches.from_state(train_docs, encode, meta["data"])
             print(f"resume: continuing from step {start}")
 
     form = attention_form(args.attention_form, args.seq_len)
@@ -226,11 +238,12 @@ def main(argv=None) -> int:
     tokens_per_step = args.batch_size * args.seq_len
     t_last, step = time.perf_counter(), start
     for step in range(start + 1, args.steps + 1):
-        inputs, targets = next(batches)
+        batch = next(batches)
         stage = "dense" if step <= args.dense_steps else "sparse"
-        params, opt_state, terms = train_step(graphdef, params, rest, opt_state, place_batch(inputs),
-                                              place_batch(targets), tx=tx, stage=stage, weights=weights,
-                                              kernels=kernels, remat=args.remat, form=form)
+        params, opt_state, terms = train_step(graphdef, params, rest, opt_state, place_batch(batch.inputs),
+                                              place_batch(batch.targets), place_batch(batch.segment_ids),
+                                              tx=tx, stage=stage, weights=weights, kernels=kernels,
+                                              remat=args.remat, form=form)
         record = {"step": step, "stage": stage, "lr": float(schedule(step - 1))}
         if step % args.log_every == 0 or step == args.steps or step == start + 1:
             record.update({k: float(v) for k, v in terms.items()})

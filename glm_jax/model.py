@@ -24,6 +24,7 @@ from glm_jax.layers.decoder import AttentionSettings, GroupStackPlan, IndexShare
 from glm_jax.layers.linear import Linear
 from glm_jax.layers.mtp import MTPLayer
 from glm_jax.layers.norms import RMSNorm
+from glm_jax.layers.segments import segment_layout
 from glm_jax.layer_split import Placement
 
 
@@ -62,10 +63,14 @@ class GLMModel(nnx.Module):
 
     # ------------------------------------------------------------------ full sequence
     def __call__(self, tokens: jnp.ndarray, *, settings: AttentionSettings = AttentionSettings(),
-                 lengths: jnp.ndarray | None = None, remat: bool = False) -> ForwardOutput:
-        """tokens int32 [B, S] starting at position 0; lengths int32 [B] valid tokens (default S)."""
+                 lengths: jnp.ndarray | None = None, remat: bool = False,
+                 segment_ids: jnp.ndarray | None = None) -> ForwardOutput:
+        """tokens int32 [B, S] starting at position 0; lengths int32 [B] valid tokens (default S).
+
+        segment_ids int32 [B, S]: packed rows (`layers/segments.py`): tokens attend only their
+        own segment, and positions restart at each segment's first token."""
         b, s = tokens.shape
-        positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+        positions, kv_start = _layout(b, s, segment_ids)
         kv_len = jnp.full((b,), s, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
         x = self.embed_tokens(tokens)
         kl = jnp.zeros((), jnp.float32)
@@ -74,7 +79,8 @@ class GLMModel(nnx.Module):
 
             def body(carry, group_state, graphdef=graphdef):
                 x, kl = carry
-                x, group_kl, _, _ = nnx.merge(graphdef, group_state).forward(x, positions, kv_len, settings)
+                x, group_kl, _, _ = nnx.merge(graphdef, group_state).forward(x, positions, kv_len, settings,
+                                                                             kv_start=kv_start)
                 return (x, kl + group_kl), None
 
             if remat:
@@ -84,17 +90,19 @@ class GLMModel(nnx.Module):
         return ForwardOutput(self.logits(hidden), hidden, kl)
 
     def mtp_forward(self, hidden: jnp.ndarray, next_tokens: jnp.ndarray, *,
-                    settings: AttentionSettings = AttentionSettings(), lengths=None, shared_kv=None):
+                    settings: AttentionSettings = AttentionSettings(), lengths=None, shared_kv=None,
+                    segment_ids=None):
         """One MTP depth over a sequence: hidden [B, S, hidden] (normed h_i, or the previous
-        depth's output), next_tokens [B, S] (the tokens one further ahead).
+        depth's output), next_tokens [B, S] (the tokens one further ahead); segment_ids as in
+        `__call__`.
 
         shared_kv: (latent, indices) of depth 1, reused by depths >= 2 (KVShare training).
         -> (ForwardOutput, (latent [B, S, latent], indices [B, S, topk] or None)) of this depth."""
         b, s = next_tokens.shape
-        positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+        positions, kv_start = _layout(b, s, segment_ids)
         kv_len = jnp.full((b,), s, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
         out, kl, latent, indices = self.mtp.forward(self.embed_tokens(next_tokens), hidden, positions, kv_len,
-                                                    settings, shared_kv=shared_kv)
+                                                    settings, shared_kv=shared_kv, kv_start=kv_start)
         return ForwardOutput(self.logits(out), out, kl), (latent, indices)
 
     # ------------------------------------------------------------------ with a KV cache
@@ -168,6 +176,13 @@ class GLMModel(nnx.Module):
 def _mtp_view(cache: KVCache, positions) -> GroupCacheView:
     """The MTP layer's cache (`create_mtp_cache`: one local Full layer) as a group view."""
     return GroupCacheView(cache.latent, cache.index_keys, cache.page_table, Placement(None), 0, 0, positions)
+
+
+def _layout(b: int, s: int, segment_ids):
+    """-> (positions int32 [B, S], kv_start int32 [B, S] or None) of a full sequence."""
+    if segment_ids is None:
+        return jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s)), None
+    return segment_layout(segment_ids)
 
 
 def count_params(model_or_state) -> int:

@@ -85,11 +85,27 @@ def test_info_prints_counts(capsys):
 def test_resume_continues_bit_exactly(tmp_path, form, dense_steps):
     """Losses after --resume equal those of an uninterrupted run, bit for bit (also in the
     absorbed form long sequences train with: sparse stage, chunked selected-set indexer KL)."""
+    _assert_resume_is_exact(tmp_path, ["--dense-steps", dense_steps, "--attention-form", form,
+                                       "--max-files", "4"])
+
+
+def test_resume_with_data_files_continues_bit_exactly(tmp_path):
+    """--data (plain text and JSON lines): packed batches and the grain iterator's position resume exactly."""
+    data = tmp_path / "data"
+    data.mkdir()
+    for i in range(3):
+        (data / f"doc{i}.txt").write_text(f"def f{i}(x):\n    return x * {i}\n" * (i + 2))
+    (data / "more.jsonl").write_text("".join(json.dumps({"text": f"import os\nclass A{i}:\n    pass\n" * (i % 3 + 1)})
+                                             + "\n" for i in range(12)))
+    _assert_resume_is_exact(tmp_path, ["--dense-steps", "2", "--data", str(data)])
+
+
+def _assert_resume_is_exact(tmp_path, extra: list[str]) -> None:
+    """Runs 5 steps uninterrupted, then 3 + --resume 2, and compares the logged losses bit for bit."""
     cfg_path = tmp_path / "micro.yaml"
     save_config(micro_config(vocab_size=320, max_position_embeddings=128), cfg_path)
-    common = ["--config", str(cfg_path), "--batch-size", "2", "--seq-len", "16", "--dense-steps", dense_steps,
-              "--warmup-steps", "1", "--max-files", "4", "--eval-every", "100", "--log-every", "1",
-              "--eval-batches", "1", "--attention-form", form]
+    common = ["--config", str(cfg_path), "--batch-size", "2", "--seq-len", "16", "--warmup-steps", "1",
+              "--eval-every", "100", "--log-every", "1", "--eval-batches", "1", *extra]
 
     def losses(run):
         return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -100,6 +116,12 @@ def test_resume_continues_bit_exactly(tmp_path, form, dense_steps):
     assert train.main(common + ["--out", str(tmp_path / "b"), "--steps", "5", "--save-every", "100",
                                 "--resume"]) == 0
     assert losses(tmp_path / "b") == losses(tmp_path / "a")
+
+
+def test_missing_data_file_is_refused(tmp_path, capsys):
+    assert train.main(["--out", str(tmp_path / "run"), "--data", str(tmp_path / "nope.jsonl")]) == 2
+    assert "nope.jsonl does not exist" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
 
 
 def test_decode_a_batch_of_prompts_from_a_file(trained_run, tmp_path):

@@ -1,7 +1,4 @@
-"""Training batches: random windows of a token stream, a pure function of (seed, step).
-
-Resuming is exact because the batch at step n depends only on the seed and n.
-"""
+"""Token streams and the fixed validation windows (training batches come from `pipeline`)."""
 
 from __future__ import annotations
 
@@ -22,36 +19,6 @@ def _check_long_enough(tokens: np.ndarray, seq_len: int) -> None:
     if tokens.size < seq_len + 1:
         raise ValueError(f"token stream of {tokens.size} tokens is shorter than seq_len + 1 = {seq_len + 1}; "
                          "use more data or a shorter --seq-len")
-
-
-class TokenBatches:
-    """Iterator of (inputs int32 [B, L], targets int32 [B, L]); targets are inputs shifted by one."""
-
-    def __init__(self, tokens: np.ndarray, *, seq_len: int, batch_size: int, seed: int = 0, step: int = 0):
-        _check_long_enough(tokens, seq_len)
-        self.tokens, self.seq_len, self.batch_size, self.seed, self.step = tokens, seq_len, batch_size, seed, step
-
-    def batch(self, step: int) -> tuple[np.ndarray, np.ndarray]:
-        rng = np.random.default_rng([self.seed, step])
-        starts = rng.integers(0, self.tokens.size - self.seq_len - 1, size=self.batch_size, endpoint=True)
-        windows = np.stack([self.tokens[s:s + self.seq_len + 1] for s in starts])
-        return windows[:, :-1], windows[:, 1:]
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        out = self.batch(self.step)
-        self.step += 1
-        return out
-
-    def state(self) -> dict:
-        return {"seed": self.seed, "step": self.step, "seq_len": self.seq_len, "batch_size": self.batch_size}
-
-    @classmethod
-    def from_state(cls, tokens: np.ndarray, state: dict) -> "TokenBatches":
-        return cls(tokens, seq_len=state["seq_len"], batch_size=state["batch_size"], seed=state["seed"],
-                   step=state["step"])
 
 
 def heldout_batches(tokens: np.ndarray, seq_len: int, batch_size: int, max_batches: int):

@@ -25,6 +25,7 @@ from glm_jax.layers.mla import MLAProjection, indices_to_mask
 from glm_jax.layers.moe import MLP, MoE
 from glm_jax.layers.selected_kl import selected_set_kl
 from glm_jax.layers.norms import RMSNorm
+from glm_jax.layers.segments import query_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,8 +126,12 @@ class IndexShareGroup(nnx.Module):
         self.layers = nnx.List([DecoderLayer(cfg, k, rngs=rngs, dtype=dtype) for k in kinds])
         self.cfg = cfg
 
-    def forward(self, x, positions, kv_len, settings: AttentionSettings, *, shared_kv=None):
+    def forward(self, x, positions, kv_len, settings: AttentionSettings, *, shared_kv=None, kv_start=None):
         """Full-sequence forward. x [B, S, hidden], positions int32 [B, S], kv_len int32 [B].
+
+        kv_start: optional int32 [B, S] for packed rows (`segments`): the row where each token's
+        document starts; positions then count from it, and no query attends (or, through the
+        indexer, selects) a key of another document.
 
         shared_kv: optional (latent [B, S, latent], indices [B, S, topk] or None in dense mode)
         of an earlier pass (KVShare training of MTP depths >= 2): the Full layer then attends
@@ -134,8 +139,10 @@ class IndexShareGroup(nnx.Module):
         -> (x [B, S, hidden], indexer KL summed over the group's layers (scalar float32),
             the Full layer's latent rows [B, S, latent], its indices [B, S, topk] or None)."""
         s = x.shape[1]
-        causal = (jnp.arange(s)[None, None, :] <= positions[:, :, None]) & \
-                 (jnp.arange(s)[None, None, :] < kv_len[:, None, None])
+        t = jnp.arange(s)[None, None, :]
+        causal = (t <= query_rows(positions, kv_start)[:, :, None]) & (t < kv_len[:, None, None])
+        if kv_start is not None:
+            causal = causal & (t >= kv_start[:, :, None])
         if settings.indexer_loss and settings.form == "absorbed" and settings.mode == "dense":
             raise ValueError("the dense-stage indexer loss needs the attention probabilities over every "
                              "key: use form='expanded' (short sequences) or train the indexer in the "
@@ -150,9 +157,10 @@ class IndexShareGroup(nnx.Module):
                 hd, qd = jax.lax.stop_gradient(h), jax.lax.stop_gradient(q_resid)
                 keys = layer.indexer.keys(hd, positions)
                 if settings.mode == "sparse":
-                    indices = layer.indexer.select(hd, qd, positions, keys, kv_len, settings.kernels)
+                    indices = layer.indexer.select(hd, qd, positions, keys, kv_len, settings.kernels, kv_start)
                 if settings.indexer_loss and settings.form == "expanded":
-                    index_logits = layer.indexer.scores(hd, qd, positions, keys, kv_len, settings.kernels)
+                    index_logits = layer.indexer.scores(hd, qd, positions, keys, kv_len, settings.kernels,
+                                                        kv_start)
                 elif settings.indexer_loss:
                     index_inputs = (layer.indexer.queries(qd, positions), keys, layer.indexer.head_weights(hd))
             if j == 0:
@@ -166,7 +174,8 @@ class IndexShareGroup(nnx.Module):
                 if index_logits is not None:
                     kl = kl + indexer_kl(_head_summed_target(probs), index_logits, mask) / len(self.layers)
             elif settings.mode == "dense":
-                out = layer.self_attn.attend_causal(q_nope, q_rope, latent, kv_len)
+                out = layer.self_attn.attend_causal(q_nope, q_rope, latent, kv_len,
+                                                    mask=None if kv_start is None else causal)
             elif index_inputs is not None:
                 out, q_abs, lse = layer.self_attn.attend_absorbed(q_nope, q_rope, latent, indices,
                                                                   settings.kernels, return_stats=True)

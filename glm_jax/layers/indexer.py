@@ -17,6 +17,7 @@ from glm_jax.config import GLMConfig
 from glm_jax.layers.linear import Linear
 from glm_jax.layers.norms import LayerNorm
 from glm_jax.layers.rope import apply_rope, rope_inv_freq
+from glm_jax.layers.segments import query_rows
 
 
 class Indexer(nnx.Module):
@@ -50,19 +51,25 @@ class Indexer(nnx.Module):
         w = self.weights_proj(x.astype(jnp.float32)).astype(jnp.float32)
         return w * (c.index_n_heads ** -0.5) * (c.index_head_dim ** -0.5)
 
-    def select(self, x, q_resid, positions, keys, kv_len, kernels: ops.KernelChoice):
+    def select(self, x, q_resid, positions, keys, kv_len, kernels: ops.KernelChoice, kv_start=None):
         """Top-k positions for each query.
 
-        x [B, S, hidden], q_resid [B, S, q_lora], positions int32 [B, S] (absolute),
-        keys [B, T, D] (this sequence's or the cache's), kv_len int32 [B]
-        -> int32 [B, S, index_topk], -1 in unused slots."""
+        x [B, S, hidden], q_resid [B, S, q_lora], positions int32 [B, S] (absolute, or within
+        the document when kv_start is given), keys [B, T, D] (this sequence's or the cache's),
+        kv_len int32 [B], kv_start int32 [B, S] or None: the row where each query's document
+        starts (packed rows, `segments`); keys before it are never chosen
+        -> int32 [B, S, index_topk] row indices, -1 in unused slots."""
         q = self.queries(q_resid, positions)
         return ops.indexer_topk(q, keys.astype(q.dtype), self.head_weights(x), topk=self.cfg.index_topk,
-                                q_pos=positions, kv_len=kv_len, impl=kernels.indexer,
+                                q_pos=query_rows(positions, kv_start), kv_len=kv_len, kv_start=kv_start,
+                                impl=kernels.indexer,
                                 interpret=kernels.interpret)
 
-    def scores(self, x, q_resid, positions, keys, kv_len, kernels: ops.KernelChoice):
-        """Indexer logits float32 [B, S, T], -inf where masked (for the indexer losses)."""
+    def scores(self, x, q_resid, positions, keys, kv_len, kernels: ops.KernelChoice, kv_start=None):
+        """Indexer logits float32 [B, S, T], -inf where masked (for the indexer losses);
+        arguments as in `select`."""
         q = self.queries(q_resid, positions)
-        return ops.indexer_scores(q, keys.astype(q.dtype), self.head_weights(x), q_pos=positions,
-                                  kv_len=kv_len, impl=kernels.indexer, interpret=kernels.interpret)
+        return ops.indexer_scores(q, keys.astype(q.dtype), self.head_weights(x),
+                                  q_pos=query_rows(positions, kv_start),
+                                  kv_len=kv_len, kv_start=kv_start, impl=kernels.indexer,
+                                  interpret=kernels.interpret)

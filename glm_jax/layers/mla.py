@@ -87,11 +87,13 @@ class MLAProjection(nnx.Module):
         return (out, q_abs, lse) if return_stats else out
 
     # ------------------------------------------------------------------ dense, long sequences
-    def attend_causal(self, q_nope, q_rope, latent_kv, kv_len):
+    def attend_causal(self, q_nope, q_rope, latent_kv, kv_len, mask=None):
         """Dense causal attention of a full sequence from position 0 without [S, T] matrices
         in memory (`jax.nn.dot_product_attention`: a fused flash kernel on GPU).
 
-        q_* [B, S, nh, *], latent_kv [B, S, kv_lora + rope], kv_len int32 [B] -> [B, S, hidden]."""
+        q_* [B, S, nh, *], latent_kv [B, S, kv_lora + rope], kv_len int32 [B] -> [B, S, hidden].
+        mask: optional bool [B, S, T] further restricting the keys (packed documents); this one
+        is an [S, T] matrix."""
         c = self.cfg
         c_kv, k_rope = latent_kv[..., : c.kv_lora_rank], latent_kv[..., c.kv_lora_rank:]
         kv = self.kv_b_proj(c_kv).reshape(c_kv.shape[:2] + (c.num_attention_heads, -1))
@@ -101,8 +103,8 @@ class MLAProjection(nnx.Module):
         k = jnp.concatenate([k_nope, k_rope], axis=-1)
         width = max(q.shape[-1], v.shape[-1])                   # one head width for q, k and v
         pad = lambda x: jnp.pad(x, [(0, 0)] * 3 + [(0, width - x.shape[-1])])
-        o = jax.nn.dot_product_attention(pad(q), pad(k), pad(v), scale=self.sm_scale, is_causal=True,
-                                         key_value_seq_lengths=kv_len)[..., : c.v_head_dim]
+        o = jax.nn.dot_product_attention(pad(q), pad(k), pad(v), mask=None if mask is None else mask[:, None],
+                                         scale=self.sm_scale, is_causal=True, key_value_seq_lengths=kv_len)[..., : c.v_head_dim]
         return self.o_proj(o.astype(q_nope.dtype).reshape(o.shape[:2] + (-1,)))
 
     # ------------------------------------------------------------------ expanded form

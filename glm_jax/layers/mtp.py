@@ -37,9 +37,10 @@ class MTPLayer(nnx.Module):
         return self.eh_proj(joined)
 
     def forward(self, next_token_embeddings, hidden, positions, kv_len, settings: AttentionSettings,
-                *, shared_kv=None):
+                *, shared_kv=None, kv_start=None):
         """Full-sequence MTP step -> (normed output hidden [B, S, hidden], indexer KL, latent rows,
-        indices); see IndexShareGroup.forward for shared_kv."""
+        indices); see IndexShareGroup.forward for shared_kv and kv_start."""
         x, kl, latent, indices = self.block.forward(self.inputs(next_token_embeddings, hidden), positions,
-                                                    kv_len, settings, shared_kv=shared_kv)
+                                                    kv_len, settings, shared_kv=shared_kv,
+                                                    kv_start=kv_start)
         return self.shared_head.norm(x), kl, latent, indices

@@ -19,6 +19,7 @@ from flax import nnx
 
 from glm_jax import ops
 from glm_jax.layers.decoder import AttentionSettings
+from glm_jax.layers.segments import same_segment_ahead
 from glm_jax.training.losses import cross_entropy, end_to_end_tv, shift_left, total_variation
 
 
@@ -48,26 +49,37 @@ def make_optimizer(lr: float, total_steps: int, warmup_steps: int, weight_decay:
 
 
 def loss_terms(model, inputs, targets, *, stage: str, weights: LossWeights, kernels: ops.KernelChoice,
-               remat: bool = False, form: str = "expanded"):
+               remat: bool = False, form: str = "expanded", segment_ids=None):
     """inputs, targets int32 [B, S] -> (total loss, dict of terms).
+
+    segment_ids int32 [B, S] or None: packed documents (0 = padding, no loss); attention stays
+    inside each document and the MTP losses count only targets of the same document.
 
     form "expanded" builds [S, S] attention matrices (short sequences; every stage and loss);
     "absorbed" holds none (long sequences): dense attention runs the fused causal kernel and the
     indexer loss exists only in the sparse stage (see `attention_form`)."""
     settings = AttentionSettings(mode=stage, form=form, indexer_loss=weights.indexer > 0,
                                  kernels=kernels)
-    out = model(inputs, settings=settings, remat=remat)
+    out = model(inputs, settings=settings, remat=remat, segment_ids=segment_ids)
     s = inputs.shape[1]
     n_full = len(model.cfg.full_layers)
-    terms = {"lm": cross_entropy(out.logits, targets), "indexer_kl": out.indexer_kl / (s * n_full)}
+    lm_mask = None if segment_ids is None else segment_ids > 0
+    terms = {"lm": cross_entropy(out.logits, targets, lm_mask), "indexer_kl": out.indexer_kl / (s * n_full)}
     total = terms["lm"] + weights.indexer * terms["indexer_kl"]
     if model.mtp is not None and (weights.mtp > 0 or weights.tv > 0):
-        total = total + _mtp_losses(model, out, targets, settings, weights, terms)
+        total = total + _mtp_losses(model, out, targets, settings, weights, terms, segment_ids)
     terms["loss"] = total
     return total, terms
 
 
-def _mtp_losses(model, out, targets, settings, weights: LossWeights, terms: dict):
+def _targets_ahead(segment_ids, s: int, d: int):
+    """bool [B or 1, S]: the target d tokens ahead exists (and, packed, is of the same document)."""
+    if segment_ids is None:
+        return jnp.arange(s)[None, :] < s - d
+    return same_segment_ahead(segment_ids, d)
+
+
+def _mtp_losses(model, out, targets, settings, weights: LossWeights, terms: dict, segment_ids=None):
     """MTP depths d = 1..D with shared parameters. Depth d at position i reads the previous
     depth's normed hidden (the target's for d = 1) and token t_{i+d}, and predicts t_{i+d+1}.
     Adds 'mtp' (mean CE over depths), 'mtp_indexer_kl' and, with a TV weight, 'mtp_tv' to terms;
@@ -76,8 +88,9 @@ def _mtp_losses(model, out, targets, settings, weights: LossWeights, terms: dict
     hidden, shared, ces, tvs = out.hidden, None, [], []
     total = jnp.zeros((), jnp.float32)
     for d in range(1, weights.mtp_depth + 1):
-        mtp, kv = model.mtp_forward(hidden, shift_left(targets, d - 1), settings=settings, shared_kv=shared)
-        mask = jnp.broadcast_to(jnp.arange(s)[None, :] < s - d, targets.shape)
+        mtp, kv = model.mtp_forward(hidden, shift_left(targets, d - 1), settings=settings, shared_kv=shared,
+                                    segment_ids=segment_ids)
+        mask = jnp.broadcast_to(_targets_ahead(segment_ids, s, d), targets.shape)
         ces.append(cross_entropy(mtp.logits, shift_left(targets, d), mask))
         tvs.append(total_variation(shift_left(out.logits, d), mtp.logits))
         if d == 1:
@@ -86,7 +99,7 @@ def _mtp_losses(model, out, targets, settings, weights: LossWeights, terms: dict
             shared = kv if weights.kv_share else None
         hidden = mtp.hidden
     terms["mtp"] = sum(ces) / len(ces)
-    terms["mtp_tv"] = end_to_end_tv(tvs, jnp.arange(s)[None, :] < s - weights.mtp_depth)
+    terms["mtp_tv"] = end_to_end_tv(tvs, _targets_ahead(segment_ids, s, weights.mtp_depth))
     return total + weights.mtp * terms["mtp"] + weights.tv * terms["mtp_tv"]
 
 
@@ -105,12 +118,13 @@ def attention_form(form: str, seq_len: int) -> str:
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "tx", "stage", "weights", "kernels", "remat", "form"),
                    donate_argnames=("params", "opt_state"))
-def train_step(graphdef, params, rest, opt_state, inputs, targets, *, tx, stage, weights, kernels, remat=False,
-               form="expanded"):
-    """One optimizer step. -> (params, opt_state, metrics dict of float32 scalars)."""
+def train_step(graphdef, params, rest, opt_state, inputs, targets, segment_ids=None, *, tx, stage, weights,
+               kernels, remat=False, form="expanded"):
+    """One optimizer step; inputs, targets, segment_ids (optional) int32 [B, S] as in `loss_terms`.
+    -> (params, opt_state, metrics dict of float32 scalars)."""
     def loss_fn(p):
         return loss_terms(nnx.merge(graphdef, p, rest), inputs, targets, stage=stage, weights=weights,
-                          kernels=kernels, remat=remat, form=form)
+                          kernels=kernels, remat=remat, form=form, segment_ids=segment_ids)
 
     (_, terms), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
     updates, opt_state = tx.update(grads, opt_state, params)

@@ -1,0 +1,89 @@
+"""Packed rows: two documents in one row give each document's own logits, losses and indexer KL."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from glm_jax.layers.decoder import AttentionSettings
+from glm_jax.layers.segments import same_segment_ahead, segment_layout
+from glm_jax.model import GLMModel
+from glm_jax.training.losses import cross_entropy
+from glm_jax.training.step import LossWeights, loss_terms
+
+from conftest import micro_config
+
+LENS = (8, 8)  # equal lengths: the documents alone run as one batch
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "settings"))
+def _forward(graphdef, state, inputs, targets, segment_ids, *, settings):
+    """-> (per-token CE [B, S], MTP depth-1 per-token CE [B, S], indexer KL, MTP indexer KL)."""
+    model = nnx.merge(graphdef, state)
+    out = model(inputs, settings=settings, segment_ids=segment_ids)
+    mtp, _ = model.mtp_forward(out.hidden, targets, settings=settings, segment_ids=segment_ids)
+    next_targets = jnp.concatenate([targets[:, 1:], targets[:, :1]], axis=1)
+    per_token = lambda logits, y: jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, y[..., None], -1)[..., 0]
+    return per_token(out.logits, targets), per_token(mtp.logits, next_targets), out.indexer_kl, mtp.indexer_kl
+
+
+@pytest.fixture(scope="module")
+def model_and_docs():
+    cfg = micro_config(index_topk=3)
+    model = GLMModel(cfg, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(1, cfg.vocab_size, n + 1).astype(np.int32) for n in LENS]
+    return model, docs
+
+
+@pytest.mark.parametrize("mode,form", [("dense", "expanded"), ("sparse", "expanded"), ("sparse", "absorbed"),
+                                       ("dense", "absorbed")])
+def test_packed_row_equals_documents_alone(model_and_docs, mode, form):
+    model, docs = model_and_docs
+    settings = AttentionSettings(mode=mode, form=form, indexer_loss=(mode, form) != ("dense", "absorbed"))
+    graphdef, state = nnx.split(model)
+    inputs = np.concatenate([d[:-1] for d in docs])[None]
+    targets = np.concatenate([d[1:] for d in docs])[None]
+    segments = np.concatenate([np.full(n, i + 1) for i, n in enumerate(LENS)]).astype(np.int32)[None]
+    packed = _forward(graphdef, state, inputs, targets, segments, settings=settings)
+    alone = _forward(graphdef, state, np.stack([d[:-1] for d in docs]), np.stack([d[1:] for d in docs]), None,
+                     settings=settings)
+    for i, n in enumerate(LENS):
+        start = sum(LENS[:i])
+        np.testing.assert_allclose(packed[0][0, start:start + n], alone[0][i], rtol=1e-5, atol=1e-5)
+        # MTP depth 1 predicts the target one further: defined for all but the document's last token
+        np.testing.assert_allclose(packed[1][0, start:start + n - 1], alone[1][i, :n - 1], rtol=1e-5, atol=1e-5)
+    # the KL is summed over queries and averaged over rows: one packed row holds both documents
+    np.testing.assert_allclose(packed[2], len(LENS) * alone[2], rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(packed[3], len(LENS) * alone[3], rtol=1e-4, atol=1e-6)
+
+
+def test_segment_layout_and_masks():
+    seg = jnp.asarray([[1, 1, 1, 2, 2, 0, 0], [1, 1, 1, 1, 1, 1, 1]])
+    positions, kv_start = segment_layout(seg)
+    np.testing.assert_array_equal(positions, [[0, 1, 2, 0, 1, 0, 1], list(range(7))])
+    np.testing.assert_array_equal(kv_start, [[0, 0, 0, 3, 3, 5, 5], [0] * 7])
+    np.testing.assert_array_equal(same_segment_ahead(seg, 1)[0], [1, 1, 0, 1, 0, 0, 0])
+
+
+def test_padding_has_no_loss(model_and_docs):
+    """The packed LM loss is the mean over real tokens: padding targets change nothing."""
+    model, docs = model_and_docs
+    inputs = np.concatenate([docs[0][:-1], np.zeros(3, np.int32)])[None]
+    seg = np.concatenate([np.ones(LENS[0]), np.zeros(3)]).astype(np.int32)[None]
+    weights = LossWeights(indexer=0.0, mtp=0.0)
+    losses = []
+    for fill in (0, 5):
+        targets = np.concatenate([docs[0][1:], np.full(3, fill, np.int32)])[None]
+        _, terms = loss_terms(model, jnp.asarray(inputs), jnp.asarray(targets), stage="dense", weights=weights,
+                              kernels=AttentionSettings().kernels, segment_ids=jnp.asarray(seg))
+        losses.append(float(terms["lm"]))
+    out = model(jnp.asarray(docs[0][None, :-1]), settings=AttentionSettings(mode="dense", form="expanded"))
+    assert losses[0] == losses[1]
+    np.testing.assert_allclose(losses[0], float(cross_entropy(out.logits, jnp.asarray(docs[0][None, 1:]))),
+                               rtol=1e-5)
