@@ -24,6 +24,19 @@ from glm_jax.layers.norms import RMSNorm
 from glm_jax.layers.rope import apply_rope, rope_inv_freq, softmax_scale_factor
 
 
+def fused_attention_backend(head_width: int) -> str | None:
+    """The `jax.nn.dot_product_attention` implementation for dense causal attention.
+
+    "cudnn" (flash attention: no [S, T] scores in memory, forward and backward) on a GPU for head
+    widths it supports (a multiple of 8, <= 256 from Hopper on, <= 128 before); None (XLA, which
+    materialises the scores) elsewhere. XLA never picks cuDNN by itself."""
+    if jax.default_backend() != "gpu" or head_width % 8:
+        return None
+    capability = getattr(jax.devices()[0], "compute_capability", "0.0")
+    hopper_or_later = tuple(int(x) for x in capability.split(".")[:2]) >= (9, 0)
+    return "cudnn" if head_width <= (256 if hopper_or_later else 128) else None
+
+
 class MLAProjection(nnx.Module):
     """The attention weights of one layer (checkpoint names) and the projections around attention."""
 
@@ -89,7 +102,8 @@ class MLAProjection(nnx.Module):
     # ------------------------------------------------------------------ dense, long sequences
     def attend_causal(self, q_nope, q_rope, latent_kv, kv_len, mask=None):
         """Dense causal attention of a full sequence from position 0 without [S, T] matrices
-        in memory (`jax.nn.dot_product_attention`: a fused flash kernel on GPU).
+        in memory (`jax.nn.dot_product_attention`: cuDNN's flash kernel on GPU, see
+        `fused_attention_backend`).
 
         q_* [B, S, nh, *], latent_kv [B, S, kv_lora + rope], kv_len int32 [B] -> [B, S, hidden].
         mask: optional bool [B, S, T] further restricting the keys (packed documents); this one
@@ -104,7 +118,8 @@ class MLAProjection(nnx.Module):
         width = max(q.shape[-1], v.shape[-1])                   # one head width for q, k and v
         pad = lambda x: jnp.pad(x, [(0, 0)] * 3 + [(0, width - x.shape[-1])])
         o = jax.nn.dot_product_attention(pad(q), pad(k), pad(v), mask=None if mask is None else mask[:, None],
-                                         scale=self.sm_scale, is_causal=True, key_value_seq_lengths=kv_len)[..., : c.v_head_dim]
+                                         scale=self.sm_scale, is_causal=True, key_value_seq_lengths=kv_len,
+                                         implementation=fused_attention_backend(width))[..., : c.v_head_dim]
         return self.o_proj(o.astype(q_nope.dtype).reshape(o.shape[:2] + (-1,)))
 
     # ------------------------------------------------------------------ expanded form
