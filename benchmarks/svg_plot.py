@@ -1,7 +1,11 @@
-"""A dependency-free log-log line chart in SVG, for the benchmark plots in docs/.
+"""A dependency-free line chart in SVG (log-log or linear axes), for the plots in docs/.
 
     PYTHONPATH=. python3 benchmarks/svg_plot.py indexer docs/data/indexer_topk_h200.json docs/img/indexer_topk_h200.svg
     PYTHONPATH=. python3 benchmarks/svg_plot.py long_context docs/data/long_context_h200.json docs/img/long_context_h200.svg
+    PYTHONPATH=. python3 benchmarks/svg_plot.py loss_curve first.jsonl resumed.jsonl docs/img/loss.svg
+
+A `.json` input is a benchmark's --json output (its "rows"); `.jsonl` inputs are train.py
+metrics files, one series each (named by the file), for the loss curve.
 """
 
 from __future__ import annotations
@@ -15,14 +19,22 @@ COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd"]
 
 
 def line_chart(series: dict[str, list[tuple[float, float]]], *, title: str, xlabel: str,
-               ylabel: str) -> str:
-    """series: name -> [(x, y)] with x, y > 0 -> an SVG document (log-log axes)."""
+               ylabel: str, log: bool = True) -> str:
+    """series: name -> [(x, y)] -> an SVG document (log-log axes, x and y > 0; or linear axes)."""
     xs = [x for pts in series.values() for x, _ in pts]
     ys = [y for pts in series.values() for _, y in pts]
-    lx0, lx1 = math.log10(min(xs)), math.log10(max(xs))
-    ly0, ly1 = math.floor(math.log10(min(ys))), math.ceil(math.log10(max(ys)))
-    px = lambda x: MARGIN + (math.log10(x) - lx0) / max(lx1 - lx0, 1e-9) * (WIDTH - 2 * MARGIN)
-    py = lambda y: HEIGHT - MARGIN - (math.log10(y) - ly0) / max(ly1 - ly0, 1e-9) * (HEIGHT - 2 * MARGIN)
+    scale = math.log10 if log else (lambda v: v)
+    lx0, lx1 = scale(min(xs)), scale(max(xs))
+    if log:
+        ly0, ly1 = math.floor(scale(min(ys))), math.ceil(scale(max(ys)))
+        y_ticks = [10.0 ** e for e in range(ly0, ly1 + 1)]
+        x_ticks = sorted(set(xs))
+    else:
+        ly0, ly1 = math.floor(min(ys)), math.ceil(max(ys))
+        y_ticks = [float(v) for v in range(ly0, ly1 + 1)]
+        x_ticks = sorted({round(lx0 + i * (lx1 - lx0) / 5) for i in range(6)})
+    px = lambda x: MARGIN + (scale(x) - lx0) / max(lx1 - lx0, 1e-9) * (WIDTH - 2 * MARGIN)
+    py = lambda y: HEIGHT - MARGIN - (scale(y) - ly0) / max(ly1 - ly0, 1e-9) * (HEIGHT - 2 * MARGIN)
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT}" '
            f'font-family="sans-serif" font-size="12">',
            f'<rect width="{WIDTH}" height="{HEIGHT}" fill="white"/>',
@@ -30,11 +42,11 @@ def line_chart(series: dict[str, list[tuple[float, float]]], *, title: str, xlab
            f'<text x="{WIDTH / 2}" y="{HEIGHT - 16}" text-anchor="middle">{xlabel}</text>',
            f'<text x="16" y="{HEIGHT / 2}" text-anchor="middle" transform="rotate(-90 16 {HEIGHT / 2})">'
            f'{ylabel}</text>']
-    for e in range(ly0, ly1 + 1):
-        y = py(10.0 ** e)
+    for tick in y_ticks:
+        y = py(tick)
         out.append(f'<line x1="{MARGIN}" y1="{y:.1f}" x2="{WIDTH - MARGIN}" y2="{y:.1f}" stroke="#ddd"/>')
-        out.append(f'<text x="{MARGIN - 6}" y="{y + 4:.1f}" text-anchor="end">{10.0 ** e:g}</text>')
-    for x in sorted(set(xs)):
+        out.append(f'<text x="{MARGIN - 6}" y="{y + 4:.1f}" text-anchor="end">{tick:g}</text>')
+    for x in x_ticks:
         out.append(f'<text x="{px(x):.1f}" y="{HEIGHT - MARGIN + 18}" text-anchor="middle">{_short(x)}</text>')
     for i, (name, pts) in enumerate(series.items()):
         color = COLORS[i % len(COLORS)]
@@ -76,19 +88,38 @@ def long_context_chart(rows: list[dict]) -> str:
                       xlabel="context (tokens)", ylabel="ms per step")
 
 
-CHARTS = {"indexer": indexer_chart, "long_context": long_context_chart}
+def loss_curve_chart(rows: list[dict]) -> str:
+    """train.py metrics rows, each with the "source" file it came from -> LM loss vs step."""
+    sources = list(dict.fromkeys(r["source"] for r in rows))
+    series = {f"lm loss, {source}": _series(rows, "step", {"source": source}, "lm") for source in sources}
+    return line_chart(series, title="small-128k, 131072-token sequences (H200)", xlabel="step",
+                      ylabel="LM loss", log=False)
+
+
+CHARTS = {"indexer": indexer_chart, "long_context": long_context_chart, "loss_curve": loss_curve_chart}
+
+
+def read_rows(paths: list[str]) -> list[dict]:
+    """A benchmark's --json rows, or the lines of train.py metrics files tagged with their file name."""
+    rows = []
+    for path in paths:
+        with open(path) as f:
+            if path.endswith(".jsonl"):
+                name = path.rsplit("/", 1)[-1].removesuffix(".jsonl")
+                rows += [dict(json.loads(line), source=name) for line in f if line.strip()]
+            else:
+                rows += json.load(f)["rows"]
+    return rows
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("chart", choices=sorted(CHARTS))
-    ap.add_argument("data", help="the --json output of the benchmark")
+    ap.add_argument("data", nargs="+", help="the --json output of the benchmark, or train.py metrics .jsonl files")
     ap.add_argument("out", help="the .svg to write")
     args = ap.parse_args()
-    with open(args.data) as f:
-        rows = json.load(f)["rows"]
     with open(args.out, "w") as f:
-        f.write(CHARTS[args.chart](rows))
+        f.write(CHARTS[args.chart](read_rows(args.data)))
 
 
 if __name__ == "__main__":
