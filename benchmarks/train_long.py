@@ -76,7 +76,7 @@ def main() -> None:
             p, opt_state, terms = run(p, opt_state)             # compile
             jax.block_until_ready(terms)
         except Exception as e:  # noqa: BLE001 - e.g. out of memory: report it, measure the next stage
-            print(f"| {stage} | failed: {type(e).__name__}: {str(e).splitlines()[0][:160]} | | | | |", flush=True)
+            print(f"| {stage} | failed: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]} | | | | |", flush=True)
             continue
         times = []
         for _ in range(args.steps):

@@ -107,9 +107,13 @@ def indexer_topk(q: jax.Array, k: jax.Array, weights: jax.Array, *, topk: int, q
       int32 [B, S, topk]. Row (b, s) holds the min(topk, #valid) valid keys t (kv_start[b,s]
       <= t <= q_pos[b,s], t < kv_len[b]) with the largest scores; on equal scores the lower t
       wins. The row is ordered by descending score, equal scores by ascending t, and the
-      remaining trailing slots are -1. Masked keys are never selected. Deterministic.
+      remaining trailing slots are -1. Masked keys are never selected. Deterministic. Not
+      differentiated: a function that also uses q, k or weights elsewhere can be (the
+      indices count as constants).
     """
     impl = resolve_impl("indexer_topk", impl, implemented=_INDEXER_IMPLS)
+    # Indices carry no gradient; stopping it here keeps autodiff out of the kernels.
+    q, k, weights = (jax.lax.stop_gradient(x) for x in (q, k, weights))
     args = dict(topk=topk, q_pos=q_pos, kv_len=kv_len, kv_start=start_or_zero(kv_start, q_pos))
     if impl in _INDEXER_PALLAS:
         return _INDEXER_PALLAS[impl].indexer_topk(q, k, weights, interpret=interpret, q_chunk=q_chunk,
