@@ -11,7 +11,8 @@ from flax import nnx
 from glm_jax import ops
 from glm_jax.layers.decoder import indexer_kl
 from glm_jax.model import GLMModel
-from glm_jax.training.losses import cross_entropy, end_to_end_tv, total_variation
+from glm_jax.training.losses import (cross_entropy, end_to_end_tv, head_cross_entropy, head_total_variation,
+                                    total_variation)
 from glm_jax.training.step import LossWeights, loss_terms
 from conftest import micro_config
 
@@ -27,6 +28,28 @@ def test_cross_entropy_matches_numpy():
     mask = np.array([[1, 1, 0], [1, 0, 1]], bool)
     want = -np.log(_softmax(logits)[np.arange(2)[:, None], np.arange(3)[None], targets])[mask].mean()
     assert float(cross_entropy(jnp.asarray(logits), jnp.asarray(targets), jnp.asarray(mask))) == pytest.approx(want, rel=1e-5)
+
+
+def test_chunked_head_terms_equal_the_direct_ones():
+    """Through the head in chunks of 3 of 7 positions (a ragged tail): the values and the
+    gradients (head weight and hidden) of CE and TV computed on the whole logits."""
+    rng = np.random.default_rng(3)
+    w = jnp.asarray(rng.normal(size=(5, 11)), jnp.float32)
+    h, h2 = (jnp.asarray(rng.normal(size=(2, 7, 5)), jnp.float32) for _ in range(2))
+    targets = jnp.asarray(rng.integers(0, 11, (2, 7)), jnp.int32)
+    mask = jnp.asarray(rng.random((2, 7)) > 0.3)
+
+    def direct(w, h, h2):
+        return cross_entropy(h @ w, targets, mask) + jnp.sum(total_variation(h @ w, h2 @ w) * jnp.arange(7.0))
+
+    def chunked(w, h, h2):
+        head = lambda x: x @ w
+        return (head_cross_entropy(head, h, targets, mask, chunk=3)
+                + jnp.sum(head_total_variation(head, h, h2, chunk=3) * jnp.arange(7.0)))
+
+    assert float(chunked(w, h, h2)) == pytest.approx(float(direct(w, h, h2)), rel=1e-6)
+    for got, want in zip(jax.grad(chunked, argnums=(0, 1, 2))(w, h, h2), jax.grad(direct, argnums=(0, 1, 2))(w, h, h2)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
 
 
 def test_total_variation_and_end_to_end():

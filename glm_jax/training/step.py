@@ -20,7 +20,7 @@ from flax import nnx
 from glm_jax import ops
 from glm_jax.layers.decoder import AttentionSettings
 from glm_jax.layers.segments import same_segment_ahead
-from glm_jax.training.losses import cross_entropy, end_to_end_tv, shift_left, total_variation
+from glm_jax.training.losses import end_to_end_tv, head_cross_entropy, head_total_variation, shift_left
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +52,9 @@ def loss_terms(model, inputs, targets, *, stage: str, weights: LossWeights, kern
                remat: bool = False, form: str = "expanded", segment_ids=None):
     """inputs, targets int32 [B, S] -> (total loss, dict of terms).
 
+    The vocabulary-wide terms run through the head per chunk of positions
+    (`losses.head_cross_entropy`): the model's [B, S, V] logits are never kept.
+
     segment_ids int32 [B, S] or None: packed documents (0 = padding, no loss); attention stays
     inside each document and the MTP losses count only targets of the same document.
 
@@ -64,7 +67,8 @@ def loss_terms(model, inputs, targets, *, stage: str, weights: LossWeights, kern
     s = inputs.shape[1]
     n_full = len(model.cfg.full_layers)
     lm_mask = None if segment_ids is None else segment_ids > 0
-    terms = {"lm": cross_entropy(out.logits, targets, lm_mask), "indexer_kl": out.indexer_kl / (s * n_full)}
+    terms = {"lm": head_cross_entropy(model.logits, out.hidden, targets, lm_mask),
+             "indexer_kl": out.indexer_kl / (s * n_full)}
     total = terms["lm"] + weights.indexer * terms["indexer_kl"]
     if model.mtp is not None and (weights.mtp > 0 or weights.tv > 0):
         total = total + _mtp_losses(model, out, targets, settings, weights, terms, segment_ids)
@@ -91,8 +95,11 @@ def _mtp_losses(model, out, targets, settings, weights: LossWeights, terms: dict
         mtp, kv = model.mtp_forward(hidden, shift_left(targets, d - 1), settings=settings, shared_kv=shared,
                                     segment_ids=segment_ids)
         mask = jnp.broadcast_to(_targets_ahead(segment_ids, s, d), targets.shape)
-        ces.append(cross_entropy(mtp.logits, shift_left(targets, d), mask))
-        tvs.append(total_variation(shift_left(out.logits, d), mtp.logits))
+        ces.append(head_cross_entropy(model.logits, mtp.hidden, shift_left(targets, d), mask))
+        tv_inputs = (shift_left(out.hidden, d), mtp.hidden)
+        if not weights.tv:                  # reported, not trained: no backward pass through it
+            tv_inputs = jax.lax.stop_gradient(tv_inputs)
+        tvs.append(head_total_variation(model.logits, *tv_inputs))
         if d == 1:
             terms["mtp_indexer_kl"] = mtp.indexer_kl / s
             total = total + weights.indexer * terms["mtp_indexer_kl"]
@@ -138,4 +145,4 @@ def eval_step(graphdef, params, rest, inputs, targets, *, stage, kernels):
     """Validation LM loss (sparse attention, as the model is used)."""
     model = nnx.merge(graphdef, params, rest)
     out = model(inputs, settings=AttentionSettings(mode=stage, form="absorbed", kernels=kernels))
-    return cross_entropy(out.logits, targets)
+    return head_cross_entropy(model.logits, out.hidden, targets)
