@@ -219,7 +219,7 @@ def batch_sharding(mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:
 
 # ------------------------------------------------------------------ activations in the program
 # Context parallelism: full-sequence activations [B, S, ...] are split over `activation_length`
-# (the context axis); the key rows every query may attend are gathered (`kv_length`). Both act
+# (the context axis); the key rows every query may attend are gathered (`kv_length`). These act
 # on the mesh set with `jax.set_mesh` and do nothing without one.
 
 def _ambient_mesh():
@@ -252,12 +252,18 @@ def _on_mesh(axis, mesh):
 
 
 def split_tokens(x: jax.Array) -> jax.Array:
-    """x [B, S, ...] (activations, positions, masks of the queries): S over the context axis."""
+    """x [B, S, ...] (activations, positions, masks of the queries): S over the context axis.
+    Without context parallelism x is left to XLA's sharding propagation."""
+    if context_size() == 1:
+        return x
     return constrain(x, ("batch", "activation_length") + (None,) * (x.ndim - 2))
 
 
 def gather_keys(x: jax.Array) -> jax.Array:
-    """x [B, T, ...] (latent rows, indexer keys): all T rows on every device of the context axis."""
+    """x [B, T, ...] (latent rows, indexer keys): all T rows on every device of the context axis.
+    Without context parallelism x is left to XLA's sharding propagation."""
+    if context_size() == 1:
+        return x
     return constrain(x, ("batch", "kv_length") + (None,) * (x.ndim - 2))
 
 
