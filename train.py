@@ -76,8 +76,9 @@ def parse_args(argv=None):
     ap.add_argument("--remat", action="store_true", help="recompute activations in the backward pass")
     ap.add_argument("--mesh", default=None, metavar="SPEC",
                     help="shard the run over a device mesh, e.g. data=8 or data=2,tensor=2,layer=2: batch "
-                         "and (FSDP) the model dimension of the weights over data, heads / FFN / experts "
-                         "over tensor (and layer); on a CPU the devices are simulated")
+                         "and (FSDP) the model dimension of the weights over data, the sequence over context "
+                         "(context parallelism, e.g. data=2,context=4), heads / FFN / experts over tensor "
+                         "(and layer); on a CPU the devices are simulated")
     ap.add_argument("--attention-form", default="auto", choices=["auto", "expanded", "absorbed"],
                     help="expanded: [S, S] attention matrices, every loss (short sequences); absorbed: none, "
                          "for long sequences (the dense stage then cannot train the indexer); auto: "
@@ -139,7 +140,8 @@ def _placement(args, params, rest, tx):
     if not args.mesh:
         return params, rest, tx.init(params), jnp.asarray
     mesh = sharding.make_mesh(args.mesh)
-    batch = sharding.batch_sharding(mesh, (args.batch_size, args.seq_len))   # checks that data divides it
+    batch = sharding.batch_sharding(mesh, (args.batch_size, args.seq_len))   # checks that data, context divide it
+    jax.set_mesh(mesh)                       # the steps lay out their activations on it (context parallelism)
     params = sharding.shard_params(params, mesh, sharding.TRAINING_RULES)
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     on_mesh = lambda x: x if getattr(x.sharding, "mesh", None) == mesh else jax.device_put(x, replicated)

@@ -26,6 +26,7 @@ from glm_jax.layers.mtp import MTPLayer
 from glm_jax.layers.norms import RMSNorm
 from glm_jax.layers.segments import segment_layout
 from glm_jax.layer_split import Placement
+from glm_jax.sharding import split_tokens
 
 
 def _stacked_groups(cfg: GLMConfig, plan: GroupStackPlan, key: jax.Array, dtype) -> IndexShareGroup:
@@ -68,7 +69,11 @@ class GLMModel(nnx.Module):
         """tokens int32 [B, S] starting at position 0; lengths int32 [B] valid tokens (default S).
 
         segment_ids int32 [B, S]: packed rows (`layers/segments.py`): tokens attend only their
-        own segment, and positions restart at each segment's first token."""
+        own segment, and positions restart at each segment's first token.
+
+        On a mesh set with `jax.set_mesh` whose context axis splits S (context parallelism,
+        `glm_jax.sharding`), each device computes the activations of its S / context tokens; the
+        results are those of one device."""
         b, s = tokens.shape
         positions, kv_start = _layout(b, s, segment_ids)
         kv_len = jnp.full((b,), s, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
@@ -179,10 +184,12 @@ def _mtp_view(cache: KVCache, positions) -> GroupCacheView:
 
 
 def _layout(b: int, s: int, segment_ids):
-    """-> (positions int32 [B, S], kv_start int32 [B, S] or None) of a full sequence."""
+    """-> (positions int32 [B, S], kv_start int32 [B, S] or None) of a full sequence, split
+    along S under context parallelism."""
     if segment_ids is None:
-        return jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s)), None
-    return segment_layout(segment_ids)
+        return split_tokens(jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))), None
+    positions, kv_start = segment_layout(segment_ids)
+    return split_tokens(positions), split_tokens(kv_start)
 
 
 def count_params(model_or_state) -> int:

@@ -3,9 +3,13 @@
     mesh = make_mesh("data=2,tensor=2,layer=2")          # 8 devices
     params = shard_params(nnx.state(model), mesh)          # device_put with the rules below
     cache = shard_cache(create_cache(cfg, b, t, split=LayerSplit(mesh)), mesh)
+    jax.set_mesh(make_mesh("data=2,context=4"))            # training: activations follow the mesh
 
 Mesh axes (always in this order; a missing one has size 1):
     data    batch rows (and the cache pages that hold them)
+    context the token dimension of full-sequence activations (context parallelism; "cp" and
+            "seq" are aliases): each device holds S / context queries, and the keys every query
+            may attend are gathered along it (see `constrain` and `split_queries`)
     tensor  attention heads, MLP columns, routed experts, vocabulary ("expert" is an alias)
     layer   LayerSplit: each device of this axis stores the KV cache of a disjoint subset of
             layers (glm_jax.layer_split); routed experts are split over tensor x layer, the
@@ -28,12 +32,15 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from glm_jax.multihost import place
 
-MESH_AXES = ("data", "tensor", "layer")
-AXIS_ALIASES = {"expert": "tensor", "experts": "tensor", "dp": "data", "tp": "tensor", "ep": "tensor"}
+MESH_AXES = ("data", "context", "tensor", "layer")
+AXIS_ALIASES = {"expert": "tensor", "experts": "tensor", "dp": "data", "tp": "tensor", "ep": "tensor",
+                "cp": "context", "seq": "context"}
 
 # logical dimension name -> mesh axis, tuple of mesh axes (split over their product), or None
 LOGICAL_AXIS_RULES: dict[str, str | tuple[str, ...] | None] = {
     "batch": "data",
+    "activation_length": "context",  # tokens of full-sequence activations (the queries)
+    "kv_length": None,          # key rows every query may attend (latent rows, indexer keys): gathered
     "embed": None,
     "heads": "tensor",          # attention heads (q_b, kv_b outputs; o_proj input)
     "index_heads": "tensor",    # lightning-indexer query heads
@@ -63,7 +70,7 @@ def parse_mesh_spec(spec: str) -> dict[str, int]:
         name = AXIS_ALIASES.get(m.group(1), m.group(1))
         if name not in sizes:
             raise ShardingError(f"mesh spec {spec!r}: unknown axis {m.group(1)!r}; axes are "
-                                f"{', '.join(MESH_AXES)} ('expert' = tensor)")
+                                f"{', '.join(MESH_AXES)} ('expert' = tensor, 'cp' = context)")
         if name in seen:
             raise ShardingError(f"mesh spec {spec!r}: axis {name!r} given twice")
         if int(m.group(2)) < 1:
@@ -78,14 +85,14 @@ def simulate_cpu_devices(spec: str, processes: int = 1) -> None:
     mesh `spec` needs. Call it before jax starts a backend; it only affects the CPU platform
     (harmless on GPU and TPU hosts)."""
     sizes = parse_mesh_spec(spec)
-    need = -(-sizes["data"] * sizes["tensor"] * sizes["layer"] // processes)
+    need = -(-math.prod(sizes.values()) // processes)
     flags = os.environ.get("XLA_FLAGS", "")
     if need > 1 and "xla_force_host_platform_device_count" not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={need}".strip()
 
 
 def make_mesh(spec: str | dict[str, int], devices=None) -> Mesh:
-    """A Mesh with axes (data, tensor, layer) over the first prod(sizes) devices."""
+    """A Mesh with axes (data, context, tensor, layer) over the first prod(sizes) devices."""
     sizes = parse_mesh_spec(spec) if isinstance(spec, str) else {**dict.fromkeys(MESH_AXES, 1), **spec}
     devices = list(jax.devices() if devices is None else devices)
     need = math.prod(sizes[a] for a in MESH_AXES)
@@ -105,7 +112,7 @@ def make_mesh(spec: str | dict[str, int], devices=None) -> Mesh:
 
 def format_mesh(sizes: dict[str, int] | Mesh) -> str:
     shape = dict(sizes.shape) if isinstance(sizes, Mesh) else sizes
-    return ",".join(f"{a}={shape[a]}" for a in MESH_AXES)
+    return ",".join(f"{a}={shape.get(a, 1)}" for a in MESH_AXES)
 
 
 def logical_spec(names: tuple[str | None, ...], rules: dict[str, str | None] = LOGICAL_AXIS_RULES
@@ -122,19 +129,27 @@ def logical_sharding(mesh: Mesh, names: tuple[str | None, ...], shape: tuple[int
     """NamedSharding for an array of `shape` whose dims are named `names`; checks divisibility.
 
     Raises ShardingError naming the array (`what`), the dimension and the fix."""
+    return NamedSharding(mesh, checked_spec(mesh.shape, names, shape, what, rules))
+
+
+def checked_spec(mesh_shape, names: tuple[str | None, ...], shape: tuple[int, ...], what: str,
+                 rules: dict[str, str | None] = LOGICAL_AXIS_RULES) -> PartitionSpec:
+    """`logical_spec(names)` after checking that every mesh axis it splits a dimension over
+    divides that dimension; mesh_shape: {axis: size} of a Mesh or AbstractMesh."""
     if len(names) != len(shape):
         raise ShardingError(f"{what}: {len(names)} logical names {names} for shape {shape}")
     spec = logical_spec(names, rules)
     for name, size, axis in zip(names, shape, spec):
         if axis is None:
             continue
-        n = math.prod(mesh.shape[a] for a in ((axis,) if isinstance(axis, str) else axis))
+        n = math.prod(mesh_shape[a] for a in ((axis,) if isinstance(axis, str) else axis))
         if size % n:
             raise ShardingError(
                 f"{what}: dimension {name!r} of size {size} (shape {shape}) is split over mesh axis "
                 f"{axis!r} of size {n}, which does not divide it; use a mesh whose {axis!r} size divides "
-                f"{size} (mesh is {format_mesh(mesh)}), or change the rule for {name!r} in LOGICAL_AXIS_RULES")
-    return NamedSharding(mesh, spec)
+                f"{size} (mesh is {format_mesh(dict(mesh_shape))}), or change the rule for {name!r} in "
+                "LOGICAL_AXIS_RULES")
+    return spec
 
 
 # ------------------------------------------------------------------ parameters
@@ -191,8 +206,94 @@ TRAINING_RULES = {**LOGICAL_AXIS_RULES, "embed": "data"}
 
 
 def batch_sharding(mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:
-    """Token batches [B, S, ...]: rows over the data axis."""
-    return logical_sharding(mesh, ("batch",) + (None,) * (len(shape) - 1), shape, "the batch")
+    """Token batches [B, S, ...]: rows over the data axis, tokens over the context axis."""
+    context = mesh.shape.get(LOGICAL_AXIS_RULES["activation_length"], 1)
+    if len(shape) > 1 and shape[1] % context:
+        raise ShardingError(
+            f"the batch: sequence length {shape[1]} is not a multiple of the context-parallel size "
+            f"{context} (mesh is {format_mesh(mesh)}); use a sequence length that is a multiple of "
+            f"{context} (--seq-len) or a context axis that divides {shape[1]}")
+    return logical_sharding(mesh, ("batch", "activation_length") + (None,) * (len(shape) - 2), shape,
+                            "the batch")
+
+
+# ------------------------------------------------------------------ activations in the program
+# Context parallelism: full-sequence activations [B, S, ...] are split over `activation_length`
+# (the context axis); the key rows every query may attend are gathered (`kv_length`). These act
+# on the mesh set with `jax.set_mesh` and do nothing without one.
+
+def _ambient_mesh():
+    mesh = jax.sharding.get_abstract_mesh()
+    return None if mesh.empty else mesh
+
+
+def _free_axes(mesh) -> dict[str, int]:
+    """{axis: size} of the mesh axes still to partition (not manual: not inside a shard_map over them)."""
+    return {a: n for a, n, t in zip(mesh.axis_names, mesh.axis_sizes, mesh.axis_types)
+            if t != jax.sharding.AxisType.Manual}
+
+
+def constrain(x: jax.Array, names: tuple[str | None, ...], rules: dict = LOGICAL_AXIS_RULES) -> jax.Array:
+    """x with its dims (logical `names`) laid out by `rules` on the ambient mesh; mesh axes the
+    mesh lacks (or that are manual) are dropped. A dimension the mesh does not divide raises
+    ShardingError."""
+    mesh = _ambient_mesh()
+    if mesh is None:
+        return x
+    sizes = {a: _free_axes(mesh).get(a, 1) for a in MESH_AXES}
+    spec = checked_spec(sizes, names, tuple(x.shape), f"activation {tuple(names)}", rules)
+    return jax.lax.with_sharding_constraint(x, PartitionSpec(*(_on_mesh(a, mesh) for a in spec)))
+
+
+def _on_mesh(axis, mesh):
+    """A PartitionSpec entry without the mesh axes `mesh` lacks or has made manual."""
+    kept = tuple(a for a in ((axis,) if isinstance(axis, str) else axis or ()) if a in _free_axes(mesh))
+    return kept[0] if len(kept) == 1 else (kept or None)
+
+
+def split_tokens(x: jax.Array) -> jax.Array:
+    """x [B, S, ...] (activations, positions, masks of the queries): S over the context axis.
+    Without context parallelism x is left to XLA's sharding propagation."""
+    if context_size() == 1:
+        return x
+    return constrain(x, ("batch", "activation_length") + (None,) * (x.ndim - 2))
+
+
+def gather_keys(x: jax.Array) -> jax.Array:
+    """x [B, T, ...] (latent rows, indexer keys): all T rows on every device of the context axis.
+    Without context parallelism x is left to XLA's sharding propagation."""
+    if context_size() == 1:
+        return x
+    return constrain(x, ("batch", "kv_length") + (None,) * (x.ndim - 2))
+
+
+def context_size() -> int:
+    """Devices the ambient mesh splits the sequence over (1 without a mesh)."""
+    mesh = _ambient_mesh()
+    return 1 if mesh is None else _free_axes(mesh).get(LOGICAL_AXIS_RULES["activation_length"], 1)
+
+
+def split_queries(fn, per_query: dict, whole: dict):
+    """fn(**per_query, **whole), each device running it for its own batch rows and queries only.
+
+    per_query: arrays [B, S, ...] indexed by query (queries, their positions, their top-k
+    indices), split along B over the data axis and along S over the context axis, as is every
+    output of fn; whole: arrays every query needs (keys [B, T, ...], lengths [B]), split along
+    B only, so complete along T on each device. None values are passed through. Valid for
+    functions whose output row (b, s) depends only on row (b, s) of the per_query arrays and
+    row b of the others (the kernel contracts of `glm_jax.ops`); without context parallelism
+    this is fn(**per_query, **whole)."""
+    if context_size() == 1:
+        return fn(**per_query, **whole)
+    mesh = _ambient_mesh()
+    batch, length = (_on_mesh(LOGICAL_AXIS_RULES[n], mesh) for n in ("batch", "activation_length"))
+    manual = {a for axis in (batch, length) for a in ((axis,) if isinstance(axis, str) else axis or ())}
+    given = lambda d: {k: v for k, v in d.items() if v is not None}
+    absent = {k: None for k, v in {**per_query, **whole}.items() if v is None}
+    local = lambda q, w: fn(**q, **w, **absent)
+    return jax.shard_map(local, in_specs=(PartitionSpec(batch, length), PartitionSpec(batch)),
+                         out_specs=PartitionSpec(batch, length), axis_names=manual,
+                         check_vma=False)(given(per_query), given(whole))
 
 
 # ------------------------------------------------------------------ KV cache

@@ -28,9 +28,9 @@ def checks() -> dict:
 
 
 def test_mesh_spec_parsing():
-    assert parse_mesh_spec("data=2,tensor=2,layer=2") == {"data": 2, "tensor": 2, "layer": 2}
-    assert parse_mesh_spec("layer=8") == {"data": 1, "tensor": 1, "layer": 8}
-    assert parse_mesh_spec("expert=4") == {"data": 1, "tensor": 4, "layer": 1}
+    assert parse_mesh_spec("data=2,tensor=2,layer=2") == {"data": 2, "context": 1, "tensor": 2, "layer": 2}
+    assert parse_mesh_spec("layer=8") == {"data": 1, "context": 1, "tensor": 1, "layer": 8}
+    assert parse_mesh_spec("expert=4") == {"data": 1, "context": 1, "tensor": 4, "layer": 1}
     for bad in ("data=2,data=2", "pipeline=2", "layer", "layer=0"):
         with pytest.raises(ShardingError):
             parse_mesh_spec(bad)

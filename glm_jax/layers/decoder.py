@@ -26,6 +26,7 @@ from glm_jax.layers.moe import MLP, MoE
 from glm_jax.layers.selected_kl import selected_set_kl
 from glm_jax.layers.norms import RMSNorm
 from glm_jax.layers.segments import query_rows
+from glm_jax.sharding import gather_keys, split_tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,9 +137,14 @@ class IndexShareGroup(nnx.Module):
         shared_kv: optional (latent [B, S, latent], indices [B, S, topk] or None in dense mode)
         of an earlier pass (KVShare training of MTP depths >= 2): the Full layer then attends
         those latent rows with those indices instead of its own, and runs no indexer.
+
+        Context parallelism (`sharding`): x, positions and every per-query array stay split along
+        S; each layer's latent rows and the indexer keys are gathered, so every query shard
+        attends (and selects from) its whole causal prefix.
         -> (x [B, S, hidden], indexer KL summed over the group's layers (scalar float32),
             the Full layer's latent rows [B, S, latent], its indices [B, S, topk] or None)."""
         s = x.shape[1]
+        x = split_tokens(x)
         t = jnp.arange(s)[None, None, :]
         causal = (t <= query_rows(positions, kv_start)[:, :, None]) & (t < kv_len[:, None, None])
         if kv_start is not None:
@@ -155,7 +161,7 @@ class IndexShareGroup(nnx.Module):
                 latent, indices = shared_kv
             elif j == 0:
                 hd, qd = jax.lax.stop_gradient(h), jax.lax.stop_gradient(q_resid)
-                keys = layer.indexer.keys(hd, positions)
+                keys = gather_keys(layer.indexer.keys(hd, positions))
                 if settings.mode == "sparse":
                     indices = layer.indexer.select(hd, qd, positions, keys, kv_len, settings.kernels, kv_start)
                 if settings.indexer_loss and settings.form == "expanded":
@@ -163,12 +169,13 @@ class IndexShareGroup(nnx.Module):
                                                         kv_start)
                 elif settings.indexer_loss:
                     index_inputs = (layer.indexer.queries(qd, positions), keys, layer.indexer.head_weights(hd))
+            latent = gather_keys(latent)
             if j == 0:
                 first_latent = latent
             if settings.mode == "dense":
                 mask = causal
             else:
-                mask = indices_to_mask(indices, s) & causal
+                mask = split_tokens(indices_to_mask(indices, s)) & causal
             if settings.form == "expanded":
                 out, probs = layer.self_attn.attend_expanded(q_nope, q_rope, latent, mask, return_probs=True)
                 if index_logits is not None:
@@ -185,7 +192,7 @@ class IndexShareGroup(nnx.Module):
             else:
                 out = layer.self_attn.attend_absorbed(q_nope, q_rope, latent, indices, settings.kernels)
             x = layer.finish(x, out)
-        return x, kl, first_latent, indices
+        return split_tokens(x), kl, first_latent, indices
 
     def forward_cached(self, x, positions, view, kv_len, kernels: ops.KernelChoice):
         """Forward of new tokens against the cache, through `view` (cache_view.GroupCacheView).

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from glm_jax import ops
+from glm_jax.sharding import context_size
 from glm_jax.config import GLMConfig
 from glm_jax.layers.linear import Linear
 from glm_jax.layers.norms import RMSNorm
@@ -29,8 +30,10 @@ def fused_attention_backend(head_width: int) -> str | None:
 
     "cudnn" (flash attention: no [S, T] scores in memory, forward and backward) on a GPU for head
     widths it supports (a multiple of 8, <= 256 from Hopper on, <= 128 before); None (XLA, which
-    materialises the scores) elsewhere. XLA never picks cuDNN by itself."""
-    if jax.default_backend() != "gpu" or head_width % 8:
+    materialises the scores) elsewhere, and under context parallelism: the flash kernel's causal
+    mask assumes query i is key i, while XLA splits its scores over the query shards. XLA never
+    picks cuDNN by itself."""
+    if jax.default_backend() != "gpu" or head_width % 8 or context_size() > 1:
         return None
     capability = getattr(jax.devices()[0], "compute_capability", "0.0")
     hopper_or_later = tuple(int(x) for x in capability.split(".")[:2]) >= (9, 0)

@@ -12,9 +12,12 @@ over all keys. Gradients reach only the indexer inputs (the target is constant).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
+from glm_jax.sharding import split_queries
 from pallas_kernels._common import map_query_chunks
 
 
@@ -50,13 +53,19 @@ def selected_set_kl(q_abs: jax.Array, latent: jax.Array, indices: jax.Array, lse
     [B, S, K] (-1 = none); lse float32 [B, S, H] from the sparse attention over those indices;
     idx_q [B, S, Hi, Di], idx_keys [B, T, Di], idx_w float32 [B, S, Hi]: the indexer's queries,
     keys and head weights (gradients flow into these only).
-    Equals `decoder.indexer_kl(head-summed target, indexer logits, selected mask)`."""
-    seq_len = q_abs.shape[1]
-    chunk = max(1, min(int(q_chunk), seq_len))
+    Equals `decoder.indexer_kl(head-summed target, indexer logits, selected mask)`. Under context
+    parallelism each device computes the KL of its own queries (`sharding.split_queries`)."""
+    per_query = split_queries(functools.partial(_per_query_kl, sm_scale=sm_scale, q_chunk=q_chunk),
+                              dict(q_abs=q_abs, lse=lse, indices=indices, idx_q=idx_q, idx_w=idx_w),
+                              dict(latent=latent, idx_keys=idx_keys))
+    return jnp.sum(per_query) / q_abs.shape[0]
+
+
+def _per_query_kl(q_abs, lse, indices, idx_q, idx_w, latent, idx_keys, *, sm_scale, q_chunk):
+    """Each query's KL, float32 [B, S], in chunks of q_chunk queries; arguments as in `selected_set_kl`."""
+    chunk = max(1, min(int(q_chunk), q_abs.shape[1]))
 
     def body(q_c, lse_c, idx_c, iq_c, iw_c):
         return _chunk_kl(q_c, lse_c, idx_c, iq_c, iw_c, latent, idx_keys, sm_scale=sm_scale)
 
-    per_query = map_query_chunks(body, (q_abs, lse, indices, idx_q, idx_w), (0, -jnp.inf, -1, 0, 0),
-                                 chunk, remat=True)                      # [B, S]
-    return jnp.sum(per_query) / q_abs.shape[0]
+    return map_query_chunks(body, (q_abs, lse, indices, idx_q, idx_w), (0, -jnp.inf, -1, 0, 0), chunk, remat=True)
