@@ -260,8 +260,12 @@ def _train(args) -> int:
               f"data in {data_shards} shard(s), this process reading {len(shards_read)}")
     print(f"model: {cfg.name}, {count_params(model):,} parameters, pattern {cfg.pattern}")
 
-    batches = pipeline.PackedBatches(train_docs, encode, seq_len=args.seq_len, batch_size=args.batch_size,
-                                     seed=args.seed, shards=data_shards, read=shards_read)
+    try:
+        batches = pipeline.PackedBatches(train_docs, encode, seq_len=args.seq_len, batch_size=args.batch_size,
+                                         seed=args.seed, shards=data_shards, read=shards_read)
+    except ValueError as e:       # e.g. fewer documents than data shards
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     heldout = list(data_batches.heldout_batches(heldout_tokens, args.seq_len, args.batch_size,
                                                 args.eval_batches))
     mngr = checkpointing.manager(out)
