@@ -14,14 +14,14 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
+
+from glm_jax.multihost_flags import add_distributed_flags
 
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parent / "checkpoints" / "default"
 DEFAULT_PROMPT = "import os\n\n\ndef read_lines(path):\n"
@@ -62,15 +62,7 @@ def parse_args(argv=None):
     ap.add_argument("--max-context", type=int, default=None,
                     help="cache rows per sequence for --compile-only (default: the model's context)")
     ap.add_argument("--batch", type=int, default=1, help="sequences per step for --compile-only")
-    hosts = ap.add_argument_group("several processes (hosts)", "every process runs the same command; "
-                                  "the mesh spans all their devices; only process 0 prints and writes --output")
-    hosts.add_argument("--coordinator", default=None, metavar="HOST:PORT",
-                       help="process 0's address, which every process gives (with --num-processes, --process-id)")
-    hosts.add_argument("--num-processes", type=int, default=None, metavar="N")
-    hosts.add_argument("--process-id", type=int, default=None, metavar="I", help="0..N-1")
-    hosts.add_argument("--distributed", action="store_true",
-                       help="join a multi-process run that jax.distributed detects by itself (TPU pod, SLURM, "
-                            "Open MPI, or JAX_COORDINATOR_ADDRESS in the environment, which also turns this on)")
+    add_distributed_flags(ap, "--output")
     return ap.parse_args(argv)
 
 
@@ -78,21 +70,16 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.compile_only:
         return _compile_only(args)
-    from glm_jax.multihost import initialize_distributed, is_main_process
-    from glm_jax.sharding import simulate_cpu_devices
+    from glm_jax.multihost import is_main_process, join_from_flags, stdout_of_main_process_only
 
     try:
-        setup = _distributed_setup(args)
-        if args.mesh:
-            simulate_cpu_devices(args.mesh, setup.num_processes or 1)
-        initialize_distributed(setup)      # before the first jax computation
+        join_from_flags(args)      # before the first jax computation
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if is_main_process():
-        return _decode(args)
-    with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
-        return _decode(argparse.Namespace(**{**vars(args), "quiet": True, "output": None}))
+    with stdout_of_main_process_only():
+        return _decode(args if is_main_process()
+                       else argparse.Namespace(**{**vars(args), "quiet": True, "output": None}))
 
 
 def _decode(args) -> int:
@@ -205,17 +192,6 @@ def _stop_token(cfg, tok, eos_id) -> int | None:
     if eos is None and not isinstance(tok, _TokenIds):
         eos = eos_id(tok)
     return eos
-
-
-def _distributed_setup(args):
-    """The multi-process launch the flags (or the environment) describe; checked."""
-    from glm_jax.multihost import DistributedSetup
-
-    setup = DistributedSetup(coordinator=args.coordinator, num_processes=args.num_processes,
-                             process_id=args.process_id,
-                             auto=args.distributed or bool(os.environ.get("JAX_COORDINATOR_ADDRESS")))
-    setup.check()
-    return setup
 
 
 def _compile_only(args) -> int:

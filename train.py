@@ -2,34 +2,42 @@
 
     python train.py --config configs/tiny.yaml --out runs/tiny --steps 600
     python train.py --init-from-hf GLM-5.2/ --out runs/glm --steps 100   # fine-tune published weights
+    python train.py --mesh data=16 --out /shared/runs/tiny --coordinator 10.0.0.1:1234 --num-processes 2 \
+        --process-id 0                          # one of several processes (hosts), each reading its data shard
 
 The run directory receives tokenizer.json (a byte-level BPE trained on the training files),
 config.yaml, checkpoints/ (orbax: params, optimizer state, data position) every --save-every
-steps, params/ (the final weights, what decode.py loads) and metrics.jsonl.
+steps, params/ (the final weights, what decode.py loads) and metrics.jsonl. Several processes
+share it: process 0 writes the files, all of them write and read the checkpoints together.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
-from glm_jax import costs, ops, sharding
+from glm_jax import costs, multihost, ops, sharding
 from glm_jax.checkpoint import check_same_config, save_model_dir
 from glm_jax.config import ConfigError, load_config, save_config
 from glm_jax.data import batches as data_batches
 from glm_jax.data import corpus, pipeline, sources, tokenizer as tok_lib
 from glm_jax.info import params_by_part
 from glm_jax.model import GLMModel, abstract_model, count_params
+from glm_jax.multihost_flags import add_distributed_flags
 from glm_jax.training import checkpointing
 from glm_jax.training.step import (EXPANDED_MAX_LEN, LossWeights, attention_form, eval_step, make_optimizer,
                                    train_step)
@@ -68,6 +76,10 @@ def parse_args(argv=None):
                     help="training text: .txt (a file is a document), .jsonl ({\"text\": ...} per line), "
                          ".array_record files or directories of them (default: the Python standard library)")
     ap.add_argument("--max-files", type=int, default=None, help="use only the first N training documents")
+    ap.add_argument("--data-shards", type=int, default=None, metavar="N",
+                    help="build each batch from N data shards (shard i packs documents i, i+N, ...), each "
+                         "process reading those of its rows (default: one per process); a run with the same "
+                         "N sees the same batches whatever its number of processes")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--export-dtype", default=None, help="cast the exported params/ (e.g. bfloat16)")
     ap.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
@@ -87,6 +99,7 @@ def parse_args(argv=None):
                     help="sparse attention kernel; auto: the backend's Pallas kernel, except the chunked "
                          "xla one for absorbed-form training of sequences over 8192 tokens (the Pallas "
                          "backward keeps one 576-wide row per query and selected key)")
+    add_distributed_flags(ap, "the run directory's files (the checkpoints are written together)")
     return ap.parse_args(argv)
 
 
@@ -102,16 +115,15 @@ def prepare_data(args, cfg, out: Path, documents=None):
     if args.max_files:
         train_docs = sources.Subset(train_docs, range(min(args.max_files, len(train_docs))))
         heldout_docs = sources.Subset(heldout_docs, range(min(max(1, args.max_files // 20), len(heldout_docs))))
-    tok_path = out / "tokenizer.json"
-    if tok_path.exists():
-        tok = tok_lib.load_tokenizer(out)
-    else:
+    if multihost.is_main_process() and not (out / "tokenizer.json").exists():
         t = time.perf_counter()
         n = min(len(train_docs), TOKENIZER_DOCS)
         tok = tok_lib.train_bpe((train_docs[i] for i in range(n)), vocab_size=cfg.vocab_size)
         tok_lib.save_tokenizer(tok, out)
         print(f"tokenizer: byte-level BPE, {tok.get_vocab_size()} tokens, trained on {n} "
               f"documents in {time.perf_counter() - t:.1f}s")
+    multihost.barrier("tokenizer.json")    # the other processes read the one process 0 wrote
+    tok = tok_lib.load_tokenizer(out)
     if tok.get_vocab_size() > cfg.vocab_size:
         raise ConfigError(f"config key `vocab_size`: {cfg.vocab_size} < tokenizer's {tok.get_vocab_size()}; "
                           "raise vocab_size")
@@ -133,21 +145,46 @@ def _peak_flops(peak_tflops: float | None) -> float | None:
     return _PEAK_FLOPS.get(jax.devices()[0].device_kind)
 
 
-def _placement(args, params, rest, tx):
-    """-> (params, rest, optimizer state, place_batch) on the --mesh (params by TRAINING_RULES,
-    the optimizer state like its params, everything else replicated, batches split over data),
-    or on one device."""
-    if not args.mesh:
-        return params, rest, tx.init(params), jnp.asarray
-    mesh = sharding.make_mesh(args.mesh)
-    batch = sharding.batch_sharding(mesh, (args.batch_size, args.seq_len))   # checks that data, context divide it
-    jax.set_mesh(mesh)                       # the steps lay out their activations on it (context parallelism)
+def _mesh(args) -> Mesh | None:
+    """The --mesh (over the devices of every process), or None: one device."""
+    if args.mesh:
+        mesh = sharding.make_mesh(args.mesh)
+        jax.set_mesh(mesh)                   # the steps lay out their activations on it (context parallelism)
+        return mesh
+    if jax.process_count() > 1:
+        raise ValueError(f"{jax.process_count()} processes train one model over a mesh of all their devices; "
+                         f"give --mesh (e.g. --mesh data={jax.device_count()})")
+    return None
+
+
+def _place_state(mesh: Mesh | None, params, rest, tx):
+    """-> (params, rest, optimizer state) on `mesh` (params by TRAINING_RULES, the optimizer state
+    like its params, everything else replicated; each process fills its own shards), or on one
+    device."""
+    if mesh is None:
+        return params, rest, tx.init(params)
     params = sharding.shard_params(params, mesh, sharding.TRAINING_RULES)
-    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    on_mesh = lambda x: x if getattr(x.sharding, "mesh", None) == mesh else jax.device_put(x, replicated)
+    replicate = lambda x: multihost.global_array(x, multihost.replicated(mesh))
+    on_mesh = lambda x: x if getattr(x.sharding, "mesh", None) == mesh else replicate(x)
     opt_state = jax.tree.map(on_mesh, tx.init(params))        # scalars (step counts) replicated
-    print(f"mesh: {sharding.format_mesh(mesh)} over {mesh.size} devices")
-    return params, jax.device_put(rest, replicated), opt_state, lambda x: jax.device_put(jnp.asarray(x), batch)
+    return params, jax.tree.map(replicate, rest), opt_state
+
+
+class _BatchPlacement(NamedTuple):
+    """Where the rows of batches of `shape` [B, L] go: split over the data axis of the mesh."""
+
+    rows: range                     # the rows of every batch that this process's devices hold
+    from_rows: Callable             # int [len(rows), L], this process's rows -> global [B, L]
+    from_host: Callable             # int [B, L], the same on every process -> global [B, L]
+
+
+def _batch_placement(mesh: Mesh | None, shape: tuple[int, int]) -> _BatchPlacement:
+    if mesh is None:
+        return _BatchPlacement(range(shape[0]), jnp.asarray, jnp.asarray)
+    batch = sharding.batch_sharding(mesh, shape)   # checks that data divides B and context divides L
+    return _BatchPlacement(multihost.process_rows(batch, shape),
+                           lambda x: jax.make_array_from_process_local_data(batch, x, shape),
+                           lambda x: multihost.global_array(x, batch))
 
 
 def _attention_impl(impl: str, form: str, seq_len: int) -> str:
@@ -171,21 +208,38 @@ def _bar(step: int, total: int, width: int = 20) -> str:
     return f"[{'#' * filled}{'.' * (width - filled)}]"
 
 
+def _write_run_files(args, cfg, out: Path) -> None:
+    """config.yaml (a resumed run's was checked to be the same) and the --init-from-hf tokenizer."""
+    if not (args.resume and (out / "config.yaml").exists()):
+        save_config(cfg, out / "config.yaml")
+    hf_tokenizer = Path(args.init_from_hf or ".") / "tokenizer.json"
+    if args.init_from_hf and hf_tokenizer.exists() and not (out / "tokenizer.json").exists():
+        shutil.copy(hf_tokenizer, out / "tokenizer.json")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    try:
+        multihost.join_from_flags(args)    # before the first jax computation
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    with multihost.stdout_of_main_process_only():
+        return _train(args)
+
+
+def _train(args) -> int:
     out = Path(args.out).absolute()
-    if args.mesh:
-        try:
-            sharding.simulate_cpu_devices(args.mesh)
-        except ValueError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
     try:
         cfg = load_config(args.config or (Path(args.init_from_hf) / "config.json" if args.init_from_hf
                                           else "configs/tiny.yaml"))
         if args.resume and (out / "config.yaml").exists():
             check_same_config(load_config(out / "config.yaml"), cfg, str(out))
         _check_stages(args, attention_form(args.attention_form, args.seq_len))
+        mesh = _mesh(args)
+        feed = _batch_placement(mesh, (args.batch_size, args.seq_len))
+        data_shards = args.data_shards or jax.process_count()
+        shards_read = pipeline.shards_of_rows(feed.rows, args.batch_size, data_shards)
         if args.init_from_hf:  # before the corpus work: a checkpoint that does not fit fails at once
             from glm_jax.convert import load_hf_checkpoint
             model = load_hf_checkpoint(args.init_from_hf, config=cfg)
@@ -194,10 +248,8 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     out.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, out / "config.yaml")
-    hf_tokenizer = Path(args.init_from_hf or ".") / "tokenizer.json"
-    if args.init_from_hf and hf_tokenizer.exists() and not (out / "tokenizer.json").exists():
-        shutil.copy(hf_tokenizer, out / "tokenizer.json")
+    if multihost.is_main_process():
+        _write_run_files(args, cfg, out)
     tok, train_docs, heldout_tokens = prepare_data(args, cfg, out, documents)
     encode = pipeline.token_encoder(tok)
 
@@ -205,15 +257,18 @@ def main(argv=None) -> int:
         model = GLMModel(cfg, rngs=nnx.Rngs(args.seed))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     tx, schedule = make_optimizer(args.lr, args.steps, args.warmup_steps)
-    try:
-        params, rest, opt_state, place_batch = _placement(args, params, rest, tx)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    params, rest, opt_state = _place_state(mesh, params, rest, tx)
+    if mesh is not None:
+        print(f"mesh: {sharding.format_mesh(mesh)} over {mesh.size} devices of {jax.process_count()} process(es); "
+              f"data in {data_shards} shard(s), this process reading {len(shards_read)}")
     print(f"model: {cfg.name}, {count_params(model):,} parameters, pattern {cfg.pattern}")
 
-    batches = pipeline.PackedBatches(train_docs, encode, seq_len=args.seq_len, batch_size=args.batch_size,
-                                     seed=args.seed)
+    try:
+        batches = pipeline.PackedBatches(train_docs, encode, seq_len=args.seq_len, batch_size=args.batch_size,
+                                         seed=args.seed, shards=data_shards, read=shards_read)
+    except ValueError as e:       # e.g. fewer documents than data shards
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     heldout = list(data_batches.heldout_batches(heldout_tokens, args.seq_len, args.batch_size,
                                                 args.eval_batches))
     mngr = checkpointing.manager(out)
@@ -225,14 +280,20 @@ def main(argv=None) -> int:
         else:
             start, state, meta = found
             params, opt_state = state["params"], state["opt_state"]
-            batches = pipeline.PackedBatches.from_state(train_docs, encode, meta["data"])
+            try:
+                batches = pipeline.PackedBatches.from_state(train_docs, encode, meta["data"], shards=data_shards,
+                                                            read=shards_read)
+            except ValueError as e:
+                print(f"error: {e}", file=sys.stderr)
+                return 2
             print(f"resume: continuing from step {start}")
 
     form = attention_form(args.attention_form, args.seq_len)
     kernels = ops.KernelChoice(attention=_attention_impl(args.attention_impl, form, args.seq_len))
     weights = LossWeights(indexer=args.indexer_weight, mtp=args.mtp_weight, mtp_depth=args.mtp_depth,
                           kv_share=not args.no_mtp_kv_share, tv=args.tv_weight)
-    metrics_file = Path(args.metrics_file or out / "metrics.jsonl").open("a")
+    metrics_file = (Path(args.metrics_file or out / "metrics.jsonl").open("a") if multihost.is_main_process()
+                    else open(os.devnull, "w"))
     peak = _peak_flops(args.peak_tflops)
     active = costs.active_params(cfg, params_by_part(abstract_model(cfg)))
     stop_requested = []
@@ -242,8 +303,8 @@ def main(argv=None) -> int:
     for step in range(start + 1, args.steps + 1):
         batch = next(batches)
         stage = "dense" if step <= args.dense_steps else "sparse"
-        params, opt_state, terms = train_step(graphdef, params, rest, opt_state, place_batch(batch.inputs),
-                                              place_batch(batch.targets), place_batch(batch.segment_ids),
+        params, opt_state, terms = train_step(graphdef, params, rest, opt_state, feed.from_rows(batch.inputs),
+                                              feed.from_rows(batch.targets), feed.from_rows(batch.segment_ids),
                                               tx=tx, stage=stage, weights=weights, kernels=kernels,
                                               remat=args.remat, form=form)
         record = {"step": step, "stage": stage, "lr": float(schedule(step - 1))}
@@ -262,7 +323,7 @@ def main(argv=None) -> int:
                   + (f" MFU {record['mfu']:.1%}" if "mfu" in record else "") + f"  {_bar(step, args.steps)}",
                   flush=True)
         if step % args.eval_every == 0 or step == args.steps:
-            val = float(np.mean([eval_step(graphdef, params, rest, place_batch(x), place_batch(y),
+            val = float(np.mean([eval_step(graphdef, params, rest, feed.from_host(x), feed.from_host(y),
                                            stage=stage, kernels=kernels) for x, y in heldout]))
             record["val_lm"] = val
             print(f"step {step:5d} validation lm loss {val:.3f} (held-out files)", flush=True)
@@ -271,16 +332,18 @@ def main(argv=None) -> int:
             metrics_file.flush()
         if args.stop_after is not None and step - start >= args.stop_after:
             stop_requested.append(True)
-        if step % args.save_every == 0 or step == args.steps or stop_requested:
+        stop = multihost.any_process(bool(stop_requested))     # all processes stop at the same step
+        if step % args.save_every == 0 or step == args.steps or stop:
+            data = pipeline.merge_states(multihost.allgather_json(batches.state()))   # every process's shards
             checkpointing.save(mngr, step, {"params": params, "opt_state": opt_state},
-                               {"step": step, "data": batches.state(), "config": cfg.to_dict()})
-        if stop_requested:
+                               {"step": step, "data": data, "config": cfg.to_dict()})
+        if stop:
             mngr.wait_until_finished()
             print(f"stopped: saved step {step}; continue with --resume", flush=True)
             return 0
     mngr.wait_until_finished()
     metrics_file.close()
-    nnx.update(model, params)
+    nnx.update(model, params, rest)
     save_model_dir(out, model, dtype=args.export_dtype, tokenizer_file=out / "tokenizer.json")
     print(f"done: {step} steps; model written to {out} (decode with: python decode.py --checkpoint {out})")
     return 0

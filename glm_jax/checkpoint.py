@@ -18,6 +18,7 @@ from flax import nnx
 
 from glm_jax.config import GLMConfig, load_config, save_config
 from glm_jax.model import GLMModel
+from glm_jax.multihost import barrier, is_main_process
 
 
 class CheckpointMismatchError(ValueError):
@@ -41,19 +42,24 @@ def check_same_config(checkpoint_cfg: GLMConfig, requested: GLMConfig, where: st
 
 def save_model_dir(directory: str | Path, model: GLMModel, *, dtype: str | None = None,
                    tokenizer_file: str | Path | None = None) -> Path:
-    """Write config.yaml, params/ (cast to `dtype` if given) and a copy of tokenizer.json."""
+    """Write config.yaml, params/ (cast to `dtype` if given) and a copy of tokenizer.json.
+
+    With several processes every one calls it (each writes its shards of the params); process 0
+    writes the other files."""
     directory = Path(directory).absolute()
-    directory.mkdir(parents=True, exist_ok=True)
-    save_config(model.cfg, directory / "config.yaml")
     params = nnx.to_pure_dict(nnx.state(model))
     if dtype is not None:
         params = jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
-    if (directory / "params").exists():
-        shutil.rmtree(directory / "params")
+    if is_main_process():
+        directory.mkdir(parents=True, exist_ok=True)
+        save_config(model.cfg, directory / "config.yaml")
+        if (directory / "params").exists():
+            shutil.rmtree(directory / "params")
+        if tokenizer_file is not None and Path(tokenizer_file).resolve() != (directory / "tokenizer.json").resolve():
+            shutil.copy(tokenizer_file, directory / "tokenizer.json")
+    barrier("params/ removed")
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(directory / "params", params)
-    if tokenizer_file is not None and Path(tokenizer_file).resolve() != (directory / "tokenizer.json").resolve():
-        shutil.copy(tokenizer_file, directory / "tokenizer.json")
     return directory
 
 

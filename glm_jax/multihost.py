@@ -6,12 +6,17 @@ Every process runs the same command on the same inputs. After `initialize_distri
 same on every process) becomes a global array with `global_array`: each process builds only
 its own addressable shards from its copy, so nothing is sent. `to_host` gathers a global
 array into a numpy array on every process, so all of them see the same sampled tokens.
+Training batches differ per process: each reads only the rows its devices hold
+(`process_rows`) and `jax.make_array_from_process_local_data` joins them.
 
 With one process these are plain `jax.device_put` and `np.asarray`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
 from dataclasses import dataclass
 
 import jax
@@ -75,9 +80,79 @@ def initialize_distributed(setup: DistributedSetup) -> None:
     jax.distributed.initialize(setup.coordinator, setup.num_processes, setup.process_id)
 
 
+def join_from_flags(args) -> None:
+    """Join the run that args.coordinator / num_processes / process_id / distributed (see
+    glm_jax.multihost_flags) or the environment describe, after letting the CPU platform simulate
+    this process's share of the devices of args.mesh (if any). Call before anything else uses jax;
+    raises DistributedSetupError (a ValueError) for flags that describe no run."""
+    from glm_jax.sharding import simulate_cpu_devices  # glm_jax.sharding imports this module
+
+    setup = DistributedSetup(coordinator=args.coordinator, num_processes=args.num_processes,
+                             process_id=args.process_id,
+                             auto=args.distributed or bool(os.environ.get("JAX_COORDINATOR_ADDRESS")))
+    setup.check()
+    if args.mesh:
+        simulate_cpu_devices(args.mesh, setup.num_processes or 1)
+    initialize_distributed(setup)
+
+
 def is_main_process() -> bool:
     """Process 0 prints and writes files; the others compute the same thing silently."""
     return jax.process_index() == 0
+
+
+@contextlib.contextmanager
+def stdout_of_main_process_only():
+    """Within: what the other processes print to stdout goes nowhere (stderr stays)."""
+    if is_main_process():
+        yield
+        return
+    with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
+        yield
+
+
+def barrier(name: str) -> None:
+    """Wait until every process gets here (e.g. for a file process 0 writes); a no-op alone."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
+def allgather_json(value) -> list:
+    """[value of process 0, value of process 1, ...] on every process, for JSON-serializable
+    values that differ per process. Every process must call it."""
+    if jax.process_count() == 1:
+        return [value]
+    from jax.experimental import multihost_utils
+
+    data = np.frombuffer(json.dumps(value).encode(), np.uint8)
+    sizes = np.asarray(multihost_utils.process_allgather(np.int32(data.size)))
+    padded = np.zeros(int(sizes.max()), np.uint8)
+    padded[:data.size] = data
+    rows = np.asarray(multihost_utils.process_allgather(padded))           # uint8 [processes, max size]
+    return [json.loads(row[:size].tobytes()) for row, size in zip(rows, sizes)]
+
+
+def any_process(flag: bool) -> bool:
+    """Whether `flag` is true on some process (e.g. a stop request only some of them received)."""
+    if jax.process_count() == 1:
+        return bool(flag)
+    from jax.experimental import multihost_utils
+
+    return bool(np.any(multihost_utils.process_allgather(np.int32(flag))))
+
+
+def process_rows(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> range:
+    """The rows (dim 0) of a global array of `shape` with `sharding` that this process's devices
+    hold, e.g. range(0, 8) of a [16, L] batch split over the devices of 2 processes."""
+    rows = set()
+    for index in sharding.addressable_devices_indices_map(shape).values():
+        rows.update(range(*index[0].indices(shape[0])[:2]))
+    if len(rows) != max(rows) + 1 - min(rows):
+        raise ValueError(f"this process holds rows {sorted(rows)} of an array of shape {shape}, which are "
+                         "not consecutive; order the mesh's devices by process")
+    return range(min(rows), max(rows) + 1)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

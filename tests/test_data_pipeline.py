@@ -85,16 +85,52 @@ def test_state_restores_the_following_batches(consumed):
     _take(it, consumed)
     state = json.loads(json.dumps(it.state()))  # what a checkpoint holds
     expected = _take(it, 6)
-    resumed = pipeline.PackedBatches.from_state(docs, _encode, state)
-    got = _take(resumed, 6)
-    for p, q in zip(expected, got):
-        for x, y in zip(p, q):
-            np.testing.assert_array_equal(x, y)
+    _assert_same_batches(expected, _take(pipeline.PackedBatches.from_state(docs, _encode, state), 6))
 
 
 def test_state_of_another_pipeline_is_refused():
     with pytest.raises(ValueError, match="older train.py"):
         pipeline.PackedBatches.from_state(_docs(), _encode, {"seed": 0, "step": 3})
+
+
+def _joined(batches) -> pipeline.Batch:
+    """Batches of different shards as one batch of all their rows."""
+    return pipeline.Batch(*map(np.concatenate, zip(*batches)))
+
+
+def _assert_same_batches(expected, got):
+    for p, q in zip(expected, got, strict=True):
+        for x, y in zip(p, q):
+            np.testing.assert_array_equal(x, y)
+
+
+def test_shard_readers_supply_their_rows_of_the_whole_batch():
+    """Two readers of one shard each (two processes) see the rows of one reader of both shards,
+    and their merged state continues both, also as one reader."""
+    docs, kw = _docs(), dict(seq_len=SEQ, batch_size=4, seed=2, shards=2)
+    whole = pipeline.PackedBatches(docs, _encode, **kw)
+    halves = [pipeline.PackedBatches(docs, _encode, **kw, read=range(i, i + 1)) for i in range(2)]
+    parts = [_take(h, 5) for h in halves]
+    assert parts[0][0].inputs.shape == (2, SEQ)
+    _assert_same_batches(_take(whole, 5), [_joined(b) for b in zip(*parts)])
+    state = json.loads(json.dumps(pipeline.merge_states([h.state() for h in halves])))
+    assert state == json.loads(json.dumps(whole.state()))
+    expected = _take(whole, 4)
+    _assert_same_batches(expected, _take(pipeline.PackedBatches.from_state(docs, _encode, state, shards=2), 4))
+    resumed = [pipeline.PackedBatches.from_state(docs, _encode, state, read=range(i, i + 1)) for i in range(2)]
+    _assert_same_batches(expected, [_joined(b) for b in zip(*(_take(r, 4) for r in resumed))])
+
+
+def test_shards_are_whole_rows_and_must_match_on_resume():
+    assert pipeline.shards_of_rows(range(4, 8), 8, 4) == range(2, 4)
+    assert pipeline.shards_of_rows(range(0, 8), 8, 2) == range(0, 2)
+    with pytest.raises(ValueError, match="not whole data shards"):
+        pipeline.shards_of_rows(range(2, 4), 8, 2)
+    with pytest.raises(ValueError, match="cannot be split into 3"):
+        pipeline.PackedBatches(_docs(), _encode, seq_len=SEQ, batch_size=4, shards=3)
+    state = pipeline.PackedBatches(_docs(), _encode, seq_len=SEQ, batch_size=4, shards=2).state()
+    with pytest.raises(ValueError, match="resume with --data-shards 2"):
+        pipeline.PackedBatches.from_state(_docs(), _encode, state, shards=1)
 
 
 def test_sources_read_text_jsonl_and_directories(tmp_path):

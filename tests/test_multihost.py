@@ -5,68 +5,31 @@ devices on the same mesh and as 1 device without a mesh."""
 from __future__ import annotations
 
 import json
-import os
-import re
-import socket
-import subprocess
-import sys
 
-import jax
 import pytest
 
-from conftest import ROOT
 from glm_jax.multihost import DistributedSetup, DistributedSetupError
+from multiprocess import finish, gloo_available, launch, launch_processes
 
-# The gloo library writes its connection log to stdout from C++ (interleaved with Python's
-# output, not always with its own newline); it is not part of the text.
-GLOO_LOG = re.compile(r"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. "
-                      r"Expected number of connected peer ranks is : \d+\n?")
 PROMPTS = ["import os\n\n\ndef read_lines(path):\n", "class Stack:\n    def push(self, x):"]
-
-
-def _gloo_available() -> bool:
-    """Whether this jax build can run CPU collectives across processes (jax_cpu_collectives_implementation)."""
-    return hasattr(jax.config, "jax_cpu_collectives_implementation")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _launch(args: list[str], devices: int) -> subprocess.Popen:
-    """decode.py in a fresh interpreter that simulates `devices` CPU devices."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
-    return subprocess.Popen([sys.executable, str(ROOT / "decode.py"), *args], cwd=ROOT, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-
-
-def _finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[str, str]:
-    out, err = proc.communicate(timeout=timeout)
-    assert proc.returncode == 0, err[-4000:]
-    out = GLOO_LOG.sub("", out)
-    return "".join(line for line in out.splitlines(keepends=True) if "[Gloo]" not in line), err
 
 
 def _decode_everywhere(tmp_path, common: list[str], mesh: str) -> dict:
     """The same decode as 1 device, as 1 process of 8 devices, and as 2 processes of 4 devices
     (run at once). -> {"1 device", "1 process", "process 0", "process 1"}: (stdout, stderr),
     plus "output": the --output rows of the 2-process run."""
-    port, result = _free_port(), tmp_path / "out.jsonl"
-    hosts = ["--mesh", mesh, "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
-             "--output", str(result)]
-    procs = {f"process {i}": _launch(common + hosts + ["--process-id", str(i)], 4) for i in range(2)}
-    procs["1 process"] = _launch(common + ["--mesh", mesh], 8)
-    procs["1 device"] = _launch(common, 1)
-    runs = {name: _finish(p) for name, p in procs.items()}
+    result = tmp_path / "out.jsonl"
+    two = launch_processes("decode.py", common + ["--mesh", mesh, "--output", str(result)], processes=2, devices=4)
+    procs = {f"process {i}": p for i, p in enumerate(two)}
+    procs["1 process"] = launch("decode.py", common + ["--mesh", mesh], 8)
+    procs["1 device"] = launch("decode.py", common, 1)
+    runs = {name: finish(p) for name, p in procs.items()}
     runs["output"] = [json.loads(line) for line in result.read_text().splitlines()]
     return runs
 
 
-@pytest.mark.skipif(not _gloo_available(), reason="this jax build has no gloo CPU collectives, so CPU "
-                                                   "processes cannot run collectives together")
+@pytest.mark.skipif(not gloo_available(), reason="this jax build has no gloo CPU collectives, so CPU "
+                                                  "processes cannot run collectives together")
 def test_two_processes_print_the_single_process_text(tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
@@ -82,7 +45,7 @@ def test_two_processes_print_the_single_process_text(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not _gloo_available(), reason="this jax build has no gloo CPU collectives")
+@pytest.mark.skipif(not gloo_available(), reason="this jax build has no gloo CPU collectives")
 def test_two_processes_speculative_layer_split_across_processes(tmp_path):
     """decode.py's default (MTP speculative) path, with the KV cache's layers split over the
     devices of both processes."""
