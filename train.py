@@ -36,6 +36,7 @@ from glm_jax.config import ConfigError, load_config, save_config
 from glm_jax.data import batches as data_batches
 from glm_jax.data import corpus, pipeline, sources, tokenizer as tok_lib
 from glm_jax.info import params_by_part
+from glm_jax.layers.segments import count_segments, segment_bound
 from glm_jax.model import GLMModel, abstract_model, count_params
 from glm_jax.multihost_flags import add_distributed_flags
 from glm_jax.training import checkpointing
@@ -203,6 +204,15 @@ def _check_stages(args, form: str) -> None:
             f"--dense-steps 0, or pass --indexer-weight 0 for dense steps without the indexer loss")
 
 
+def _max_segments(segment_ids, stage: str, form: str) -> int | None:
+    """The static segment bound of dense absorbed-form steps (cuDNN's packed kernel, see
+    `train_step`) from the most segments of any row on any process (`segments.segment_bound`).
+    None where it is not used."""
+    if stage != "dense" or form != "absorbed":
+        return None
+    return segment_bound(max(multihost.allgather_json(count_segments(segment_ids))))
+
+
 def _bar(step: int, total: int, width: int = 20) -> str:
     filled = width * step // max(total, 1)
     return f"[{'#' * filled}{'.' * (width - filled)}]"
@@ -306,14 +316,16 @@ def _train(args) -> int:
         params, opt_state, terms = train_step(graphdef, params, rest, opt_state, feed.from_rows(batch.inputs),
                                               feed.from_rows(batch.targets), feed.from_rows(batch.segment_ids),
                                               tx=tx, stage=stage, weights=weights, kernels=kernels,
-                                              remat=args.remat, form=form)
+                                              remat=args.remat, form=form,
+                                              max_segments=_max_segments(batch.segment_ids, stage, form))
         record = {"step": step, "stage": stage, "lr": float(schedule(step - 1))}
         if step % args.log_every == 0 or step == args.steps or step == start + 1:
             record.update({k: float(v) for k, v in terms.items()})
             now = time.perf_counter()
             steps_since = args.log_every if step % args.log_every == 0 else 1
             record["tokens_per_s"] = tokens_per_step * steps_since / (now - t_last)
-            flops = costs.training_flops_per_token(cfg, args.seq_len, active, sparse=stage == "sparse")
+            flops = costs.training_flops_per_token(cfg, args.seq_len, active, sparse=stage == "sparse",
+                                                   positions=batch.positions)
             if peak:
                 record["mfu"] = record["tokens_per_s"] * flops / peak
             t_last = now

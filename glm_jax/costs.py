@@ -9,6 +9,8 @@ FLOPs per generated token at context L (2 FLOPs per multiply-add):
 
 from __future__ import annotations
 
+import numpy as np
+
 from glm_jax.config import GLMConfig
 
 
@@ -36,14 +38,17 @@ def flops_per_token(cfg: GLMConfig, context: int, active: int, *, index_share: b
             + cfg.num_hidden_layers * sparse_attention_flops(cfg, context))
 
 
-def training_flops_per_token(cfg: GLMConfig, seq_len: int, active: int, *, sparse: bool = True) -> float:
+def training_flops_per_token(cfg: GLMConfig, seq_len: int, active: int, *, sparse: bool = True,
+                             positions=None) -> float:
     """Forward + backward FLOPs per trained token of a seq_len-token sequence (3x the forward).
 
     Token t attends min(topk, t + 1) keys when sparse (absorbed form), t + 1 when dense (per-head
-    form) and, on Full layers, its indexer scores t + 1 keys; averaged over the positions."""
-    positions = range(seq_len)
-    mean_keys = sum(min(cfg.index_topk, t + 1) if sparse else t + 1 for t in positions) / seq_len
-    mean_context = sum(t + 1 for t in positions) / seq_len
+    form) and, on Full layers, its indexer scores t + 1 keys; averaged over the positions.
+    positions: int [..] the tokens' positions in their documents (packed rows, where a token
+    attends only its own document); default 0 .. seq_len - 1."""
+    t = np.arange(seq_len) if positions is None else np.asarray(positions).reshape(-1)
+    mean_keys = float(np.mean(np.minimum(cfg.index_topk, t + 1) if sparse else t + 1))
+    mean_context = float(np.mean(t + 1))
     if sparse:      # absorbed form: q'.k and p.v over the 576-wide latent rows
         attention = 2 * cfg.num_attention_heads * (2 * cfg.kv_lora_rank + cfg.qk_rope_head_dim) * mean_keys
     else:           # per-head q.k and p.v (the latent rows are expanded once per token: 2 x active)

@@ -77,6 +77,8 @@ class GLMModel(nnx.Module):
         b, s = tokens.shape
         positions, kv_start = _layout(b, s, segment_ids)
         kv_len = jnp.full((b,), s, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
+        if remat:
+            settings = dataclasses.replace(settings, remat=True)
         x = self.embed_tokens(tokens)
         kl = jnp.zeros((), jnp.float32)
         for stack in self.stacks:
@@ -88,8 +90,6 @@ class GLMModel(nnx.Module):
                                                                              kv_start=kv_start)
                 return (x, kl + group_kl), None
 
-            if remat:
-                body = jax.checkpoint(body, prevent_cse=False)
             (x, kl), _ = jax.lax.scan(body, (x, kl), state)
         hidden = self.norm(x)
         return ForwardOutput(self.logits(hidden), hidden, kl)

@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from glm_jax.layers.decoder import AttentionSettings
-from glm_jax.layers.segments import same_segment_ahead, segment_layout
+from glm_jax.layers.segments import count_segments, same_segment_ahead, segment_layout, segment_table
 from glm_jax.model import GLMModel
 from glm_jax.training.losses import cross_entropy
 from glm_jax.training.step import LossWeights, loss_terms
@@ -69,6 +69,15 @@ def test_segment_layout_and_masks():
     np.testing.assert_array_equal(positions, [[0, 1, 2, 0, 1, 0, 1], list(range(7))])
     np.testing.assert_array_equal(kv_start, [[0, 0, 0, 3, 3, 5, 5], [0] * 7])
     np.testing.assert_array_equal(same_segment_ahead(seg, 1)[0], [1, 1, 0, 1, 0, 0, 0])
+
+
+def test_segment_table_lists_each_segment():
+    seg = np.asarray([[1, 1, 1, 2, 2, 3, 0, 0], [4, 4, 4, 4, 4, 4, 4, 4]])
+    positions, _ = segment_layout(jnp.asarray(seg))
+    table = segment_table(positions, 5)
+    np.testing.assert_array_equal(table.offsets, [[0, 3, 5, 6, -1, -1], [0, -1, -1, -1, -1, -1]])
+    np.testing.assert_array_equal(table.lengths, [[3, 2, 1, 2, -1], [8, -1, -1, -1, -1]])
+    assert count_segments(seg) == 4
 
 
 def test_padding_has_no_loss(model_and_docs):

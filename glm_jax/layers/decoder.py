@@ -13,10 +13,12 @@ Attention modes for full-sequence calls:
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from glm_jax import ops
 from glm_jax.config import GLMConfig
@@ -25,7 +27,7 @@ from glm_jax.layers.mla import MLAProjection, indices_to_mask
 from glm_jax.layers.moe import MLP, MoE
 from glm_jax.layers.selected_kl import selected_set_kl
 from glm_jax.layers.norms import RMSNorm
-from glm_jax.layers.segments import query_rows
+from glm_jax.layers.segments import query_rows, segment_table
 from glm_jax.sharding import gather_keys, split_tokens
 
 
@@ -74,6 +76,9 @@ class AttentionSettings:
     mode: str = "sparse"          # "sparse" | "dense"
     form: str = "absorbed"        # "absorbed" (ops.sparse_mla) | "expanded" (per-head K/V)
     indexer_loss: bool = False    # compute the IndexCache multi-layer KL (absorbed form: sparse mode only)
+    remat: bool = False           # recompute each layer's activations in the backward pass
+    max_segments: int | None = None  # packed rows: at least the segments of any row (dense mode
+                                     # then runs cuDNN's packed kernel, see `attend_causal`)
     kernels: ops.KernelChoice = ops.KernelChoice()
 
 
@@ -119,6 +124,40 @@ def indexer_kl(target: jnp.ndarray, logits: jnp.ndarray, mask: jnp.ndarray) -> j
     return jnp.sum(kl) / target.shape[0]
 
 
+_TOPK_NAME = "indexer_topk"
+#: Remat policy of a layer: keep the top-k indices (integers, costly to select again).
+_SAVE_TOPK = jax.checkpoint_policies.save_only_these_names(_TOPK_NAME)
+
+
+class _IndexerOutputs(NamedTuple):
+    """What a group's Full layer computes for all of its layers (None where unused):
+    indices int32 [B, S, topk] (sparse mode), index_logits float32 [B, S, T] (expanded-form
+    indexer loss), index_inputs (indexer queries, keys, head weights; absorbed-form loss)."""
+
+    indices: jax.Array | None = None
+    index_logits: jax.Array | None = None
+    index_inputs: tuple | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rows:
+    """Where a full-sequence call's tokens sit: length S, positions int32 [B, S], kv_len int32
+    [B], kv_start int32 [B, S] or None (see `IndexShareGroup.forward`)."""
+
+    length: int
+    positions: jax.Array
+    kv_len: jax.Array
+    kv_start: jax.Array | None
+
+    def causal(self) -> jax.Array:
+        """bool [B, S, S]: key t is visible to query s (causal, valid, same document)."""
+        t = jnp.arange(self.length)[None, None, :]
+        mask = (t <= query_rows(self.positions, self.kv_start)[:, :, None]) & (t < self.kv_len[:, None, None])
+        if self.kv_start is not None:
+            mask = mask & (t >= self.kv_start[:, :, None])
+        return mask
+
+
 class IndexShareGroup(nnx.Module):
     """One Full layer and the Shared layers that reuse its indices."""
 
@@ -138,61 +177,37 @@ class IndexShareGroup(nnx.Module):
         of an earlier pass (KVShare training of MTP depths >= 2): the Full layer then attends
         those latent rows with those indices instead of its own, and runs no indexer.
 
+        settings.remat: each layer is rematerialised in the backward pass; between the forward
+        and the backward pass only its input and the Full layer's indexer outputs are kept, and
+        the top-k is not recomputed.
+
         Context parallelism (`sharding`): x, positions and every per-query array stay split along
         S; each layer's latent rows and the indexer keys are gathered, so every query shard
         attends (and selects from) its whole causal prefix.
         -> (x [B, S, hidden], indexer KL summed over the group's layers (scalar float32),
             the Full layer's latent rows [B, S, latent], its indices [B, S, topk] or None)."""
-        s = x.shape[1]
-        x = split_tokens(x)
-        t = jnp.arange(s)[None, None, :]
-        causal = (t <= query_rows(positions, kv_start)[:, :, None]) & (t < kv_len[:, None, None])
-        if kv_start is not None:
-            causal = causal & (t >= kv_start[:, :, None])
         if settings.indexer_loss and settings.form == "absorbed" and settings.mode == "dense":
             raise ValueError("the dense-stage indexer loss needs the attention probabilities over every "
                              "key: use form='expanded' (short sequences) or train the indexer in the "
                              "sparse stage")
-        indices, index_logits, index_inputs, kl = None, None, None, jnp.zeros((), jnp.float32)
-        first_latent = None
+        rows = _Rows(x.shape[1], positions, kv_len, kv_start)
+        x = split_tokens(x)
+        found = _IndexerOutputs() if shared_kv is None else _IndexerOutputs(indices=shared_kv[1])
+        kl, first_latent = jnp.zeros((), jnp.float32), None
         for j, layer in enumerate(self.layers):
-            h, q_resid, q_nope, q_rope, latent = layer.attention_inputs(x, positions)
-            if j == 0 and shared_kv is not None:
-                latent, indices = shared_kv
-            elif j == 0:
-                hd, qd = jax.lax.stop_gradient(h), jax.lax.stop_gradient(q_resid)
-                keys = gather_keys(layer.indexer.keys(hd, positions))
-                if settings.mode == "sparse":
-                    indices = layer.indexer.select(hd, qd, positions, keys, kv_len, settings.kernels, kv_start)
-                if settings.indexer_loss and settings.form == "expanded":
-                    index_logits = layer.indexer.scores(hd, qd, positions, keys, kv_len, settings.kernels,
-                                                        kv_start)
-                elif settings.indexer_loss:
-                    index_inputs = (layer.indexer.queries(qd, positions), keys, layer.indexer.head_weights(hd))
-            latent = gather_keys(latent)
+            graphdef, state = nnx.split(layer)
+
+            def run(state, x, found, graphdef=graphdef, j=j):
+                return _layer_forward(nnx.merge(graphdef, state), x, found, j=j, group_size=len(self.layers),
+                                      rows=rows, settings=settings, shared_kv=shared_kv)
+
+            if settings.remat:
+                run = jax.checkpoint(run, prevent_cse=False, policy=_SAVE_TOPK, static_argnums=(3, 4))
+            x, layer_kl, latent, found = run(state, x, found, graphdef, j)
+            kl = kl + layer_kl
             if j == 0:
                 first_latent = latent
-            if settings.mode == "dense":
-                mask = causal
-            else:
-                mask = split_tokens(indices_to_mask(indices, s)) & causal
-            if settings.form == "expanded":
-                out, probs = layer.self_attn.attend_expanded(q_nope, q_rope, latent, mask, return_probs=True)
-                if index_logits is not None:
-                    kl = kl + indexer_kl(_head_summed_target(probs), index_logits, mask) / len(self.layers)
-            elif settings.mode == "dense":
-                out = layer.self_attn.attend_causal(q_nope, q_rope, latent, kv_len,
-                                                    mask=None if kv_start is None else causal)
-            elif index_inputs is not None:
-                out, q_abs, lse = layer.self_attn.attend_absorbed(q_nope, q_rope, latent, indices,
-                                                                  settings.kernels, return_stats=True)
-                idx_q, idx_keys, idx_w = index_inputs
-                kl = kl + selected_set_kl(q_abs, latent, indices, lse, sm_scale=layer.self_attn.sm_scale,
-                                          idx_q=idx_q, idx_keys=idx_keys, idx_w=idx_w) / len(self.layers)
-            else:
-                out = layer.self_attn.attend_absorbed(q_nope, q_rope, latent, indices, settings.kernels)
-            x = layer.finish(x, out)
-        return split_tokens(x), kl, first_latent, indices
+        return split_tokens(x), kl, first_latent, found.indices
 
     def forward_cached(self, x, positions, view, kv_len, kernels: ops.KernelChoice):
         """Forward of new tokens against the cache, through `view` (cache_view.GroupCacheView).
@@ -226,3 +241,53 @@ class IndexShareGroup(nnx.Module):
             out = layer.self_attn.attend_absorbed(q_nope, q_rope, view.read_latent(j), indices, kernels)
             x = layer.finish(x, out)
         return x
+
+
+def _layer_forward(layer: DecoderLayer, x, found: _IndexerOutputs, *, j: int, group_size: int, rows: _Rows,
+               settings: AttentionSettings, shared_kv):
+    """Layer j of an IndexShare group of group_size layers (`IndexShareGroup.forward`). The Full
+    layer (j = 0) runs the indexer unless shared_kv is given; the later layers read its outputs
+    from `found`.
+    -> (x [B, S, hidden], this layer's share of the indexer KL, its latent rows (gathered),
+        the indexer outputs)."""
+    positions, kv_len, kv_start = rows.positions, rows.kv_len, rows.kv_start
+    h, q_resid, q_nope, q_rope, latent = layer.attention_inputs(x, positions)
+    if j == 0 and shared_kv is not None:
+        latent = shared_kv[0]
+    elif j == 0:
+        hd, qd = jax.lax.stop_gradient(h), jax.lax.stop_gradient(q_resid)
+        keys = gather_keys(layer.indexer.keys(hd, positions))
+        indices = index_logits = index_inputs = None
+        if settings.mode == "sparse":
+            indices = checkpoint_name(
+                layer.indexer.select(hd, qd, positions, keys, kv_len, settings.kernels, kv_start),
+                _TOPK_NAME)
+        if settings.indexer_loss and settings.form == "expanded":
+            index_logits = layer.indexer.scores(hd, qd, positions, keys, kv_len, settings.kernels, kv_start)
+        elif settings.indexer_loss:
+            index_inputs = (layer.indexer.queries(qd, positions), keys, layer.indexer.head_weights(hd))
+        found = _IndexerOutputs(indices, index_logits, index_inputs)
+    latent = gather_keys(latent)
+    share = 1.0 / group_size
+    kl = jnp.zeros((), jnp.float32)
+    if settings.form == "expanded":
+        mask = rows.causal()
+        if settings.mode == "sparse":
+            mask = split_tokens(indices_to_mask(found.indices, rows.length)) & mask
+        out, probs = layer.self_attn.attend_expanded(q_nope, q_rope, latent, mask, return_probs=True)
+        if found.index_logits is not None:
+            kl = indexer_kl(_head_summed_target(probs), found.index_logits, mask) * share
+    elif settings.mode == "dense":
+        packed = kv_start is not None
+        segments = segment_table(positions, settings.max_segments) if packed and settings.max_segments else None
+        out = layer.self_attn.attend_causal(q_nope, q_rope, latent, kv_len, mask=rows.causal() if packed else None,
+                                            segments=segments)
+    elif found.index_inputs is not None:
+        out, q_abs, lse = layer.self_attn.attend_absorbed(q_nope, q_rope, latent, found.indices,
+                                                          settings.kernels, return_stats=True)
+        idx_q, idx_keys, idx_w = found.index_inputs
+        kl = selected_set_kl(q_abs, latent, found.indices, lse, sm_scale=layer.self_attn.sm_scale,
+                             idx_q=idx_q, idx_keys=idx_keys, idx_w=idx_w) * share
+    else:
+        out = layer.self_attn.attend_absorbed(q_nope, q_rope, latent, found.indices, settings.kernels)
+    return layer.finish(x, out), kl, latent, found

@@ -49,7 +49,7 @@ def make_optimizer(lr: float, total_steps: int, warmup_steps: int, weight_decay:
 
 
 def loss_terms(model, inputs, targets, *, stage: str, weights: LossWeights, kernels: ops.KernelChoice,
-               remat: bool = False, form: str = "expanded", segment_ids=None):
+               remat: bool = False, form: str = "expanded", segment_ids=None, max_segments: int | None = None):
     """inputs, targets int32 [B, S] -> (total loss, dict of terms).
 
     The vocabulary-wide terms run through the head per chunk of positions
@@ -57,13 +57,15 @@ def loss_terms(model, inputs, targets, *, stage: str, weights: LossWeights, kern
 
     segment_ids int32 [B, S] or None: packed documents (0 = padding, no loss); attention stays
     inside each document and the MTP losses count only targets of the same document.
+    max_segments: at least the segments of any row (`segments.count_segments`); with it dense
+    attention on a GPU runs cuDNN's packed kernel instead of building an [S, S] mask.
 
     form "expanded" builds [S, S] attention matrices (short sequences; every stage and loss);
     "absorbed" holds none (long sequences): dense attention runs the fused causal kernel and the
     indexer loss exists only in the sparse stage (see `attention_form`)."""
     settings = AttentionSettings(mode=stage, form=form, indexer_loss=weights.indexer > 0,
-                                 kernels=kernels)
-    out = model(inputs, settings=settings, remat=remat, segment_ids=segment_ids)
+                                 remat=remat, max_segments=max_segments, kernels=kernels)
+    out = model(inputs, settings=settings, segment_ids=segment_ids)
     s = inputs.shape[1]
     n_full = len(model.cfg.full_layers)
     lm_mask = None if segment_ids is None else segment_ids > 0
@@ -123,15 +125,17 @@ def attention_form(form: str, seq_len: int) -> str:
     return form
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "tx", "stage", "weights", "kernels", "remat", "form"),
+@functools.partial(jax.jit, static_argnames=("graphdef", "tx", "stage", "weights", "kernels", "remat", "form",
+                                             "max_segments"),
                    donate_argnames=("params", "opt_state"))
 def train_step(graphdef, params, rest, opt_state, inputs, targets, segment_ids=None, *, tx, stage, weights,
-               kernels, remat=False, form="expanded"):
-    """One optimizer step; inputs, targets, segment_ids (optional) int32 [B, S] as in `loss_terms`.
-    -> (params, opt_state, metrics dict of float32 scalars)."""
+               kernels, remat=False, form="expanded", max_segments=None):
+    """One optimizer step; inputs, targets, segment_ids (optional) int32 [B, S] and
+    max_segments as in `loss_terms`. -> (params, opt_state, metrics dict of float32 scalars)."""
     def loss_fn(p):
         return loss_terms(nnx.merge(graphdef, p, rest), inputs, targets, stage=stage, weights=weights,
-                          kernels=kernels, remat=remat, form=form, segment_ids=segment_ids)
+                          kernels=kernels, remat=remat, form=form, segment_ids=segment_ids,
+                          max_segments=max_segments)
 
     (_, terms), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
     updates, opt_state = tx.update(grads, opt_state, params)
