@@ -97,9 +97,9 @@ def parse_args(argv=None):
                          "for long sequences (the dense stage then cannot train the indexer); auto: "
                          f"expanded up to {EXPANDED_MAX_LEN} tokens")
     ap.add_argument("--attention-impl", default="auto", choices=["auto", "xla", "pallas_tpu", "pallas_gpu"],
-                    help="sparse attention kernel; auto: the backend's Pallas kernel, except the chunked "
-                         "xla one for absorbed-form training of sequences over 8192 tokens (the Pallas "
-                         "backward keeps one 576-wide row per query and selected key)")
+                    help="sparse attention kernel; auto: the backend's Pallas kernel, except on a TPU the "
+                         "chunked xla one for absorbed-form training of sequences over 8192 tokens (the TPU "
+                         "kernel's backward keeps one 576-wide row per query and selected key)")
     add_distributed_flags(ap, "the run directory's files (the checkpoints are written together)")
     return ap.parse_args(argv)
 
@@ -189,7 +189,7 @@ def _batch_placement(mesh: Mesh | None, shape: tuple[int, int]) -> _BatchPlaceme
 
 
 def _attention_impl(impl: str, form: str, seq_len: int) -> str:
-    if impl == "auto" and form == "absorbed" and seq_len > 8192:
+    if impl == "auto" and form == "absorbed" and seq_len > 8192 and jax.default_backend() == "tpu":
         return "xla"
     return impl
 

@@ -31,9 +31,9 @@ H, DK, DV = 64, 576, 512
 SCALE = DK ** -0.5
 
 
-def inputs(key, B, S, T, K, dtype=jnp.bfloat16, invalid=0.0):
+def inputs(key, B, S, T, K, dtype=jnp.bfloat16, invalid=0.0, heads=H):
     kq, kk, ki, km = jax.random.split(key, 4)
-    q = jax.random.normal(kq, (B, S, H, DK), dtype)
+    q = jax.random.normal(kq, (B, S, heads, DK), dtype)
     kv = jax.random.normal(kk, (B, T, DK), dtype)
     idx = jax.random.randint(ki, (B, S, K), 0, T, jnp.int32)
     if invalid:
@@ -101,6 +101,8 @@ def main():
     ap.add_argument("--decode-context", type=int, default=32768)
     ap.add_argument("--prefill-queries", type=int, default=8192)
     ap.add_argument("--prefill-context", type=int, default=131072)
+    ap.add_argument("--prefill-heads", type=int, default=H)
+    ap.add_argument("--prefill-only", action="store_true", help="skip the decode measurements")
     args = ap.parse_args()
     smoke = args.smoke
     backend = jax.default_backend()
@@ -142,7 +144,7 @@ def main():
     print(f"\n## decode: H={H}, Dk={DK}, v={DV}, top-k {K}, context {T}, bf16, 1 query/sequence")
     print("| batch | ours us | config | GB/s gathered | % of copy BW | xla us | dense-xla us | cudnn us |")
     print("|---|---|---|---|---|---|---|---|")
-    for B in ((2,) if smoke else (64, 128)):
+    for B in (() if args.prefill_only else (2,) if smoke else (64, 128)):
         q, kv, idx = inputs(jax.random.key(B), B, 1, T, K)
         best = None
         for cfg in configs:
@@ -179,7 +181,7 @@ def main():
     print(f"\n## decode crossover (batch {B}): dense over the whole context vs sparse top-{K}")
     print("| context | sparse us | dense-xla us |")
     print("|---|---|---|")
-    for ctx in ((256, 512, 1024) if smoke else (2048, 4096, 8192, 32768)):
+    for ctx in (() if args.prefill_only else (256, 512, 1024) if smoke else (2048, 4096, 8192, 32768)):
         q, kv, idx = inputs(jax.random.key(ctx), B, 1, ctx, K)
         ts = bench(ours(**best_cfg), q, kv, idx)
         td = bench(jax.jit(dense_decode), q, kv)
@@ -191,10 +193,11 @@ def main():
     S = 128 if smoke else args.prefill_queries
     T = 1024 if smoke else args.prefill_context
     K = 64 if smoke else 2048
-    q, kv, idx = inputs(jax.random.key(11), 1, S, T, K)
-    fwd_flops = 2 * S * H * K * (DK + DV)
-    bwd_flops = 2 * S * H * K * (3 * DK + 2 * DV)
-    print(f"\n## prefill: 1 x {S} queries, H={H}, top-k {K}, context {T}, bf16")
+    heads = args.prefill_heads
+    q, kv, idx = inputs(jax.random.key(11), 1, S, T, K, heads=heads)
+    fwd_flops = 2 * S * heads * K * (DK + DV)
+    bwd_flops = 2 * S * heads * K * (3 * DK + 2 * DV)
+    print(f"\n## prefill: 1 x {S} queries, H={heads}, top-k {K}, context {T}, bf16")
     if on_gpu:
         pconfigs = [dict(block_k=64, num_warps=8, num_stages=2)]
     else:
@@ -212,7 +215,7 @@ def main():
     if best is None:
         return
     tf, cfg = best
-    dout = jax.random.normal(jax.random.key(12), (1, S, H, DV), jnp.bfloat16)
+    dout = jax.random.normal(jax.random.key(12), (1, S, heads, DV), jnp.bfloat16)
 
     def grad_fn(fn):
         def loss(q, kv, i):
@@ -223,6 +226,12 @@ def main():
     tg = bench(grad_fn(lambda q, kv, i: kernels.sparse_mla(q, kv, i, sm_scale=SCALE, v_dim=DV,
                                                             interpret=interpret, **cfg)),
                q, kv, idx, reps=3)
+    modes = {}
+    if kernels is gpu_kernels:      # the other way of adding up the latent rows' gradient
+        for mode in ("atomic", "scatter"):
+            modes[mode] = bench(grad_fn(lambda q, kv, i, mode=mode: kernels.sparse_mla(
+                q, kv, i, sm_scale=SCALE, v_dim=DV, interpret=interpret, dkv_mode=mode, **cfg)),
+                q, kv, idx, reps=3)
     txf = bench(xla_fn, q, kv, idx, reps=3)
     txg = bench(grad_fn(lambda q, kv, i: pk.sparse_mla(q, kv, i, sm_scale=SCALE, v_dim=DV, impl="xla")),
                 q, kv, idx, reps=3)
@@ -242,15 +251,19 @@ def main():
           f"{100 * bwd_flops / tb / mm:.0f}% | {(txg - txf) * 1e3:.2f} |")
     print(f"| forward + backward | {tg * 1e3:.2f} | {(fwd_flops + bwd_flops) / tg / 1e12:.0f} | "
           f"{100 * (fwd_flops + bwd_flops) / tg / mm:.0f}% | {txg * 1e3:.2f} |")
+    for mode, t in modes.items():
+        print(f"| backward, dkv_mode={mode} | {(t - tf) * 1e3:.2f} | {bwd_flops / (t - tf) / 1e12:.0f} | "
+              f"{100 * bwd_flops / (t - tf) / mm:.0f}% | |")
     print(f"best forward config: {cfg}")
     if tcf is not None:
-        dense_flops = 2 * S * S / 2 * H * (DK + DV)
+        dense_flops = 2 * S * S / 2 * heads * (DK + DV)
         print(f"cudnn dense causal forward over {S} keys: {tcf * 1e3:.2f} ms "
               f"({dense_flops / tcf / 1e12:.0f} TFLOP/s); sparse top-{K} beats it above a context of "
               f"~{int(S * tf / (2 * tcf))} keys (dense time grows linearly with the keys each query sees)")
     report["prefill"] = dict(queries=S, context=T, topk=K, fwd=tf, grad=tg, bwd=tb, config=cfg,
                              xla_fwd=txf, xla_grad=txg, cudnn_fwd_causal_S=tcf,
-                             fwd_tflops=fwd_flops / tf / 1e12, bwd_tflops=bwd_flops / tb / 1e12)
+                             fwd_tflops=fwd_flops / tf / 1e12, bwd_tflops=bwd_flops / tb / 1e12,
+                             heads=heads, grad_by_dkv_mode=modes)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1, default=str)

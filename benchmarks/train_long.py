@@ -9,10 +9,12 @@ indexer, top-2048, one MTP layer) on one sequence of --seq-len tokens, in the tw
 
 * dense: causal attention over every earlier token through the fused attention kernel (LM and
   MTP losses; the indexer is not trained - its loss needs the full attention matrix);
-* sparse: attention over the indexer's top-2048 (sparse MLA, XLA impl chunked over queries),
-  with the selected-set indexer KL and the MTP losses.
+* sparse: attention over the indexer's top-2048 through sparse MLA, with the selected-set
+  indexer KL and the MTP losses; once per implementation in --sparse-impls (the Pallas GPU
+  kernel, whose backward adds the latent rows' gradient atomically, and the XLA impl chunked
+  over queries, whose backward scatter-adds it).
 
-Both use the "absorbed" form (no [S, S] matrices) and rematerialise each IndexShare group.
+Both use the "absorbed" form (no [S, S] matrices) and rematerialise each layer.
 Prints ms per step, tokens/s and MFU (the FLOPs each stage really does, from
 `glm_jax.costs.training_flops_per_token`) against the bf16 matmul rate measured in the same run.
 """
@@ -42,6 +44,8 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=131072)
     ap.add_argument("--steps", type=int, default=2, help="timed steps per stage (after one compiling step)")
     ap.add_argument("--stages", nargs="+", default=["sparse", "dense"], choices=["dense", "sparse"])
+    ap.add_argument("--sparse-impls", nargs="+", default=["pallas_gpu", "xla"],
+                    choices=["pallas_gpu", "pallas_tpu", "xla"], help="sparse attention kernels to time")
     ap.add_argument("--smoke", action="store_true", help="tiny model and sequence (CPU)")
     ap.add_argument("--json", help="also write the rows here")
     args = ap.parse_args()
@@ -59,14 +63,23 @@ def main() -> None:
     tx, _ = make_optimizer(3e-4, 1000, 10)
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, seq_len + 1)).astype(np.int32)
     inputs, targets = jnp.asarray(tokens[:, :-1]), jnp.asarray(tokens[:, 1:])
-    kernels = ops.KernelChoice(attention="xla")      # its backward is chunked; see docs/training.md
     print(f"device {jax.devices()[0].device_kind}; bf16 matmul {matmul / 1e12:.0f} TFLOP/s; "
           f"{cfg.name}: {sum(x.size for x in jax.tree.leaves(params)) / 1e6:.0f}M parameters, "
           f"{active / 1e6:.0f}M active; {seq_len} tokens per step")
-    print("| stage | ms/step | tokens/s | TFLOP/s (model FLOPs) | MFU vs measured matmul | loss |")
-    print("|---|---|---|---|---|---|")
+    print("| stage | attention | ms/step | tokens/s | TFLOP/s (model FLOPs) | MFU vs measured matmul | loss |")
+    print("|---|---|---|---|---|---|---|")
     rows = []
-    for stage in args.stages:
+
+    def save():             # after every stage, so a run cut short keeps what it measured
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(dict(matmul_flops=matmul, seq_len=seq_len, rows=rows), f, indent=1)
+
+    runs = [(stage, impl) for stage in args.stages
+            for impl in (args.sparse_impls if stage == "sparse" else ["fused dense"])]
+    for stage, impl in runs:
+        kernels = ops.KernelChoice(attention=impl if stage == "sparse" else "auto",
+                                   interpret=args.smoke and impl.startswith("pallas"))
         weights = LossWeights(indexer=1.0 if stage == "sparse" else 0.0, mtp=0.3)
         opt_state = tx.init(params)
         run = lambda p, o: train_step(graphdef, p, rest, o, inputs, targets, tx=tx, stage=stage,
@@ -76,7 +89,10 @@ def main() -> None:
             p, opt_state, terms = run(p, opt_state)             # compile
             jax.block_until_ready(terms)
         except Exception as e:  # noqa: BLE001 - e.g. out of memory: report it, measure the next stage
-            print(f"| {stage} | failed: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]} | | | | |", flush=True)
+            print(f"| {stage} | {impl} | failed: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]} "
+                  "| | | | |", flush=True)
+            rows.append(dict(stage=stage, attention=impl, failed=f"{type(e).__name__}: {str(e)[:300]}"))
+            save()
             continue
         times = []
         for _ in range(args.steps):
@@ -86,17 +102,16 @@ def main() -> None:
             times.append(time.perf_counter() - t)
         step_s = float(np.median(times))
         flops = costs.training_flops_per_token(cfg, seq_len, active, sparse=stage == "sparse") * seq_len
-        print(f"| {stage} | {step_s * 1e3:.0f} | {seq_len / step_s:.0f} | {flops / step_s / 1e12:.0f} | "
+        print(f"| {stage} | {impl} | {step_s * 1e3:.0f} | {seq_len / step_s:.0f} | {flops / step_s / 1e12:.0f} | "
               f"{flops / step_s / matmul:.1%} | {float(terms['loss']):.3f} |", flush=True)
-        rows.append(dict(stage=stage, step_s=step_s, tokens_per_s=seq_len / step_s, model_flops=flops,
+        rows.append(dict(stage=stage, attention=impl, step_s=step_s, tokens_per_s=seq_len / step_s, model_flops=flops,
                          loss=float(terms["loss"])))
+        save()
         del p, opt_state
-    rate = {r["stage"]: r["tokens_per_s"] for r in rows}
-    if len(rate) == 2:
-        print(f"sparse / dense tokens/s: {rate['sparse'] / rate['dense']:.2f}x")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(matmul_flops=matmul, seq_len=seq_len, rows=rows), f, indent=1)
+    dense = [r["tokens_per_s"] for r in rows if r["stage"] == "dense" and "failed" not in r]
+    for r in rows:
+        if r["stage"] == "sparse" and "failed" not in r and dense:
+            print(f"sparse ({r['attention']}) / dense tokens/s: {r['tokens_per_s'] / dense[0]:.2f}x")
 
 
 if __name__ == "__main__":

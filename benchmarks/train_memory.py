@@ -7,7 +7,8 @@ Compiles `training.step.train_step` for `--config` at each --seq-len with abstra
 (nothing is allocated or run) and prints XLA's memory analysis: the temporary buffers, the
 arguments (parameters and optimizer state) and the device's memory, so a sequence length can be
 checked before a long job. The settings are those of `benchmarks/train_long.py` (absorbed form,
-remat, the chunked XLA sparse attention); --packed adds segment ids as `train.py` passes them.
+remat; the sparse attention kernel of --attention-impl, as `train.py` picks it); --packed adds
+segment ids as `train.py` passes them.
 On a CPU the numbers are XLA-CPU's plan, not a GPU's or TPU's.
 """
 
@@ -29,7 +30,7 @@ GIB = 2 ** 30
 
 
 def compiled_memory(cfg, seq_len: int, stage: str, *, batch: int = 1, packed: bool = False, mtp: float = 0.3,
-                    max_segments: int | None = None):
+                    max_segments: int | None = None, attention: str = "auto"):
     """-> (temp bytes, argument bytes, compile seconds) of one train step at seq_len tokens."""
     model = nnx.eval_shape(lambda: GLMModel(cfg, rngs=nnx.Rngs(0)))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
@@ -39,7 +40,7 @@ def compiled_memory(cfg, seq_len: int, stage: str, *, batch: int = 1, packed: bo
     weights = LossWeights(indexer=1.0 if stage == "sparse" else 0.0, mtp=mtp)
     t = time.perf_counter()
     compiled = train_step.trace(graphdef, params, rest, opt_state, tokens, tokens, tokens if packed else None,
-                                tx=tx, stage=stage, weights=weights, kernels=ops.KernelChoice(attention="xla"),
+                                tx=tx, stage=stage, weights=weights, kernels=ops.KernelChoice(attention=attention),
                                 remat=True, form="absorbed", max_segments=max_segments).lower().compile()
     stats = compiled.memory_analysis()
     return stats.temp_size_in_bytes, stats.argument_size_in_bytes, time.perf_counter() - t
@@ -52,6 +53,8 @@ def main() -> None:
     ap.add_argument("--stages", nargs="+", default=["sparse", "dense"], choices=["dense", "sparse"])
     ap.add_argument("--batch-size", type=int, default=1)
     ap.add_argument("--packed", action="store_true", help="with segment ids (packed documents)")
+    ap.add_argument("--attention-impl", default="auto", choices=["auto", "xla", "pallas_tpu", "pallas_gpu"],
+                    help="sparse attention kernel (auto: the backend's Pallas kernel; xla on a CPU)")
     ap.add_argument("--max-segments", type=int, default=None,
                     help="packed: the segment bound train.py passes (dense stage: cuDNN's packed kernel)")
     args = ap.parse_args()
@@ -66,7 +69,8 @@ def main() -> None:
         run_cfg = cfg.replace(max_position_embeddings=max(cfg.max_position_embeddings, seq_len))
         for stage in args.stages:
             temp, arg, secs = compiled_memory(run_cfg, seq_len, stage, batch=args.batch_size, packed=args.packed,
-                                              max_segments=args.max_segments if args.packed else None)
+                                              max_segments=args.max_segments if args.packed else None,
+                                              attention=args.attention_impl)
             fits = "?" if capacity is None else ("yes" if temp + arg <= capacity else "no")
             print(f"| {seq_len} | {stage} | {temp / GIB:.1f} | {arg / GIB:.1f} | {(temp + arg) / GIB:.1f} | "
                   f"{fits} | {secs:.0f} |", flush=True)

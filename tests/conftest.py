@@ -7,6 +7,19 @@ import sys
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One persistent compilation cache for the run, shared by both test workers and by the train.py
+# and decode.py processes the tests start (they inherit the environment): a resumed or
+# re-sharded run compiles the programs of the run it is compared with, and recompiling them took
+# most of the suite's time. Entries are keyed by the program and the jax version, so a stale
+# cache is never wrong, only unused.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
+                      str(Path(__file__).resolve().parents[1] / ".pytest_cache" / "jax-compilation"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+#: XLA flags of every test process: the CPU backend generates code at LLVM -O0. The tests spend
+#: their time compiling small programs, not running them, and every comparison is made within
+#: one setting.
+TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
 # Ahead-of-time TPU compilation (libtpu, no TPU) from several test workers at once.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -31,6 +44,13 @@ def micro_config(**changes) -> GLMConfig:
 @pytest.fixture
 def micro_cfg() -> GLMConfig:
     return micro_config()
+
+
+def simulated_devices_env(devices: int, **extra: str) -> dict[str, str]:
+    """The environment of a test subprocess with `devices` simulated CPU devices (the count is
+    fixed before jax starts)."""
+    return {**os.environ, "JAX_PLATFORMS": "cpu",
+            "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices} {TEST_XLA_FLAGS}", **extra}
 
 
 def tpu_compile_mesh(topology: str):

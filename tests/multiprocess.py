@@ -3,7 +3,6 @@ with its own simulated CPU devices, as tests of several hosts do."""
 
 from __future__ import annotations
 
-import os
 import re
 import socket
 import subprocess
@@ -12,12 +11,13 @@ import tempfile
 
 import jax
 
-from conftest import ROOT
+from conftest import ROOT, simulated_devices_env
 
-# The gloo library writes its connection log to stdout from C++ (interleaved with Python's
-# output, not always with its own newline); it is not part of the text.
-GLOO_LOG = re.compile(r"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. "
-                      r"Expected number of connected peer ranks is : \d+\n?")
+# The gloo library writes its connection log to stdout from C++, one line per rank from several
+# threads: the lines can come torn into pieces, interleaved with each other and with Python's
+# output. Every piece is removed; none is part of the text.
+GLOO_PREFIX = re.compile(r"\[Gloo\] Rank ")
+GLOO_LOG = re.compile(r"\d*\s*is connected to \d+ peer ranks\. Expected number of connected peer ranks is : \d+\n?")
 
 
 def gloo_available() -> bool:
@@ -34,8 +34,7 @@ def free_port() -> int:
 def launch(script: str, args: list[str], devices: int, env: dict | None = None) -> subprocess.Popen:
     """ROOT/script in a fresh interpreter that simulates `devices` CPU devices (`env`: more
     environment variables)."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", **(env or {})}
+    env = simulated_devices_env(devices, **(env or {}))
     # Files, not pipes: a process blocked on a full pipe would stall the collectives of the others.
     out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
     proc = subprocess.Popen([sys.executable, str(ROOT / script), *args], cwd=ROOT, env=env, text=True,
@@ -56,5 +55,5 @@ def finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[str, str]:
     proc.wait(timeout=timeout)
     out, err = (f.seek(0) or f.read() for f in proc.logs)
     assert proc.returncode == 0, err[-4000:]
-    out = GLOO_LOG.sub("", out)
+    out = GLOO_LOG.sub("", GLOO_PREFIX.sub("", out))
     return "".join(line for line in out.splitlines(keepends=True) if "[Gloo]" not in line), err

@@ -7,7 +7,6 @@ that saw only their own shard's keys would give another loss."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec
 
+from conftest import simulated_devices_env
 from glm_jax.sharding import logical_spec, parse_mesh_spec, split_queries, split_tokens
 
 HERE = Path(__file__).resolve().parent
@@ -23,7 +23,7 @@ HERE = Path(__file__).resolve().parent
 
 @pytest.fixture(scope="module")
 def checks() -> dict:
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    env = simulated_devices_env(8)
     proc = subprocess.run([sys.executable, str(HERE / "context_parallel_checks.py")], env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]

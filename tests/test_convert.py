@@ -13,6 +13,7 @@ from flax import nnx
 from safetensors import safe_open
 
 import hf_fixtures as hf
+from conftest import simulated_devices_env
 from glm_jax.checkpoint import config_differences
 from glm_jax.config import GLMConfig
 from glm_jax.convert import CheckpointConversionError, export_hf_checkpoint, load_hf_checkpoint
@@ -172,12 +173,11 @@ np.save(sys.argv[2], np.asarray(model(jax.numpy.asarray([[3, 17, 42, 5, 29, 11]]
 
 
 def test_load_onto_a_mesh_shards_the_arrays(glm_dir, tmp_path):
-    import os
     import subprocess
     import sys
 
     directory, values = glm_dir
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    env = simulated_devices_env(4)
     done = subprocess.run([sys.executable, "-c", _MESH_SCRIPT, str(directory), str(tmp_path / "logits.npy")],
                           env=env, capture_output=True, text=True, cwd=str(hf.Path(__file__).parents[1]))
     assert done.returncode == 0, done.stderr[-3000:]

@@ -5,10 +5,11 @@ fixed before jax starts."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
+
+from conftest import simulated_devices_env
 
 HERE = Path(__file__).resolve().parent
 
@@ -52,7 +53,7 @@ print(json.dumps({"devices": len(jax.devices()), "loss": float(loss), "ref_loss"
 
 
 def test_sharded_packed_loss_and_gradients_equal_one_device():
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    env = simulated_devices_env(8)
     proc = subprocess.run([sys.executable, "-c", SCRIPT, str(HERE), str(HERE.parent)], env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -4,7 +4,6 @@ device count must be fixed before jax starts)."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +11,7 @@ from pathlib import Path
 import pytest
 from jax.sharding import PartitionSpec
 
+from conftest import simulated_devices_env
 from glm_jax.sharding import (LOGICAL_AXIS_RULES, ShardingError, logical_spec, param_logical_axes,
                               parse_mesh_spec)
 
@@ -20,7 +20,7 @@ HERE = Path(__file__).resolve().parent
 
 @pytest.fixture(scope="module")
 def checks() -> dict:
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    env = simulated_devices_env(8)
     proc = subprocess.run([sys.executable, str(HERE / "multidevice_checks.py")], env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]

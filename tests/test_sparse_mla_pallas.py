@@ -66,8 +66,9 @@ def _assert_lse(lse, ref):
 CASES = [  # (kind, B, S, K, kernel config): K not a multiple of the block, several blocks
     ("tpu", 2, 3, 40, dict(block_k=16)),
     ("tpu", 1, 2, 16, dict()),
-    ("gpu", 2, 3, 40, dict(block_k=16, num_splits=1, bwd_head_group=2)),
-    ("gpu", 1, 2, 37, dict(block_k=16, num_splits=2)),
+    ("gpu", 2, 3, 40, dict(block_k=16, num_splits=1, bwd_head_group=2, dkv_mode="atomic")),
+    ("gpu", 1, 2, 37, dict(block_k=16, num_splits=2)),                   # auto: atomic
+    ("gpu", 2, 3, 40, dict(block_k=16, bwd_head_group=2)),               # auto: scatter
 ]
 
 

@@ -8,19 +8,18 @@ the one-device run."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
-from conftest import micro_config
+from conftest import micro_config, simulated_devices_env
 from glm_jax.config import save_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _train(tmp_path, out: str, *extra: str) -> list[dict]:
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    env = simulated_devices_env(8)
     cfg_path = tmp_path / "micro.yaml"
     save_config(micro_config(vocab_size=320, max_position_embeddings=128, n_routed_experts=4), cfg_path)
     cmd = [sys.executable, str(ROOT / "train.py"), "--config", str(cfg_path), "--out", str(tmp_path / out),

@@ -10,6 +10,9 @@ where `idx` is the int32 index array padded by the kernel module and `contrib[b,
 the gradient that query (b, s) sends to the kv row it selected in slot j (keys and values
 together: dK in every column, plus dV in the first v_dim columns).
 
+A kernel that adds those contributions into dkv itself (atomically, on a GPU) is plugged in
+with `bwd_adds_dkv=True` and returns (dq, dkv float32 [B, T, Dk]) for all queries at once.
+
 dkv is accumulated without write races: the kernels never write into a row that another
 program may write; each writes its own (query, slot) contributions, and XLA adds them into
 the rows with one scatter-add per chunk of queries (invalid slots go to an out-of-range row
@@ -36,15 +39,19 @@ def _query_chunk(batch: int, seq_len: int, topk: int, dk: int, itemsize: int, bu
     return max(1, min(seq_len, budget // per_query))
 
 
+def _delta(out, lse, dout, dlse):
+    """d/dz_j of (out . dout + lse * dlse) = p_j (dp_j - delta) with delta = out . dout - dlse."""
+    delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+    return delta - jnp.where(jnp.isfinite(lse), dlse.astype(jnp.float32), 0.0)
+
+
 def backward(fwd_res, dout, dlse, *, bwd: Callable, budget: int = CONTRIB_BUDGET_BYTES):
     """Cotangents (dq, dkv) of sparse MLA from the saved forward residuals."""
     q, kv, idx, out, lse = fwd_res
     batch, seq_len, _, dk = q.shape
     num_keys = kv.shape[1]
     topk = idx.shape[-1]
-    # d/dz_j of (out . dout + lse * dlse) = p_j (dp_j - delta) with delta = out . dout - dlse.
-    delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
-    delta = delta - jnp.where(jnp.isfinite(lse), dlse.astype(jnp.float32), 0.0)
+    delta = _delta(out, lse, dout, dlse)
 
     chunk = _query_chunk(batch, seq_len, topk, dk, jnp.dtype(kv.dtype).itemsize, budget)
     n = -(-seq_len // chunk)
@@ -70,8 +77,11 @@ def backward(fwd_res, dout, dlse, *, bwd: Callable, budget: int = CONTRIB_BUDGET
     return dq, dkv.reshape(kv.shape).astype(kv.dtype)
 
 
-def make_sparse_mla(fwd: Callable, bwd: Callable, *, budget: int = CONTRIB_BUDGET_BYTES):
-    """A differentiable sparse_mla(q, kv, idx) -> (out, lse) from a forward and backward kernel."""
+def make_sparse_mla(fwd: Callable, bwd: Callable, *, budget: int = CONTRIB_BUDGET_BYTES,
+                    bwd_adds_dkv: bool = False):
+    """A differentiable sparse_mla(q, kv, idx) -> (out, lse) from a forward and backward kernel.
+
+    bwd_adds_dkv: `bwd` returns (dq, dkv) itself instead of per-slot contributions."""
 
     @jax.custom_vjp
     def attend(q, kv, idx):
@@ -83,6 +93,10 @@ def make_sparse_mla(fwd: Callable, bwd: Callable, *, budget: int = CONTRIB_BUDGE
 
     def attend_bwd(res, cts):
         dout, dlse = cts
+        if bwd_adds_dkv:
+            q, kv, idx, out, lse = res
+            dq, dkv = bwd(q, kv, idx, dout, lse, _delta(out, lse, dout, dlse))
+            return dq.astype(q.dtype), dkv.astype(kv.dtype), None
         dq, dkv = backward(res, dout, dlse, bwd=bwd, budget=budget)
         return dq, dkv, None
 
