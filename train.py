@@ -310,8 +310,11 @@ def _train(args) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop_requested.append(True))  # preemption: save, then exit
     tokens_per_step = args.batch_size * args.seq_len
     t_last, step = time.perf_counter(), start
+    steps_since = real_since = 0        # since the last logged step; real: this process's non-padding tokens
     for step in range(start + 1, args.steps + 1):
         batch = next(batches)
+        steps_since += 1
+        real_since += int(batch.loss_mask.sum())
         stage = "dense" if step <= args.dense_steps else "sparse"
         params, opt_state, terms = train_step(graphdef, params, rest, opt_state, feed.from_rows(batch.inputs),
                                               feed.from_rows(batch.targets), feed.from_rows(batch.segment_ids),
@@ -322,8 +325,9 @@ def _train(args) -> int:
         if step % args.log_every == 0 or step == args.steps or step == start + 1:
             record.update({k: float(v) for k, v in terms.items()})
             now = time.perf_counter()
-            steps_since = args.log_every if step % args.log_every == 0 else 1
             record["tokens_per_s"] = tokens_per_step * steps_since / (now - t_last)
+            record["real_tokens_per_s"] = sum(multihost.allgather_json(real_since)) / (now - t_last)
+            steps_since = real_since = 0
             flops = costs.training_flops_per_token(cfg, args.seq_len, active, sparse=stage == "sparse",
                                                    positions=batch.positions)
             if peak:
@@ -331,7 +335,8 @@ def _train(args) -> int:
             t_last = now
             print(f"step {step:5d}/{args.steps} [{stage}] loss {record['loss']:.3f} lm {record['lm']:.3f} "
                   f"idx_kl {record['indexer_kl']:.3f} mtp {record.get('mtp', 0):.3f} "
-                  f"lr {record['lr']:.2e} {record['tokens_per_s']:.0f} tok/s"
+                  f"lr {record['lr']:.2e} {record['tokens_per_s']:.0f} tok/s "
+                  f"({record['real_tokens_per_s']:.0f} not padding)"
                   + (f" MFU {record['mfu']:.1%}" if "mfu" in record else "") + f"  {_bar(step, args.steps)}",
                   flush=True)
         if step % args.eval_every == 0 or step == args.steps:

@@ -31,6 +31,8 @@ def test_training_lowers_the_loss_and_writes_checkpoints(trained_run):
     lm = [r["lm"] for r in records if "lm" in r]
     assert lm[-1] < lm[0] - 0.5
     assert any("val_lm" in r for r in records)
+    speeds = [(r["real_tokens_per_s"], r["tokens_per_s"]) for r in records if "tokens_per_s" in r]
+    assert speeds and all(0 < real <= total for real, total in speeds)     # padding is not counted
     assert (out / "params").is_dir() and (out / "tokenizer.json").exists()
     assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.isdigit()) == ["12", "6"]
 
