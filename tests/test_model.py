@@ -14,7 +14,6 @@ from glm_jax.cache import create_cache
 from glm_jax.layers import moe as moe_lib
 from glm_jax.layers.decoder import AttentionSettings, plan_groups
 from glm_jax.model import GLMModel
-from conftest import micro_config
 
 ATOL = 2e-4
 
