@@ -34,16 +34,15 @@ def _metrics(run) -> list[dict]:
                                                   "processes cannot run collectives together")
 def test_two_processes_train_like_one_and_resume(tmp_path, capsys):
     common, one, two = _common(tmp_path), tmp_path / "one", tmp_path / "two"
-    cache = {"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax-cache"),   # the resumed run compiles nothing
-             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+    # (the resumed run compiles nothing: the tests share one compilation cache, conftest.py)
     procs = launch_processes("train.py", common + ["--out", str(two), "--stop-after", "2"], processes=2,
-                             devices=4, env=cache)
+                             devices=4)
     single = launch("train.py", common + ["--out", str(one), "--data-shards", "2"], devices=8)
     first = [finish(p) for p in procs]
     assert "stopped: saved step 2" in first[0][0] and "data in 2 shard(s), this process reading 1" in first[0][0]
     assert first[1][0].strip() == ""                                   # only process 0 prints
     resumed = [finish(p) for p in launch_processes("train.py", common + ["--out", str(two), "--resume"],
-                                                    processes=2, devices=4, env=cache)]
+                                                    processes=2, devices=4)]
     assert "resume: continuing from step 2" in resumed[0][0] and "done: 4 steps" in resumed[0][0]
     finish(single)
 

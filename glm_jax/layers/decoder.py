@@ -13,6 +13,7 @@ Attention modes for full-sequence calls:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import jax
@@ -195,15 +196,11 @@ class IndexShareGroup(nnx.Module):
         found = _IndexerOutputs() if shared_kv is None else _IndexerOutputs(indices=shared_kv[1])
         kl, first_latent = jnp.zeros((), jnp.float32), None
         for j, layer in enumerate(self.layers):
-            graphdef, state = nnx.split(layer)
-
-            def run(state, x, found, graphdef=graphdef, j=j):
-                return _layer_forward(nnx.merge(graphdef, state), x, found, j=j, group_size=len(self.layers),
-                                      rows=rows, settings=settings, shared_kv=shared_kv)
-
+            forward = functools.partial(_layer_forward, j=j, group_size=len(self.layers), rows=rows,
+                                        settings=settings, shared_kv=shared_kv)
             if settings.remat:
-                run = jax.checkpoint(run, prevent_cse=False, policy=_SAVE_TOPK, static_argnums=(3, 4))
-            x, layer_kl, latent, found = run(state, x, found, graphdef, j)
+                forward = _rematerialised(forward)
+            x, layer_kl, latent, found = forward(layer, x, found)
             kl = kl + layer_kl
             if j == 0:
                 first_latent = latent
@@ -241,6 +238,18 @@ class IndexShareGroup(nnx.Module):
             out = layer.self_attn.attend_absorbed(q_nope, q_rope, view.read_latent(j), indices, kernels)
             x = layer.finish(x, out)
         return x
+
+
+def _rematerialised(forward):
+    """forward(layer, x, found) recomputed in the backward pass, keeping only its inputs and
+    the top-k indices it selects (`_SAVE_TOPK`)."""
+
+    def run(layer, x, found):
+        graphdef, state = nnx.split(layer)
+        pure = lambda state, x, found: forward(nnx.merge(graphdef, state), x, found)
+        return jax.checkpoint(pure, prevent_cse=False, policy=_SAVE_TOPK)(state, x, found)
+
+    return run
 
 
 def _layer_forward(layer: DecoderLayer, x, found: _IndexerOutputs, *, j: int, group_size: int, rows: _Rows,
