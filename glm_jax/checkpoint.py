@@ -26,9 +26,8 @@ class CheckpointMismatchError(ValueError):
 
 
 def config_differences(a: GLMConfig, b: GLMConfig) -> list[str]:
-    """Keys (other than the name) whose values differ, as 'key: a != b'."""
-    da, db = a.to_dict(), b.to_dict()
-    return [f"{k}: {da[k]!r} != {db[k]!r}" for k in da if k != "name" and da[k] != db[k]]
+    """Keys whose values change the model and differ, as 'key: a != b' (`GLMConfig.differences`)."""
+    return a.differences(b)
 
 
 def check_same_config(checkpoint_cfg: GLMConfig, requested: GLMConfig, where: str) -> None:

@@ -30,8 +30,15 @@ _HF_METADATA_KEYS = frozenset({
     "architectures", "auto_map", "transformers_version", "torch_dtype", "quantization_config",
     "pretraining_tp", "use_cache", "_name_or_path", "output_attentions", "output_hidden_states",
     "return_dict", "tie_encoder_decoder", "is_encoder_decoder", "ep_size", "num_experts",
-    "mlp_layer_types", "moe_layer_freq", "partial_rotary_factor", "rope_parameters",
+    "moe_layer_freq", "partial_rotary_factor", "rope_parameters", "output_router_logits",
 })
+#: Per-layer lists and derived values that Hugging Face transformers (5.x) writes into a
+#: config.json; `_fold_hf_layer_keys` checks them against the keys they derive from.
+_HF_DERIVED_KEYS = ("indexer_types", "layer_types", "mlp_layer_types", "mlp_bias", "qk_head_dim")
+#: Keys that together give the IndexShare schedule (`GLMConfig.pattern`).
+_SCHEDULE_KEYS = ("index_topk_freq", "index_skip_topk_offset", "index_topk_pattern")
+#: Keys `GLMConfig.differences` does not compare.
+_UNCOMPARED_KEYS = frozenset({"name", "head_dim"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,10 +128,8 @@ class GLMConfig:
     @property
     def layer_is_full(self) -> tuple[bool, ...]:
         """One bool per decoder layer: True where the layer runs its own indexer."""
-        if self.index_topk_pattern is not None:
-            return tuple(c == "F" for c in self.index_topk_pattern)
-        f, off = self.index_topk_freq, self.index_skip_topk_offset
-        return tuple(max(i - off + 1, 0) % f == 0 for i in range(self.num_hidden_layers))
+        return layer_schedule(self.num_hidden_layers, self.index_topk_freq, self.index_skip_topk_offset,
+                              self.index_topk_pattern)
 
     @property
     def full_layers(self) -> tuple[int, ...]:
@@ -179,6 +184,7 @@ class GLMConfig:
         if "dtype" in values and values["dtype"] not in ("bfloat16", "float32", "float16"):
             values.pop("dtype")
         values["name"] = name or path.parent.name
+        _fold_hf_layer_keys(values, raw, source=str(path))
         return cls.from_dict(values, source=str(path))
 
     def to_dict(self) -> dict[str, Any]:
@@ -190,6 +196,27 @@ class GLMConfig:
 
     def replace(self, **changes) -> "GLMConfig":
         return dataclasses.replace(self, **changes)
+
+    def differences(self, other: "GLMConfig") -> list[str]:
+        """Keys whose values change the model, as 'key: self != other'.
+
+        The IndexShare schedule is compared as the per-layer pattern (freq/offset and an explicit
+        pattern that give the same layers are the same model); `name` and the informational
+        `head_dim` (Hugging Face transformers rewrites it to qk_rope_head_dim) are not compared."""
+        da, db = self.to_dict(), other.to_dict()
+        for d, c in ((da, self), (db, other)):
+            for key in _SCHEDULE_KEYS:
+                d.pop(key)
+            d["pattern"] = c.pattern
+        return [f"{k}: {da[k]!r} != {db[k]!r}" for k in da if k not in _UNCOMPARED_KEYS and da[k] != db[k]]
+
+
+def layer_schedule(num_layers: int, freq: int, offset: int, pattern: str | None = None) -> tuple[bool, ...]:
+    """One bool per decoder layer, True where it runs its own indexer: `pattern` (F/S) when
+    given, else GLM-5.2's rule, Full iff max(i - offset + 1, 0) % freq == 0."""
+    if pattern is not None:
+        return tuple(c == "F" for c in pattern)
+    return tuple(max(i - offset + 1, 0) % max(freq, 1) == 0 for i in range(num_layers))
 
 
 def _validate(c: GLMConfig) -> None:
@@ -270,3 +297,62 @@ def load_config(spec: str | Path) -> GLMConfig:
 
 def save_config(config: GLMConfig, path: str | Path) -> None:
     Path(path).write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+
+
+def _fold_hf_layer_keys(values: dict[str, Any], raw: dict[str, Any], *, source: str) -> None:
+    """Checks the per-layer keys Hugging Face transformers writes and folds them into `values`.
+
+    * indexer_types ["full"/"shared" per layer] is the IndexShare pattern: it must agree with
+      index_topk_freq / index_skip_topk_offset / index_topk_pattern where those are given,
+      and becomes index_topk_pattern where they are not.
+    * layer_types: every layer "indexed_attention" (DSA attention, what this model runs).
+    * mlp_layer_types: "dense" for the first first_k_dense_replace layers, "sparse" (MoE) after.
+    * mlp_bias false (the MLPs have no bias); qk_head_dim = qk_nope_head_dim + qk_rope_head_dim.
+    Raises ConfigError naming the key, the layers that disagree and the fix."""
+    for key in _HF_DERIVED_KEYS:
+        values.pop(key, None)
+    layers = raw.get("num_hidden_layers", GLMConfig.num_hidden_layers)
+
+    def per_layer(key: str, allowed: tuple[str, ...]) -> list[str] | None:
+        got = raw.get(key)
+        if got is None:
+            return None
+        if not isinstance(got, list) or len(got) != layers or any(v not in allowed for v in got):
+            raise ConfigError(f"{source}: `{key}` must list one of {list(allowed)} for each of the "
+                              f"{layers} layers, got {got!r}")
+        return got
+
+    def disagree(key: str, got: list[str], expected: list[str], against: str) -> None:
+        bad = [i for i, (g, e) in enumerate(zip(got, expected)) if g != e]
+        if bad:
+            raise ConfigError(f"{source}: `{key}` disagrees with {against} at layer(s) {bad[:8]}"
+                              f"{' ...' if len(bad) > 8 else ''} (expected {[expected[i] for i in bad[:4]]}, "
+                              f"got {[got[i] for i in bad[:4]]}); make them agree or drop one of them")
+
+    indexer_types = per_layer("indexer_types", ("full", "shared"))
+    if indexer_types is not None:
+        given = [k for k in _SCHEDULE_KEYS if k in values]
+        if given:
+            schedule = layer_schedule(layers, values.get("index_topk_freq", GLMConfig.index_topk_freq),
+                                      values.get("index_skip_topk_offset", GLMConfig.index_skip_topk_offset),
+                                      values.get("index_topk_pattern"))
+            disagree("indexer_types", indexer_types, ["full" if f else "shared" for f in schedule],
+                     " / ".join(given))
+        else:
+            values["index_topk_pattern"] = "".join("F" if t == "full" else "S" for t in indexer_types)
+    layer_types = per_layer("layer_types", ("indexed_attention",))
+    del layer_types  # validated: every layer runs DSA attention
+    mlp_types = per_layer("mlp_layer_types", ("dense", "sparse"))
+    if mlp_types is not None:
+        dense = values.get("first_k_dense_replace", GLMConfig.first_k_dense_replace)
+        disagree("mlp_layer_types", mlp_types, ["dense" if i < dense else "sparse" for i in range(layers)],
+                 f"first_k_dense_replace={dense}")
+    if raw.get("mlp_bias", False):
+        raise ConfigError(f"{source}: `mlp_bias` is true, but this model's MLPs have no bias; "
+                          "a checkpoint of this family has mlp_bias false")
+    if "qk_head_dim" in raw:
+        nope = values.get("qk_nope_head_dim", GLMConfig.qk_nope_head_dim)
+        rope = values.get("qk_rope_head_dim", GLMConfig.qk_rope_head_dim)
+        if raw["qk_head_dim"] != nope + rope:
+            raise ConfigError(f"{source}: `qk_head_dim` {raw['qk_head_dim']} != qk_nope_head_dim {nope} + "
+                              f"qk_rope_head_dim {rope}; fix one of them")

@@ -61,3 +61,55 @@ def test_hf_config_json(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(values))
     loaded = GLMConfig.from_hf_json(tmp_path)
     assert loaded.replace(name=cfg.name) == cfg
+
+
+HF_CONFIGS = ROOT / "tests" / "data" / "hf_configs"
+
+
+def test_transformers_written_config_loads():
+    """A config.json as transformers 5.x writes it: per-layer indexer_types / layer_types /
+    mlp_layer_types, qk_head_dim, mlp_bias, output_router_logits, head_dim rewritten."""
+    loaded = GLMConfig.from_hf_json(HF_CONFIGS / "glm-5.2-transformers-5.25.json")
+    preset = load_config(ROOT / "configs/glm-5.2.yaml")
+    assert loaded.pattern == preset.pattern
+    assert loaded.index_topk_pattern is None            # kept as freq/offset: both agree
+    assert loaded.head_dim == 64                        # as written; not compared
+    # transformers wrote its own default token ids (0, 1); everything else is the preset
+    assert loaded.replace(bos_token_id=None, eos_token_id=None).differences(preset) == []
+
+
+def test_transformers_indexer_types_become_the_pattern():
+    loaded = GLMConfig.from_hf_json(HF_CONFIGS / "tiny-pattern-transformers-5.25.json")
+    assert loaded.index_topk_pattern == "FSFSSS"
+    assert loaded.full_layers == (0, 2)
+
+
+def _edited(tmp_path, **changes):
+    raw = json.loads((HF_CONFIGS / "glm-5.2-transformers-5.25.json").read_text())
+    raw.update(changes)
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    return tmp_path
+
+
+@pytest.mark.parametrize("changes, message", [
+    # layer 3 marked full, but freq 4 / offset 3 make it shared
+    (lambda raw: {"indexer_types": raw["indexer_types"][:3] + ["full"] + raw["indexer_types"][4:]},
+     r"`indexer_types` disagrees with index_topk_freq / index_skip_topk_offset at layer\(s\) \[3\]"),
+    (lambda raw: {"indexer_types": raw["indexer_types"][:-1]}, r"`indexer_types` must list one of"),
+    (lambda raw: {"layer_types": ["full_attention"] * 78}, r"`layer_types` must list one of \['indexed_attention'\]"),
+    (lambda raw: {"mlp_layer_types": ["dense"] * 4 + ["sparse"] * 74},
+     r"`mlp_layer_types` disagrees with first_k_dense_replace=3 at layer\(s\) \[3\]"),
+    (lambda raw: {"mlp_bias": True}, r"`mlp_bias` is true"),
+    (lambda raw: {"qk_head_dim": 192}, r"`qk_head_dim` 192 != qk_nope_head_dim 192 \+ qk_rope_head_dim 64"),
+])
+def test_transformers_keys_are_checked(tmp_path, changes, message):
+    raw = json.loads((HF_CONFIGS / "glm-5.2-transformers-5.25.json").read_text())
+    with pytest.raises(ConfigError, match=message):
+        GLMConfig.from_hf_json(_edited(tmp_path, **changes(raw)))
+
+
+def test_differences_compare_the_schedule_not_its_spelling():
+    by_rule = load_config(ROOT / "configs/glm-5.2.yaml")
+    by_pattern = by_rule.replace(index_topk_pattern=by_rule.pattern)
+    assert by_rule.differences(by_pattern) == []
+    assert by_rule.differences(by_rule.replace(index_topk_freq=2, index_skip_topk_offset=1)) != []
