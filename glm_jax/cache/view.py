@@ -86,9 +86,9 @@ class GroupCacheView:
         unused slots; a query at position p may select rows 0 .. p."""
         kv_len = self.positions[:, -1] + 1                   # rows written once the chunk is
 
-        def fn(keys, page_table, queries, weights, positions, kv_len, index):
-            slot, mine = self.placement.locate(index, keys.shape[0])
-            keys = read_sequence(keys, slot, page_table).astype(queries.dtype)
+        def fn(store, page_table, queries, weights, positions, kv_len, index):
+            slot, mine = self.placement.locate(index, store.shape[0])
+            keys = read_sequence(store, slot, page_table).astype(queries.dtype)
             indices = ops.indexer_topk(queries, keys, weights, topk=topk, q_pos=positions, kv_len=kv_len,
                                        impl=kernels.indexer, interpret=kernels.interpret)
             return (self.placement.share(indices, mine),)
@@ -97,9 +97,9 @@ class GroupCacheView:
 
     def read_latent(self, j: int) -> jnp.ndarray:
         """Every row of layer j: [B, T, latent] (e.g. the MTP layer's KVShare draft steps)."""
-        def fn(latent, page_table, index):
-            slot, mine = self.placement.locate(index, latent.shape[0])
-            return (self.placement.share(read_sequence(latent, slot, page_table), mine),)
+        def fn(store, page_table, index):
+            slot, mine = self.placement.locate(index, store.shape[0])
+            return (self.placement.share(read_sequence(store, slot, page_table), mine),)
         return self.placement.manual(fn, (self.latent,), (self.page_table,), (self.first_layer + j,),
                                      out_stores=0, out_rows=1)[0]
 
@@ -108,14 +108,14 @@ class GroupCacheView:
         self._mode = mode = fetch_mode(indices.shape[1], indices.shape[2], self.max_len)
         placement = self.placement
 
-        def fn(latent, page_table, indices, first_layer):
+        def fn(store, page_table, indices, first_layer):
             def owned(j):
-                slot, mine = placement.locate(first_layer + j, latent.shape[0])
+                slot, mine = placement.locate(first_layer + j, store.shape[0])
                 if mode == "rows":
-                    rows = gather_rows(latent, slot, page_table, indices)
+                    latent = gather_rows(store, slot, page_table, indices)
                 else:
-                    rows = read_sequence(latent, slot, page_table)
-                return rows if mine is True else jnp.where(mine, rows, jnp.zeros_like(rows))
+                    latent = read_sequence(store, slot, page_table)
+                return latent if mine is True else jnp.where(mine, latent, jnp.zeros_like(latent))
 
             # Layer 0 is needed at once; layers 1.. travel in one message while layer 0 computes.
             first = placement.share(owned(0), True)
@@ -138,7 +138,7 @@ class GroupCacheView:
             return fetched.at[jnp.arange(b)[:, None], self.positions].set(latent, mode="drop"), indices
         rel = indices - self.positions[:, :1, None]
         in_chunk = (indices >= 0) & (rel >= 0) & (rel < s)
-        local = jax.vmap(lambda rows, r: rows[r])(latent, jnp.clip(rel, 0, s - 1))   # [B, S, K, latent]
-        rows = jnp.where(in_chunk[..., None], local, fetched)
+        local = jax.vmap(lambda chunk, r: chunk[r])(latent, jnp.clip(rel, 0, s - 1))   # [B, S, K, latent]
+        attended = jnp.where(in_chunk[..., None], local, fetched)
         slots = jnp.arange(s, dtype=jnp.int32)[:, None] * k + jnp.arange(k, dtype=jnp.int32)[None, :]
-        return rows.reshape(b, s * k, -1), jnp.where(indices >= 0, slots[None], -1)
+        return attended.reshape(b, s * k, -1), jnp.where(indices >= 0, slots[None], -1)
