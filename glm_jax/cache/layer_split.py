@@ -8,7 +8,7 @@ last device are never written). Weights and activations are replicated along the
 every device runs every layer; what moves is the owner's cache, and only what attention
 needs (see `view.GroupCacheView`):
 
-* the Full layer's top-k indices: the owner runs the indexer over its keys; the int32
+* the Full layer's top-k indices: the owner runs the indexer top-k over its keys; the int32
   [B, S, topk] result is broadcast (keys never move);
 * the latent rows those indices select, for every layer of the IndexShare group, fetched
   right after the indices exist so the transfers for layers 1.. overlap layer 0's compute;
