@@ -22,11 +22,10 @@ from flax import nnx
 from jax.experimental.layout import Format, Layout
 
 from glm_jax import ops
-from glm_jax.cache import create_cache
+from glm_jax.cache import LayerSplit, cache_shardings, create_cache
 from glm_jax.config import GLMConfig
-from glm_jax.layer_split import LayerSplit
 from glm_jax.model import abstract_model
-from glm_jax.sharding import cache_shardings, logical_sharding, make_mesh, param_shardings
+from glm_jax.sharding import logical_sharding, make_mesh, param_shardings
 
 
 def topology_devices(topology: str):

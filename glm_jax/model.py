@@ -18,14 +18,12 @@ from flax import nnx
 
 from glm_jax import ops
 from glm_jax.cache import KVCache
-from glm_jax.cache_view import GroupCacheView
 from glm_jax.config import GLMConfig
 from glm_jax.layers.decoder import AttentionSettings, GroupStackPlan, IndexShareGroup, plan_groups
 from glm_jax.layers.linear import Linear
 from glm_jax.layers.mtp import MTPLayer
 from glm_jax.layers.norms import RMSNorm
 from glm_jax.layers.segments import segment_layout
-from glm_jax.layer_split import Placement
 from glm_jax.sharding import split_tokens
 
 
@@ -114,58 +112,53 @@ class GLMModel(nnx.Module):
     def forward_cached(self, tokens: jnp.ndarray, cache: KVCache, *,
                        kernels: ops.KernelChoice = ops.KernelChoice(),
                        num_valid: jnp.ndarray | None = None) -> tuple[jnp.ndarray, jnp.ndarray, KVCache]:
-        """Run tokens int32 [B, S] at positions cache.lengths + [0, S) against the cache.
+        """Run tokens int32 [B, S] at the cache's next positions (its lengths + [0, S)).
 
         num_valid int32 [B] (default S): how many of the S tokens are real; the cache length
         advances by it (padding rows are written but never attended by real queries).
         -> (logits float32 [B, S, vocab], hidden normed [B, S, hidden], updated cache)."""
-        b, s = tokens.shape
-        positions = cache.lengths[:, None] + jnp.arange(s, dtype=jnp.int32)[None, :]
-        x, latent, keys = self._cached_stacks(self.embed_tokens(tokens), positions, cache.lengths + s, cache,
-                                              kernels)
+        s = tokens.shape[1]
+        positions = cache.positions(s)
+        x, cache = self._cached_stacks(self.embed_tokens(tokens), positions, cache, kernels)
         hidden = self.norm(x)
-        advance = jnp.full((b,), s, jnp.int32) if num_valid is None else num_valid.astype(jnp.int32)
-        return self.logits(hidden), hidden, dataclasses.replace(
-            cache, latent=latent, index_keys=keys, lengths=cache.lengths + advance)
+        return self.logits(hidden), hidden, cache.advance(_advance(s, num_valid))
 
-    def _cached_stacks(self, x, positions, kv_len, cache: KVCache, kernels: ops.KernelChoice):
-        """Every group stack against the cache: x [B, S, hidden] -> (x, latent store, key store).
+    def _cached_stacks(self, x, positions, cache: KVCache, kernels: ops.KernelChoice):
+        """Every group stack against the cache: x [B, S, hidden] at positions int32 [B, S]
+        -> (x, the cache with the rows written).
 
-        With a LayerSplit cache only the cache accesses run per device (see
-        `layer_split.Placement.manual`); everything else is ordinary sharded XLA."""
-        placement = Placement(cache.split)
-        latent, keys, full_base = cache.latent, cache.index_keys, 0
+        Each group works through its view of the cache (`KVCache.group_view`); with a LayerSplit
+        cache only the cache accesses run per device (see `cache.layer_split.Placement.manual`);
+        everything else is ordinary sharded XLA."""
+        full_base = 0
         for stack, p in zip(self.stacks, self.plan):
             graphdef, state = nnx.split(stack)
 
             def body(carry, xs, graphdef=graphdef, p=p, full_base=full_base):
-                x, latent, keys = carry
+                x, cache = carry
                 group_state, g = xs
-                view = GroupCacheView(latent, keys, cache.page_table, placement, p.first_layer + g * len(p.kinds),
-                                      full_base + g, positions)
-                x, _ = nnx.merge(graphdef, group_state).forward_cached(x, positions, view, kv_len, kernels)
-                return (x, view.latent, view.keys), None
+                view = cache.group_view(p.first_layer + g * len(p.kinds), full_base + g, positions)
+                x, _ = nnx.merge(graphdef, group_state).forward_cached(x, positions, view, kernels)
+                return (x, cache.with_view(view)), None
 
-            (x, latent, keys), _ = jax.lax.scan(body, (x, latent, keys), (state, jnp.arange(p.count, dtype=jnp.int32)))
+            (x, cache), _ = jax.lax.scan(body, (x, cache), (state, jnp.arange(p.count, dtype=jnp.int32)))
             full_base += p.count
-        return x, latent, keys
+        return x, cache
 
     # ------------------------------------------------------------------ MTP with a cache
     def mtp_forward_cached(self, next_tokens, hidden, cache: KVCache, *,
                            kernels: ops.KernelChoice = ops.KernelChoice(), num_valid=None):
-        """MTP over positions cache.lengths + [0, S): row i takes the target's normed hidden h_i
-        [B, S, hidden] and the token t_{i+1} int32 [B, S]; its KV is written to the MTP cache
-        (`create_mtp_cache`). -> (logits [B, S, V], normed hidden [B, S, hidden], cache,
-        indices int32 [B, S, topk] the MTP indexer chose)."""
-        b, s = next_tokens.shape
-        positions = cache.lengths[:, None] + jnp.arange(s, dtype=jnp.int32)[None, :]
+        """MTP over the MTP cache's next positions (its lengths + [0, S)): row i takes the
+        target's normed hidden h_i [B, S, hidden] and the token t_{i+1} int32 [B, S]; its KV is
+        written to the MTP cache (`create_mtp_cache`). -> (logits [B, S, V], normed hidden
+        [B, S, hidden], cache, indices int32 [B, S, topk] the MTP indexer chose)."""
+        s = next_tokens.shape[1]
+        positions = cache.positions(s)
         x = self.mtp.inputs(self.embed_tokens(next_tokens), hidden)
         view = _mtp_view(cache, positions)
-        x, indices = self.mtp.block.forward_cached(x, positions, view, cache.lengths + s, kernels)
+        x, indices = self.mtp.block.forward_cached(x, positions, view, kernels)
         out = self.mtp.shared_head.norm(x)
-        advance = jnp.full((b,), s, jnp.int32) if num_valid is None else num_valid.astype(jnp.int32)
-        return self.logits(out), out, dataclasses.replace(
-            cache, latent=view.latent, index_keys=view.keys, lengths=cache.lengths + advance), indices
+        return self.logits(out), out, cache.with_view(view).advance(_advance(s, num_valid)), indices
 
     def mtp_draft_step(self, next_tokens, hidden, positions, cache: KVCache, indices, *,
                        kernels: ops.KernelChoice = ops.KernelChoice()):
@@ -178,9 +171,14 @@ class GLMModel(nnx.Module):
         return self.logits(out), out
 
 
-def _mtp_view(cache: KVCache, positions) -> GroupCacheView:
+def _mtp_view(cache: KVCache, positions):
     """The MTP layer's cache (`create_mtp_cache`: one local Full layer) as a group view."""
-    return GroupCacheView(cache.latent, cache.index_keys, cache.page_table, Placement(None), 0, 0, positions)
+    return cache.group_view(0, 0, positions)
+
+
+def _advance(num_tokens: int, num_valid: jnp.ndarray | None):
+    """How far a cached forward of num_tokens tokens moves the lengths: num_valid int32 [B], or all."""
+    return num_tokens if num_valid is None else num_valid.astype(jnp.int32)
 
 
 def _layout(b: int, s: int, segment_ids):

@@ -1,8 +1,9 @@
-"""Device mesh, the logical-axis rules table, and NamedShardings for params and the KV cache.
+"""Device mesh, the logical-axis rules table, and NamedShardings for params and activations
+(the KV cache's own axes: `glm_jax.cache.axes`).
 
     mesh = make_mesh("data=2,tensor=2,layer=2")          # 8 devices
     params = shard_params(nnx.state(model), mesh)          # device_put with the rules below
-    cache = shard_cache(create_cache(cfg, b, t, split=LayerSplit(mesh)), mesh)
+    cache = shard_cache(create_cache(cfg, b, t, split=LayerSplit(mesh)), mesh)   # glm_jax.cache
     jax.set_mesh(make_mesh("data=2,context=4"))            # training: activations follow the mesh
 
 Mesh axes (always in this order; a missing one has size 1):
@@ -12,7 +13,7 @@ Mesh axes (always in this order; a missing one has size 1):
             may attend are gathered along it (see `constrain` and `split_queries`)
     tensor  attention heads, MLP columns, routed experts, vocabulary ("expert" is an alias)
     layer   LayerSplit: each device of this axis stores the KV cache of a disjoint subset of
-            layers (glm_jax.layer_split); routed experts are split over tensor x layer, the
+            layers (glm_jax.cache.layer_split); routed experts are split over tensor x layer, the
             other weights and the activations are replicated along it
 
 Layers never name mesh axes: every array dimension carries a logical name and LOGICAL_AXIS_RULES
@@ -21,7 +22,6 @@ Layers never name mesh axes: every array dimension carries a logical name and LO
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import re
@@ -294,28 +294,6 @@ def split_queries(fn, per_query: dict, whole: dict):
     return jax.shard_map(local, in_specs=(PartitionSpec(batch, length), PartitionSpec(batch)),
                          out_specs=PartitionSpec(batch, length), axis_names=manual,
                          check_vma=False)(given(per_query), given(whole))
-
-
-# ------------------------------------------------------------------ KV cache
-CACHE_AXES = {
-    "latent": ("cache_layers", "cache_pages", "page_rows", "latent"),
-    "index_keys": ("cache_layers", "cache_pages", "page_rows", "latent"),
-    "page_table": ("batch", None),
-    "lengths": ("batch",),
-}
-
-
-def cache_shardings(cache, mesh: Mesh):
-    """A KVCache of NamedShardings. Without LayerSplit the layer slots are replicated along
-    the `layer` axis (each device keeps every layer)."""
-    rules = LOGICAL_AXIS_RULES if cache.split is not None else {**LOGICAL_AXIS_RULES, "cache_layers": None}
-    fields = {name: logical_sharding(mesh, CACHE_AXES[name], tuple(getattr(cache, name).shape),
-                                     f"cache.{name}", rules) for name in CACHE_AXES}
-    return dataclasses.replace(cache, **fields)
-
-
-def shard_cache(cache, mesh: Mesh):
-    return place(cache, cache_shardings(cache, mesh))
 
 
 def per_device_bytes(tree) -> dict:

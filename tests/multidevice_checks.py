@@ -18,11 +18,10 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from conftest import micro_config  # noqa: E402
-from glm_jax.cache import create_cache  # noqa: E402
+from glm_jax.cache import LayerSplit, create_cache, shard_cache  # noqa: E402
 from glm_jax.decoding.generate import Generator  # noqa: E402
-from glm_jax.layer_split import LayerSplit  # noqa: E402
 from glm_jax.model import GLMModel  # noqa: E402
-from glm_jax.sharding import ShardingError, make_mesh, per_device_bytes, shard_cache, shard_params  # noqa: E402
+from glm_jax.sharding import ShardingError, make_mesh, per_device_bytes, shard_params  # noqa: E402
 
 
 def _prefill_then_decode(model, cache, tokens, prefill: int):

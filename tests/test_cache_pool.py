@@ -11,7 +11,7 @@ from conftest import micro_config
 from glm_jax.decoding.engine import Request, ServingEngine
 from glm_jax.decoding.generate import Generator, _decode_block
 from glm_jax.model import GLMModel
-from glm_jax.page_pool import CacheFullError, PagePool
+from glm_jax.cache import CacheFullError, PagePool
 
 PROMPTS = [np.arange(3, 12), np.arange(20, 25), np.arange(40, 53), np.arange(60, 90)]
 

@@ -9,8 +9,7 @@ import pytest
 from flax import nnx
 
 from glm_jax import ops
-from glm_jax.cache import create_cache, create_mtp_cache
-from glm_jax.cache_view import GroupCacheView
+from glm_jax.cache import GroupCacheView, create_cache, create_mtp_cache
 from glm_jax.decoding import rejection_sample
 from glm_jax.decoding.generate import Generator
 from glm_jax.decoding.speculative import SpeculativeGenerator, draft
@@ -106,15 +105,15 @@ def test_kv_share_draft_runs_no_indexer_and_reads_only_target_kv(monkeypatch):
             calls["max_index"] = max(calls["max_index"], int(np.max(np.asarray(indices))))
         return real_mla(q, kv, indices, **k)
 
-    real_kv = GroupCacheView.attention_kv
+    real_attended = GroupCacheView.attended_latent
 
-    def spy_kv(self, j, indices, new_rows):   # cache positions a cached forward attends
+    def spy_attended(self, j, indices, latent):   # cache positions a cached forward attends
         calls["max_index"] = max(calls["max_index"], int(np.max(np.asarray(indices))))
-        return real_kv(self, j, indices, new_rows)
+        return real_attended(self, j, indices, latent)
 
     monkeypatch.setattr(ops, "indexer_topk", spy_topk)
     monkeypatch.setattr(ops, "sparse_mla", spy_mla)
-    monkeypatch.setattr(GroupCacheView, "attention_kv", spy_kv)
+    monkeypatch.setattr(GroupCacheView, "attended_latent", spy_attended)
     for kv_share, want_calls in ((True, 0), (False, 2)):
         calls.update(indexer=0, max_index=-1)
         with jax.disable_jit():

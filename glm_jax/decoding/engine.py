@@ -6,7 +6,7 @@ pool of cache pages; chunked prefill, then decode steps that are one jitted call
     results[i].tokens / results[i].error;  engine.step_times: host time per decode step
 
 Requests are admitted in waves of up to `slots`: each gets pages for prompt + max_new_tokens
-rows from the pool (`glm_jax.page_pool`); one that could never fit gets `error` (the memory
+rows from the pool (`glm_jax.cache.page_pool`); one that could never fit gets `error` (the memory
 it needs) and the others run; one that does not fit now waits until earlier requests finish
 and release their pages, which later requests reuse. A decode step is one jitted call on
 fixed shapes (slots x page-table width, the whole pool) with the cache donated, so neither
@@ -25,8 +25,7 @@ import numpy as np
 from glm_jax import ops
 from glm_jax.decoding.generate import ContextTooLongError, GeneratorBase, _decode_block
 from glm_jax.multihost import global_array, to_host
-from glm_jax.page_pool import CacheFullError, PagePool
-from glm_jax.sharding import shard_cache
+from glm_jax.cache import CacheFullError, PagePool, shard_cache
 
 
 @dataclasses.dataclass

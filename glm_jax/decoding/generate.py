@@ -22,11 +22,10 @@ from flax import nnx
 from glm_jax import ops
 from jax.sharding import Mesh
 
-from glm_jax.cache import KVCache, create_cache
+from glm_jax.cache import KVCache, LayerSplit, create_cache, shard_cache
 from glm_jax.decoding.sampling import sample_tokens
-from glm_jax.layer_split import LayerSplit
 from glm_jax.multihost import global_array, place, replicated, to_host
-from glm_jax.sharding import ShardingError, logical_sharding, shard_cache, shard_params
+from glm_jax.sharding import ShardingError, logical_sharding, shard_params
 
 
 class ContextTooLongError(ValueError):

@@ -206,33 +206,34 @@ class IndexShareGroup(nnx.Module):
                 first_latent = latent
         return split_tokens(x), kl, first_latent, found.indices
 
-    def forward_cached(self, x, positions, view, kv_len, kernels: ops.KernelChoice):
-        """Forward of new tokens against the cache, through `view` (cache_view.GroupCacheView).
+    def forward_cached(self, x, positions, view, kernels: ops.KernelChoice):
+        """Forward of new tokens against the cache, through `view` (glm_jax.cache.GroupCacheView).
 
-        The Full layer writes its rows and keys, selects the top-k (where its keys live), then
-        the rows every layer will attend are fetched at once; each layer attends them with its
-        own chunk rows patched in, and writes those rows to its cache slot.
-        x [B, S, hidden]; positions int32 [B, S]; kv_len int32 [B] (valid rows after the write)
+        The Full layer writes its latent rows and indexer keys and hands its indexer queries to
+        the view, which selects the top-k where the keys live; then the latent rows every layer
+        will attend are fetched at once; each layer attends them with its own chunk rows
+        patched in, and writes those rows to its cache slot.
+        x [B, S, hidden]; positions int32 [B, S] (the view's)
         -> (x [B, S, hidden], the Full layer's indices int32 [B, S, topk])."""
         indices = None
         for j, layer in enumerate(self.layers):
             h, q_resid, q_nope, q_rope, latent = layer.attention_inputs(x, positions)
             view.write_latent(j, latent)
             if j == 0:
-                view.write_keys(layer.indexer.keys(h, positions))
-                indices = view.select(
-                    lambda keys, h, q_resid, positions, kv_len, layer=layer: layer.indexer.select(
-                        h, q_resid, positions, keys, kv_len, kernels), h, q_resid, positions, kv_len)
+                indexer = layer.indexer
+                view.write_index_keys(indexer.keys(h, positions))
+                indices = view.select(indexer.queries(q_resid, positions), indexer.head_weights(h),
+                                      topk=self.cfg.index_topk, kernels=kernels)
                 view.fetch(indices, len(self.layers))
-            kv, kv_indices = view.attention_kv(j, indices, latent)
-            out = layer.self_attn.attend_absorbed(q_nope, q_rope, kv, kv_indices, kernels)
+            attended, attended_indices = view.attended_latent(j, indices, latent)
+            out = layer.self_attn.attend_absorbed(q_nope, q_rope, attended, attended_indices, kernels)
             x = layer.finish(x, out)
         return x, indices
 
     def forward_reusing_indices(self, x, positions, view, indices, kernels: ops.KernelChoice):
-        """KVShare draft step: attend the cached rows named by `indices` (computed earlier),
-        running no indexer and writing nothing. x [B, S, hidden], view: the group's cache
-        (cache_view.GroupCacheView), indices int32 [B, S, topk] -> x [B, S, hidden]."""
+        """KVShare draft step: attend the cached latent rows named by `indices` (computed
+        earlier), running no indexer and writing nothing. x [B, S, hidden], view: the group's
+        cache (glm_jax.cache.GroupCacheView), indices int32 [B, S, topk] -> x [B, S, hidden]."""
         for j, layer in enumerate(self.layers):
             _, _, q_nope, q_rope, _ = layer.attention_inputs(x, positions)
             out = layer.self_attn.attend_absorbed(q_nope, q_rope, view.read_latent(j), indices, kernels)

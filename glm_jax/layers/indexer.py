@@ -52,10 +52,11 @@ class Indexer(nnx.Module):
         return w * (c.index_n_heads ** -0.5) * (c.index_head_dim ** -0.5)
 
     def select(self, x, q_resid, positions, keys, kv_len, kernels: ops.KernelChoice, kv_start=None):
-        """Top-k positions for each query.
+        """Top-k positions for each query of a full sequence (with a cache, the cache's view
+        selects over its keys from `queries` and `head_weights`: `GroupCacheView.select`).
 
         x [B, S, hidden], q_resid [B, S, q_lora], positions int32 [B, S] (absolute, or within
-        the document when kv_start is given), keys [B, T, D] (this sequence's or the cache's),
+        the document when kv_start is given), keys [B, T, D] of the sequence,
         kv_len int32 [B], kv_start int32 [B, S] or None: the row where each query's document
         starts (packed rows, `segments`); keys before it are never chosen
         -> int32 [B, S, index_topk] row indices, -1 in unused slots."""

@@ -23,9 +23,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from glm_jax.cache import KVCache
+from glm_jax.cache.layer_split import LayerSplit
+from glm_jax.cache.store import KVCache, create_paged_cache
 from glm_jax.config import GLMConfig
-from glm_jax.layer_split import LayerSplit, padded_slots
 
 
 class CacheFullError(RuntimeError):
@@ -106,12 +106,7 @@ class PagePool:
         return table
 
     def create_cache(self, batch: int, width: int, split: LayerSplit | None = None) -> KVCache:
-        """The device-side pool: latent [layer slots, num_pages, page_size, latent], keys
+        """The device-side pool: latent [layer slots, num_pages, page_size, latent], index_keys
         [Full-layer slots, num_pages, page_size, D], an all-scratch page table int32 [batch, width]."""
-        cfg, dtype = self.cfg, jnp.dtype(self.dtype or self.cfg.dtype)
-        return KVCache(
-            jnp.zeros((padded_slots(split, cfg.num_hidden_layers), self.num_pages, self.page_size,
-                       cfg.latent_dim), dtype),
-            jnp.zeros((padded_slots(split, len(cfg.full_layers)), self.num_pages, self.page_size,
-                       cfg.index_head_dim), dtype),
-            jnp.asarray(self.page_table([None] * batch, width)), jnp.zeros((batch,), jnp.int32), split)
+        return create_paged_cache(self.cfg, self.num_pages, self.page_size,
+                                  jnp.asarray(self.page_table([None] * batch, width)), self.dtype, split=split)

@@ -6,9 +6,9 @@ layer l lives on device l // m of the axis, in its local slot l % m (the latent 
 slot per decoder layer, the indexer-key cache one per Full layer; the padding slots of the
 last device are never written). Weights and activations are replicated along the axis, so
 every device runs every layer; what moves is the owner's cache, and only what attention
-needs (see `cache_view.GroupCacheView`):
+needs (see `view.GroupCacheView`):
 
-* the Full layer's top-k indices: the owner runs the indexer over its keys; the int32
+* the Full layer's top-k indices: the owner runs the indexer top-k over its keys; the int32
   [B, S, topk] result is broadcast (keys never move);
 * the latent rows those indices select, for every layer of the IndexShare group, fetched
   right after the indices exist so the transfers for layers 1.. overlap layer 0's compute;

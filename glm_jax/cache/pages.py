@@ -1,0 +1,51 @@
+"""Page addressing: where token row t of sequence b lives in a paged store.
+
+A store is [slots, pages, P, D] (P = page size; D = kv_lora + rope for the latent store, the
+indexer head dim for the key store); a page table int32 [B, pages per sequence] names the page
+of each block of P rows: row t of sequence b is at page_table[b, t // P], offset t % P. A
+contiguous cache is one page per sequence (page table [[0], [1], ...]).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+
+def contiguous_page_table(batch: int) -> jnp.ndarray:
+    """One page per sequence: int32 [B, 1] = [[0], [1], ...]."""
+    return jnp.arange(batch, dtype=jnp.int32)[:, None]
+
+
+def page_addresses(page_table: jnp.ndarray, page_size: int, num_pages: int, positions: jnp.ndarray):
+    """positions int32 [B, ...] (negative = unused) -> (page ids, offsets), both shaped like positions.
+
+    A position past the page table gets page id `num_pages` (out of range: writes are dropped)."""
+    b = page_table.shape[0]
+    t = jnp.maximum(positions, 0).reshape(b, -1)
+    slot = t // page_size
+    pages = jnp.take_along_axis(page_table, jnp.minimum(slot, page_table.shape[1] - 1), axis=1)
+    pages = jnp.where(slot < page_table.shape[1], pages, num_pages)
+    return pages.reshape(positions.shape), (t % page_size).reshape(positions.shape)
+
+
+def write_rows(store, slot, page_table, positions, rows, mine=True):
+    """store [slots, pages, P, D]; rows [B, S, D] at positions int32 [B, S] of local `slot`.
+
+    mine: False (traced bool) keeps the old rows (another device owns this layer)."""
+    pages, offs = page_addresses(page_table, store.shape[2], store.shape[1], positions)
+    rows = rows.astype(store.dtype)
+    if mine is not True:
+        rows = jnp.where(mine, rows, store[slot, jnp.minimum(pages, store.shape[1] - 1), offs])
+    return store.at[slot, pages, offs].set(rows, mode="drop")
+
+
+def gather_rows(store, slot, page_table, indices):
+    """-> [B, S, K, D]: rows at indices int32 [B, S, K] of local `slot` (row 0 where index < 0)."""
+    pages, offs = page_addresses(page_table, store.shape[2], store.shape[1], indices)
+    return store[slot, jnp.minimum(pages, store.shape[1] - 1), offs]
+
+
+def read_sequence(store, slot, page_table):
+    """-> [B, pages per sequence * P, D]: every row of each sequence, pages gathered in order."""
+    pages = store[slot][page_table]                      # [B, n, P, D]
+    return pages.reshape(pages.shape[0], -1, pages.shape[-1])

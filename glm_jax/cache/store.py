@@ -1,0 +1,123 @@
+"""The decode-time KV cache: MLA latent rows on every layer, indexer keys on Full layers only.
+
+Rows are addressed through pages (`pages`); a contiguous cache is the special case of one page
+per sequence (page size = max_len, page table [[0], [1], ...]):
+    latent       [layer slots, pages, page_size, kv_lora + rope]   one slot per decoder layer;
+                 a row is [c_kv | k_rope] of one token
+    index_keys   [key slots, pages, page_size, index_head_dim]      one slot per Full layer
+    page_table   int32 [B, pages per sequence]: page of row t of sequence b = page_table[b, t // page_size]
+    lengths      int32 [B]: rows written so far in each sequence
+    split        static LayerSplit or None: with one, the slot axis is sharded over the mesh's
+                 `layer` axis and padded to a multiple of its size (`layer_split`)
+Layer l's latent slot is l (decoder order); Full layer number f (in order) has key slot f.
+A page pool (`page_pool`) hands out pages to requests and fills the page table.
+
+The model never reads these fields: it asks for the positions of the next tokens, the view of
+one IndexShare group (`group_view`), puts the updated view back (`with_view`) and advances the
+lengths (`advance`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from glm_jax.cache.layer_split import LayerSplit, Placement, padded_slots
+from glm_jax.cache.pages import contiguous_page_table
+from glm_jax.cache.view import GroupCacheView
+from glm_jax.config import GLMConfig
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVCache:
+    latent: jnp.ndarray
+    index_keys: jnp.ndarray
+    page_table: jnp.ndarray
+    lengths: jnp.ndarray
+    split: LayerSplit | None = dataclasses.field(default=None, metadata=dict(static=True))
+
+    @property
+    def page_size(self) -> int:
+        return self.latent.shape[2]
+
+    @property
+    def max_len(self) -> int:
+        """Rows each sequence can address through its page table."""
+        return self.page_table.shape[1] * self.page_size
+
+    @property
+    def batch(self) -> int:
+        return self.lengths.shape[0]
+
+    def nbytes(self) -> int:
+        return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self))
+
+    def positions(self, num_tokens: int) -> jnp.ndarray:
+        """int32 [B, num_tokens]: the positions of the next tokens, lengths + [0, num_tokens)."""
+        return self.lengths[:, None] + jnp.arange(num_tokens, dtype=jnp.int32)[None, :]
+
+    def group_view(self, first_layer, full_index, positions: jnp.ndarray) -> GroupCacheView:
+        """The view of one IndexShare group whose layers start at decoder layer `first_layer`
+        and whose Full layer is Full layer number `full_index` (ints or int32 scalars), for
+        tokens at positions int32 [B, S]."""
+        return GroupCacheView(self.latent, self.index_keys, self.page_table, Placement(self.split),
+                              first_layer, full_index, positions)
+
+    def with_view(self, view: GroupCacheView) -> KVCache:
+        """This cache holding the stores a group's view wrote."""
+        return dataclasses.replace(self, latent=view.latent, index_keys=view.index_keys)
+
+    def advance(self, num_tokens) -> KVCache:
+        """Lengths advanced by num_tokens (int or int32 [B])."""
+        return dataclasses.replace(self, lengths=self.lengths + num_tokens)
+
+
+def create_paged_cache(cfg: GLMConfig, num_pages: int, page_size: int, page_table: jnp.ndarray, dtype=None, *,
+                       split: LayerSplit | None = None) -> KVCache:
+    """Empty stores of num_pages pages of page_size rows: latent [layer slots, num_pages,
+    page_size, latent], index_keys [Full-layer slots, num_pages, page_size, D]; page_table
+    int32 [B, pages per sequence]; lengths zero."""
+    return _empty(cfg, padded_slots(split, cfg.num_hidden_layers), padded_slots(split, len(cfg.full_layers)),
+                  num_pages, page_size, page_table, dtype, split)
+
+
+def create_cache(cfg: GLMConfig, batch: int, max_len: int, dtype=None, *,
+                 split: LayerSplit | None = None) -> KVCache:
+    """An empty contiguous cache for `batch` sequences of up to `max_len` rows.
+
+    Rows past the model's context may exist as padding of whole prefill chunks / decode blocks;
+    the caller (decoding.generate.Generator) checks that real tokens fit the context."""
+    return create_paged_cache(cfg, batch, max_len, contiguous_page_table(batch), dtype, split=split)
+
+
+def create_mtp_cache(cfg: GLMConfig, batch: int, max_len: int, dtype=None) -> KVCache:
+    """The MTP layer's own cache: one Full layer, never split."""
+    return _empty(cfg, 1, 1, batch, max_len, contiguous_page_table(batch), dtype, None)
+
+
+def _empty(cfg: GLMConfig, latent_slots: int, key_slots: int, num_pages: int, page_size: int, page_table,
+           dtype, split) -> KVCache:
+    dtype = jnp.dtype(dtype or cfg.dtype)
+    return KVCache(jnp.zeros((latent_slots, num_pages, page_size, cfg.latent_dim), dtype),
+                   jnp.zeros((key_slots, num_pages, page_size, cfg.index_head_dim), dtype),
+                   page_table, jnp.zeros((page_table.shape[0],), jnp.int32), split)
+
+
+def cache_bytes_per_token(cfg: GLMConfig, *, layout: str = "bf16", index_share: bool = True) -> int:
+    """Bytes one token occupies across all decoder layers (the MTP layer not included).
+
+    layout "bf16": latent 2 B x (kv_lora + rope), indexer key 2 B x D.
+    layout "fp8":  latent kv_lora e4m3 + kv_lora/128 fp32 scales + rope bf16 (656 B for GLM-5.2),
+                   indexer key D e4m3 + one fp32 scale (132 B)."""
+    if layout == "bf16":
+        latent, key = 2 * cfg.latent_dim, 2 * cfg.index_head_dim
+    elif layout == "fp8":
+        latent = cfg.kv_lora_rank + 4 * (cfg.kv_lora_rank // 128) + 2 * cfg.qk_rope_head_dim
+        key = cfg.index_head_dim + 4
+    else:
+        raise ValueError(f"layout must be 'bf16' or 'fp8', got {layout!r}")
+    full = len(cfg.full_layers) if index_share else cfg.num_hidden_layers
+    return cfg.num_hidden_layers * latent + full * key

@@ -1,0 +1,144 @@
+"""How one IndexShare group reads and writes the KV cache inside a cached forward.
+
+`GroupCacheView` holds the two stores (latent [slots, pages, P, latent], index_keys [slots,
+pages, P, D]) and the page table, knows which slots are the group's and where they live
+(local, or LayerSplit with the owner broadcasting: `layer_split.Placement`), and gives the
+decoder the order of work:
+
+    write_latent(j, latent); write_index_keys(keys)   the chunk's rows go to the owner's slots
+    indices = select(queries, weights, ...)           the indexer's top-k over the Full layer's
+                                                      cached keys, run where they are; int32
+                                                      [B, S, K] shared
+    fetch(indices, G)                                 latent rows every layer of the group will
+                                                      attend: layer 0 first, layers 1.. in a
+                                                      second transfer that overlaps layer 0's
+                                                      attention and MLP
+    latent, idx = attended_latent(j, indices, latent) per layer; the chunk's own rows come from
+                                                      the local computation (no transfer)
+
+The decoder layer computes the indexer's queries and head weights and passes them down; the
+view runs the top-k kernel (`ops.indexer_topk`) over the keys, so the decode step reads
+model -> cache view -> kernels.
+
+Fetch modes (static): "rows" gathers only the S * K selected rows per layer (decode: K rows
+however long the context); "slice" takes the whole [B, T, latent] slice when S * K >= T
+(prefill chunks of short contexts), where it is the smaller message.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from glm_jax import ops
+from glm_jax.cache.layer_split import Placement
+from glm_jax.cache.pages import gather_rows, read_sequence, write_rows
+
+
+def fetch_mode(num_queries: int, topk: int, max_len: int) -> str:
+    return "rows" if num_queries * topk < max_len else "slice"
+
+
+class GroupCacheView:
+    """The cache seen by one IndexShare group (layers first_layer .. first_layer + G - 1, whose
+    Full layer is number full_index) while tokens at positions int32 [B, S] run through it.
+
+    Holds the stores latent [slots, pages, P, latent] and index_keys [slots, pages, P, D];
+    methods replace them functionally (`KVCache.with_view` puts them back after the group ran).
+    Every method that touches a store runs through `placement.manual` (per device under
+    LayerSplit)."""
+
+    def __init__(self, latent, index_keys, page_table, placement: Placement, first_layer, full_index, positions):
+        self.latent, self.index_keys, self.page_table = latent, index_keys, page_table
+        self.placement = placement
+        self.first_layer = jnp.asarray(first_layer, jnp.int32)
+        self.full_index = jnp.asarray(full_index, jnp.int32)
+        self.positions = positions
+        self._fetched: list[jnp.ndarray] = []
+        self._mode = "slice"
+
+    @property
+    def max_len(self) -> int:
+        return self.page_table.shape[1] * self.latent.shape[2]
+
+    def _write(self, store, index, rows):
+        def fn(store, page_table, positions, rows, index):
+            slot, mine = self.placement.locate(index, store.shape[0])
+            return (write_rows(store, slot, page_table, positions, rows, mine),)
+        return self.placement.manual(fn, (store,), (self.page_table, self.positions, rows), (index,),
+                                     out_stores=1, out_rows=0)[0]
+
+    def write_latent(self, j: int, latent: jnp.ndarray) -> None:
+        """latent [B, S, latent]: the chunk's rows of layer j of the group."""
+        self.latent = self._write(self.latent, self.first_layer + j, latent)
+
+    def write_index_keys(self, keys: jnp.ndarray) -> None:
+        """keys [B, S, D]: the chunk's indexer keys of the Full layer."""
+        self.index_keys = self._write(self.index_keys, self.full_index, keys)
+
+    def select(self, queries: jnp.ndarray, weights: jnp.ndarray, *, topk: int,
+               kernels: ops.KernelChoice) -> jnp.ndarray:
+        """The indexer's top-k rows over the Full layer's cached keys (the chunk's own keys
+        written first), computed where the keys live and shared (keys never move).
+
+        queries [B, S, nh, D] and weights float32 [B, S, nh] (the Full layer's
+        `Indexer.queries` / `Indexer.head_weights`) -> int32 [B, S, topk] row indices, -1 in
+        unused slots; a query at position p may select rows 0 .. p."""
+        kv_len = self.positions[:, -1] + 1                   # rows written once the chunk is
+
+        def fn(store, page_table, queries, weights, positions, kv_len, index):
+            slot, mine = self.placement.locate(index, store.shape[0])
+            keys = read_sequence(store, slot, page_table).astype(queries.dtype)
+            indices = ops.indexer_topk(queries, keys, weights, topk=topk, q_pos=positions, kv_len=kv_len,
+                                       impl=kernels.indexer, interpret=kernels.interpret)
+            return (self.placement.share(indices, mine),)
+        rows = (self.page_table, queries, weights, self.positions, kv_len)
+        return self.placement.manual(fn, (self.index_keys,), rows, (self.full_index,), out_stores=0, out_rows=1)[0]
+
+    def read_latent(self, j: int) -> jnp.ndarray:
+        """Every row of layer j: [B, T, latent] (e.g. the MTP layer's KVShare draft steps)."""
+        def fn(store, page_table, index):
+            slot, mine = self.placement.locate(index, store.shape[0])
+            return (self.placement.share(read_sequence(store, slot, page_table), mine),)
+        return self.placement.manual(fn, (self.latent,), (self.page_table,), (self.first_layer + j,),
+                                     out_stores=0, out_rows=1)[0]
+
+    def fetch(self, indices: jnp.ndarray, num_layers: int) -> None:
+        """Bring the latent rows attention of layers 0 .. num_layers-1 will read; indices int32 [B, S, K]."""
+        self._mode = mode = fetch_mode(indices.shape[1], indices.shape[2], self.max_len)
+        placement = self.placement
+
+        def fn(store, page_table, indices, first_layer):
+            def owned(j):
+                slot, mine = placement.locate(first_layer + j, store.shape[0])
+                if mode == "rows":
+                    latent = gather_rows(store, slot, page_table, indices)
+                else:
+                    latent = read_sequence(store, slot, page_table)
+                return latent if mine is True else jnp.where(mine, latent, jnp.zeros_like(latent))
+
+            # Layer 0 is needed at once; layers 1.. travel in one message while layer 0 computes.
+            first = placement.share(owned(0), True)
+            if num_layers == 1:
+                return (first,)
+            return first, placement.share(jnp.stack([owned(j) for j in range(1, num_layers)], axis=1), True)
+
+        out = placement.manual(fn, (self.latent,), (self.page_table, indices), (self.first_layer,),
+                               out_stores=0, out_rows=min(num_layers, 2))
+        self._fetched = [out[0]] + ([out[1][:, j] for j in range(num_layers - 1)] if num_layers > 1 else [])
+
+    def attended_latent(self, j: int, indices: jnp.ndarray, latent: jnp.ndarray):
+        """-> (latent [B, T', latent], indices int32 [B, S, K] into it): what layer j attends.
+
+        latent [B, S, latent]: layer j's rows of the running chunk, patched in locally."""
+        fetched = self._fetched[j]
+        latent = latent.astype(fetched.dtype)
+        b, s, k = indices.shape
+        if self._mode == "slice":
+            return fetched.at[jnp.arange(b)[:, None], self.positions].set(latent, mode="drop"), indices
+        rel = indices - self.positions[:, :1, None]
+        in_chunk = (indices >= 0) & (rel >= 0) & (rel < s)
+        local = jax.vmap(lambda chunk, r: chunk[r])(latent, jnp.clip(rel, 0, s - 1))   # [B, S, K, latent]
+        attended = jnp.where(in_chunk[..., None], local, fetched)
+        slots = jnp.arange(s, dtype=jnp.int32)[:, None] * k + jnp.arange(k, dtype=jnp.int32)[None, :]
+        return attended.reshape(b, s * k, -1), jnp.where(indices >= 0, slots[None], -1)
