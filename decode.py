@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from glm_jax.multihost_flags import add_distributed_flags
+from glm_jax import cli
 
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parent / "checkpoints" / "default"
 DEFAULT_PROMPT = "import os\n\n\ndef read_lines(path):\n"
@@ -29,11 +29,8 @@ DEFAULT_PROMPT = "import os\n\n\ndef read_lines(path):\n"
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--checkpoint", default=str(DEFAULT_CHECKPOINT),
-                    help="a model directory (config.yaml, tokenizer.json, params/)")
-    ap.add_argument("--hf-checkpoint", default=None, metavar="DIR",
-                    help="a Hugging Face checkpoint (config.json, *.safetensors; tokenizer.json for text prompts)")
-    ap.add_argument("--config", default=None, help="expected config; refused if the checkpoint's differs")
+    cli.add_model_flags(ap, checkpoint=DEFAULT_CHECKPOINT,
+                        config_help="expected config; refused if the checkpoint's differs")
     ap.add_argument("--prompt", default=None, help="prompt text (default: a Python function header)")
     ap.add_argument("--prompt-file", default=None, help="read the prompt from this file")
     ap.add_argument("--prompt-ids", default=None, help="the prompt as comma-separated token ids (prints ids)")
@@ -51,9 +48,7 @@ def parse_args(argv=None):
                     help="draft steps 2..K run their own indexer over target+draft KV (the baseline)")
     ap.add_argument("--prefill-chunk", type=int, default=256)
     ap.add_argument("--quiet", action="store_true", help="print only the generated text")
-    ap.add_argument("--mesh", default=None, metavar="SPEC",
-                    help="device mesh, e.g. data=1,layer=8 (axes data, tensor, layer); layer > 1 splits the "
-                         "KV cache across devices by layer (LayerSplit). On CPU the devices are simulated")
+    cli.add_mesh_flag(ap, "e.g. data=1,layer=8; layer > 1 splits the KV cache across devices by layer (LayerSplit)")
     ap.add_argument("--collective", default="permute", choices=("permute", "psum"),
                     help="how a layer's cache owner sends rows to the other devices (LayerSplit)")
     ap.add_argument("--compile-only", action="store_true",
@@ -62,21 +57,19 @@ def parse_args(argv=None):
     ap.add_argument("--max-context", type=int, default=None,
                     help="cache rows per sequence for --compile-only (default: the model's context)")
     ap.add_argument("--batch", type=int, default=1, help="sequences per step for --compile-only")
-    add_distributed_flags(ap, "--output")
+    cli.add_kernel_flags(ap)
+    cli.add_distributed_flags(ap, "--output")
     return ap.parse_args(argv)
 
 
+@cli.reports_user_errors
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.compile_only:
         return _compile_only(args)
-    from glm_jax.multihost import is_main_process, join_from_flags, stdout_of_main_process_only
+    cli.join_processes(args)      # before the first jax computation
+    from glm_jax.multihost import is_main_process, stdout_of_main_process_only
 
-    try:
-        join_from_flags(args)      # before the first jax computation
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     with stdout_of_main_process_only():
         return _decode(args if is_main_process()
                        else argparse.Namespace(**{**vars(args), "quiet": True, "output": None}))
@@ -84,36 +77,28 @@ def main(argv=None) -> int:
 
 def _decode(args) -> int:
     # Imported here so that --help answers at once.
-    from glm_jax.checkpoint import CheckpointMismatchError, load_model_dir
-    from glm_jax.config import ConfigError, load_config
+    from glm_jax.checkpoint import load_model
+    from glm_jax.config import load_config
     from glm_jax.data.tokenizer import eos_id, load_tokenizer
-    from glm_jax.decoding.generate import ContextTooLongError, Generator, print_progress
+    from glm_jax.decoding.generate import Generator, print_progress
     from glm_jax.decoding.speculative import SpeculativeGenerator
     from glm_jax.sharding import make_mesh
 
-    def fail(message: str) -> int:
-        print(f"error: {message}", file=sys.stderr)
-        return 2
-
     if args.max_new_tokens <= 0:
-        return fail("--max-new-tokens must be > 0")
+        raise cli.UserError("--max-new-tokens must be > 0")
     if args.speculative < 0:
-        return fail("--speculative must be >= 0 (0 = plain decoding)")
+        raise cli.UserError("--speculative must be >= 0 (0 = plain decoding)")
     if not 0 < args.top_p <= 1 or args.temperature < 0:
-        return fail("--top-p must be in (0, 1] and --temperature >= 0")
-    try:
+        raise cli.UserError("--top-p must be in (0, 1] and --temperature >= 0")
+    source = cli.model_source(args)
+    with cli.user_errors():
         prompts = _read_prompts(args)
-        expected = load_config(args.config) if args.config else None
-        if args.hf_checkpoint:
-            from glm_jax.convert import load_hf_checkpoint
-            args.checkpoint = args.hf_checkpoint
-            model = load_hf_checkpoint(args.hf_checkpoint, config=expected)
-        else:
-            model = load_model_dir(args.checkpoint, config=expected)
-        tok = _TokenIds() if args.prompt_ids else _load_tokenizer(args.checkpoint, load_tokenizer)
+        model = load_model(source, config=load_config(args.config) if args.config else None)
+        tok = _TokenIds() if args.prompt_ids else _load_tokenizer(source.path, load_tokenizer)
         ids = [np.asarray(tok.encode(p).ids, np.int32) for p in prompts]
         batch = len(ids)
-        placement = dict(mesh=make_mesh(args.mesh) if args.mesh else None, collective=args.collective)
+        placement = dict(mesh=make_mesh(args.mesh) if args.mesh else None, collective=args.collective,
+                         kernels=cli.kernel_choice(args))
         if args.speculative and model.mtp is not None:
             gen = SpeculativeGenerator(model, batch=batch, max_len=args.max_len, num_draft=args.speculative,
                                        kv_share=not args.no_kv_share, prefill_chunk=args.prefill_chunk,
@@ -122,8 +107,6 @@ def _decode(args) -> int:
             gen = Generator(model, batch=batch, max_len=args.max_len, prefill_chunk=args.prefill_chunk, **placement)
         for row in ids:
             gen.check_fits(len(row), args.max_new_tokens)
-    except (ConfigError, CheckpointMismatchError, ContextTooLongError, FileNotFoundError, ValueError) as e:
-        return fail(str(e))
 
     stop = _stop_token(model.cfg, tok, eos_id)
     speculative = isinstance(gen, SpeculativeGenerator)
@@ -132,7 +115,7 @@ def _decode(args) -> int:
             else "plain"
         where = f"; mesh {args.mesh}" + (" (KV cache LayerSplit)" if gen.split is not None else "") \
             if args.mesh else ""
-        print(f"model {model.cfg.name} from {args.checkpoint}; {batch} prompt(s), {sum(map(len, ids))} tokens; "
+        print(f"model {model.cfg.name} from {source.path}; {batch} prompt(s), {sum(map(len, ids))} tokens; "
               f"{mode} decoding{where}", file=sys.stderr)
     sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                     seed=args.seed, stop_token=stop, progress=None if args.quiet else print_progress)
@@ -197,26 +180,25 @@ def _stop_token(cfg, tok, eos_id) -> int | None:
 def _compile_only(args) -> int:
     """Compile one decode step for a TPU slice from abstract params and report per-chip memory."""
     from glm_jax.aot import compile_decode_step, default_mesh_spec, memory_report, topology_devices
-    from glm_jax.config import ConfigError, load_config
+    from glm_jax.config import load_config
 
     if not args.config or not args.topology:
-        print("error: --compile-only needs --config (a model config) and --topology (e.g. v5p:4x4x4)",
-              file=sys.stderr)
-        return 2
-    try:
+        raise cli.UserError("--compile-only needs --config (a model config) and --topology (e.g. v5p:4x4x4)")
+    with cli.user_errors():
         cfg = load_config(args.config)
         chips = len(topology_devices(args.topology))
         mesh = args.mesh or default_mesh_spec(chips)
         max_len = args.max_context or cfg.max_position_embeddings
-        compiled = compile_decode_step(cfg, topology=args.topology, mesh_spec=mesh, batch=args.batch,
-                                       max_len=max_len, collective=args.collective)
-    except (ConfigError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except Exception as e:          # the TPU compiler refusing the program, e.g. out of HBM
-        print(f"{cfg.name} decode step, batch {args.batch}, {max_len} cache rows, mesh {mesh} on "
-              f"{args.topology}: does not compile: {str(e).splitlines()[0]}")
-        return 1
+        try:
+            compiled = compile_decode_step(cfg, topology=args.topology, mesh_spec=mesh, batch=args.batch,
+                                           max_len=max_len, collective=args.collective,
+                                           kernels=cli.kernel_choice(args))
+        except cli.USER_ERRORS:
+            raise
+        except Exception as e:          # the TPU compiler refusing the program, e.g. out of HBM
+            print(f"{cfg.name} decode step, batch {args.batch}, {max_len} cache rows, mesh {mesh} on "
+                  f"{args.topology}: does not compile: {str(e).splitlines()[0]}")
+            return 1
     r = memory_report(compiled, args.topology)
     gib = lambda n: f"{n / 2**30:.2f} GiB"  # noqa: E731
     print(f"{cfg.name} decode step, batch {args.batch}, {max_len} cache rows, mesh {mesh} on {args.topology} "

@@ -2,21 +2,23 @@
 
 `save_model_dir` writes one, `load_model_dir` rebuilds the model from it. A directory made by
 train.py also holds checkpoints/ (the training state, see glm_jax.training.checkpointing);
-the exported params/ is what decoding needs.
+the exported params/ is what decoding needs. `load_model` reads a model directory or a Hugging
+Face checkpoint (glm_jax.convert), whichever a `ModelSource` names.
 """
 
 from __future__ import annotations
 
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
 from glm_jax.config import GLMConfig, load_config, save_config
+from glm_jax.convert import load_hf_checkpoint
 from glm_jax.model import GLMModel
 from glm_jax.multihost import barrier, is_main_process
 
@@ -62,8 +64,38 @@ def save_model_dir(directory: str | Path, model: GLMModel, *, dtype: str | None 
     return directory
 
 
-def load_model_dir(directory: str | Path, *, config: GLMConfig | None = None) -> GLMModel:
-    """Rebuild the model saved in `directory`; `config`, if given, must match the saved one."""
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model's weights are: a model directory (config.yaml, params/, tokenizer.json; what
+    train.py writes) or, with `hf`, a Hugging Face checkpoint directory (config.json,
+    *.safetensors, tokenizer.json if it has one)."""
+
+    path: Path
+    hf: bool = False
+
+    @property
+    def config_file(self) -> Path:
+        return self.path / ("config.json" if self.hf else "config.yaml")
+
+    @property
+    def tokenizer_file(self) -> Path:
+        return self.path / "tokenizer.json"
+
+
+def load_model(source: ModelSource, *, config: GLMConfig | None = None, dtype: str | None = None) -> GLMModel:
+    """The model of `source`, on this process's first device.
+
+    config: the model to build. A model directory's config.yaml must equal it; a Hugging Face
+    checkpoint is read with it in place of its config.json (e.g. another IndexShare pattern), and
+    its tensors must fit it. dtype: the compute dtype in place of the config's."""
+    if source.hf:
+        return load_hf_checkpoint(source.path, config=config, dtype=dtype)
+    return load_model_dir(source.path, config=config, dtype=dtype)
+
+
+def load_model_dir(directory: str | Path, *, config: GLMConfig | None = None, dtype: str | None = None) -> GLMModel:
+    """Rebuild the model saved in `directory`; `config`, if given, must match the saved one;
+    `dtype`: the compute dtype in place of the saved config's."""
     directory = Path(directory).absolute()
     if not (directory / "config.yaml").exists() or not (directory / "params").exists():
         raise FileNotFoundError(f"{directory} is not a model directory (expected config.yaml and params/; "
@@ -71,6 +103,8 @@ def load_model_dir(directory: str | Path, *, config: GLMConfig | None = None) ->
     cfg = load_config(directory / "config.yaml")
     if config is not None:
         check_same_config(cfg, config, str(directory))
+    if dtype is not None:
+        cfg = cfg.replace(dtype=dtype)
     abstract = nnx.eval_shape(lambda: GLMModel(cfg, rngs=nnx.Rngs(0)))
     graphdef, abstract_state = nnx.split(abstract)
     # Restore onto this process's default device, whatever machine the checkpoint was written on.
@@ -103,8 +137,3 @@ def _check_tree_shapes(saved, target, directory) -> None:
     if problems:
         raise CheckpointMismatchError(f"{directory}/params does not match its config.yaml: "
                                       + "; ".join(problems[:10]))
-
-
-def numpy_params(model: GLMModel) -> dict:
-    """The model's weights as a nested dict of numpy arrays (for inspection and tests)."""
-    return jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model)))

@@ -15,6 +15,7 @@ The last line printed is the pattern as a config value: `index_topk_pattern: FFS
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import math
@@ -26,16 +27,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from glm_jax import ops
+from glm_jax import cli, ops
 from glm_jax.convert.repattern import with_pattern
 from glm_jax.training.step import eval_step
 
 
-def calibration_loss(model, batches: list[tuple[np.ndarray, np.ndarray]]) -> float:
+def calibration_loss(model, batches: list[tuple[np.ndarray, np.ndarray]], *,
+                     kernels: ops.KernelChoice = ops.KernelChoice()) -> float:
     """Mean LM loss (sparse attention, as the model runs) over (inputs, targets) int32 [B, S] pairs."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     losses = [float(eval_step(graphdef, params, rest, jnp.asarray(x), jnp.asarray(y), stage="sparse",
-                              kernels=ops.KernelChoice())) for x, y in batches]
+                              kernels=kernels)) for x, y in batches]
     return float(np.mean(losses))
 
 
@@ -109,9 +111,7 @@ def calibration_batches(tok, texts: Iterable[str], seq_len: int, batch_size: int
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    src = ap.add_mutually_exclusive_group(required=True)
-    src.add_argument("--checkpoint", help="a model directory (config.yaml, params/, tokenizer.json)")
-    src.add_argument("--hf-checkpoint", help="a Hugging Face checkpoint directory (config.json, *.safetensors)")
+    cli.add_model_flags(ap, required=True)
     ap.add_argument("--text-file", action="append", default=None,
                     help="calibration text (repeatable); default: held-out Python standard library files")
     ap.add_argument("--seq-len", type=int, default=512, help="should exceed index_topk, else sharing changes nothing")
@@ -121,32 +121,26 @@ def parse_args(argv=None):
                     help="layers to turn Shared in total (default: until about 1/4 of the layers stay Full)")
     ap.add_argument("--state", required=True, help="JSON state file; rerun with it to resume")
     ap.add_argument("--dtype", default=None, help="override the compute dtype (e.g. float32)")
+    cli.add_kernel_flags(ap)
     return ap.parse_args(argv)
 
 
+@cli.reports_user_errors
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from glm_jax.config import ConfigError
+    from glm_jax.checkpoint import load_model
     from glm_jax.data import corpus
     from glm_jax.data.tokenizer import load_tokenizer
 
-    try:
-        directory = Path(args.checkpoint or args.hf_checkpoint)
-        if args.hf_checkpoint:
-            from glm_jax.convert import load_hf_checkpoint
-            model = load_hf_checkpoint(directory, dtype=args.dtype)
-        else:
-            from glm_jax.checkpoint import load_model_dir
-            model = load_model_dir(directory)
-        tok = load_tokenizer(directory)
+    source = cli.model_source(args)
+    with cli.user_errors():
+        model = load_model(source, dtype=args.dtype)
+        tok = load_tokenizer(source.path)
         if args.text_file:
             texts = [Path(f).read_text() for f in args.text_file]
         else:
             texts = corpus.read_texts(corpus.split_files(corpus.stdlib_source_files())[1])
         batches = calibration_batches(tok, texts, args.seq_len, args.batch_size, args.batches)
-    except (ConfigError, FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     cfg = model.cfg
     if args.seq_len <= cfg.index_topk:
         print(f"warning: --seq-len {args.seq_len} <= index_topk {cfg.index_topk}: every query attends every "
@@ -155,12 +149,10 @@ def main(argv=None) -> int:
         max(len(cfg.full_layers) - math.ceil(cfg.num_hidden_layers / 4), 0)
     print(f"model {cfg.name}: {cfg.num_hidden_layers} layers, pattern {cfg.pattern}; calibration "
           f"{len(batches)} batch(es) of {args.batch_size} x {args.seq_len} tokens; {flips} flip(s)", flush=True)
-    try:
+    evaluate = functools.partial(calibration_loss, kernels=cli.kernel_choice(args))
+    with cli.user_errors():     # a --state file of another search
         state = greedy_search(model, batches, flips=flips, state_path=Path(args.state),
-                              log=lambda m: print(m, flush=True))
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+                              log=lambda m: print(m, flush=True), evaluate=evaluate)
     pattern = state["steps"][-1]["pattern"] if state["steps"] else cfg.pattern
     cfg.replace(index_topk_pattern=pattern)  # the pattern is a valid config value
     print(f"index_topk_pattern: {pattern}")

@@ -80,22 +80,6 @@ def initialize_distributed(setup: DistributedSetup) -> None:
     jax.distributed.initialize(setup.coordinator, setup.num_processes, setup.process_id)
 
 
-def join_from_flags(args) -> None:
-    """Join the run that args.coordinator / num_processes / process_id / distributed (see
-    glm_jax.multihost_flags) or the environment describe, after letting the CPU platform simulate
-    this process's share of the devices of args.mesh (if any). Call before anything else uses jax;
-    raises DistributedSetupError (a ValueError) for flags that describe no run."""
-    from glm_jax.sharding import simulate_cpu_devices  # glm_jax.sharding imports this module
-
-    setup = DistributedSetup(coordinator=args.coordinator, num_processes=args.num_processes,
-                             process_id=args.process_id,
-                             auto=args.distributed or bool(os.environ.get("JAX_COORDINATOR_ADDRESS")))
-    setup.check()
-    if args.mesh:
-        simulate_cpu_devices(args.mesh, setup.num_processes or 1)
-    initialize_distributed(setup)
-
-
 def is_main_process() -> bool:
     """Process 0 prints and writes files; the others compute the same thing silently."""
     return jax.process_index() == 0

@@ -1,14 +1,24 @@
-"""train.py and decode.py end to end on a micro model, and the errors a user can cause."""
+"""train.py and decode.py end to end on a micro model, the flags they share (glm_jax.cli), and the
+errors a user can cause."""
 
 from __future__ import annotations
 
 import json
 
+import jax
+import numpy as np
 import pytest
+from flax import nnx
 
 import decode
+import hf_fixtures as hf
 import train
-from glm_jax.config import save_config
+from glm_jax import cli, ops
+from glm_jax.checkpoint import ModelSource, load_model
+from glm_jax.config import load_config, save_config
+from glm_jax.decoding import generate
+from glm_jax.sharding import ShardingError
+from glm_jax.training import run
 from conftest import ROOT, micro_config
 
 
@@ -171,6 +181,65 @@ def test_dense_warmup_in_the_absorbed_form_is_refused(tmp_path, capsys):
 def test_long_training_attention_kernel_by_backend(monkeypatch, backend, seq_len, want):
     """Long absorbed-form training keeps the Pallas kernel on a GPU (its backward adds dkv
     in the kernel) and takes the chunked XLA impl on a TPU (its kernel writes per-slot rows)."""
-    monkeypatch.setattr(train.jax, "default_backend", lambda: backend)
-    assert train._attention_impl("auto", "absorbed", seq_len) == want
-    assert train._attention_impl("pallas_gpu", "absorbed", seq_len) == "pallas_gpu"
+    monkeypatch.setattr(run.jax, "default_backend", lambda: backend)
+    assert run.sparse_attention_impl("auto", "absorbed", seq_len) == want
+    assert run.sparse_attention_impl("pallas_gpu", "absorbed", seq_len) == "pallas_gpu"
+
+
+def test_decode_threads_the_kernel_flags_into_the_generator(trained_run, monkeypatch):
+    out, _ = trained_run
+    seen = []
+    init = generate.Generator.__init__
+    monkeypatch.setattr(generate.Generator, "__init__",
+                        lambda self, *a, **k: seen.append(k["kernels"]) or init(self, *a, **k))
+    assert decode.main(["--checkpoint", str(out), "--max-new-tokens", "2", "--speculative", "0", "--quiet",
+                        "--attention-impl", "xla", "--indexer-impl", "xla"]) == 0
+    assert seen == [ops.KernelChoice(indexer="xla", attention="xla")]
+
+
+def test_train_from_a_hugging_face_checkpoint(tmp_path, monkeypatch, capsys):
+    """--hf-checkpoint: the run starts from the checkpoint's weights and config (one step at
+    learning rate 0 exports them unchanged), with the kernels of the flags."""
+    hf_dir, out = tmp_path / "hf", tmp_path / "run"
+    hf.write_checkpoint(hf_dir, dict(hf.GLM, vocab_size=320))
+    seen = []
+    step = run.train_step
+    monkeypatch.setattr(run, "train_step", lambda *a, **k: seen.append(k["kernels"]) or step(*a, **k))
+    assert train.main(["--hf-checkpoint", str(hf_dir), "--out", str(out), "--steps", "1", "--lr", "0",
+                       "--batch-size", "2", "--seq-len", "16", "--max-files", "2", "--eval-batches", "1",
+                       "--indexer-impl", "xla"]) == 0
+    assert seen == [ops.KernelChoice(indexer="xla", attention="auto")]
+    assert "deprecated" not in capsys.readouterr().err
+    assert load_config(out / "config.yaml") == load_config(hf_dir / "config.json")
+    flat = lambda model: jax.tree.leaves(nnx.to_pure_dict(nnx.state(model)))
+    for a, b in zip(flat(load_model(ModelSource(out))), flat(load_model(ModelSource(hf_dir, hf=True))),
+                    strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_init_from_hf_is_a_deprecated_spelling_of_hf_checkpoint(capsys):
+    assert train.parse_args(["--init-from-hf", "ckpt/", "--out", "run"]).hf_checkpoint == "ckpt/"
+    assert capsys.readouterr().err == "note: --init-from-hf is deprecated; use --hf-checkpoint\n"
+    assert train.parse_args(["--hf-checkpoint", "ckpt/", "--out", "run"]).hf_checkpoint == "ckpt/"
+    assert capsys.readouterr().err == ""
+
+
+def test_user_errors_print_one_line_and_exit_with_code_2(capsys):
+    """Within cli.user_errors a ValueError or a missing file is the user's: one line, exit code 2;
+    outside it a ValueError is a bug and keeps its traceback."""
+    @cli.reports_user_errors
+    def main(where):
+        with cli.user_errors():
+            if where == "mesh":
+                raise ShardingError("mesh data=3 needs 3 devices; shrink the mesh")
+            if where == "file":
+                open("/nonexistent/prompts.jsonl")
+        raise ValueError("a bug")
+
+    assert main("mesh") == 2
+    assert capsys.readouterr().err == "error: mesh data=3 needs 3 devices; shrink the mesh\n"
+    assert main("file") == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: [Errno 2] No such file or directory: '/nonexistent/prompts.jsonl'"]
+    with pytest.raises(ValueError, match="a bug"):
+        main("bug")

@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from conftest import micro_config
-from glm_jax import indexcache_search
+from glm_jax import indexcache_search, ops
 from glm_jax.checkpoint import save_model_dir
 from glm_jax.convert.repattern import with_pattern
 from glm_jax.data.tokenizer import save_tokenizer, train_bpe
@@ -47,15 +47,20 @@ def test_with_pattern_moves_weights_and_changes_only_index_selection():
         with_pattern(shared, "FFFS")
 
 
-def test_search_cli_flips_greedily_and_resumes(tmp_path, capsys):
-    cfg = micro_config(num_hidden_layers=3, index_topk_pattern="FFF", vocab_size=300)
+def _search_args(tmp_path, cfg) -> list[str]:
+    """The command line of a search over a model directory of `cfg` (random weights) and TEXT."""
     tok = train_bpe([TEXT], vocab_size=300)
     save_tokenizer(tok, tmp_path)
     save_model_dir(tmp_path / "model", _random_model(cfg, 1), tokenizer_file=tmp_path / "tokenizer.json")
     (tmp_path / "calib.txt").write_text(TEXT)
+    return ["--checkpoint", str(tmp_path / "model"), "--text-file", str(tmp_path / "calib.txt"), "--seq-len", "12",
+            "--batch-size", "2", "--batches", "1", "--state", str(tmp_path / "search.json")]
+
+
+def test_search_cli_flips_greedily_and_resumes(tmp_path, capsys):
+    cfg = micro_config(num_hidden_layers=3, index_topk_pattern="FFF", vocab_size=300)
+    args = _search_args(tmp_path, cfg)
     state = tmp_path / "search.json"
-    args = ["--checkpoint", str(tmp_path / "model"), "--text-file", str(tmp_path / "calib.txt"), "--seq-len", "12",
-            "--batch-size", "2", "--batches", "1", "--state", str(state)]
     assert indexcache_search.main(args + ["--flips", "1"]) == 0
     first = json.loads(state.read_text())
     assert indexcache_search.main(args + ["--flips", "2"]) == 0
@@ -69,3 +74,12 @@ def test_search_cli_flips_greedily_and_resumes(tmp_path, capsys):
     pattern = out.strip().splitlines()[-1].removeprefix("index_topk_pattern: ")
     assert pattern == second["steps"][-1]["pattern"] and pattern == "FSS"
     assert cfg.replace(index_topk_pattern=pattern).pattern == pattern
+
+
+def test_search_cli_evaluates_with_the_kernels_of_its_flags(tmp_path, monkeypatch):
+    seen = []
+    evaluate = indexcache_search.eval_step
+    monkeypatch.setattr(indexcache_search, "eval_step", lambda *a, **k: seen.append(k["kernels"]) or evaluate(*a, **k))
+    args = _search_args(tmp_path, micro_config(num_hidden_layers=2, index_topk_pattern="FF", vocab_size=300))
+    assert indexcache_search.main(args + ["--flips", "0", "--attention-impl", "xla", "--indexer-impl", "xla"]) == 0
+    assert seen == [ops.KernelChoice(indexer="xla", attention="xla")]

@@ -39,7 +39,3 @@ def load_tokenizer(directory: str | Path) -> Tokenizer:
 
 def eos_id(tok: Tokenizer) -> int:
     return tok.token_to_id(EOS)
-
-
-def pad_id(tok: Tokenizer) -> int:
-    return tok.token_to_id(PAD)

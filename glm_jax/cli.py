@@ -1,0 +1,174 @@
+"""The command line that train.py, decode.py and the IndexShare pattern search
+(`python -m glm_jax.indexcache_search`) share: the flags naming the model, the mesh, the kernels
+and the processes of a run, and how a mistake in them is reported.
+
+    ap = argparse.ArgumentParser()
+    cli.add_model_flags(ap, checkpoint="checkpoints/default")  # --checkpoint | --hf-checkpoint, --config
+    cli.add_mesh_flag(ap, "e.g. data=1,layer=8")                # --mesh
+    cli.add_kernel_flags(ap)                                    # --attention-impl, --indexer-impl
+    cli.add_distributed_flags(ap, "--output")                   # --coordinator, --num-processes, ...
+
+    @cli.reports_user_errors                  # UserError -> "error: <message>" on stderr, exit code 2
+    def main(argv=None) -> int:
+        args = ap.parse_args(argv)
+        cli.join_processes(args)              # before the first jax computation
+        with cli.user_errors():               # ValueError, FileNotFoundError -> UserError
+            model = load_model(cli.model_source(args), config=...)
+        ... Generator(model, kernels=cli.kernel_choice(args)) ...
+
+Free of jax at import (the functions import what they need), so that --help answers at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import os
+import sys
+from pathlib import Path
+
+# ---------------------------------------------------------------------- errors
+#: The errors a user causes, whose message names the fix: a bad config (ConfigError), a
+#: checkpoint of another config (CheckpointMismatchError, CheckpointConversionError), a mesh
+#: that does not fit (ShardingError), a prompt too long (ContextTooLongError), bad data
+#: (DataError), distributed flags that describe no run (DistributedSetupError) - all of them
+#: ValueErrors - and a file that is not there.
+USER_ERRORS = (ValueError, FileNotFoundError)
+
+
+class UserError(Exception):
+    """A mistake in the flags or in the files they name; the message says what to change."""
+
+
+@contextlib.contextmanager
+def user_errors():
+    """Within: a USER_ERRORS exception becomes a UserError with its message. Put it around the
+    work that reads the flags and the files they name, not around the computation, where a
+    ValueError is a bug and keeps its traceback."""
+    try:
+        yield
+    except USER_ERRORS as e:
+        raise UserError(str(e)) from e
+
+
+def reports_user_errors(main):
+    """Decorates a front end's `main(argv) -> exit code`: a UserError is printed as one line,
+    `error: <message>`, on stderr and the exit code is 2."""
+    @functools.wraps(main)
+    def wrapped(*args, **kwargs) -> int:
+        try:
+            return main(*args, **kwargs)
+        except UserError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    return wrapped
+
+
+# ---------------------------------------------------------------------- the model
+class _DeprecatedAlias(argparse.Action):
+    """An old spelling of a flag: stores the value under the new flag's name and prints a
+    one-line note naming the new flag."""
+
+    def __init__(self, option_strings, dest, new: str, **kwargs):
+        super().__init__(option_strings, dest, help=argparse.SUPPRESS, **kwargs)
+        self.new = new
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"note: {option_string} is deprecated; use {self.new}", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+def add_model_flags(ap: argparse.ArgumentParser, *, checkpoint: bool | str = True, required: bool = False,
+                    hf_help: str = "a Hugging Face checkpoint directory (config.json, *.safetensors; "
+                                   "tokenizer.json for text)",
+                    config_help: str | None = None) -> None:
+    """The model's source: --hf-checkpoint DIR and, unless `checkpoint` is False, --checkpoint DIR
+    (a model directory; `checkpoint` may be its default); one of them at most, exactly one if
+    `required`. --init-from-hf is a deprecated spelling of --hf-checkpoint. `config_help`: add
+    --config with this help."""
+    source = ap.add_mutually_exclusive_group(required=required)
+    if checkpoint is not False:
+        source.add_argument("--checkpoint", default=None if checkpoint is True else str(checkpoint), metavar="DIR",
+                            help="a model directory (config.yaml, params/, tokenizer.json; what train.py writes)")
+    source.add_argument("--hf-checkpoint", default=None, metavar="DIR", help=hf_help)
+    source.add_argument("--init-from-hf", dest="hf_checkpoint", metavar="DIR", action=_DeprecatedAlias,
+                        new="--hf-checkpoint")
+    if config_help is not None:
+        ap.add_argument("--config", default=None, help=config_help)
+
+
+def model_source(args):
+    """-> the glm_jax.checkpoint.ModelSource of --hf-checkpoint or --checkpoint, or None."""
+    from glm_jax.checkpoint import ModelSource
+
+    if args.hf_checkpoint:
+        return ModelSource(Path(args.hf_checkpoint), hf=True)
+    if getattr(args, "checkpoint", None):
+        return ModelSource(Path(args.checkpoint))
+    return None
+
+
+# ---------------------------------------------------------------------- mesh and kernels
+def add_mesh_flag(ap: argparse.ArgumentParser, use: str) -> None:
+    """--mesh SPEC; `use`: examples and what the front end splits over the axes."""
+    ap.add_argument("--mesh", default=None, metavar="SPEC",
+                    help=f"a device mesh 'axis=size,...' over data, context, tensor, layer: {use}; on a CPU "
+                         "the devices are simulated")
+
+
+def impl_choices(op: str) -> tuple[str, ...]:
+    """The implementations a kernel flag offers for the pallas_kernels op `op`."""
+    return ("auto", "xla", "pallas_tpu", "pallas_gpu")
+
+
+def add_kernel_flags(ap: argparse.ArgumentParser, *, attention_help: str = "") -> None:
+    """--attention-impl and --indexer-impl (see `kernel_choice`); `attention_help`: more help for
+    --attention-impl (e.g. what the front end makes of auto)."""
+    kernels = ap.add_argument_group("kernels", "implementations of the ops in pallas_kernels; auto: the "
+                                    "backend's Pallas kernel on a TPU or GPU, else xla")
+    kernels.add_argument("--attention-impl", default="auto", choices=impl_choices("sparse_mla"),
+                         help="the sparse attention (sparse MLA) kernel" + (f"; {attention_help}" if attention_help
+                                                                           else ""))
+    kernels.add_argument("--indexer-impl", default="auto", choices=impl_choices("indexer_topk"),
+                         help="the lightning indexer's kernels (scores and top-k)")
+
+
+def kernel_choice(args, *, attention: str | None = None):
+    """-> glm_jax.ops.KernelChoice of --indexer-impl and --attention-impl (or `attention`, e.g.
+    what auto resolves to for the run)."""
+    from glm_jax import ops
+
+    return ops.KernelChoice(indexer=args.indexer_impl, attention=attention or args.attention_impl)
+
+
+# ---------------------------------------------------------------------- several processes
+def add_distributed_flags(ap: argparse.ArgumentParser, writes: str) -> None:
+    """--coordinator, --num-processes, --process-id and --distributed (see `join_processes`);
+    `writes`: what only process 0 writes, for the help text."""
+    hosts = ap.add_argument_group("several processes (hosts)", "every process runs the same command; "
+                                  f"the mesh spans all their devices; only process 0 prints and writes {writes}")
+    hosts.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                       help="process 0's address, which every process gives (with --num-processes, --process-id)")
+    hosts.add_argument("--num-processes", type=int, default=None, metavar="N")
+    hosts.add_argument("--process-id", type=int, default=None, metavar="I", help="0..N-1")
+    hosts.add_argument("--distributed", action="store_true",
+                       help="join a multi-process run that jax.distributed detects by itself (TPU pod, SLURM, "
+                            "Open MPI, or JAX_COORDINATOR_ADDRESS in the environment, which also turns this on)")
+
+
+def join_processes(args) -> None:
+    """Join the run that the distributed flags or the environment describe, after letting the
+    CPU platform simulate this process's share of the devices of --mesh (if any). Call before
+    anything else uses jax; flags that describe no run (or a bad --mesh) raise UserError."""
+    from glm_jax.multihost import DistributedSetup, initialize_distributed
+    from glm_jax.sharding import simulate_cpu_devices
+
+    with user_errors():
+        setup = DistributedSetup(coordinator=args.coordinator, num_processes=args.num_processes,
+                                 process_id=args.process_id,
+                                 auto=args.distributed or bool(os.environ.get("JAX_COORDINATOR_ADDRESS")))
+        setup.check()
+        if args.mesh:
+            simulate_cpu_devices(args.mesh, setup.num_processes or 1)
+        initialize_distributed(setup)

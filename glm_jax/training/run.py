@@ -1,0 +1,366 @@
+"""One training run as train.py drives it: `setup` (config, mesh, data, model and optimizer
+state, resume), `train` (the loop), `MetricsLog` (progress lines and metrics.jsonl),
+`save_checkpoint` and `export`. `args` is train.py's parsed command line.
+
+The run directory receives tokenizer.json, config.yaml, checkpoints/ (orbax: params, optimizer
+state, data position), params/ (the final weights) and metrics.jsonl. Several processes share
+it: process 0 writes the files, all of them write and read the checkpoints together.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh
+
+from glm_jax import cli, costs, multihost, ops, sharding
+from glm_jax.checkpoint import check_same_config, load_model, save_model_dir
+from glm_jax.config import ConfigError, GLMConfig, load_config, save_config
+from glm_jax.data import batches as data_batches
+from glm_jax.data import corpus, pipeline, sources, tokenizer as tok_lib
+from glm_jax.info import params_by_part
+from glm_jax.layers.segments import count_segments, segment_bound
+from glm_jax.model import GLMModel, abstract_model, count_params
+from glm_jax.training import checkpointing
+from glm_jax.training.step import (EXPANDED_MAX_LEN, LossWeights, attention_form, eval_step, make_optimizer,
+                                   train_step)
+
+DEFAULT_CONFIG = "configs/tiny.yaml"
+TOKENIZER_DOCS = 20_000  # documents the tokenizer is trained on (and the most held-out ones encoded)
+# Dense bf16 peak FLOP/s by device kind (vendor figures), for MFU.
+_PEAK_FLOPS = {"NVIDIA H200": 989e12, "NVIDIA H100 80GB HBM3": 989e12, "TPU v5p": 459e12, "TPU v6e": 918e12,
+               "TPU v5 lite": 197e12}
+
+
+@dataclasses.dataclass
+class Run:
+    """What the loop needs, from `setup`; params and opt_state advance with the steps."""
+
+    args: argparse.Namespace    # train.py's flags
+    cfg: GLMConfig
+    out: Path
+    model: GLMModel
+    graphdef: nnx.GraphDef
+    params: nnx.State
+    rest: nnx.State
+    opt_state: optax.OptState
+    tx: optax.GradientTransformation
+    schedule: optax.Schedule
+    feed: _BatchPlacement
+    batches: pipeline.PackedBatches
+    heldout: list
+    mngr: object          # orbax CheckpointManager (checkpointing.manager)
+    start: int            # the step restored (0: a new run)
+    form: str             # attention form (training.step.attention_form)
+    kernels: ops.KernelChoice
+    weights: LossWeights
+
+
+# ---------------------------------------------------------------------- setup
+def setup(args) -> Run:
+    """Everything the first step needs. Raises the errors a user causes (cli.USER_ERRORS) where
+    the flags or files are wrong, those of the flags and the model source before --out is
+    created."""
+    out = Path(args.out).absolute()
+    source = cli.model_source(args)
+    cfg = load_config(args.config or (source.config_file if source else DEFAULT_CONFIG))
+    if args.resume and (out / "config.yaml").exists():
+        check_same_config(load_config(out / "config.yaml"), cfg, str(out))
+    form = attention_form(args.attention_form, args.seq_len)
+    _check_stages(args, form)
+    mesh = _mesh(args)
+    feed = _batch_placement(mesh, (args.batch_size, args.seq_len))
+    data_shards = args.data_shards or jax.process_count()
+    shards_read = pipeline.shards_of_rows(feed.rows, args.batch_size, data_shards)
+    # before the corpus work: a checkpoint that does not fit fails at once
+    model = load_model(source, config=cfg) if source else None
+    documents = sources.open_documents(args.data) if args.data else None
+
+    out.mkdir(parents=True, exist_ok=True)
+    if multihost.is_main_process():
+        _write_run_files(args, cfg, out, source)
+    tok, train_docs, heldout_tokens = prepare_data(args, cfg, out, documents)
+    encode = pipeline.token_encoder(tok)
+
+    if model is None:
+        model = GLMModel(cfg, rngs=nnx.Rngs(args.seed))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    tx, schedule = make_optimizer(args.lr, args.steps, args.warmup_steps)
+    params, rest, opt_state = _place_state(mesh, params, rest, tx)
+    if mesh is not None:
+        print(f"mesh: {sharding.format_mesh(mesh)} over {mesh.size} devices of {jax.process_count()} process(es); "
+              f"data in {data_shards} shard(s), this process reading {len(shards_read)}")
+    print(f"model: {cfg.name}, {count_params(model):,} parameters, pattern {cfg.pattern}")
+
+    batches = pipeline.PackedBatches(train_docs, encode, seq_len=args.seq_len, batch_size=args.batch_size,
+                                     seed=args.seed, shards=data_shards, read=shards_read)
+    heldout = list(data_batches.heldout_batches(heldout_tokens, args.seq_len, args.batch_size,
+                                                args.eval_batches))
+    mngr = checkpointing.manager(out)
+    start = 0
+    if args.resume:
+        found = checkpointing.restore_latest(mngr, {"params": params, "opt_state": opt_state})
+        if found is None:
+            print("resume: no checkpoint yet, starting from step 0")
+        else:
+            start, state, meta = found
+            params, opt_state = state["params"], state["opt_state"]
+            batches = pipeline.PackedBatches.from_state(train_docs, encode, meta["data"], shards=data_shards,
+                                                        read=shards_read)
+            print(f"resume: continuing from step {start}")
+
+    kernels = cli.kernel_choice(args, attention=sparse_attention_impl(args.attention_impl, form, args.seq_len))
+    weights = LossWeights(indexer=args.indexer_weight, mtp=args.mtp_weight, mtp_depth=args.mtp_depth,
+                          kv_share=not args.no_mtp_kv_share, tv=args.tv_weight)
+    return Run(args=args, cfg=cfg, out=out, model=model, graphdef=graphdef, params=params, rest=rest,
+               opt_state=opt_state, tx=tx, schedule=schedule, feed=feed, batches=batches, heldout=heldout,
+               mngr=mngr, start=start, form=form, kernels=kernels, weights=weights)
+
+
+def prepare_data(args, cfg, out: Path, documents=None):
+    """Tokenizer (trained once, then reused), the training documents and the held-out tokens.
+
+    documents: the --data source (default: the standard library's files, split by file)."""
+    if documents is not None:
+        train_docs, heldout_docs = sources.split_documents(documents, seed=args.seed)
+    else:
+        train_files, heldout_files = corpus.split_files(corpus.stdlib_source_files(), seed=args.seed)
+        train_docs, heldout_docs = sources.TextFiles(train_files), sources.TextFiles(heldout_files)
+    if args.max_files:
+        train_docs = sources.Subset(train_docs, range(min(args.max_files, len(train_docs))))
+        heldout_docs = sources.Subset(heldout_docs, range(min(max(1, args.max_files // 20), len(heldout_docs))))
+    if multihost.is_main_process() and not (out / "tokenizer.json").exists():
+        t = time.perf_counter()
+        n = min(len(train_docs), TOKENIZER_DOCS)
+        tok = tok_lib.train_bpe((train_docs[i] for i in range(n)), vocab_size=cfg.vocab_size)
+        tok_lib.save_tokenizer(tok, out)
+        print(f"tokenizer: byte-level BPE, {tok.get_vocab_size()} tokens, trained on {n} "
+              f"documents in {time.perf_counter() - t:.1f}s")
+    multihost.barrier("tokenizer.json")    # the other processes read the one process 0 wrote
+    tok = tok_lib.load_tokenizer(out)
+    if tok.get_vocab_size() > cfg.vocab_size:
+        raise ConfigError(f"config key `vocab_size`: {cfg.vocab_size} < tokenizer's {tok.get_vocab_size()}; "
+                          "raise vocab_size")
+    heldout_tokens = data_batches.encode_documents(
+        tok, [heldout_docs[i] for i in range(min(len(heldout_docs), TOKENIZER_DOCS))])
+    print(f"data: {len(train_docs):,} train documents, {len(heldout_docs):,} held-out documents "
+          f"({heldout_tokens.size:,} tokens)")
+    return tok, train_docs, heldout_tokens
+
+
+def _write_run_files(args, cfg, out: Path, source) -> None:
+    """config.yaml (a resumed run's was checked to be the same) and the model source's tokenizer."""
+    if not (args.resume and (out / "config.yaml").exists()):
+        save_config(cfg, out / "config.yaml")
+    if source is not None and source.tokenizer_file.exists() and not (out / "tokenizer.json").exists():
+        shutil.copy(source.tokenizer_file, out / "tokenizer.json")
+
+
+def _check_stages(args, form: str) -> None:
+    """Refuses, before any work, a dense warm-up that would need [S, S] matrices it cannot hold."""
+    if form == "absorbed" and args.dense_steps > 0 and args.indexer_weight > 0:
+        raise ValueError(
+            f"the dense warm-up trains the indexer on the full attention matrix, which the absorbed "
+            f"form (--seq-len {args.seq_len}) does not build; warm the indexer up at a shorter "
+            f"--seq-len (<= {EXPANDED_MAX_LEN}, or --attention-form expanded) and continue with "
+            f"--dense-steps 0, or pass --indexer-weight 0 for dense steps without the indexer loss")
+
+
+def sparse_attention_impl(impl: str, form: str, seq_len: int) -> str:
+    """--attention-impl for the run: auto is the chunked xla impl for absorbed-form training of
+    sequences over 8192 tokens on a TPU (the TPU kernel's backward keeps one 576-wide row per
+    query and selected key), else the backend's own."""
+    if impl == "auto" and form == "absorbed" and seq_len > 8192 and jax.default_backend() == "tpu":
+        return "xla"
+    return impl
+
+
+def _mesh(args) -> Mesh | None:
+    """The --mesh (over the devices of every process), or None: one device."""
+    if args.mesh:
+        mesh = sharding.make_mesh(args.mesh)
+        jax.set_mesh(mesh)                   # the steps lay out their activations on it (context parallelism)
+        return mesh
+    if jax.process_count() > 1:
+        raise ValueError(f"{jax.process_count()} processes train one model over a mesh of all their devices; "
+                         f"give --mesh (e.g. --mesh data={jax.device_count()})")
+    return None
+
+
+def _place_state(mesh: Mesh | None, params, rest, tx):
+    """-> (params, rest, optimizer state) on `mesh` (params by TRAINING_RULES, the optimizer state
+    like its params, everything else replicated; each process fills its own shards), or on one
+    device."""
+    if mesh is None:
+        return params, rest, tx.init(params)
+    params = sharding.shard_params(params, mesh, sharding.TRAINING_RULES)
+    replicate = lambda x: multihost.global_array(x, multihost.replicated(mesh))
+    on_mesh = lambda x: x if getattr(x.sharding, "mesh", None) == mesh else replicate(x)
+    opt_state = jax.tree.map(on_mesh, tx.init(params))        # scalars (step counts) replicated
+    return params, jax.tree.map(replicate, rest), opt_state
+
+
+class _BatchPlacement(NamedTuple):
+    """Where the rows of batches of `shape` [B, L] go: split over the data axis of the mesh."""
+
+    rows: range                     # the rows of every batch that this process's devices hold
+    from_rows: Callable             # int [len(rows), L], this process's rows -> global [B, L]
+    from_host: Callable             # int [B, L], the same on every process -> global [B, L]
+
+
+def _batch_placement(mesh: Mesh | None, shape: tuple[int, int]) -> _BatchPlacement:
+    if mesh is None:
+        return _BatchPlacement(range(shape[0]), jnp.asarray, jnp.asarray)
+    batch = sharding.batch_sharding(mesh, shape)   # checks that data divides B and context divides L
+    return _BatchPlacement(multihost.process_rows(batch, shape),
+                           lambda x: jax.make_array_from_process_local_data(batch, x, shape),
+                           lambda x: multihost.global_array(x, batch))
+
+
+# ---------------------------------------------------------------------- the loop
+def train(run: Run) -> int:
+    """Steps run.start + 1 .. --steps (or --stop-after of them, or until SIGTERM on some process:
+    then a checkpoint and exit), evaluating, logging and saving on the way; then the export."""
+    args = run.args
+    stop_requested = []
+    signal.signal(signal.SIGTERM, lambda *_: stop_requested.append(True))  # preemption: save, then exit
+    log = MetricsLog(args, run.cfg, run.out)
+    step = run.start
+    for step in range(run.start + 1, args.steps + 1):
+        batch = next(run.batches)
+        stage = "dense" if step <= args.dense_steps else "sparse"
+        run.params, run.opt_state, terms = train_step(
+            run.graphdef, run.params, run.rest, run.opt_state, run.feed.from_rows(batch.inputs),
+            run.feed.from_rows(batch.targets), run.feed.from_rows(batch.segment_ids), tx=run.tx, stage=stage,
+            weights=run.weights, kernels=run.kernels, remat=args.remat, form=run.form,
+            max_segments=_max_segments(batch.segment_ids, stage, run.form))
+        record = log.step(step, stage, float(run.schedule(step - 1)), terms, batch,
+                          full=step % args.log_every == 0 or step == args.steps or step == run.start + 1)
+        if step % args.eval_every == 0 or step == args.steps:
+            log.validation(record, evaluate(run, stage))
+        log.write(record)
+        if args.stop_after is not None and step - run.start >= args.stop_after:
+            stop_requested.append(True)
+        stop = multihost.any_process(bool(stop_requested))     # all processes stop at the same step
+        if step % args.save_every == 0 or step == args.steps or stop:
+            save_checkpoint(run, step)
+        if stop:
+            run.mngr.wait_until_finished()
+            print(f"stopped: saved step {step}; continue with --resume", flush=True)
+            return 0
+    log.close()
+    export(run)
+    print(f"done: {step} steps; model written to {run.out} (decode with: python decode.py --checkpoint {run.out})")
+    return 0
+
+
+def _max_segments(segment_ids, stage: str, form: str) -> int | None:
+    """The static segment bound of dense absorbed-form steps (cuDNN's packed kernel, see
+    `train_step`) from the most segments of any row on any process (`segments.segment_bound`).
+    None where it is not used."""
+    if stage != "dense" or form != "absorbed":
+        return None
+    return segment_bound(max(multihost.allgather_json(count_segments(segment_ids))))
+
+
+def evaluate(run: Run, stage: str) -> float:
+    """The mean LM loss over the held-out batches."""
+    return float(np.mean([eval_step(run.graphdef, run.params, run.rest, run.feed.from_host(x),
+                                    run.feed.from_host(y), stage=stage, kernels=run.kernels)
+                          for x, y in run.heldout]))
+
+
+def save_checkpoint(run: Run, step: int) -> None:
+    """Params, optimizer state and every process's data position at `step` (async; all processes)."""
+    data = pipeline.merge_states(multihost.allgather_json(run.batches.state()))   # every process's shards
+    checkpointing.save(run.mngr, step, {"params": run.params, "opt_state": run.opt_state},
+                       {"step": step, "data": data, "config": run.cfg.to_dict()})
+
+
+def export(run: Run) -> None:
+    """The final weights as a model directory in --out (what decode.py --checkpoint loads)."""
+    run.mngr.wait_until_finished()
+    nnx.update(run.model, run.params, run.rest)
+    save_model_dir(run.out, run.model, dtype=run.args.export_dtype, tokenizer_file=run.out / "tokenizer.json")
+
+
+# ---------------------------------------------------------------------- metrics
+class MetricsLog:
+    """The progress lines on stdout and one JSON object per logged step in --metrics-file
+    (process 0 only): loss terms, lr, tokens/s (whole rows; real: without the packer's padding,
+    summed over the processes) since the last logged step, MFU when the peak is known."""
+
+    def __init__(self, args, cfg: GLMConfig, out: Path):
+        self.steps, self.seq_len = args.steps, args.seq_len
+        self.cfg = cfg
+        self.file = (Path(args.metrics_file or out / "metrics.jsonl").open("a") if multihost.is_main_process()
+                     else open(os.devnull, "w"))
+        self.peak = _peak_flops(args.peak_tflops)
+        self.active = costs.active_params(cfg, params_by_part(abstract_model(cfg)))
+        self.tokens_per_step = args.batch_size * args.seq_len
+        self.t_last = time.perf_counter()
+        self.steps_since = self.real_since = 0  # since the last logged step; real: this process's non-padding tokens
+
+    def step(self, step: int, stage: str, lr: float, terms: dict, batch, *, full: bool) -> dict:
+        """The record of a step; `full`: with its loss terms and speed, printed. Every process
+        must call it (a full record gathers the tokens of every process)."""
+        self.steps_since += 1
+        self.real_since += int(batch.loss_mask.sum())
+        record = {"step": step, "stage": stage, "lr": lr}
+        if not full:
+            return record
+        record.update({k: float(v) for k, v in terms.items()})
+        now = time.perf_counter()
+        record["tokens_per_s"] = self.tokens_per_step * self.steps_since / (now - self.t_last)
+        record["real_tokens_per_s"] = sum(multihost.allgather_json(self.real_since)) / (now - self.t_last)
+        self.steps_since = self.real_since = 0
+        flops = costs.training_flops_per_token(self.cfg, self.seq_len, self.active, sparse=stage == "sparse",
+                                               positions=batch.positions)
+        if self.peak:
+            record["mfu"] = record["tokens_per_s"] * flops / self.peak
+        self.t_last = now
+        print(f"step {step:5d}/{self.steps} [{stage}] loss {record['loss']:.3f} lm {record['lm']:.3f} "
+              f"idx_kl {record['indexer_kl']:.3f} mtp {record.get('mtp', 0):.3f} "
+              f"lr {record['lr']:.2e} {record['tokens_per_s']:.0f} tok/s "
+              f"({record['real_tokens_per_s']:.0f} not padding)"
+              + (f" MFU {record['mfu']:.1%}" if "mfu" in record else "") + f"  {_bar(step, self.steps)}",
+              flush=True)
+        return record
+
+    def validation(self, record: dict, val: float) -> None:
+        record["val_lm"] = val
+        print(f"step {record['step']:5d} validation lm loss {val:.3f} (held-out files)", flush=True)
+
+    def write(self, record: dict) -> None:
+        """Writes a record that holds more than step, stage and lr."""
+        if len(record) > 3:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def _peak_flops(peak_tflops: float | None) -> float | None:
+    if peak_tflops:
+        return peak_tflops * 1e12
+    return _PEAK_FLOPS.get(jax.devices()[0].device_kind)
+
+
+def _bar(step: int, total: int, width: int = 20) -> str:
+    filled = width * step // max(total, 1)
+    return f"[{'#' * filled}{'.' * (width - filled)}]"
