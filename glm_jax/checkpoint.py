@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from glm_jax.checkpoint_damage import damage_summary, let_failed_reads_finish
 from glm_jax.config import GLMConfig, load_config, save_config
 from glm_jax.convert import load_hf_checkpoint
 from glm_jax.model import GLMModel
@@ -25,6 +26,10 @@ from glm_jax.multihost import barrier, is_main_process
 
 class CheckpointMismatchError(ValueError):
     """A checkpoint that was written for a different configuration."""
+
+
+class CheckpointDamagedError(ValueError):
+    """A checkpoint whose files cannot be read back (truncated, overwritten, half written)."""
 
 
 def config_differences(a: GLMConfig, b: GLMConfig) -> list[str]:
@@ -112,9 +117,18 @@ def load_model_dir(directory: str | Path, *, config: GLMConfig | None = None, dt
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
                           nnx.to_pure_dict(abstract_state))
     with ocp.StandardCheckpointer() as ckptr:
-        meta = ckptr.metadata(directory / "params")
+        try:
+            meta = ckptr.metadata(directory / "params")
+        except Exception as e:  # noqa: BLE001 - orbax and tensorstore raise many kinds
+            raise CheckpointDamagedError(f"{directory}/params cannot be read: {damage_summary(e)}; "
+                                         "copy the model directory again (or re-export it)") from e
         _check_tree_shapes(meta.item_metadata.tree if hasattr(meta, "item_metadata") else meta, target, directory)
-        restored = ckptr.restore(directory / "params", target)
+        try:
+            restored = ckptr.restore(directory / "params", target)
+        except Exception as e:  # noqa: BLE001
+            let_failed_reads_finish()
+            raise CheckpointDamagedError(f"{directory}/params is damaged: {damage_summary(e)}; copy the model "
+                                         "directory again (or re-export it from its training run)") from e
     restored = jax.tree.map(lambda x, t: jnp.asarray(x, t.dtype), restored, target)
     nnx.replace_by_pure_dict(abstract_state, restored)
     return nnx.merge(graphdef, abstract_state)

@@ -18,4 +18,26 @@ def test_corrupt_latest_checkpoint_falls_back_to_previous(tmp_path):
                                                      log=messages.append)
     assert step == 1 and meta == {"step": 1}
     np.testing.assert_array_equal(state["w"], np.ones(4))
-    assert messages and "checkpoint 2" in messages[0]
+    assert messages and messages[0].startswith("checkpoint 2 cannot be restored: ")
+    assert "bound method" not in messages[0] and "\n" not in messages[0]
+    # set aside, so that the next resume neither retries nor reports it
+    assert (tmp_path / "checkpoints" / "damaged-2").is_dir()
+    again = []
+    assert checkpointing.restore_latest(checkpointing.manager(tmp_path), {"w": jnp.zeros((4,))},
+                                        log=again.append)[0] == 1
+    assert again == []
+
+
+def test_truncated_array_is_named():
+    from glm_jax.checkpoint_damage import damage_summary
+
+    cause = ValueError('OUT_OF_RANGE: Error reading "lm_head.kernel/0.0" in OCDBT database: Requested byte '
+                       'range [0, 1638499) is not valid for value of size 1000')
+    try:
+        try:
+            raise cause
+        except ValueError as e:
+            raise Exception("Encountered error while reading array index: <bound method x of y>") from e
+    except Exception as outer:
+        assert damage_summary(outer) == ("array 'lm_head.kernel' cannot be read: its data file is truncated "
+                                         "(shorter than when it was written)")

@@ -243,3 +243,47 @@ def test_user_errors_print_one_line_and_exit_with_code_2(capsys):
         "error: [Errno 2] No such file or directory: '/nonexistent/prompts.jsonl'"]
     with pytest.raises(ValueError, match="a bug"):
         main("bug")
+
+
+def test_damaged_model_directory_is_one_line_and_exit_2(trained_run, tmp_path, capsys):
+    import shutil
+
+    out, _ = trained_run
+    copy = tmp_path / "model"
+    shutil.copytree(out, copy, ignore=shutil.ignore_patterns("checkpoints"))
+    data = max((f for f in (copy / "params").rglob("*") if f.is_file() and f.parent.name == "d"),
+               key=lambda f: f.stat().st_size)
+    data.write_bytes(data.read_bytes()[:100])               # truncated
+    assert decode.main(["--checkpoint", str(copy), "--prompt", "x", "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {copy}/params is damaged: array '")
+    assert "truncated" in err[0] and "copy the model directory again" in err[0]
+
+
+def test_ctrl_c_saves_and_exits_a_second_quits(trained_run, tmp_path, monkeypatch, capsys):
+    import signal
+
+    _, cfg_path = trained_run
+    real_step, calls = run.train_step, []
+
+    def step_then_interrupt(*a, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            signal.raise_signal(signal.SIGINT)        # Ctrl-C during step 2
+        return real_step(*a, **kw)
+
+    monkeypatch.setattr(run, "train_step", step_then_interrupt)
+    out = tmp_path / "run"
+    assert train.main(["--config", str(cfg_path), "--out", str(out), "--steps", "12", "--batch-size", "4",
+                       "--seq-len", "32", "--dense-steps", "6", "--warmup-steps", "2", "--lr", "1e-2",
+                       "--max-files", "6", "--eval-every", "6", "--save-every", "6", "--eval-batches", "2"]) == 0
+    captured = capsys.readouterr()
+    assert "interrupted: saving a checkpoint" in captured.err and "stopped: saved step 2" in captured.out
+    assert len(calls) == 2 and (out / "checkpoints" / "2").is_dir()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler      # handlers restored
+
+    with run.StopSignals() as stop:
+        signal.raise_signal(signal.SIGINT)
+        assert stop.requested
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)

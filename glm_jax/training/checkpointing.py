@@ -12,6 +12,9 @@ from pathlib import Path
 import jax
 import orbax.checkpoint as ocp
 
+from glm_jax.checkpoint_damage import damage_summary, let_failed_reads_finish
+from glm_jax.multihost import is_main_process
+
 
 def manager(run_dir: str | Path, *, keep: int = 3) -> ocp.CheckpointManager:
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, enable_async_checkpointing=True)
@@ -38,8 +41,27 @@ def restore_latest(mngr: ocp.CheckpointManager, abstract_state, log=print):
             restored = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target),
                                                                   meta=ocp.args.JsonRestore()))
         except Exception as e:  # noqa: BLE001 - any failure means this checkpoint is unusable
-            log(f"checkpoint {step} in {mngr.directory} cannot be restored ({type(e).__name__}: "
-                f"{str(e).splitlines()[0][:200]}); trying the previous one")
+            let_failed_reads_finish()
+            aside = set_aside(mngr, step)
+            log(f"checkpoint {step} cannot be restored: {damage_summary(e)}; "
+                + (f"moved to {aside.name}/ so it is not tried again; " if aside else "")
+                + "trying the previous one")
             continue
         return step, restored["state"], restored["meta"]
     return None
+
+
+def set_aside(mngr: ocp.CheckpointManager, step: int) -> Path | None:
+    """Renames the damaged checkpoints/<step> to checkpoints/damaged-<step>[-n] (kept for
+    inspection, no longer a step the manager lists or a later resume tries) -> the new path.
+    Process 0 renames; the others return None."""
+    if not is_main_process():
+        return None
+    directory = Path(mngr.directory)
+    target, n = directory / f"damaged-{step}", 1
+    while target.exists():
+        n += 1
+        target = directory / f"damaged-{step}-{n}"
+    (directory / str(step)).rename(target)
+    mngr.reload()
+    return target

@@ -15,6 +15,8 @@ import json
 import os
 import shutil
 import signal
+import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -236,8 +238,12 @@ def train(run: Run) -> int:
     """Steps run.start + 1 .. --steps (or --stop-after of them, or until SIGTERM on some process:
     then a checkpoint and exit), evaluating, logging and saving on the way; then the export."""
     args = run.args
-    stop_requested = []
-    signal.signal(signal.SIGTERM, lambda *_: stop_requested.append(True))  # preemption: save, then exit
+    with StopSignals() as stop_requested:
+        return _loop(run, stop_requested)
+
+
+def _loop(run: Run, stop_requested: "StopSignals") -> int:
+    args = run.args
     log = MetricsLog(args, run.cfg, run.out)
     step = run.start
     for step in range(run.start + 1, args.steps + 1):
@@ -254,8 +260,8 @@ def train(run: Run) -> int:
             log.validation(record, evaluate(run, stage))
         log.write(record)
         if args.stop_after is not None and step - run.start >= args.stop_after:
-            stop_requested.append(True)
-        stop = multihost.any_process(bool(stop_requested))     # all processes stop at the same step
+            stop_requested.request()
+        stop = multihost.any_process(stop_requested.requested)  # all processes stop at the same step
         if step % args.save_every == 0 or step == args.steps or stop:
             save_checkpoint(run, step)
         if stop:
@@ -266,6 +272,40 @@ def train(run: Run) -> int:
     export(run)
     print(f"done: {step} steps; model written to {run.out} (decode with: python decode.py --checkpoint {run.out})")
     return 0
+
+
+class StopSignals:
+    """Within: SIGTERM (preemption) and a first Ctrl-C (SIGINT) ask the loop to save a checkpoint
+    at the end of the step and exit; a second Ctrl-C quits at once (KeyboardInterrupt). The
+    previous handlers come back on exit."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.requested = False
+        self._interrupts = 0
+        self._previous = {}
+
+    def request(self) -> None:
+        self.requested = True
+
+    def _handle(self, signum, _frame) -> None:
+        if signum == signal.SIGINT:
+            self._interrupts += 1
+            if self._interrupts > 1:
+                raise KeyboardInterrupt
+            print("\ninterrupted: saving a checkpoint after this step, then exiting "
+                  "(Ctrl-C again to quit at once, losing the steps since the last save)", file=sys.stderr, flush=True)
+        self.request()
+
+    def __enter__(self) -> "StopSignals":
+        if threading.current_thread() is threading.main_thread():   # handlers can only be set there
+            self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
 
 
 def _max_segments(segment_ids, stage: str, form: str) -> int | None:
