@@ -82,7 +82,10 @@ def _decode(args) -> int:
     from glm_jax.data.tokenizer import eos_id, load_tokenizer
     from glm_jax.decoding.generate import Generator, print_progress
     from glm_jax.decoding.speculative import SpeculativeGenerator
-    from glm_jax.sharding import make_mesh
+    import jax
+    from flax import nnx
+
+    from glm_jax.sharding import check_host_memory, make_mesh
 
     if args.max_new_tokens <= 0:
         raise cli.UserError("--max-new-tokens must be > 0")
@@ -97,8 +100,10 @@ def _decode(args) -> int:
         tok = _TokenIds() if args.prompt_ids else _load_tokenizer(source.path, load_tokenizer)
         ids = [np.asarray(tok.encode(p).ids, np.int32) for p in prompts]
         batch = len(ids)
-        placement = dict(mesh=make_mesh(args.mesh) if args.mesh else None, collective=args.collective,
-                         kernels=cli.kernel_choice(args))
+        mesh = make_mesh(args.mesh) if args.mesh else None
+        if mesh is not None:
+            check_host_memory(mesh, sum(x.nbytes for x in jax.tree.leaves(nnx.state(model))))
+        placement = dict(mesh=mesh, collective=args.collective, kernels=cli.kernel_choice(args))
         if args.speculative and model.mtp is not None:
             gen = SpeculativeGenerator(model, batch=batch, max_len=args.max_len, num_draft=args.speculative,
                                        kv_share=not args.no_kv_share, prefill_chunk=args.prefill_chunk,
@@ -179,6 +184,7 @@ def _stop_token(cfg, tok, eos_id) -> int | None:
 
 def _compile_only(args) -> int:
     """Compile one decode step for a TPU slice from abstract params and report per-chip memory."""
+    cli.choose_platforms()          # no TPU runtime needed: the compiler comes from libtpu itself
     from glm_jax.aot import compile_decode_step, default_mesh_spec, memory_report, topology_devices
     from glm_jax.config import load_config
 
@@ -214,10 +220,14 @@ def _read_prompts(args) -> list[str]:
         return [args.prompt_ids]
     if args.prompts_file:
         prompts = []
-        for n, line in enumerate(Path(args.prompts_file).read_text().splitlines(), 1):
+        for n, line in enumerate(_read_text(args.prompts_file).splitlines(), 1):
             if not line.strip():
                 continue
-            item = json.loads(line)
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{args.prompts_file}:{n}: not JSON ({e.msg} at column {e.colno}); each line is "
+                                 "a JSON string or {\"prompt\": \"...\"}") from None
             if isinstance(item, dict):
                 item = item.get("prompt")
             if not isinstance(item, str):
@@ -227,8 +237,19 @@ def _read_prompts(args) -> list[str]:
             raise ValueError(f"{args.prompts_file} holds no prompts")
         return prompts
     if args.prompt_file:
-        return [Path(args.prompt_file).read_text()]
+        return [_read_text(args.prompt_file)]
     return [args.prompt if args.prompt is not None else DEFAULT_PROMPT]
+
+
+def _read_text(path: str) -> str:
+    """The UTF-8 text of `path`; a file that is not UTF-8 is an error naming it and the offset."""
+    data = Path(path).read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise ValueError(f"{path}:{line}: not UTF-8 text (byte {data[e.start]:#04x} at offset {e.start}); "
+                         "save the file as UTF-8") from None
 
 
 def _cut(tokens: list[int], stop: int | None) -> list[int]:

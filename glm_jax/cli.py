@@ -158,12 +158,14 @@ def add_distributed_flags(ap: argparse.ArgumentParser, writes: str) -> None:
 
 
 def join_processes(args) -> None:
-    """Join the run that the distributed flags or the environment describe, after letting the
-    CPU platform simulate this process's share of the devices of --mesh (if any). Call before
-    anything else uses jax; flags that describe no run (or a bad --mesh) raise UserError."""
+    """Join the run that the distributed flags or the environment describe, after choosing the
+    platforms (`choose_platforms`) and letting the CPU platform simulate this process's share of
+    the devices of --mesh (if any). Call before anything else uses jax; flags that describe no
+    run (or a bad --mesh) raise UserError."""
     from glm_jax.multihost import DistributedSetup, initialize_distributed
     from glm_jax.sharding import simulate_cpu_devices
 
+    choose_platforms()
     with user_errors():
         setup = DistributedSetup(coordinator=args.coordinator, num_processes=args.num_processes,
                                  process_id=args.process_id,
@@ -172,3 +174,40 @@ def join_processes(args) -> None:
         if args.mesh:
             simulate_cpu_devices(args.mesh, setup.num_processes or 1)
         initialize_distributed(setup)
+
+
+# ---------------------------------------------------------------------- platforms
+#: PCI vendor id of Google's TPU chips (as the host lists them under /sys/bus/pci/devices).
+_TPU_PCI_VENDOR = "0x1ae0"
+
+
+def has_tpu_chips(pci_devices: Path = Path("/sys/bus/pci/devices")) -> bool:
+    """Whether this host has a TPU chip attached."""
+    try:
+        return any((d / "vendor").read_text().strip() == _TPU_PCI_VENDOR for d in pci_devices.iterdir())
+    except OSError:
+        return False
+
+
+def choose_platforms(environ=os.environ, *, tpu_chips: bool | None = None) -> str | None:
+    """Keeps jax from starting the TPU runtime on a host without TPU chips.
+
+    With libtpu installed (the dev setup installs it for ahead-of-time TPU compilation), jax
+    starts the TPU runtime on every host, and on one without TPU chips that prints lines of
+    'TPU worker hostnames' errors. Unless JAX_PLATFORMS is set already, this sets it to the
+    platforms the host has (a GPU where jax's CUDA plugin and an NVIDIA device are present, and
+    the CPU) -> the value set, or None where nothing was changed. Ahead-of-time TPU compilation
+    (--compile-only --topology) still works: it loads libtpu by itself. Call before jax starts
+    a backend."""
+    import importlib.util
+
+    if environ.get("JAX_PLATFORMS") or importlib.util.find_spec("libtpu") is None:
+        return None
+    if has_tpu_chips() if tpu_chips is None else tpu_chips:
+        return None
+    cuda = (any(importlib.util.find_spec(f"jax_cuda{v}_plugin") for v in (12, 13))
+            and Path("/dev/nvidiactl").exists())
+    environ["JAX_PLATFORMS"] = "cuda,cpu" if cuda else "cpu"
+    if "jax" in sys.modules:                   # imported already: its flag was read from the environment
+        sys.modules["jax"].config.update("jax_platforms", environ["JAX_PLATFORMS"])
+    return environ["JAX_PLATFORMS"]

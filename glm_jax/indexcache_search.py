@@ -128,6 +128,7 @@ def parse_args(argv=None):
 @cli.reports_user_errors
 def main(argv=None) -> int:
     args = parse_args(argv)
+    cli.choose_platforms()
     from glm_jax.checkpoint import load_model
     from glm_jax.data import corpus
     from glm_jax.data.tokenizer import load_tokenizer

@@ -12,7 +12,7 @@ import sys
 import jax
 from flax import nnx
 
-from glm_jax import costs
+from glm_jax import cli, costs
 from glm_jax.cache import cache_bytes_per_token
 from glm_jax.config import ConfigError, load_config
 from glm_jax.model import abstract_model
@@ -38,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("config", help="configs/*.yaml, a config.json, or a checkpoint directory")
     args = ap.parse_args(argv)
+    cli.choose_platforms()
     try:
         cfg = load_config(args.config)
     except ConfigError as e:

@@ -287,3 +287,59 @@ def test_ctrl_c_saves_and_exits_a_second_quits(trained_run, tmp_path, monkeypatc
         assert stop.requested
         with pytest.raises(KeyboardInterrupt):
             signal.raise_signal(signal.SIGINT)
+
+
+def test_cpu_runs_do_not_start_the_tpu_runtime():
+    """With libtpu installed and no TPU chip, jax would start the TPU runtime and print 'TPU worker
+    hostnames' errors; the front ends choose the platforms first."""
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("libtpu") is None:
+        pytest.skip("libtpu is not installed: jax would not start the TPU runtime anyway")
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    code = "from glm_jax import cli; print(cli.choose_platforms()); import jax; print(jax.default_backend())"
+    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and done.stdout.split() == ["cpu", "cpu"]
+    assert "TPU" not in done.stderr and "E0000" not in done.stderr, done.stderr
+    # a host with TPU chips, or JAX_PLATFORMS already set: left as it is
+    assert cli.choose_platforms({}, tpu_chips=True) is None
+    assert cli.choose_platforms({"JAX_PLATFORMS": "tpu"}, tpu_chips=False) is None
+
+
+def test_mesh_too_large_to_simulate_is_refused_at_once(capsys, monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "")
+    assert decode.main(["--mesh", "data=100000", "--max-new-tokens", "4"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: mesh data=100000,") and "simulated" in err
+
+
+def test_copies_of_the_model_beyond_host_memory_are_refused(monkeypatch):
+    from types import SimpleNamespace
+
+    from glm_jax import sharding
+
+    mesh = SimpleNamespace(shape={"data": 8, "context": 1, "tensor": 1, "layer": 1},
+                           devices=np.array([SimpleNamespace(platform="cpu")]))
+    monkeypatch.setattr(sharding, "_available_host_bytes", lambda: 4 * 2**30)
+    sharding.check_host_memory(mesh, 100 * 2**20)                      # 9 copies of 100 MiB fit in 4 GiB
+    with pytest.raises(ShardingError, match=r"holds 8 copies .* 4.0 GiB available"):
+        sharding.check_host_memory(mesh, 2**30)
+    mesh.devices = np.array([SimpleNamespace(platform="gpu")])
+    sharding.check_host_memory(mesh, 2**30)                            # device memory: not this check
+
+
+@pytest.mark.parametrize("content, expected", [
+    (b'"first prompt"\n{"prompt": "x", }\n', "prompts.jsonl:2: not JSON ("),      # the message varies by Python
+    ('"caf\u00e9"\n'.encode("latin-1"), "prompts.jsonl:1: not UTF-8 text (byte 0xe9 at offset 4)"),
+])
+def test_prompts_file_errors_name_the_file_and_line(trained_run, tmp_path, capsys, content, expected):
+    out, _ = trained_run
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_bytes(content)
+    assert decode.main(["--checkpoint", str(out), "--prompts-file", str(prompts)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {prompts}:") and expected in err
