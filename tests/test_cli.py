@@ -4,6 +4,7 @@ errors a user can cause."""
 from __future__ import annotations
 
 import json
+import re
 
 import jax
 import numpy as np
@@ -279,6 +280,10 @@ def test_ctrl_c_saves_and_exits_a_second_quits(trained_run, tmp_path, monkeypatc
                        "--max-files", "6", "--eval-every", "6", "--save-every", "6", "--eval-batches", "2"]) == 0
     captured = capsys.readouterr()
     assert "interrupted: saving a checkpoint" in captured.err and "stopped: saved step 2" in captured.out
+    step_1 = next(line for line in captured.out.splitlines() if line.startswith("step     1/12"))
+    assert re.search(r"\| \d+\.\d\d s/step, \d:\d\d:\d\d left, \d+\.\d\d GiB$", step_1), step_1
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert records and all(r["memory_gib"] > 0 for r in records if "loss" in r)
     assert len(calls) == 2 and (out / "checkpoints" / "2").is_dir()
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler      # handlers restored
 

@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import json
 import os
+import resource
 import shutil
 import signal
 import sys
@@ -28,6 +29,7 @@ import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh
+from tqdm import tqdm
 
 from glm_jax import cli, costs, multihost, ops, sharding
 from glm_jax.checkpoint import check_same_config, load_model, save_model_dir
@@ -244,7 +246,7 @@ def train(run: Run) -> int:
 
 def _loop(run: Run, stop_requested: "StopSignals") -> int:
     args = run.args
-    log = MetricsLog(args, run.cfg, run.out)
+    log = MetricsLog(args, run.cfg, run.out, start=run.start)
     step = run.start
     for step in range(run.start + 1, args.steps + 1):
         batch = next(run.batches)
@@ -266,6 +268,7 @@ def _loop(run: Run, stop_requested: "StopSignals") -> int:
             save_checkpoint(run, step)
         if stop:
             run.mngr.wait_until_finished()
+            log.close()
             print(f"stopped: saved step {step}; continue with --resume", flush=True)
             return 0
     log.close()
@@ -344,8 +347,12 @@ class MetricsLog:
     (process 0 only): loss terms, lr, tokens/s (whole rows; real: without the packer's padding,
     summed over the processes) since the last logged step, MFU when the peak is known."""
 
-    def __init__(self, args, cfg: GLMConfig, out: Path):
+    def __init__(self, args, cfg: GLMConfig, out: Path, start: int = 0):
         self.steps, self.seq_len = args.steps, args.seq_len
+        self.start, self.t_start = start, time.perf_counter()
+        # The bar (stderr, a terminal only): step, elapsed and time left, s/step, loss, memory.
+        self.bar = tqdm(total=args.steps, initial=start, unit="step", dynamic_ncols=True, file=sys.stderr,
+                        disable=None if multihost.is_main_process() else True, leave=False)
         self.cfg = cfg
         self.file = (Path(args.metrics_file or out / "metrics.jsonl").open("a") if multihost.is_main_process()
                      else open(os.devnull, "w"))
@@ -360,6 +367,7 @@ class MetricsLog:
         must call it (a full record gathers the tokens of every process)."""
         self.steps_since += 1
         self.real_since += int(batch.loss_mask.sum())
+        self.bar.update(1)
         record = {"step": step, "stage": stage, "lr": lr}
         if not full:
             return record
@@ -373,17 +381,23 @@ class MetricsLog:
         if self.peak:
             record["mfu"] = record["tokens_per_s"] * flops / self.peak
         self.t_last = now
-        print(f"step {step:5d}/{self.steps} [{stage}] loss {record['loss']:.3f} lm {record['lm']:.3f} "
-              f"idx_kl {record['indexer_kl']:.3f} mtp {record.get('mtp', 0):.3f} "
-              f"lr {record['lr']:.2e} {record['tokens_per_s']:.0f} tok/s "
-              f"({record['real_tokens_per_s']:.0f} not padding)"
-              + (f" MFU {record['mfu']:.1%}" if "mfu" in record else "") + f"  {_bar(step, self.steps)}",
-              flush=True)
+        per_step = (now - self.t_start) / max(step - self.start, 1)
+        record["memory_gib"] = memory_in_use() / 2**30
+        self.bar.set_postfix_str(f"loss {record['loss']:.3f}, {record['memory_gib']:.1f} GiB", refresh=False)
+        tqdm.write(f"step {step:5d}/{self.steps} [{stage}] loss {record['loss']:.3f} lm {record['lm']:.3f} "
+                   f"idx_kl {record['indexer_kl']:.3f} mtp {record.get('mtp', 0):.3f} "
+                   f"lr {record['lr']:.2e} {record['tokens_per_s']:.0f} tok/s "
+                   f"({record['real_tokens_per_s']:.0f} not padding)"
+                   + (f" MFU {record['mfu']:.1%}" if "mfu" in record else "")
+                   + f" | {per_step:.2f} s/step, {_clock((self.steps - step) * per_step)} left, "
+                     f"{record['memory_gib']:.2f} GiB", file=sys.stdout)
+        sys.stdout.flush()
         return record
 
     def validation(self, record: dict, val: float) -> None:
         record["val_lm"] = val
-        print(f"step {record['step']:5d} validation lm loss {val:.3f} (held-out files)", flush=True)
+        tqdm.write(f"step {record['step']:5d} validation lm loss {val:.3f} (held-out files)", file=sys.stdout)
+        sys.stdout.flush()
 
     def write(self, record: dict) -> None:
         """Writes a record that holds more than step, stage and lr."""
@@ -392,6 +406,7 @@ class MetricsLog:
             self.file.flush()
 
     def close(self) -> None:
+        self.bar.close()
         self.file.close()
 
 
@@ -401,6 +416,16 @@ def _peak_flops(peak_tflops: float | None) -> float | None:
     return _PEAK_FLOPS.get(jax.devices()[0].device_kind)
 
 
-def _bar(step: int, total: int, width: int = 20) -> str:
-    filled = width * step // max(total, 1)
-    return f"[{'#' * filled}{'.' * (width - filled)}]"
+def memory_in_use() -> int:
+    """Bytes in use at the peak so far: the first local accelerator's allocator peak where it
+    reports one (GPU, TPU), else this process's peak resident memory (CPU)."""
+    stats = jax.local_devices()[0].memory_stats() or {}
+    if "peak_bytes_in_use" in stats:
+        return int(stats["peak_bytes_in_use"])
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024       # KiB on Linux
+
+
+def _clock(seconds: float) -> str:
+    """Seconds as h:mm:ss."""
+    seconds = int(max(seconds, 0))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
