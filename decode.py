@@ -80,7 +80,7 @@ def _decode(args) -> int:
     from glm_jax.checkpoint import load_model
     from glm_jax.config import load_config
     from glm_jax.data.tokenizer import eos_id, load_tokenizer
-    from glm_jax.decoding.generate import Generator, print_progress
+    from glm_jax.decoding.generate import Generator
     from glm_jax.decoding.speculative import SpeculativeGenerator
     import jax
     from flax import nnx
@@ -123,7 +123,7 @@ def _decode(args) -> int:
         print(f"model {model.cfg.name} from {source.path}; {batch} prompt(s), {sum(map(len, ids))} tokens; "
               f"{mode} decoding{where}", file=sys.stderr)
     sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                    seed=args.seed, stop_token=stop, progress=None if args.quiet else print_progress)
+                    seed=args.seed, stop_token=stop, progress=None if args.quiet else _Progress())
     t0 = time.perf_counter()
     if batch == 1 and not speculative:
         completions = [_stream(gen, tok, prompts[0], ids[0], stop, sampling)]
@@ -277,6 +277,36 @@ def _stream(gen, tok, prompt, ids, stop, sampling) -> list[int]:
             break
     print(flush=True)
     return new
+
+
+class _Progress:
+    """What decode.py shows on stderr while it works: that the first call of each program compiles
+    it (which takes most of a short run's time), a bar over the prompt tokens of a long prefill,
+    and when decoding starts."""
+
+    def __init__(self, bar_from_tokens: int = 512):
+        from tqdm import tqdm
+
+        self.tqdm, self.bar_from = tqdm, bar_from_tokens
+        self.bar = None
+        self.t0 = time.perf_counter()
+        print("compiling and running the prefill (each program compiles on its first call) ...",
+              file=sys.stderr, flush=True)
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.t0 is not None:
+            print(f"first prefill chunk done in {time.perf_counter() - self.t0:.1f} s (with compilation)",
+                  file=sys.stderr, flush=True)
+            self.t0 = None
+            if total >= self.bar_from:
+                self.bar = self.tqdm(total=total, unit="tok", desc="prefill", file=sys.stderr, leave=False)
+        if self.bar is not None:
+            self.bar.update(done - self.bar.n)
+        if done >= total:
+            if self.bar is not None:
+                self.bar.close()
+            print("prefill done; decoding (the first block compiles the decode program) ...", file=sys.stderr,
+                  flush=True)
 
 
 def _print_stats(gen, completions, elapsed) -> None:

@@ -54,6 +54,7 @@ def test_decode_prints_text_and_speed(trained_run, capsys):
     captured = capsys.readouterr()
     assert captured.out.startswith("def f(x):")
     assert "tokens/s" in captured.err
+    assert "compiling and running the prefill" in captured.err and "prefill done; decoding" in captured.err
 
 
 def test_prompt_longer_than_context_is_refused(trained_run, capsys):
