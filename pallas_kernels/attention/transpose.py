@@ -1,0 +1,86 @@
+"""The transposed sparse index: for every latent row, the (query, slot) pairs that selected it.
+
+The sparse MLA backward needs dkv[t] = sum over the pairs (s, j) with idx[s, j] = t of a
+per-pair gradient row. Summing them by key row through this index, in a fixed order, needs
+no atomics and gives the same bits on every run. The index depends only on the indices, so
+one build serves every layer that shares them (an IndexShare group): build it once with
+`transpose_index` and pass it to each layer's backward.
+
+Layout. The queries (rows of the flattened [B*S] axis) are processed in chunks of
+`chunk_rows` (the backward's per-pair gradients of one chunk must fit in memory). Each pair
+gets a *local* id `(row - chunk * chunk_rows) * K + j`; `order` lists the local ids of chunk
+0's valid pairs sorted by (kv row, local id), then chunk 1's, ...; `offsets[c, r]` is where
+chunk c's list for flattened kv row r = b * T + t starts, and `offsets[c, B*T]` where it ends
+(invalid pairs, -1 or out of range, are sorted past it and never read). `order` carries
+`ORDER_PAD` spare zeros at its end so that a kernel may read whole blocks past a list's end.
+
+Cost: one stable sort of B*S*K (key, id) pairs (XLA; a radix sort on a GPU) and a binary
+search per (chunk, row); measured next to the kernels in benchmarks/sparse_mla_backward.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+#: Spare entries at the end of `order` (>= any reduce kernel's block of pairs).
+ORDER_PAD = 256
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TransposedIndex:
+    """order int32 [P + ORDER_PAD] (local pair ids), offsets int32 [n_chunks, B*T + 1];
+    chunk_rows, topk, num_keys: static (the chunking and the index shape it was built for)."""
+
+    order: jax.Array
+    offsets: jax.Array
+    chunk_rows: int = dataclasses.field(metadata=dict(static=True))
+    topk: int = dataclasses.field(metadata=dict(static=True))
+    num_keys: int = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def num_chunks(self) -> int:
+        return self.offsets.shape[0]
+
+
+def global_rows(indices: jax.Array, num_keys: int) -> jax.Array:
+    """indices int32 [B, S, K] -> int32 [B, S, K]: b * T + t for a valid t in [0, T), else -1."""
+    batch = indices.shape[0]
+    idx = jnp.asarray(indices, jnp.int32)
+    base = (jnp.arange(batch, dtype=jnp.int32) * num_keys)[:, None, None]
+    return jnp.where((idx >= 0) & (idx < num_keys), idx + base, -1)
+
+
+def default_chunk_rows(rows: int, topk: int, dk: int, itemsize: int, budget: int) -> int:
+    """Queries per chunk so that one chunk's per-pair gradients [chunk, K, Dk] fit `budget`."""
+    return int(max(1, min(rows, budget // max(1, topk * dk * itemsize))))
+
+
+def transpose_index(indices: jax.Array, num_keys: int, *, chunk_rows: int) -> TransposedIndex:
+    """indices int32 [B, S, K] (-1 / out of range = skip), num_keys T -> TransposedIndex
+    (module docstring) for query chunks of `chunk_rows` rows of the flattened [B*S] axis."""
+    batch, seq_len, topk = indices.shape
+    rows = batch * seq_len
+    chunk_rows = int(max(1, min(chunk_rows, rows)))
+    n = -(-rows // chunk_rows)
+    sentinel = batch * num_keys                          # key of an invalid pair, per chunk
+    span = sentinel + 1
+    if n * span >= 2**31 or n * chunk_rows * topk >= 2**31:
+        raise ValueError(f"transpose_index: {n} chunks x {span} keys or {rows * topk} pairs "
+                         "overflow int32; use fewer, larger chunks or shorter sequences")
+    g = global_rows(indices, num_keys).reshape(rows, topk)
+    g = jnp.pad(g, ((0, n * chunk_rows - rows), (0, 0)), constant_values=-1)
+    g = g.reshape(n, chunk_rows * topk)
+    chunk = jnp.arange(n, dtype=jnp.int32)[:, None]
+    keys = (chunk * span + jnp.where(g >= 0, g, sentinel)).reshape(-1)
+    local = jnp.broadcast_to(jnp.arange(chunk_rows * topk, dtype=jnp.int32), g.shape).reshape(-1)
+    keys, local = lax.sort((keys, local), num_keys=1, is_stable=True)
+    want = (chunk * span + jnp.arange(span, dtype=jnp.int32)[None, :]).reshape(-1)
+    offsets = jnp.searchsorted(keys, want, side="left").astype(jnp.int32).reshape(n, span)
+    order = jnp.pad(local, (0, ORDER_PAD))
+    return TransposedIndex(order=order, offsets=offsets, chunk_rows=chunk_rows, topk=topk,
+                           num_keys=num_keys)
