@@ -217,13 +217,15 @@ def parts(bw, mm, interpret, cfg, shape):
     doc = dout[0, :chunk]
     lse = jnp.zeros((chunk, heads), jnp.float32) + 9.0
     gidx = jnp.pad(idx[0, :chunk], ((0, 0), (0, kp - K)), constant_values=-1)
+    pos = jnp.pad(tindex.position[0].reshape(chunk, K), ((0, 0), (0, kp - K)), constant_values=chunk * K)
     kvr = kv[0]
     pairs = jax.jit(lambda *a: gb.pairs_call(
-        *a, sm_scale=SCALE, block_k=bk, col_block=cfg.get("col_block", gb.DEFAULT_COL_BLOCK),
+        *a, num_places=chunk * K + tr.SPARE_ROWS, sm_scale=SCALE, block_k=bk,
+        col_block=cfg.get("col_block", gb.DEFAULT_COL_BLOCK),
         fuse_dq=fuse, contrib_dtype=jnp.bfloat16, num_warps=cfg.get("num_warps", 4),
         num_stages=cfg.get("num_stages", 2 if fuse else 1), interpret=interpret,
         evict=cfg.get("evict", False)))
-    args = (qc, doc, lse, lse * 0, kvr, gidx)
+    args = (qc, doc, lse, lse * 0, kvr, gidx, pos)
     t_pairs = bench(pairs, *args, reps=5, inner=1)
     first, contrib = pairs(*args)
     n = tindex.num_chunks
@@ -239,11 +241,11 @@ def parts(bw, mm, interpret, cfg, shape):
         t_dq = bench(dq, first, kvr, gidx, reps=5, inner=1)
         out["dq_ms"] = t_dq * 1e3
         line += f"; dq kernel {t_dq * 1e3:.2f} ms ({chunk * K * DK * 2 / t_dq / 1e12:.2f} TB/s gathered)"
-    red = jax.jit(lambda c, o, f, d: gb.reduce_call(c, o, f, d, topk=K, block=cfg.get("reduce_block", 32),
-                                                    num_warps=cfg.get("reduce_warps", 4),
-                                                    interpret=interpret, evict=cfg.get("evict", False)))
+    red = jax.jit(lambda c, f, d: gb.reduce_call(c, f, d, block=cfg.get("reduce_block", 32),
+                                                 num_warps=cfg.get("reduce_warps", 4),
+                                                 interpret=interpret, evict=cfg.get("evict", False)))
     dkv0 = jnp.zeros((T, DK), jnp.float32)
-    t_red = bench(red, contrib, tindex.order, tindex.offsets[0], dkv0, reps=5, inner=1)
+    t_red = bench(red, contrib, tindex.offsets[0], dkv0, reps=5, inner=1)
     out["reduce_ms"] = t_red * 1e3
     rb = chunk * K * DK * 2 + T * DK * 8
     line += f"; reduce kernel {t_red * 1e3:.2f} ms ({rb / t_red / 1e12:.2f} TB/s)"

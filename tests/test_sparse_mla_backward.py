@@ -85,12 +85,14 @@ def test_transposed_index_lists_every_pair_in_order():
     ti = tr.transpose_index(idx, T, chunk_rows=4)                    # rows 0-3, 4-5 (+2 padding)
     assert ti.num_chunks == 2 and ti.offsets.shape == (2, 2 * T + 1)
     flat = np.asarray(idx).reshape(6, 12)
-    order, offsets = np.asarray(ti.order), np.asarray(ti.offsets)
+    position, offsets = np.asarray(ti.position), np.asarray(ti.offsets)
     for c in range(2):
+        assert sorted(position[c]) == list(range(48))                # a permutation of places
+        local_at = np.argsort(position[c])                             # place -> local pair id
         for b in range(2):
             for t in range(T):
                 r = b * T + t
-                got = order[offsets[c, r]:offsets[c, r + 1]]
+                got = local_at[offsets[c, r]:offsets[c, r + 1]]
                 want = [(row - 4 * c) * 12 + j for row in range(4 * c, min(4 * c + 4, 6))
                         for j in range(12) if row // 3 == b and flat[row, j] == t]
                 assert list(got) == want

@@ -3,40 +3,51 @@ every run.
 
 Shapes: q [B, S, H, Dk], kv [B, T, Dk] (V = kv[..., :v]), indices int32 [B, S, K] (-1 or out of
 range = skip), dout [B, S, H, v], lse / delta float32 [B, S, H] -> dq [B, S, H, Dk] (q dtype),
-dkv float32 [B, T, Dk] (the `bwd_adds_dkv=True` contract of `vjp.make_sparse_mla`).
+dkv float32 [B, T, Dk]: the `bwd_adds_dkv=True` contract of `vjp.make_sparse_mla`.
 
-Why this shape of computation (per (query, selected row) pair = one "pair"):
-every pair's gradient needs the query's q and dout (H x (Dk + v) values: 34 KB at 16 heads,
-139 KB at 64) and the row's latent vector (Dk = 576 values, 1152 bytes). A kernel that keeps
-the query side on chip and gathers rows moves ~1 KB per pair; one that keeps a row on chip and
-gathers the selecting queries (the "dkv by key row" kernel) moves 34-139 KB per pair, 30-120x
-more, and no L2 holds the queries (1.2 GB of q at 64K x 16 heads). So both gradients are
-computed query-major, and only dkv's *sum* is reorganised by key:
+Why this shape of computation. Call one (query, selected row) a pair. Every pair's gradient
+needs the query's q and dout (H x (Dk + v) values: 34 KB at 16 heads, 139 KB at 64) and the
+row's latent vector (Dk = 576 values, 1152 bytes). A kernel that keeps the query on chip and
+gathers the rows moves ~1 KB per pair; one that keeps a row on chip and gathers the selecting
+queries (dkv "by key row") moves 34-139 KB per pair, 30-120x more, and no L2 holds the
+queries (1.2 GB of q at 64K queries x 16 heads). So both gradients are computed query-major and
+only dkv's *sum* is reorganised by key row, through the transposed index of `transpose.py`
+(built once per IndexShare group and reusable by its layers):
 
-1. `pairs` kernel, one program per query (all heads): loops over its K rows in blocks of
-   `block_k`, gathers the rows (each a contiguous 1152-byte line), recomputes
-   p = exp(s - lse), dp, ds, and writes the pair's dkv row
-   c[j] = ds[:, j]^T q + p[:, j]^T dout (dK in all Dk columns, + dV in the first v) into a
-   [chunk, K, Dk] buffer (kv dtype), plus dq (summed in float32 registers; or, with
-   `fuse_dq=False`, ds^T [chunk, K, H] for the `dq` kernel).
-   The block's rows are the M dimension of every matmul (s^T = rows . q^T is [block_k, H]),
-   so 16 heads still give 64-row Hopper MMAs, and q / dout sit in shared memory once (the
-   same buffer serves as the K-major operand of s^T and the MN-major one of c).
-2. `reduce` kernel, one program per latent row t: sums that row's pair gradients in the fixed
-   order of the transposed index (`transpose.py`: the selecting pairs sorted by id) in
-   float32 and adds the sum into dkv. No two programs write one row; nothing is atomic; the
-   order never changes, so dkv has the same bits on every run.
-3. (`fuse_dq=False`) `dq` kernel, one program per query: dq = ds . rows, re-gathering the rows.
-   Used at 64 heads, where dq's [64, 576] float32 accumulator, q and dout in shared memory and
-   the row block do not fit one Triton program together.
+1. `pairs` kernel, one program per query with all its heads: loops over the K selected rows in
+   blocks of `block_k`, gathers them (each a contiguous 1152-byte row), recomputes
+   p = exp(s - lse), dp and ds, and writes each pair's dkv row
+   c[j] = ds[:, j]^T q + p[:, j]^T dout (dK in all Dk columns, + dV in the first v) at the
+   pair's place in its row-sorted list (`TransposedIndex.position`), plus dq (summed in float32
+   registers) or, with `fuse_dq=False`, ds^T [chunk, K, H] for the `dq` kernel.
+   The block's rows are the M dimension of every matmul (s^T = rows . q^T is [block_k, H]), so
+   16 heads still make 64-row Hopper MMAs (wgmma; heads as M would be 16-row mma.sync), and q
+   and dout sit in shared memory once: Triton serves the K-major operand of s^T and the
+   MN-major operand of c from one buffer (with heads as M it kept two copies of each, which is
+   why the current kernel needs two 32-head programs at 64 heads).
+2. `reduce` kernel, one program per latent row t: sums the row's pair gradients, which now lie
+   in one contiguous run, in float32 in place order (by query, then slot), and adds the sum into
+   dkv. No two programs write one row, nothing is atomic, the order never changes: dkv has the
+   same bits on every run (and so has dq: one program sums each query's dq in a fixed order).
+3. (`fuse_dq=False`) `dq` kernel, one program per query: dq = ds . rows, gathering the rows
+   again. The default at 64 heads: q and dout (136 KB) plus a row block fill Hopper's shared
+   memory, so dq's [64, 576] float32 accumulator cannot share their program (Triton asked for
+   311 KB) and the pairs kernel runs unpipelined there.
 
 Queries are processed in chunks of `chunk_rows` (a lax.scan carrying dkv) so that one chunk's
-pair gradients ([chunk, K, Dk], `budget` bytes) are live at a time.
+pair gradients ([chunk, K, Dk] in kv's dtype, `budget` bytes, default 4 GiB) are live at once.
 
 Bytes per pair (bf16): gather 1152 + pair gradient written 1152 + read back 1152 (+ 1152 for
-the re-gather and 4H for ds^T without fused dq); FLOPs per pair 2H(3 Dk + 2 v). At 16 heads
-that is ~76 FLOP/byte against the H200's ~165 (matmul rate / copy bandwidth): the backward is
-bound by memory, not by the matmul rate, unless neighbouring queries share rows in L2.
+the second gather and 4H for ds^T without fused dq); FLOPs per pair 2H(3 Dk + 2 v). At 16 heads
+that is 25 FLOP/byte (76 on the gathered rows alone) against the H200's ~220 (measured matmul
+rate / copy bandwidth): the backward is bound by memory, not by the matmul rate; at 64 heads,
+72 FLOP/byte (306 on the rows alone). Measured on an H200 (random
+indices, docs/kernels-sparse-mla.md): 16 heads x 64K queries 183 ms (4.1x faster than the
+atomic kernel, at 82% of the copy bandwidth on this design's bytes), 64 heads x 8K queries
+42.6 ms (3.4x faster than the current best, scatter).
+
+Float32 inputs keep float32 pair gradients and use 32-row blocks; they fit shared memory at up
+to 32 heads x 576 (bf16 is the supported GPU dtype at 64 heads, as for the current kernel).
 """
 
 from __future__ import annotations
@@ -95,12 +106,13 @@ def _params(num_warps, num_stages):
 
 # ----------------------------------------------------------------------------- pairs kernel
 
-def _pairs_kernel(q_ref, do_ref, lse_ref, delta_ref, kv_ref, idx_ref, out_ref, contrib_ref, *,
-                  sm_scale, block_k, num_blocks, kchunks, vchunks, fuse_dq, evict):
+def _pairs_kernel(q_ref, do_ref, lse_ref, delta_ref, kv_ref, idx_ref, pos_ref, out_ref,
+                  contrib_ref, *, sm_scale, block_k, num_blocks, kchunks, vchunks, fuse_dq, evict):
     """One program = one query row r with all (padded) heads H.
 
     q [R, H, Dk], do [R, H, v], lse / delta [R, H], kv [N, Dk], idx [R, Kp] (rows of kv, -1 =
-    skip) -> out: dq [R, H, Dk] (fuse_dq) or ds^T [R, Kp, H]; contrib [R, Kp, Dk]."""
+    skip), pos [R, Kp] (each pair's place) -> out: dq [R, H, Dk] (fuse_dq) or ds^T [R, Kp, H];
+    contrib [P, Dk] (row pos[r, j] = the gradient of pair (r, j))."""
     r = pl.program_id(0)
     nv = len(vchunks)
     qs = [q_ref[r, :, pl.ds(c0, cs)] for c0, cs in kchunks]            # [H, cs]
@@ -127,11 +139,12 @@ def _pairs_kernel(q_ref, do_ref, lse_ref, delta_ref, kv_ref, idx_ref, out_ref, c
         dst = pt * (dpt - delta[None, :]) * sm_scale                    # ds^T [bk, H]
         dsc = dst.astype(dtype)
         pc = pt.astype(dtype)
+        place = pos_ref[r, pl.ds(k0, block_k)]                         # [bk]
         for i, ((c0, cs), qc) in enumerate(zip(kchunks, qs)):
             c = _dot(dsc, qc)                                          # [bk, cs]
             if i < nv:
                 c += _dot(pc, dos[i])
-            dst_ref = contrib_ref.at[r, pl.ds(k0, block_k), pl.ds(c0, cs)]
+            dst_ref = contrib_ref.at[place, pl.ds(c0, cs)]
             if evict:
                 plgpu.store(dst_ref, c.astype(contrib_ref.dtype), eviction_policy="evict_first")
             else:
@@ -148,11 +161,12 @@ def _pairs_kernel(q_ref, do_ref, lse_ref, delta_ref, kv_ref, idx_ref, out_ref, c
             out_ref[r, :, pl.ds(c0, cs)] = dqt.T.astype(out_ref.dtype)
 
 
-def pairs_call(q, do, lse, delta, kv, gidx, *, sm_scale, block_k, col_block, fuse_dq,
-               contrib_dtype, num_warps, num_stages, interpret, evict=False):
+def pairs_call(q, do, lse, delta, kv, gidx, pos, *, num_places, sm_scale, block_k, col_block,
+               fuse_dq, contrib_dtype, num_warps, num_stages, interpret, evict=False):
     """q [R, H, Dk], do [R, H, v], lse / delta float32 [R, H], kv [N, Dk], gidx int32 [R, Kp]
-    (Kp a multiple of block_k) -> (dq [R, H, Dk] in q dtype, or ds^T [R, Kp, H] in kv dtype;
-    contrib [R, Kp, Dk] in contrib_dtype)."""
+    (Kp a multiple of block_k), pos int32 [R, Kp] (places < num_places) -> (dq [R, H, Dk] in q
+    dtype, or ds^T [R, Kp, H] in kv dtype; contrib [num_places, Dk] in contrib_dtype, row
+    pos[r, j] holding pair (r, j)'s gradient; rows no pair is placed at are left unwritten)."""
     rows, heads, dk = q.shape
     v_dim = do.shape[-1]
     kp = gidx.shape[-1]
@@ -165,10 +179,10 @@ def pairs_call(q, do, lse, delta, kv, gidx, *, sm_scale, block_k, col_block, fus
              else jax.ShapeDtypeStruct((rows, kp, heads), kv.dtype))
     return pl.pallas_call(
         kernel, grid=(rows,),
-        out_shape=[first, jax.ShapeDtypeStruct((rows, kp, dk), contrib_dtype)],
+        out_shape=[first, jax.ShapeDtypeStruct((num_places, dk), contrib_dtype)],
         compiler_params=_params(num_warps, num_stages), interpret=interpret,
         name="sparse_mla_bwd_pairs",
-    )(q, do, lse, delta, kv, gidx)
+    )(q, do, lse, delta, kv, gidx, pos)
 
 
 # ----------------------------------------------------------------------------- dq kernel
@@ -207,26 +221,22 @@ def dq_call(dst, kv, gidx, *, dtype, block_k, col_block, num_warps, num_stages, 
 
 # ----------------------------------------------------------------------------- reduce kernel
 
-def _reduce_kernel(contrib_ref, order_ref, off_ref, dkv_in_ref, dkv_ref, *, topk, kp, block,
-                   chunks, evict):
-    """One program = one latent row t: dkv[t] += sum of its pairs' gradients, in index order.
+def _reduce_kernel(contrib_ref, off_ref, dkv_in_ref, dkv_ref, *, block, chunks, evict):
+    """One program = one latent row t: dkv[t] += the sum of its pairs' gradients, in place order.
 
-    contrib [Rc * Kp, Dk]; order int32 [P + pad] (local pair ids r * K + j); off int32
-    [N + 1] (this chunk's list of row t is order[off[t]:off[t+1]]); dkv_in / dkv float32
-    [N, Dk] (aliased)."""
+    contrib [P + spare, Dk] (row t's pairs at places off[t] .. off[t+1] - 1); off int32 [N + 1];
+    dkv_in / dkv float32 [N, Dk] (aliased)."""
     t = pl.program_id(0)
     start = off_ref[t]
     stop = off_ref[t + 1]
     lane = lax.broadcasted_iota(jnp.int32, (block,), 0)
 
     def body(i, accs):
-        pos = start + i * block + lane
-        live = pos < stop
-        pid = jnp.where(live, order_ref[pos], 0)
-        addr = (pid // topk) * kp + pid % topk
+        first = start + i * block
+        live = first + lane < stop
         out = []
         for (c0, cs), acc in zip(chunks, accs):
-            src = contrib_ref.at[addr, pl.ds(c0, cs)]
+            src = contrib_ref.at[pl.ds(first, block), pl.ds(c0, cs)]
             vals = (plgpu.load(src, eviction_policy="evict_first") if evict else src[...])
             vals = vals.astype(jnp.float32)                                 # [block, cs]
             out.append(acc + jnp.sum(jnp.where(live[:, None], vals, 0.0), axis=0))
@@ -238,18 +248,18 @@ def _reduce_kernel(contrib_ref, order_ref, off_ref, dkv_in_ref, dkv_ref, *, topk
         dkv_ref[t, pl.ds(c0, cs)] = dkv_in_ref[t, pl.ds(c0, cs)] + acc
 
 
-def reduce_call(contrib, order, offsets, dkv, *, topk, block, num_warps, interpret, evict=False):
-    """contrib [Rc, Kp, Dk], order [P + pad], offsets [N + 1], dkv float32 [N, Dk] -> dkv
-    plus every listed pair's gradient, summed per row in the order of `order`."""
-    rc, kp, dk = contrib.shape
+def reduce_call(contrib, offsets, dkv, *, block, num_warps, interpret, evict=False):
+    """contrib [P + spare, Dk] (sorted by kv row; spare >= block), offsets int32 [N + 1], dkv
+    float32 [N, Dk] -> dkv[t] + the sum of contrib[offsets[t]:offsets[t+1]] (in that order)."""
+    dk = contrib.shape[-1]
     num_rows = dkv.shape[0]
-    kernel = functools.partial(_reduce_kernel, topk=topk, kp=kp, block=block,
-                               chunks=pow2_chunks(0, dk), evict=evict and not interpret)
+    kernel = functools.partial(_reduce_kernel, block=block, chunks=pow2_chunks(0, dk),
+                               evict=evict and not interpret)
     return pl.pallas_call(
         kernel, grid=(num_rows,), out_shape=jax.ShapeDtypeStruct(dkv.shape, jnp.float32),
-        input_output_aliases={3: 0}, compiler_params=_params(num_warps, 2),
+        input_output_aliases={2: 0}, compiler_params=_params(num_warps, 2),
         interpret=interpret, name="sparse_mla_bwd_reduce",
-    )(contrib.reshape(rc * kp, dk), order, offsets, dkv)
+    )(contrib, offsets, dkv)
 
 
 # ----------------------------------------------------------------------------- driver
@@ -263,7 +273,7 @@ def _pad_heads(x, hp, value=0.0):
 
 
 def backward(q, kv, indices, dout, lse, delta, *, sm_scale, v_dim, tindex=None,
-             budget=DEFAULT_BUDGET, block_k=DEFAULT_BLOCK_K, col_block=DEFAULT_COL_BLOCK,
+             budget=DEFAULT_BUDGET, block_k=None, col_block=DEFAULT_COL_BLOCK,
              fuse_dq=None, num_warps=4, num_stages=None, reduce_block=DEFAULT_REDUCE_BLOCK,
              reduce_warps=4, evict=False, dq_warps=8, dq_stages=2, interpret=False):
     """(dq [B, S, H, Dk] in q dtype, dkv float32 [B, T, Dk]) of sparse MLA (module docstring).
@@ -272,7 +282,12 @@ def backward(q, kv, indices, dout, lse, delta, *, sm_scale, v_dim, tindex=None,
     dout [B, S, H, v], lse, delta float32 [B, S, H] (delta = sum(out * dout) - dlse).
     tindex: `transpose.transpose_index(indices, T, chunk_rows=...)`, reusable by every layer
     sharing the indices (built here when None, with chunks of `budget` bytes).
-    fuse_dq: keep dq in the pairs kernel (default: when the padded heads are <= 32)."""
+    Settings (defaults measured best on an H200): block_k rows per step of the pairs and dq
+    kernels (64; 32 for float32), col_block the widest column chunk of a pair gradient tile,
+    fuse_dq keep dq in the pairs kernel (default: when the padded heads are <= 32),
+    num_warps / num_stages (pairs kernel: 4; 2 stages with fused dq, else 1), dq_warps /
+    dq_stages (dq kernel: 8, 2), reduce_block / reduce_warps (pairs summed per step of the
+    reduce kernel, <= transpose.SPARE_ROWS: 32, 4), evict (stream the pair gradients past L2)."""
     batch, seq_len, heads, dk = q.shape
     num_keys = kv.shape[1]
     topk = indices.shape[-1]
@@ -281,7 +296,10 @@ def backward(q, kv, indices, dout, lse, delta, *, sm_scale, v_dim, tindex=None,
     fuse_dq = hp <= FUSED_DQ_MAX_HEADS if fuse_dq is None else bool(fuse_dq)
     if num_stages is None:
         num_stages = 2 if fuse_dq else 1
-    contrib_dtype = jnp.float32 if jnp.dtype(kv.dtype).itemsize >= 4 else kv.dtype
+    wide = jnp.dtype(kv.dtype).itemsize >= 4
+    contrib_dtype = jnp.float32 if wide else kv.dtype
+    if block_k is None:
+        block_k = DEFAULT_BLOCK_K // 2 if wide else DEFAULT_BLOCK_K
     if tindex is None:
         chunk = tr.default_chunk_rows(rows, topk, dk, jnp.dtype(contrib_dtype).itemsize, budget)
         tindex = tr.transpose_index(indices, num_keys, chunk_rows=chunk)
@@ -299,23 +317,30 @@ def backward(q, kv, indices, dout, lse, delta, *, sm_scale, v_dim, tindex=None,
         x = _pad_heads(x.reshape((rows, heads) + x.shape[3:]), hp, value)
         return jnp.pad(x, pad_r + ((0, 0),) * (x.ndim - 1), constant_values=value)
 
-    xs = (flat(q), flat(dout.astype(q.dtype)), flat(lse, -jnp.inf), flat(delta), gidx,
+    per = chunk * topk                                   # pairs per chunk
+    if reduce_block > tr.SPARE_ROWS:
+        raise ValueError(f"reduce_block must be <= {tr.SPARE_ROWS}")
+    # each pair's place in its chunk's sorted list; padded slots all go to the first spare row
+    pos = jnp.pad(tindex.position.reshape(n * chunk, topk), ((0, 0), (0, kp - topk)),
+                  constant_values=per)
+    xs = (flat(q), flat(dout.astype(q.dtype)), flat(lse, -jnp.inf), flat(delta), gidx, pos,
           tindex.offsets)
-    xs = tuple(x.reshape((n, chunk) + x.shape[1:]) if i < 5 else x for i, x in enumerate(xs))
+    xs = tuple(x.reshape((n, chunk) + x.shape[1:]) if i < 6 else x for i, x in enumerate(xs))
     kv_rows = kv.reshape(batch * num_keys, dk)
     cfg = dict(num_warps=num_warps, interpret=interpret)
 
     def step(dkv, args):
-        q_c, do_c, lse_c, delta_c, gidx_c, off_c = args
-        first, contrib = pairs_call(q_c, do_c, lse_c, delta_c, kv_rows, gidx_c, sm_scale=sm_scale,
+        q_c, do_c, lse_c, delta_c, gidx_c, pos_c, off_c = args
+        first, contrib = pairs_call(q_c, do_c, lse_c, delta_c, kv_rows, gidx_c, pos_c,
+                                    num_places=per + tr.SPARE_ROWS, sm_scale=sm_scale,
                                     block_k=block_k, col_block=col_block, fuse_dq=fuse_dq,
                                     contrib_dtype=contrib_dtype, num_stages=num_stages, evict=evict,
                                     **cfg)
         dq_c = first if fuse_dq else dq_call(first, kv_rows, gidx_c, dtype=q.dtype, block_k=block_k,
                                              col_block=col_block, num_stages=dq_stages,
                                              num_warps=dq_warps, interpret=interpret)
-        dkv = reduce_call(contrib, tindex.order, off_c, dkv, topk=topk, block=reduce_block,
-                          num_warps=reduce_warps, interpret=interpret, evict=evict)
+        dkv = reduce_call(contrib, off_c, dkv, block=reduce_block, num_warps=reduce_warps,
+                          interpret=interpret, evict=evict)
         return dkv, dq_c
 
     dkv0 = jnp.zeros((batch * num_keys, dk), jnp.float32)
@@ -343,21 +368,21 @@ def _op(sm_scale, v_dim, fwd_block_k, fwd_warps, fwd_stages, bwd_cfg, interpret)
                                 num_stages=fwd_stages, interpret=interpret)
 
     @jax.custom_vjp
-    def attend(q, kv, indices, order, offsets):
+    def attend(q, kv, indices, position, offsets):
         return fwd(q, kv, indices)
 
-    def attend_fwd(q, kv, indices, order, offsets):
+    def attend_fwd(q, kv, indices, position, offsets):
         out, lse = fwd(q, kv, indices)
-        return (out, lse), (q, kv, indices, order, offsets, out, lse)
+        return (out, lse), (q, kv, indices, position, offsets, out, lse)
 
     def attend_bwd(res, cts):
-        q, kv, indices, order, offsets, out, lse = res
+        q, kv, indices, position, offsets, out, lse = res
         dout, dlse = cts
         delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
         delta = delta - jnp.where(jnp.isfinite(lse), dlse.astype(jnp.float32), 0.0)
         cfg = dict(bwd_cfg)
         chunk_rows = cfg.pop("chunk_rows")
-        tindex = tr.TransposedIndex(order=order, offsets=offsets, chunk_rows=chunk_rows,
+        tindex = tr.TransposedIndex(position=position, offsets=offsets, chunk_rows=chunk_rows,
                                     topk=indices.shape[-1], num_keys=kv.shape[1])
         dq, dkv = backward(q, kv, indices, dout, lse, delta, sm_scale=sm_scale, v_dim=v_dim,
                            tindex=tindex, interpret=interpret, **cfg)
@@ -384,4 +409,4 @@ def sparse_mla(q, kv, indices, *, sm_scale, v_dim, tindex=None, interpret=False,
     cfg = tuple(sorted(dict(bwd_cfg, chunk_rows=tindex.chunk_rows).items()))
     op = _op(float(sm_scale), int(v_dim), int(fwd_block_k), int(fwd_warps), int(fwd_stages), cfg,
              bool(interpret))
-    return op(q, kv, jnp.asarray(indices, jnp.int32), tindex.order, tindex.offsets)
+    return op(q, kv, jnp.asarray(indices, jnp.int32), tindex.position, tindex.offsets)

@@ -7,15 +7,17 @@ one build serves every layer that shares them (an IndexShare group): build it on
 `transpose_index` and pass it to each layer's backward.
 
 Layout. The queries (rows of the flattened [B*S] axis) are processed in chunks of
-`chunk_rows` (the backward's per-pair gradients of one chunk must fit in memory). Each pair
-gets a *local* id `(row - chunk * chunk_rows) * K + j`; `order` lists the local ids of chunk
-0's valid pairs sorted by (kv row, local id), then chunk 1's, ...; `offsets[c, r]` is where
-chunk c's list for flattened kv row r = b * T + t starts, and `offsets[c, B*T]` where it ends
-(invalid pairs, -1 or out of range, are sorted past it and never read). `order` carries
-`ORDER_PAD` spare zeros at its end so that a kernel may read whole blocks past a list's end.
+`chunk_rows` (the backward's per-pair gradients of one chunk must fit in memory). Within chunk
+c, each pair has a *local* id `(row - c * chunk_rows) * K + j`; the chunk's pairs are sorted by
+(kv row, local id) and `position[c, local id]` is the pair's place in that list; the list of
+flattened kv row r = b * T + t is places `offsets[c, r]` to `offsets[c, r + 1]`, and
+`offsets[c, B*T]` is where the valid pairs end (invalid pairs, -1 or out of range, are placed
+after it and never read). The backward's pairs kernel writes each pair's gradient row at its
+place, so that the reduce kernel reads every row's gradients as one contiguous run.
 
-Cost: one stable sort of B*S*K (key, id) pairs (XLA; a radix sort on a GPU) and a binary
-search per (chunk, row); measured next to the kernels in benchmarks/sparse_mla_backward.py.
+Cost: one stable sort of B*S*K (key, id) pairs (XLA; a radix sort on a GPU), a scatter of
+unique places and a binary search per (chunk, row); measured next to the kernels in
+benchmarks/sparse_mla_backward.py.
 """
 
 from __future__ import annotations
@@ -26,17 +28,20 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-#: Spare entries at the end of `order` (>= any reduce kernel's block of pairs).
-ORDER_PAD = 256
+#: Spare rows after a chunk's sorted pair gradients (>= any reduce kernel's block of pairs);
+#: the first of them takes the writes of padded slots.
+SPARE_ROWS = 256
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class TransposedIndex:
-    """order int32 [P + ORDER_PAD] (local pair ids), offsets int32 [n_chunks, B*T + 1];
-    chunk_rows, topk, num_keys: static (the chunking and the index shape it was built for)."""
+    """position int32 [n_chunks, chunk_rows * K] (each pair's place in its chunk's sorted list),
+    offsets int32 [n_chunks, B*T + 1] (where each kv row's run of places starts; the last entry
+    ends the valid pairs); chunk_rows, topk, num_keys: static (the chunking and the index shape
+    it was built for)."""
 
-    order: jax.Array
+    position: jax.Array
     offsets: jax.Array
     chunk_rows: int = dataclasses.field(metadata=dict(static=True))
     topk: int = dataclasses.field(metadata=dict(static=True))
@@ -79,8 +84,13 @@ def transpose_index(indices: jax.Array, num_keys: int, *, chunk_rows: int) -> Tr
     keys = (chunk * span + jnp.where(g >= 0, g, sentinel)).reshape(-1)
     local = jnp.broadcast_to(jnp.arange(chunk_rows * topk, dtype=jnp.int32), g.shape).reshape(-1)
     keys, local = lax.sort((keys, local), num_keys=1, is_stable=True)
+    per = chunk_rows * topk
+    place = jnp.arange(n * per, dtype=jnp.int32)
+    owner = place // per                                  # chunk of each sorted entry
+    position = jnp.zeros((n * per,), jnp.int32).at[owner * per + local].set(
+        place - owner * per, unique_indices=True, mode="promise_in_bounds")
     want = (chunk * span + jnp.arange(span, dtype=jnp.int32)[None, :]).reshape(-1)
     offsets = jnp.searchsorted(keys, want, side="left").astype(jnp.int32).reshape(n, span)
-    order = jnp.pad(local, (0, ORDER_PAD))
-    return TransposedIndex(order=order, offsets=offsets, chunk_rows=chunk_rows, topk=topk,
-                           num_keys=num_keys)
+    offsets = offsets - chunk * per
+    return TransposedIndex(position=position.reshape(n, per), offsets=offsets,
+                           chunk_rows=chunk_rows, topk=topk, num_keys=num_keys)
