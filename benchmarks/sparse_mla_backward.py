@@ -1,0 +1,315 @@
+"""Sparse MLA backward: the deterministic GPU backward (`attention.gpu_backward`) against the
+current GPU kernel (`impl="pallas_gpu"`, both dkv modes) and the XLA impl, next to the ceilings.
+
+    PYTHONPATH=. python3 benchmarks/sparse_mla_backward.py --json out.json     # on a GPU
+    PYTHONPATH=. python3 benchmarks/sparse_mla_backward.py --smoke             # CPU, interpret
+
+Prints, in one run: the measured copy bandwidth and bf16 matmul rate (benchmarks/_measure.py);
+a correctness check on fresh random inputs (bf16 gradients of every GPU backward against the
+XLA impl's in float32, with -1 padding and an empty row); then at (a) 16 heads, 64K queries,
+T = 64K and (b) 64 heads, 8K queries, T = 128K (Dk 576, v 512, top-2048, uniformly random
+indices: no two neighbouring queries share rows, the worst case for caches) the forward,
+forward + backward and backward (= the difference) of each implementation with ms, TFLOP/s
+and % of the matmul rate; the new backward alone (its kernels, given the transposed index)
+and the transposed index build; the bandwidth floor of the new design and of any design;
+the largest |difference| of dq and dkv against the current kernel; and whether two runs of
+each backward give bitwise equal gradients.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import pallas_kernels as pk
+from benchmarks._measure import bench, ceilings
+from pallas_kernels.attention import gpu, gpu_backward as gb
+from pallas_kernels.attention import transpose as tr
+
+DK, DV = 576, 512
+SCALE = 192 ** -0.5
+
+
+def inputs(key, S, T, K, heads, dtype=jnp.bfloat16):
+    kq, kk, ki, kd = jax.random.split(key, 4)
+    q = jax.random.normal(kq, (1, S, heads, DK), dtype)
+    kv = jax.random.normal(kk, (1, T, DK), dtype)
+    idx = jax.random.randint(ki, (1, S, K), 0, T, jnp.int32)
+    dout = jax.random.normal(kd, (1, S, heads, DV), dtype)
+    return q, kv, idx, dout
+
+
+def rel(a, b):
+    a = np.asarray(a, np.float64)
+    b = np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def impls(interpret, heads, bwd_cfg):
+    """name -> sparse_mla(q, kv, idx) -> (out, lse). "pallas_gpu ...": the current kernel
+    (`pk.sparse_mla(impl="pallas_gpu")` is `attention.gpu.sparse_mla`) with each dkv_mode."""
+    common = dict(sm_scale=SCALE, v_dim=DV, interpret=interpret)
+    out = {
+        "new": lambda q, kv, i: gb.sparse_mla(q, kv, i, **common, **bwd_cfg),
+        "pallas_gpu atomic": lambda q, kv, i: gpu.sparse_mla(q, kv, i, dkv_mode="atomic", **common),
+        "pallas_gpu scatter": lambda q, kv, i: gpu.sparse_mla(q, kv, i, dkv_mode="scatter", **common),
+        "xla": lambda q, kv, i: pk.sparse_mla(q, kv, i, impl="xla", sm_scale=SCALE, v_dim=DV),
+    }
+    return out
+
+
+def grad_fn(fn, dout):
+    def loss(q, kv, i):
+        out, lse = fn(q, kv, i)
+        lse_term = jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0)) * 0.1
+        return jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32)) + lse_term
+    return jax.jit(jax.grad(loss, argnums=(0, 1)))
+
+
+def check(interpret, key, bwd_cfg):
+    """bf16 gradients of each GPU backward vs the XLA impl on upcast inputs (relative L2)."""
+    S, T, K, heads = (3, 256, 40, 16) if interpret else (5, 4096, 2048, 64)
+    res = {}
+    for h in ((heads,) if interpret else (16, 64)):
+        q, kv, idx, dout = inputs(key, S, T, K, h)
+        idx = jnp.where(jax.random.uniform(jax.random.key(5), idx.shape) < 0.3, -1, idx)
+        idx = idx.at[0, 0].set(-1).at[0, 1, 0].set(T + 7)
+        ref = grad_fn(impls(False, h, {})["xla"], dout)(q.astype(jnp.float32), kv.astype(jnp.float32), idx)
+        for name, fn in impls(interpret, h, bwd_cfg).items():
+            if name == "xla":
+                continue
+            dq, dkv = grad_fn(fn, dout)(q, kv, idx)
+            res[f"{name} H={h}"] = {"dq": rel(dq, ref[0]), "dkv": rel(dkv, ref[1])}
+    return res
+
+
+def bytes_floor(S, H, K, T, dk_bytes=2, fuse_dq=True):
+    """(any design, this design) bytes of one backward: gathered rows, q / dout read, dq written,
+    dkv written; this design adds the per-pair gradients written and read back (bf16) and, when
+    dq is not fused, the rows gathered again and ds^T written and read."""
+    gather = S * K * DK * dk_bytes
+    q_io = S * H * (2 * DK + DV) * dk_bytes
+    dkv = T * DK * 4
+    anyd = gather + q_io + dkv
+    ours = anyd + 2 * S * K * DK * dk_bytes
+    if not fuse_dq:
+        ours += gather + 2 * S * K * H * dk_bytes
+    return anyd, ours
+
+
+def run_shape(name, S, T, K, heads, bw, mm, interpret, bwd_cfg, which, report, reps):
+    print(f"\n## ({name}) {heads} heads, {S} queries, T={T}, K={K}, Dk={DK}, v={DV}, bf16, "
+          f"random indices")
+    q, kv, idx, dout = inputs(jax.random.key(S + heads), S, T, K, heads)
+    fwd_flops = 2 * S * heads * K * (DK + DV)
+    bwd_flops = 2 * S * heads * K * (3 * DK + 2 * DV)
+    hp = max(16, 1 << (heads - 1).bit_length())
+    fuse = bwd_cfg.get("fuse_dq", hp <= gb.FUSED_DQ_MAX_HEADS)
+    anyd, ours = bytes_floor(S, heads, K, T, fuse_dq=fuse)
+    row = dict(shape=name, S=S, T=T, K=K, heads=heads, fwd_flops=fwd_flops, bwd_flops=bwd_flops,
+               matmul_limit_bwd_ms=bwd_flops / mm * 1e3, bytes_any=anyd, bytes_new=ours,
+               bw_limit_any_ms=anyd / bw * 1e3, bw_limit_new_ms=ours / bw * 1e3, impls={})
+    print(f"backward limits: matmul {row['matmul_limit_bwd_ms']:.1f} ms ({bwd_flops / 1e12:.2f} TFLOP); "
+          f"bandwidth, any design (rows gathered once, q/dout/dq/dkv once) {row['bw_limit_any_ms']:.1f} ms "
+          f"({anyd / 1e9:.0f} GB); this design (+ per-pair gradients written and read"
+          f"{'' if fuse else ', rows re-gathered for dq'}) {row['bw_limit_new_ms']:.1f} ms ({ours / 1e9:.0f} GB)")
+    fns = impls(interpret, heads, bwd_cfg)
+    grads = {}
+    print("| impl | fwd ms | fwd+bwd ms | bwd ms | bwd TFLOP/s | % of matmul | max|d dq| vs current | "
+          "max|d dkv| vs current | bitwise repeatable |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for impl in which:
+        fn = fns[impl]
+        r = {}
+        try:
+            r["fwd_ms"] = bench(jax.jit(fn), q, kv, idx, reps=reps, inner=1) * 1e3
+            g = grad_fn(fn, dout)
+            r["grad_ms"] = bench(g, q, kv, idx, reps=reps, inner=1) * 1e3
+            r["bwd_ms"] = r["grad_ms"] - r["fwd_ms"]
+            r["bwd_tflops"] = bwd_flops / (r["bwd_ms"] * 1e-3) / 1e12
+            r["bwd_pct_matmul"] = 100 * bwd_flops / (r["bwd_ms"] * 1e-3) / mm
+            a = jax.block_until_ready(g(q, kv, idx))
+            b = jax.block_until_ready(g(q, kv, idx))
+            r["bitwise_repeatable"] = bool(all(np.array_equal(np.asarray(x), np.asarray(y))
+                                               for x, y in zip(a, b)))
+            grads[impl] = a
+            del b
+        except Exception as e:  # noqa: BLE001 - e.g. out of memory: report it, go on
+            r["failed"] = f"{type(e).__name__}: {str(e)[:300]}"
+        row["impls"][impl] = r
+    base = next((k for k in ("pallas_gpu atomic", "pallas_gpu scatter") if k in grads), None)
+    for impl, r in row["impls"].items():
+        if impl in grads and base is not None:
+            r["max_abs_dq_vs_current"] = float(jnp.max(jnp.abs(grads[impl][0].astype(jnp.float32)
+                                                               - grads[base][0].astype(jnp.float32))))
+            r["max_abs_dkv_vs_current"] = float(jnp.max(jnp.abs(grads[impl][1].astype(jnp.float32)
+                                                                - grads[base][1].astype(jnp.float32))))
+            r["rel_dkv_vs_current"] = rel(grads[impl][1], grads[base][1])
+        if "failed" in r:
+            print(f"| {impl} | failed: {r['failed'][:200]} |")
+            continue
+        print(f"| {impl} | {r['fwd_ms']:.2f} | {r['grad_ms']:.2f} | {r['bwd_ms']:.2f} | "
+              f"{r['bwd_tflops']:.0f} | {r['bwd_pct_matmul']:.1f}% | "
+              f"{r.get('max_abs_dq_vs_current', float('nan')):.3g} | "
+              f"{r.get('max_abs_dkv_vs_current', float('nan')):.3g} | {r['bitwise_repeatable']} |")
+    grads.clear()
+
+    # the new backward's parts: the transposed index (once per IndexShare group) and the kernels
+    chunk = tr.default_chunk_rows(S, K, DK, 2, bwd_cfg.get("budget", gb.DEFAULT_BUDGET))
+    build = jax.jit(functools.partial(tr.transpose_index, num_keys=T, chunk_rows=chunk))
+    t_idx = bench(build, idx, reps=reps, inner=1) * 1e3
+    tindex = build(idx)
+    out, lse = jax.jit(fns["new"])(q, kv, idx)
+    delta = jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32), axis=-1)
+    kcfg = {k: v for k, v in bwd_cfg.items() if k != "budget"}
+    bwd = jax.jit(lambda q, kv, i, d, l, de, t: gb.backward(q, kv, i, d, l, de, sm_scale=SCALE,
+                                                              v_dim=DV, tindex=t, interpret=interpret,
+                                                              **kcfg))
+    t_bwd = bench(bwd, q, kv, idx, dout, lse, delta, tindex, reps=reps, inner=1) * 1e3
+    row["new_index_ms"] = t_idx
+    row["new_kernels_ms"] = t_bwd
+    row["new_chunks"] = tindex.num_chunks
+    print(f"new backward alone: kernels {t_bwd:.2f} ms ({bwd_flops / t_bwd / 1e9:.0f} TFLOP/s, "
+          f"{100 * bwd_flops / (t_bwd * 1e-3) / mm:.1f}% of matmul; {ours / (t_bwd * 1e-3) / 1e12:.2f} TB/s "
+          f"on this design's bytes = {100 * ours / (t_bwd * 1e-3) / bw:.0f}% of copy bandwidth) + "
+          f"transposed index {t_idx:.2f} ms (once per IndexShare group; {tindex.num_chunks} query chunks)")
+    report["shapes"].append(row)
+
+
+def sweep(bw, mm, interpret, configs, shapes):
+    """Times the new backward's kernels alone for several settings."""
+    for name, S, T, K, heads in shapes:
+        q, kv, idx, dout = inputs(jax.random.key(1), S, T, K, heads)
+        lse = jnp.zeros((1, S, heads), jnp.float32) + 9.0
+        delta = jnp.zeros((1, S, heads), jnp.float32)
+        chunk = tr.default_chunk_rows(S, K, DK, 2, gb.DEFAULT_BUDGET)
+        tindex = jax.jit(functools.partial(tr.transpose_index, num_keys=T, chunk_rows=chunk))(idx)
+        flops = 2 * S * heads * K * (3 * DK + 2 * DV)
+        for cfg in configs:
+            fn = jax.jit(lambda q, kv, i, d, l, de, t, cfg=cfg: gb.backward(
+                q, kv, i, d, l, de, sm_scale=SCALE, v_dim=DV, tindex=t, interpret=interpret, **cfg))
+            try:
+                t = bench(fn, q, kv, idx, dout, lse, delta, tindex, reps=3, inner=1)
+                print(f"sweep ({name}) {cfg}: {t * 1e3:.2f} ms, {100 * flops / t / mm:.1f}% of matmul",
+                      flush=True)
+            except Exception as e:  # noqa: BLE001
+                print(f"sweep ({name}) {cfg}: failed {type(e).__name__}: {str(e)[:200]}", flush=True)
+
+
+def parts(bw, mm, interpret, cfg, shape):
+    """Times the new backward's kernels one by one on one query chunk."""
+    name, S, T, K, heads = shape
+    q, kv, idx, dout = inputs(jax.random.key(1), S, T, K, heads)
+    cfg = dict(cfg)
+    chunk = tr.default_chunk_rows(S, K, DK, 2, cfg.pop("budget", gb.DEFAULT_BUDGET))
+    tindex = jax.jit(functools.partial(tr.transpose_index, num_keys=T, chunk_rows=chunk))(idx)
+    hp = max(16, 1 << (heads - 1).bit_length())
+    fuse = cfg.get("fuse_dq", hp <= gb.FUSED_DQ_MAX_HEADS)
+    bk = cfg.get("block_k", gb.DEFAULT_BLOCK_K)
+    kp = -(-K // bk) * bk
+    qc = q[0, :chunk]
+    doc = dout[0, :chunk]
+    lse = jnp.zeros((chunk, heads), jnp.float32) + 9.0
+    gidx = jnp.pad(idx[0, :chunk], ((0, 0), (0, kp - K)), constant_values=-1)
+    pos = jnp.pad(tindex.position[0].reshape(chunk, K), ((0, 0), (0, kp - K)), constant_values=chunk * K)
+    kvr = kv[0]
+    pairs = jax.jit(lambda *a: gb.pairs_call(
+        *a, num_places=chunk * K + tr.SPARE_ROWS, sm_scale=SCALE, block_k=bk,
+        col_block=cfg.get("col_block", gb.DEFAULT_COL_BLOCK),
+        fuse_dq=fuse, contrib_dtype=jnp.bfloat16, num_warps=cfg.get("num_warps", 4),
+        num_stages=cfg.get("num_stages", 2 if fuse else 1), interpret=interpret,
+        evict=cfg.get("evict", False)))
+    args = (qc, doc, lse, lse * 0, kvr, gidx, pos)
+    t_pairs = bench(pairs, *args, reps=5, inner=1)
+    first, contrib = pairs(*args)
+    n = tindex.num_chunks
+    out = {"chunk_rows": chunk, "chunks": n, "pairs_ms": t_pairs * 1e3}
+    pair_bytes = chunk * K * DK * 2 * 2
+    line = (f"parts ({name}) {cfg}: chunk {chunk} rows x {n}: pairs kernel {t_pairs * 1e3:.2f} ms/chunk "
+            f"({pair_bytes / t_pairs / 1e12:.2f} TB/s gathered + written)")
+    if not fuse:
+        dq = jax.jit(lambda *a: gb.dq_call(*a, dtype=q.dtype, block_k=bk,
+                                           col_block=cfg.get("col_block", gb.DEFAULT_COL_BLOCK),
+                                           num_warps=cfg.get("dq_warps", 8),
+                                           num_stages=cfg.get("dq_stages", 2), interpret=interpret))
+        t_dq = bench(dq, first, kvr, gidx, reps=5, inner=1)
+        out["dq_ms"] = t_dq * 1e3
+        line += f"; dq kernel {t_dq * 1e3:.2f} ms ({chunk * K * DK * 2 / t_dq / 1e12:.2f} TB/s gathered)"
+    red = jax.jit(lambda c, f, d: gb.reduce_call(c, f, d, block=cfg.get("reduce_block", 32),
+                                                 num_warps=cfg.get("reduce_warps", 4),
+                                                 interpret=interpret, evict=cfg.get("evict", False)))
+    dkv0 = jnp.zeros((T, DK), jnp.float32)
+    t_red = bench(red, contrib, tindex.offsets[0], dkv0, reps=5, inner=1)
+    out["reduce_ms"] = t_red * 1e3
+    rb = chunk * K * DK * 2 + T * DK * 8
+    line += f"; reduce kernel {t_red * 1e3:.2f} ms ({rb / t_red / 1e12:.2f} TB/s)"
+    print(line, flush=True)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode (CPU)")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--shapes", default="ab", help="which of (a), (b) to run")
+    ap.add_argument("--sweep", action="store_true", help="only time the new kernels' settings")
+    ap.add_argument("--cfg", default="{}", help="the new backward's settings (a Python dict)")
+    ap.add_argument("--cfg16", default=None, help="settings at 16 heads (default --cfg)")
+    ap.add_argument("--cfg64", default=None, help="settings at 64 heads (default --cfg)")
+    ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--parts", action="store_true", help="with --sweep: time each kernel alone too")
+    args = ap.parse_args()
+    interpret = args.smoke
+    cfg = {} if args.sweep else eval(args.cfg)  # noqa: S307 - a command-line dict of kernel settings
+    cfgs = {16: eval(args.cfg16) if args.cfg16 else cfg, 64: eval(args.cfg64) if args.cfg64 else cfg}
+    dev = jax.devices()[0]
+    report = {"device": str(dev.device_kind), "jax": jax.__version__, "shapes": [], "cfg": {str(k): v for k, v in cfgs.items()}}
+    print(f"# sparse MLA backward on {report['device']}, jax {jax.__version__}"
+          f"{' (interpret, smoke)' if interpret else ''}")
+    bw, mm = ceilings(args.smoke)
+    report["copy_bw"], report["matmul"] = bw, mm
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s (read + write); bf16 matmul {mm / 1e12:.0f} TFLOP/s; "
+          f"ratio {mm / bw:.0f} FLOP/byte")
+    if args.smoke:
+        shapes = [("a", 64, 256, 64, 16), ("b", 32, 512, 64, 64)]
+    else:
+        shapes = [("a", 65536, 65536, 2048, 16), ("b", 8192, 131072, 2048, 64)]
+    shapes = [s for s in shapes if s[0] in args.shapes]
+    if not args.no_check:
+        t = time.time()
+        chk = check(interpret, jax.random.key(3), {} if args.sweep else cfgs[16])
+        report["check"] = chk
+        for k, v in chk.items():
+            print(f"check {k} vs xla (f32): dq {v['dq']:.1e}  dkv {v['dkv']:.1e}")
+        print(f"(check took {time.time() - t:.0f} s)", flush=True)
+    if args.sweep:
+        configs = eval(args.cfg)  # noqa: S307
+        for s in shapes:
+            mine = [{k: v for k, v in c.items() if k != "heads"} for c in configs
+                    if c.get("heads", s[4]) == s[4]]
+            if args.parts:
+                for c in mine:
+                    try:
+                        parts(bw, mm, interpret, c, s)
+                    except Exception as e:  # noqa: BLE001
+                        print(f"parts ({s[0]}) {c}: failed {type(e).__name__}: {str(e)[:200]}")
+            else:
+                sweep(bw, mm, interpret, mine, [s])
+        return
+    for name, S, T, K, heads in shapes:
+        which = ["new", "pallas_gpu atomic"] + (["pallas_gpu scatter"] if heads > 32 else []) + ["xla"]
+        run_shape(name, S, T, K, heads, bw, mm, interpret, cfgs[16 if heads <= 32 else 64], which,
+                  report, reps=3)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()
