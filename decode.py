@@ -40,7 +40,10 @@ def parse_args(argv=None):
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--max-len", type=int, default=None, help="cache length (default: the model's context)")
     ap.add_argument("--temperature", type=float, default=0.7, help="0 = greedy")
-    ap.add_argument("--top-p", type=float, default=0.9)
+    ap.add_argument("--top-p", type=float, default=0.9, help="nucleus mass to keep (1 = off)")
+    ap.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
+    ap.add_argument("--min-p", type=float, default=0.0,
+                    help="keep tokens at least this fraction as likely as the most likely one (0 = off)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--speculative", type=int, default=3, metavar="K",
                     help="draft K tokens per step with the MTP layer (0 = plain decoding; default 3)")
@@ -81,6 +84,7 @@ def _decode(args) -> int:
     from glm_jax.config import load_config
     from glm_jax.data.tokenizer import eos_id, load_tokenizer
     from glm_jax.decoding.generate import Generator
+    from glm_jax.decoding.sampling import SamplingError, SamplingParams
     from glm_jax.decoding.speculative import SpeculativeGenerator
     import jax
     from flax import nnx
@@ -91,8 +95,10 @@ def _decode(args) -> int:
         raise cli.UserError("--max-new-tokens must be > 0")
     if args.speculative < 0:
         raise cli.UserError("--speculative must be >= 0 (0 = plain decoding)")
-    if not 0 < args.top_p <= 1 or args.temperature < 0:
-        raise cli.UserError("--top-p must be in (0, 1] and --temperature >= 0")
+    try:
+        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p)
+    except SamplingError as e:
+        raise cli.UserError(f"--{e.field.replace('_', '-')} must be {e.rule}, got {e.value!r}") from None
     source = cli.model_source(args)
     with cli.user_errors():
         prompts = _read_prompts(args)
@@ -122,7 +128,7 @@ def _decode(args) -> int:
             if args.mesh else ""
         print(f"model {model.cfg.name} from {source.path}; {batch} prompt(s), {sum(map(len, ids))} tokens; "
               f"{mode} decoding{where}", file=sys.stderr)
-    sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+    sampling = dict(max_new_tokens=args.max_new_tokens, sampling=params,
                     seed=args.seed, stop_token=stop, progress=None if args.quiet else _Progress())
     t0 = time.perf_counter()
     if batch == 1 and not speculative:

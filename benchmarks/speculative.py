@@ -26,6 +26,7 @@ from glm_jax.checkpoint import load_model_dir
 from glm_jax.data import corpus
 from glm_jax.data.tokenizer import load_tokenizer
 from glm_jax.decoding.generate import Generator
+from glm_jax.decoding.sampling import SamplingParams
 from glm_jax.decoding.speculative import SpeculativeGenerator
 
 
@@ -98,7 +99,7 @@ def main() -> None:
         ids = prompts(tok, batch, args.prompt_len)
         plain = Generator(model, batch=batch, max_len=max_len, prefill_chunk=64, block_size=16)
 
-        sampling = dict(max_new_tokens=args.new_tokens, temperature=args.temperature, top_p=1.0)
+        sampling = dict(max_new_tokens=args.new_tokens, sampling=SamplingParams(temperature=args.temperature))
 
         def run_plain():
             out = np.concatenate(list(plain.generate(ids, **sampling)), axis=1)

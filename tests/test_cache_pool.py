@@ -9,7 +9,7 @@ from flax import nnx
 
 from conftest import micro_config
 from glm_jax.decoding.engine import Request, ServingEngine
-from glm_jax.decoding.generate import Generator, _decode_block
+from glm_jax.decoding.generate import Generator, decode_block
 from glm_jax.model import GLMModel
 from glm_jax.cache import CacheFullError, PagePool
 
@@ -68,10 +68,10 @@ def test_pool_allocator():
 def test_decode_step_host_time_does_not_grow_with_context(model):
     engine = ServingEngine(model, slots=1, num_pages=40, page_size=8, max_context=250, prefill_chunk=8)
     engine.serve([Request(np.arange(1, 9), 8)])            # compile
-    compiled = _decode_block._cache_size()
+    compiled = decode_block._cache_size()
     engine.step_times.clear()
     engine.serve([Request(np.arange(1, 9), 200)])
-    assert _decode_block._cache_size() == compiled          # one program for every context length
+    assert decode_block._cache_size() == compiled          # one program for every context length
     times = engine.step_times
     early = np.median([t.host_s for t in times[:40]])
     late = np.median([t.host_s for t in times[-40:]])

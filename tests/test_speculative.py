@@ -10,7 +10,7 @@ from flax import nnx
 
 from glm_jax import ops
 from glm_jax.cache import GroupCacheView, create_cache, create_mtp_cache
-from glm_jax.decoding import rejection_sample
+from glm_jax.decoding import GREEDY, rejection_sample
 from glm_jax.decoding.generate import Generator
 from glm_jax.decoding.speculative import SpeculativeGenerator, draft
 from glm_jax.model import GLMModel
@@ -117,7 +117,7 @@ def test_kv_share_draft_runs_no_indexer_and_reads_only_target_kv(monkeypatch):
     for kv_share, want_calls in ((True, 0), (False, 2)):
         calls.update(indexer=0, max_index=-1)
         with jax.disable_jit():
-            d, probs = draft(model, q1, g1, idx1, mtp_cache, jax.random.key(2), 0.0, 1.0, num_draft=3,
+            d, probs = draft(model, q1, g1, idx1, mtp_cache, jax.random.key(2), GREEDY, num_draft=3,
                              kv_share=kv_share, kernels=ops.KernelChoice())
         assert d.shape == (b, 3) and probs.shape == (b, 3, cfg.vocab_size)
         assert calls["indexer"] == want_calls

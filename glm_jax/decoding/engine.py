@@ -23,7 +23,8 @@ import jax
 import numpy as np
 
 from glm_jax import ops
-from glm_jax.decoding.generate import ContextTooLongError, GeneratorBase, _decode_block
+from glm_jax.decoding.generate import ContextTooLongError, GeneratorBase, decode_block
+from glm_jax.decoding.sampling import GREEDY, SamplingParams
 from glm_jax.multihost import global_array, to_host
 from glm_jax.cache import CacheFullError, PagePool, shard_cache
 
@@ -87,7 +88,7 @@ class ServingEngine(GeneratorBase):
     def _shard(self, row: int) -> int:
         return row * self.pool.data_shards // self.batch
 
-    def serve(self, requests: list[Request], *, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
+    def serve(self, requests: list[Request], *, sampling: SamplingParams = GREEDY, seed: int = 0,
               stop_token: int | None = None) -> list[Result]:
         results: list[Result | None] = [None] * len(requests)
         pending = deque(enumerate(requests))
@@ -97,14 +98,13 @@ class ServingEngine(GeneratorBase):
             if not wave:
                 continue
             key, sub = jax.random.split(key)
-            rows = self._run_wave(wave, self.put(sub), self.put(np.float32(temperature)),
-                                  self.put(np.float32(top_p)), stop_token)
+            rows = self._run_wave(wave, self.put(sub), jax.tree.map(self.put, sampling.as_arrays()), stop_token)
             for (i, req), new in zip(wave, rows):
                 results[i].tokens = new
                 self.pool.release(i)
         return results
 
-    def _run_wave(self, wave, key, temperature, top_p, stop_token) -> list[list[int]]:
+    def _run_wave(self, wave, key, sampling: SamplingParams, stop_token) -> list[list[int]]:
         ids = [i for i, _ in wave] + [None] * (self.batch - len(wave))
         prompts = [r.prompt for _, r in wave] + [np.zeros((0,), np.int32)] * (self.batch - len(wave))
         lengths = np.array([len(p) for p in prompts], np.int32)
@@ -121,8 +121,8 @@ class ServingEngine(GeneratorBase):
         context = int(lengths.max())
         while not done.all():
             t0 = time.perf_counter()
-            tokens, logits, cache, key = _decode_block(self.graphdef, self.state, cache, logits, key, temperature,
-                                                       top_p, self.kernels, 1)
+            tokens, logits, cache, key = decode_block(self.graphdef, self.state, cache, logits, key, sampling,
+                                                      self.kernels, 1)
             t1 = time.perf_counter()
             tokens = to_host(tokens)[:, 0]
             self.step_times.append(StepTime(context, t1 - t0, time.perf_counter() - t0))

@@ -23,7 +23,7 @@ from glm_jax import ops
 from jax.sharding import Mesh
 
 from glm_jax.cache import KVCache, LayerSplit, create_cache, shard_cache
-from glm_jax.decoding.sampling import sample_tokens
+from glm_jax.decoding.sampling import GREEDY, SamplingParams, sample_tokens
 from glm_jax.multihost import global_array, place, replicated, to_host
 from glm_jax.sharding import ShardingError, logical_sharding, shard_params
 
@@ -42,8 +42,8 @@ def _prefill_chunk(graphdef, state, tokens, num_valid, cache: KVCache, kernels):
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "kernels", "steps"), donate_argnames=("cache",))
-def _decode_block(graphdef, state, cache: KVCache, logits, key, temperature, top_p, kernels, steps):
-    """Sample from logits [B, V], feed the token back, `steps` times.
+def decode_block(graphdef, state, cache: KVCache, logits, key, sampling: SamplingParams, kernels, steps):
+    """Sample from logits [B, V] by `sampling`, feed the token back, `steps` times (one jitted call).
 
     -> (tokens int32 [B, steps], logits [B, V] after the last token, cache, key)."""
     model = nnx.merge(graphdef, state)
@@ -52,7 +52,7 @@ def _decode_block(graphdef, state, cache: KVCache, logits, key, temperature, top
     def step(i, carry):
         cache, logits, key, out = carry
         key, sub = jax.random.split(key)
-        token = sample_tokens(logits, sub, temperature, top_p)
+        token = sample_tokens(logits, sub, sampling)
         new_logits, _, cache = model.forward_cached(token[:, None], cache, kernels=kernels)
         return cache, new_logits[:, 0], key, out.at[:, i].set(token)
 
@@ -107,9 +107,9 @@ class GeneratorBase:
         """A pytree of arrays (e.g. the MTP cache) whole on every device of the mesh."""
         return tree if self.mesh is None else place(tree, jax.tree.map(lambda _: replicated(self.mesh), tree))
 
-    def sampling_args(self, seed: int, temperature: float, top_p: float):
-        """(key, temperature, top_p) on the device; the same key on every process."""
-        return self.put(jax.random.key(seed)), self.put(np.float32(temperature)), self.put(np.float32(top_p))
+    def sampling_args(self, seed: int, sampling: SamplingParams):
+        """(key, sampling as arrays) on the device; the same key on every process."""
+        return self.put(jax.random.key(seed)), jax.tree.map(self.put, sampling.as_arrays())
 
     def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
         need = prompt_len + max_new_tokens
@@ -172,8 +172,8 @@ class Generator(GeneratorBase):
         self.cache_dtype = cache_dtype
         self.stats: dict[str, float] = {}
 
-    def generate(self, prompt_ids: np.ndarray, *, max_new_tokens: int, temperature: float = 0.0,
-                 top_p: float = 1.0, seed: int = 0, stop_token: int | None = None,
+    def generate(self, prompt_ids: np.ndarray, *, max_new_tokens: int, sampling: SamplingParams = GREEDY,
+                 seed: int = 0, stop_token: int | None = None,
                  progress: Callable[[int, int], None] | None = None) -> Iterator[np.ndarray]:
         """prompt_ids: see `_prompt_batch` -> yields int32 numpy blocks [B, n] of new tokens.
 
@@ -190,13 +190,13 @@ class Generator(GeneratorBase):
         logits.block_until_ready()
         self.stats = {"prompt_tokens": int(lengths.sum()), "prefill_s": time.perf_counter() - t0, "new_tokens": 0}
 
-        key, temperature, top_p = self.sampling_args(seed, temperature, top_p)
+        key, sampling = self.sampling_args(seed, sampling)
         produced, stopped = 0, np.zeros((b,), bool)
         t1 = time.perf_counter()
         while produced < max_new_tokens:
             steps = self.block_size
-            tokens, logits, cache, key = _decode_block(
-                self.graphdef, self.state, cache, logits, key, temperature, top_p, self.kernels, steps)
+            tokens, logits, cache, key = decode_block(
+                self.graphdef, self.state, cache, logits, key, sampling, self.kernels, steps)
             tokens = to_host(tokens)[:, : max_new_tokens - produced]
             produced += tokens.shape[1]
             self.stats.update(new_tokens=produced, decode_s=time.perf_counter() - t1)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from glm_jax.decoding.sampling import filtered_logits
 
 
 def rejection_sample(target_probs: jnp.ndarray, draft_probs: jnp.ndarray, draft_tokens: jnp.ndarray,
@@ -51,11 +50,3 @@ def rejection_sample(target_probs: jnp.ndarray, draft_probs: jnp.ndarray, draft_
                        jnp.where(slot == num_accepted[:, None], corrected[:, None], -1))
     return tokens.astype(jnp.int32), num_accepted.astype(jnp.int32)
 
-
-def sampling_probs(logits: jnp.ndarray, temperature, top_p) -> jnp.ndarray:
-    """The distribution a token is drawn from: softmax of tempered, top-p-filtered logits;
-    one-hot argmax when temperature == 0. Applied identically to target and draft logits."""
-    temperature = jnp.asarray(temperature, jnp.float32)
-    soft = jax.nn.softmax(filtered_logits(logits, temperature, jnp.asarray(top_p, jnp.float32)), axis=-1)
-    hard = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
-    return jnp.where(temperature > 0, soft, hard)

@@ -1,31 +1,103 @@
-"""Token sampling with temperature and nucleus (top-p) filtering; temperature 0 is greedy."""
+"""How a token is drawn from logits: `SamplingParams` and the filters it names.
+
+The filters apply in the order Hugging Face transformers applies its logits warpers, each to
+the distribution the previous one left (renormalised):
+
+    temperature -> top_k -> top_p -> min_p
+
+* temperature T: logits / T; T == 0 is greedy (argmax, lowest id on ties; the other fields
+  then do nothing).
+* top_k k: keep the k most likely tokens (0: off).
+* top_p p: keep the smallest most-likely-first set whose mass reaches p (the nucleus; 1: off).
+* min_p m: keep the tokens whose probability is >= m times the most likely one's (0: off).
+
+The most likely token always survives. Speculative decoding draws and verifies with the same
+`sampling_probs`, so rejection sampling stays exact under every setting.
+"""
 
 from __future__ import annotations
+
+import dataclasses
+import numbers
 
 import jax
 import jax.numpy as jnp
 
 
-def filtered_logits(logits: jnp.ndarray, temperature: jnp.ndarray, top_p: jnp.ndarray) -> jnp.ndarray:
-    """logits float32 [..., V] -> tempered logits with everything outside the top-p nucleus at -inf.
+class SamplingError(ValueError):
+    """A sampling field out of its range; `field`, `rule` and `value` say which and why."""
 
-    temperature and top_p are scalars (traced: one compiled program serves every setting);
-    temperature must be > 0 here (greedy is handled by `sample_tokens`)."""
-    scaled = logits.astype(jnp.float32) / jnp.maximum(temperature, 1e-6)
+    def __init__(self, field: str, rule: str, value):
+        super().__init__(f"{field} must be {rule}, got {value!r}")
+        self.field, self.rule, self.value = field, rule, value
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """One sampling setting, a pytree of four scalars.
+
+    Built from Python numbers it is validated (SamplingError naming the field); inside jit its
+    leaves are traced scalars, so one compiled program serves every setting."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+
+    def __post_init__(self):
+        checks = (("temperature", lambda v: v >= 0, ">= 0 (0 = greedy)"),
+                  ("top_p", lambda v: 0 < v <= 1, "in (0, 1] (1 = off)"),
+                  ("top_k", lambda v: v >= 0 and float(v).is_integer(), "an integer >= 0 (0 = off)"),
+                  ("min_p", lambda v: 0 <= v < 1, "in [0, 1) (0 = off)"))
+        for name, ok, rule in checks:
+            value = getattr(self, name)
+            if isinstance(value, numbers.Number) and not ok(value):
+                raise SamplingError(name, rule, value)
+
+    @property
+    def greedy(self) -> bool:
+        """Whether this (concrete) setting is greedy decoding."""
+        return self.temperature == 0
+
+    def as_arrays(self) -> "SamplingParams":
+        """The same setting with float32 / int32 array leaves (what a jitted call takes)."""
+        return SamplingParams(temperature=jnp.float32(self.temperature), top_p=jnp.float32(self.top_p),
+                              top_k=jnp.int32(self.top_k), min_p=jnp.float32(self.min_p))
+
+
+GREEDY = SamplingParams()
+
+
+def filtered_logits(logits: jnp.ndarray, params: SamplingParams) -> jnp.ndarray:
+    """logits [..., V] -> float32 tempered logits, -inf outside what top_k, top_p and min_p keep.
+
+    params.temperature must be > 0 here (greedy is handled by `sample_tokens` / `sampling_probs`)."""
+    scaled = logits.astype(jnp.float32) / jnp.maximum(jnp.asarray(params.temperature, jnp.float32), 1e-6)
     order = jnp.argsort(-scaled, axis=-1)
-    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
-    probs = jax.nn.softmax(sorted_logits, axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    keep_sorted = mass_before < top_p                      # always keeps the most likely token
-    keep = jnp.zeros_like(keep_sorted).at[
-        tuple(jnp.indices(order.shape)[:-1]) + (order,)].set(keep_sorted)
-    return jnp.where(keep, scaled, -jnp.inf)
+    ranked = jnp.take_along_axis(scaled, order, axis=-1)           # most likely first
+    rank = jnp.arange(ranked.shape[-1])
+    top_k = jnp.asarray(params.top_k, jnp.int32)
+    keep = (rank < top_k) | (top_k <= 0)
+    probs = jax.nn.softmax(jnp.where(keep, ranked, -jnp.inf), axis=-1)
+    keep &= jnp.cumsum(probs, axis=-1) - probs < jnp.asarray(params.top_p, jnp.float32)   # mass before
+    # min_p compares with the most likely token: a ratio, so the renormalisation does not matter.
+    keep &= probs >= jnp.asarray(params.min_p, jnp.float32) * probs[..., :1]
+    keep = keep.at[..., 0].set(True)
+    mask = jnp.zeros_like(keep).at[tuple(jnp.indices(order.shape)[:-1]) + (order,)].set(keep)
+    return jnp.where(mask, scaled, -jnp.inf)
 
 
-def sample_tokens(logits: jnp.ndarray, key: jax.Array, temperature, top_p) -> jnp.ndarray:
+def sample_tokens(logits: jnp.ndarray, key: jax.Array, params: SamplingParams) -> jnp.ndarray:
     """logits [B, V] -> int32 [B]; greedy (argmax, lowest id on ties) when temperature == 0."""
-    temperature = jnp.asarray(temperature, jnp.float32)
-    top_p = jnp.asarray(top_p, jnp.float32)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    sampled = jax.random.categorical(key, filtered_logits(logits, temperature, top_p), axis=-1)
-    return jnp.where(temperature > 0, sampled.astype(jnp.int32), greedy)
+    sampled = jax.random.categorical(key, filtered_logits(logits, params), axis=-1)
+    return jnp.where(jnp.asarray(params.temperature) > 0, sampled.astype(jnp.int32), greedy)
+
+
+def sampling_probs(logits: jnp.ndarray, params: SamplingParams) -> jnp.ndarray:
+    """float32 [..., V]: the distribution a token is drawn from (softmax of the filtered logits;
+    one-hot argmax when temperature == 0). Target and draft both use it."""
+    soft = jax.nn.softmax(filtered_logits(logits, params), axis=-1)
+    hard = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
+    return jnp.where(jnp.asarray(params.temperature) > 0, soft, hard)

@@ -31,7 +31,8 @@ from flax import nnx
 from glm_jax import ops
 from glm_jax.cache import KVCache, create_mtp_cache
 from glm_jax.decoding.generate import GeneratorBase, round_up
-from glm_jax.decoding.rejection import rejection_sample, sampling_probs
+from glm_jax.decoding.rejection import rejection_sample
+from glm_jax.decoding.sampling import GREEDY, SamplingParams, sampling_probs
 from glm_jax.multihost import to_host
 
 
@@ -58,12 +59,12 @@ def _sample(key, probs):
     return jax.random.categorical(key, jnp.log(probs), axis=-1).astype(jnp.int32)
 
 
-def draft(model, q1_logits, g1, idx1, mtp_cache: KVCache, key, temperature, top_p, *, num_draft: int,
+def draft(model, q1_logits, g1, idx1, mtp_cache: KVCache, key, sampling: SamplingParams, *, num_draft: int,
           kv_share: bool, kernels: ops.KernelChoice):
     """K draft tokens from draft step 1's outputs (q1_logits [B, V], g1 [B, hidden], idx1 [B, 1, topk]).
 
     -> (draft_tokens int32 [B, K], draft_probs [B, K, V])."""
-    probs = [sampling_probs(q1_logits, temperature, top_p)]
+    probs = [sampling_probs(q1_logits, sampling)]
     keys = jax.random.split(key, num_draft)
     tokens = [_sample(keys[0], probs[0])]
     hidden = g1[:, None]
@@ -76,7 +77,7 @@ def draft(model, q1_logits, g1, idx1, mtp_cache: KVCache, key, temperature, top_
         else:
             logits, hidden, cache, _ = model.mtp_forward_cached(tokens[-1][:, None], hidden, cache,
                                                                 kernels=kernels)
-        probs.append(sampling_probs(logits[:, 0], temperature, top_p))
+        probs.append(sampling_probs(logits[:, 0], sampling))
         tokens.append(_sample(keys[j], probs[-1]))
     return jnp.stack(tokens, axis=1), jnp.stack(probs, axis=1)
 
@@ -97,7 +98,7 @@ def _prefill_chunk(graphdef, state, tokens, next_tokens, num_valid, num_valid_mt
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "kernels", "num_draft", "kv_share", "max_new"),
                    donate_argnames=("cache", "mtp_cache"))
-def _speculate(graphdef, state, cache, mtp_cache, logits, hidden, key, temperature, top_p, eos,
+def _speculate(graphdef, state, cache, mtp_cache, logits, hidden, key, sampling: SamplingParams, eos,
                *, kernels, num_draft, kv_share, max_new):
     """Everything after the prefill: first token, draft step 1, then the while_loop.
 
@@ -108,7 +109,7 @@ def _speculate(graphdef, state, cache, mtp_cache, logits, hidden, key, temperatu
     b = logits.shape[0]
     k = num_draft
     key, sub = jax.random.split(key)
-    first = _sample(sub, sampling_probs(logits, temperature, top_p))
+    first = _sample(sub, sampling_probs(logits, sampling))
     q1, g1, mtp_cache, idx1 = model.mtp_forward_cached(first[:, None], hidden[:, None], mtp_cache, kernels=kernels)
     out = jnp.full((b, max_new + k + 1), -1, jnp.int32).at[:, 0].set(first)
     rows = jnp.arange(b)[:, None]
@@ -118,13 +119,12 @@ def _speculate(graphdef, state, cache, mtp_cache, logits, hidden, key, temperatu
 
     def body(c):
         key, k_draft, k_verify = jax.random.split(c["key"], 3)
-        d_tokens, d_probs = draft(model, c["q1"], c["g1"], c["idx1"], c["mtp_cache"], k_draft, temperature,
-                                  top_p, num_draft=k, kv_share=kv_share, kernels=kernels)
+        d_tokens, d_probs = draft(model, c["q1"], c["g1"], c["idx1"], c["mtp_cache"], k_draft, sampling,
+                                  num_draft=k, kv_share=kv_share, kernels=kernels)
         n = c["cache"].lengths
         verify_in = jnp.concatenate([c["pending"][:, None], d_tokens], axis=1)
         v_logits, v_hidden, cache = model.forward_cached(verify_in, c["cache"], kernels=kernels)
-        emitted, accepted = rejection_sample(sampling_probs(v_logits, temperature, top_p), d_probs, d_tokens,
-                                             k_verify)
+        emitted, accepted = rejection_sample(sampling_probs(v_logits, sampling), d_probs, d_tokens, k_verify)
         cache = dataclasses.replace(cache, lengths=n + accepted + 1)
         q, g, mtp_cache, idx = model.mtp_forward_cached(jnp.maximum(emitted, 0), v_hidden, c["mtp_cache"],
                                                         kernels=kernels)
@@ -171,7 +171,7 @@ class SpeculativeGenerator(GeneratorBase):
         self.num_draft, self.kv_share = num_draft, kv_share
         self.stats = SpecStats()
 
-    def generate(self, prompt_ids, *, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
+    def generate(self, prompt_ids, *, max_new_tokens: int, sampling: SamplingParams = GREEDY,
                  seed: int = 0, stop_token: int | None = None, progress=None) -> np.ndarray:
         """prompt_ids: see `GeneratorBase._prompt_batch` -> int32 [B, max_new_tokens]
         (-1 where a sequence stopped early)."""
@@ -202,10 +202,10 @@ class SpeculativeGenerator(GeneratorBase):
                 progress(min(start + chunk, p), p)
         logits.block_until_ready()
         t1 = time.perf_counter()
-        key, temperature, top_p = self.sampling_args(seed, temperature, top_p)
+        key, sampling = self.sampling_args(seed, sampling)
         eos = self.put(np.int32(-1 if stop_token is None else stop_token))
         out, count, steps, accepted, accepted_at, _, _ = _speculate(
-            self.graphdef, self.state, cache, mtp_cache, logits, hidden, key, temperature, top_p, eos,
+            self.graphdef, self.state, cache, mtp_cache, logits, hidden, key, sampling, eos,
             kernels=self.kernels, num_draft=k, kv_share=self.kv_share, max_new=max_new_tokens)
         out, steps, accepted, accepted_at = map(to_host, (out, steps, accepted, accepted_at))
         out = out[:, :max_new_tokens]
