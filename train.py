@@ -96,7 +96,7 @@ def parse_args(argv=None):
                     help="expanded: [S, S] attention matrices, every loss (short sequences); absorbed: none, "
                          "for long sequences (the dense stage then cannot train the indexer); auto: "
                          f"expanded up to {EXPANDED_MAX_LEN} tokens")
-    ap.add_argument("--attention-impl", default="auto", choices=["auto", "xla", "pallas_tpu", "pallas_gpu"],
+    ap.add_argument("--attention-impl", default="auto", choices=ops.impl_choices("sparse_mla"),
                     help="sparse attention kernel; auto: the backend's Pallas kernel, except on a TPU the "
                          "chunked xla one for absorbed-form training of sequences over 8192 tokens (the TPU "
                          "kernel's backward keeps one 576-wide row per query and selected key)")
