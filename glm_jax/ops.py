@@ -58,7 +58,8 @@ def sparse_mla(q, kv, indices, **static):
 
 def causal_attention(q, k, v, *, scale, kv_len=None, mask=None, segments=None):
     """q, k, v [B, S, N, d] -> [B, S, N, d]: `pallas_kernels.causal_attention` with impl "auto"
-    (cuDNN's flash kernel on a GPU, XLA elsewhere), except "xla" under context parallelism: the
+    (cuDNN's flash kernel on a GPU where it supports the dtype and head width, XLA elsewhere),
+    except "xla" under context parallelism: the
     flash kernel's causal mask assumes query i is key i, while XLA splits its scores over the
     query shards. Not split per query shard: XLA partitions it."""
     impl = "xla" if context_size() > 1 else "auto"

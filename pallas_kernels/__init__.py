@@ -13,8 +13,8 @@ Every op takes
                shapes), "xla" (memory-sane jnp or `jax.nn`), "pallas_tpu" (Mosaic TPU
                kernels), "pallas_gpu" (Pallas kernels with the Triton lowering), "cudnn"
                (cuDNN's flash attention), or "auto": the implementation of the current backend
-               where the op has one (for causal_attention: where cuDNN supports the head
-               width), else "xla". `impl_choices(op)` lists an op's names.
+               where the op has one (for causal_attention: where cuDNN supports the dtype
+               and head width), else "xla". `impl_choices(op)` lists an op's names.
     config     the tuning knobs of that implementation, a frozen dataclass (`XlaConfig`,
                `IndexerGpuConfig`, `SparseMLAGpuConfig`, ...; None: its defaults). A config of
                another implementation is a ValueError.
@@ -144,7 +144,7 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float,
         or None. The "cudnn" impl then runs cuDNN's packed kernel and builds no mask; the
         others use `mask`, or the segments' mask when mask is None.
       impl, config, interpret: see the package docstring; "auto" is "cudnn" on a GPU where
-        `dense.cudnn.supports` the head width, else "xla".
+        `dense.cudnn.supports` the dtype and head width, else "xla".
 
     Returns:
       [B, S, N, d] in q.dtype: softmax over the visible keys t (t <= s, t < kv_len[b], and
@@ -152,7 +152,7 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float,
       and rows that see no key are unspecified (finite). Differentiable in q, k and v.
     """
     if impl == registry.AUTO and resolve_impl("causal_attention", impl) == "cudnn" \
-            and not _cudnn.supports(q.shape[-1]):
+            and not _cudnn.supports(q.shape[-1], q.dtype):
         impl = registry.FALLBACK
     entry, config = registry.select("causal_attention", impl, config, interpret)
     return entry.fn(q, k, v, scale=scale, kv_len=kv_len, mask=mask, segments=segments, config=config,

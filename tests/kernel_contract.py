@@ -10,6 +10,10 @@ registered implementation with its default config) and the kernel files' config 
 
 Indexer inputs are small integers, so every float32 score is exact whatever the summation
 order: scores and indices are compared for equality and ties are plentiful.
+
+On a GPU, run these with JAX_DEFAULT_MATMUL_PRECISION=highest (and JAX_PLATFORMS=cuda,cpu, for
+the TPU interpreter): the float32 tolerances assume float32 matmuls, which GPUs run in TF32 by
+default.
 """
 
 from __future__ import annotations

@@ -76,17 +76,19 @@ def test_xla_sparse_mla_query_chunks(B, S, T, H, Dk, v_dim, K, q_chunk, dtype):
 
 
 def test_auto_with_a_config_under_jit():
-    """impl="auto" (xla on the CPU) with an XlaConfig, both static arguments of a jitted call."""
+    """impl="auto" (xla on the CPU) with the config of what it resolves to, both static
+    arguments of a jitted call."""
     rng = np.random.default_rng(1)
     B, S, T, H, D = 2, 10, 12, 2, 4
     q, k, w = int_inputs(rng, B, S, T, H, D)
     q_pos, kv_len = positions(rng, B, S, T, "offset")
+    config = pk.REGISTRY["indexer_topk"][pk.resolve_impl("indexer_topk", "auto")].config
     topk_fn = jax.jit(pk.indexer_topk, static_argnames=("topk", "impl", "config", "interpret"))
     scores_fn = jax.jit(pk.indexer_scores, static_argnames=("impl", "config", "interpret"))
     scores = np_scores(q, k, w, q_pos, kv_len)
-    got = topk_fn(q, k, w, topk=5, q_pos=q_pos, kv_len=kv_len, impl="auto", config=pk.XlaConfig(3))
+    got = topk_fn(q, k, w, topk=5, q_pos=q_pos, kv_len=kv_len, impl="auto", config=config(q_chunk=3))
     np.testing.assert_array_equal(np.asarray(got), np_topk(scores, 5))
-    got = scores_fn(q, k, w, q_pos=q_pos, kv_len=kv_len, impl="auto", config=pk.XlaConfig(4))
+    got = scores_fn(q, k, w, q_pos=q_pos, kv_len=kv_len, impl="auto", config=config(q_chunk=4))
     np.testing.assert_allclose(np.asarray(got), scores)
 
 

@@ -20,6 +20,7 @@ import inspect
 import warnings
 
 import jax
+import jax.numpy as jnp
 
 from pallas_kernels._common import NoConfig
 from pallas_kernels.dense import xla
@@ -77,10 +78,10 @@ def packed_attention():
     return call
 
 
-def supports(head_width: int) -> bool:
-    """Whether cuDNN's flash attention runs heads of this width here: on a GPU, a multiple of 8,
-    <= 256 from Hopper on and <= 128 before."""
-    if jax.default_backend() != "gpu" or head_width % 8:
+def supports(head_width: int, dtype) -> bool:
+    """Whether cuDNN's flash attention runs these heads here: on a GPU, bfloat16 or float16, of
+    a width that is a multiple of 8, <= 256 from Hopper on and <= 128 before."""
+    if jax.default_backend() != "gpu" or head_width % 8 or jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
         return False
     capability = getattr(jax.devices()[0], "compute_capability", "0.0")
     hopper_or_later = tuple(int(x) for x in capability.split(".")[:2]) >= (9, 0)
