@@ -1,5 +1,6 @@
-"""cuDNN's packed causal attention (`layers.mla.packed_causal_attention`) on a GPU: checked
-against a masked XLA reference, then timed on one packed row against the unpacked causal kernel.
+"""cuDNN's packed causal attention (`pallas_kernels.causal_attention`, impl "cudnn" with
+segments) on a GPU: checked against a masked XLA reference, then timed on one packed row
+against the unpacked causal kernel.
 
     PYTHONPATH=. python3 benchmarks/packed_attention.py --seq-len 131072 --json out.json
 
@@ -21,8 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import pallas_kernels
 from benchmarks._measure import bench, ceilings
-from glm_jax.layers.mla import packed_causal_attention
 from glm_jax.layers.segments import count_segments, segment_bound, segment_layout, segment_table
 
 HEADS, WIDTH = 16, 192          # small-128k's heads and MLA q/k head width
@@ -43,7 +44,7 @@ def random_segments(rng, batch: int, seq_len: int, mean_doc: int, padding: int =
 def packed_fn(segment_ids, scale):
     positions, _ = segment_layout(jnp.asarray(segment_ids))
     table = segment_table(positions, segment_bound(count_segments(segment_ids)))
-    return lambda q, k, v: packed_causal_attention(q, k, v, table, scale=scale)
+    return lambda q, k, v: pallas_kernels.causal_attention(q, k, v, scale=scale, segments=table, impl="cudnn")
 
 
 def masked_reference(segment_ids, scale):

@@ -24,8 +24,6 @@ import numpy as np
 
 import pallas_kernels as pk
 from benchmarks._measure import bench, ceilings
-from pallas_kernels.attention import gpu as gpu_kernels
-from pallas_kernels.attention import tpu as tpu_kernels
 
 H, DK, DV = 64, 576, 512
 SCALE = DK ** -0.5
@@ -107,7 +105,7 @@ def main():
     smoke = args.smoke
     backend = jax.default_backend()
     impl = "pallas_tpu" if backend == "tpu" else "pallas_gpu"
-    kernels = tpu_kernels if impl == "pallas_tpu" else gpu_kernels
+    config_type = pk.REGISTRY["sparse_mla"][impl].config
     interpret = smoke
     on_gpu = backend == "gpu"
     report = {"backend": backend, "device": str(jax.devices()[0].device_kind), "impl": impl}
@@ -128,8 +126,8 @@ def main():
         print(f"check {dt} vs xla (f32): " + "  ".join(f"{k} {v:.1e}" for k, v in r.items()))
 
     def ours(**cfg):
-        return jax.jit(lambda q, kv, i: kernels.sparse_mla(q, kv, i, sm_scale=SCALE, v_dim=DV,
-                                                           interpret=interpret, **cfg))
+        return jax.jit(lambda q, kv, i: pk.sparse_mla(q, kv, i, sm_scale=SCALE, v_dim=DV, impl=impl,
+                                                      config=config_type(**cfg), interpret=interpret))
 
     xla_fn = jax.jit(lambda q, kv, i: pk.sparse_mla(q, kv, i, sm_scale=SCALE, v_dim=DV, impl="xla"))
 
@@ -223,15 +221,11 @@ def main():
             return jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32))
         return jax.jit(jax.grad(loss, argnums=(0, 1)))
 
-    tg = bench(grad_fn(lambda q, kv, i: kernels.sparse_mla(q, kv, i, sm_scale=SCALE, v_dim=DV,
-                                                            interpret=interpret, **cfg)),
-               q, kv, idx, reps=3)
+    tg = bench(grad_fn(ours(**cfg)), q, kv, idx, reps=3)
     modes = {}
-    if kernels is gpu_kernels:      # the other way of adding up the latent rows' gradient
+    if impl == "pallas_gpu":      # the other way of adding up the latent rows' gradient
         for mode in ("atomic", "scatter"):
-            modes[mode] = bench(grad_fn(lambda q, kv, i, mode=mode: kernels.sparse_mla(
-                q, kv, i, sm_scale=SCALE, v_dim=DV, interpret=interpret, dkv_mode=mode, **cfg)),
-                q, kv, idx, reps=3)
+            modes[mode] = bench(grad_fn(ours(dkv_mode=mode, **cfg)), q, kv, idx, reps=3)
     txf = bench(xla_fn, q, kv, idx, reps=3)
     txg = bench(grad_fn(lambda q, kv, i: pk.sparse_mla(q, kv, i, sm_scale=SCALE, v_dim=DV, impl="xla")),
                 q, kv, idx, reps=3)

@@ -31,8 +31,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seq-len", type=int, default=65536)
     ap.add_argument("--json", default=None, help="also write the rows here")
-    ap.add_argument("--impls", nargs="+", default=["pallas_gpu", "xla"], choices=["pallas_gpu", "pallas_tpu", "xla"],
-                    help="sparse MLA implementations to time")
+    ap.add_argument("--impls", nargs="+", default=["pallas_gpu", "xla"],
+                    choices=pallas_kernels.impl_choices("sparse_mla"), help="sparse MLA implementations to time")
     ap.add_argument("--smoke", action="store_true", help="a small ceiling measurement; Pallas interpreted (CPU check)")
     args = ap.parse_args()
     s = args.seq_len

@@ -45,7 +45,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2, help="timed steps per stage (after one compiling step)")
     ap.add_argument("--stages", nargs="+", default=["sparse", "dense"], choices=["dense", "sparse"])
     ap.add_argument("--sparse-impls", nargs="+", default=["pallas_gpu", "xla"],
-                    choices=["pallas_gpu", "pallas_tpu", "xla"], help="sparse attention kernels to time")
+                    choices=ops.impl_choices("sparse_mla"), help="sparse attention kernels to time")
     ap.add_argument("--smoke", action="store_true", help="tiny model and sequence (CPU)")
     ap.add_argument("--json", help="also write the rows here")
     args = ap.parse_args()

@@ -53,7 +53,7 @@ def main() -> None:
     ap.add_argument("--stages", nargs="+", default=["sparse", "dense"], choices=["dense", "sparse"])
     ap.add_argument("--batch-size", type=int, default=1)
     ap.add_argument("--packed", action="store_true", help="with segment ids (packed documents)")
-    ap.add_argument("--attention-impl", default="auto", choices=["auto", "xla", "pallas_tpu", "pallas_gpu"],
+    ap.add_argument("--attention-impl", default="auto", choices=ops.impl_choices("sparse_mla"),
                     help="sparse attention kernel (auto: the backend's Pallas kernel; xla on a CPU)")
     ap.add_argument("--max-segments", type=int, default=None,
                     help="packed: the segment bound train.py passes (dense stage: cuDNN's packed kernel)")

@@ -16,7 +16,8 @@ and the processes of a run, and how a mistake in them is reported.
             model = load_model(cli.model_source(args), config=...)
         ... Generator(model, kernels=cli.kernel_choice(args)) ...
 
-Free of jax at import (the functions import what they need), so that --help answers at once.
+Free of jax at import (the functions import what they need); the kernel flags read their choices
+from the pallas_kernels registry, so building a parser imports jax (about a second).
 """
 
 from __future__ import annotations
@@ -118,8 +119,10 @@ def add_mesh_flag(ap: argparse.ArgumentParser, use: str) -> None:
 
 
 def impl_choices(op: str) -> tuple[str, ...]:
-    """The implementations a kernel flag offers for the pallas_kernels op `op`."""
-    return ("auto", "xla", "pallas_tpu", "pallas_gpu")
+    """The implementations a kernel flag offers for the pallas_kernels op `op` (its registry)."""
+    from pallas_kernels import impl_choices as registered
+
+    return registered(op)
 
 
 def add_kernel_flags(ap: argparse.ArgumentParser, *, attention_help: str = "") -> None:

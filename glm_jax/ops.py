@@ -1,32 +1,40 @@
 """The model's only door to kernels: the `pallas_kernels` ops, run per query shard.
 
 Layers call these, never a kernel module directly, so swapping an implementation (reference,
-XLA, Pallas TPU or GPU) is one argument: `impl`, threaded from the model's `KernelChoice`.
+XLA, Pallas TPU or GPU) is one argument: `impl` (and its `config`), threaded from the model's
+`KernelChoice`. Front ends list the choices with `impl_choices(op)`.
 
-Every op's output row s depends on the query-side rows s of its inputs and on all of the keys,
-so under context parallelism (the ambient mesh splits the sequence, `sharding.split_queries`)
-each device runs the kernel on its own queries against the complete keys; otherwise these are
-the `pallas_kernels` functions themselves. Arguments and results are those of `pallas_kernels`.
+Every sparse op's output row s depends on the query-side rows s of its inputs and on all of
+the keys, so under context parallelism (the ambient mesh splits the sequence,
+`sharding.split_queries`) each device runs the kernel on its own queries against the complete
+keys; otherwise these are the `pallas_kernels` functions themselves. Arguments and results are
+those of `pallas_kernels`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import pallas_kernels
-from glm_jax.sharding import split_queries
+from pallas_kernels import impl_choices
+from glm_jax.sharding import context_size, split_queries
 
-__all__ = ["KernelChoice", "indexer_scores", "indexer_topk", "sparse_mla"]
+__all__ = ["KernelChoice", "impl_choices", "indexer_scores", "indexer_topk", "sparse_mla", "causal_attention"]
 
 
 @dataclasses.dataclass(frozen=True)
 class KernelChoice:
-    """Which implementation each op uses; `interpret` runs Pallas kernels on the CPU."""
+    """Which implementation each op uses (`impl_choices`): `indexer` for the indexer's scores and
+    top-k, `attention` for sparse MLA with `attention_config` its tuning (that implementation's
+    config dataclass, e.g. `pallas_kernels.SparseMLAGpuConfig`; None: its defaults);
+    `interpret` runs Pallas kernels on the CPU."""
 
     indexer: str = "auto"
     attention: str = "auto"
     interpret: bool = False
+    attention_config: Any = None
 
 
 def indexer_scores(q, k, weights, *, q_pos, kv_len, kv_start=None, **static):
@@ -46,3 +54,14 @@ def sparse_mla(q, kv, indices, **static):
     (`pallas_kernels.sparse_mla`)."""
     return split_queries(functools.partial(pallas_kernels.sparse_mla, **static),
                          dict(q=q, indices=indices), dict(kv=kv))
+
+
+def causal_attention(q, k, v, *, scale, kv_len=None, mask=None, segments=None):
+    """q, k, v [B, S, N, d] -> [B, S, N, d]: `pallas_kernels.causal_attention` with impl "auto"
+    (cuDNN's flash kernel on a GPU where it supports the dtype and head width, XLA elsewhere),
+    except "xla" under context parallelism: the
+    flash kernel's causal mask assumes query i is key i, while XLA splits its scores over the
+    query shards. Not split per query shard: XLA partitions it."""
+    impl = "xla" if context_size() > 1 else "auto"
+    return pallas_kernels.causal_attention(q, k, v, scale=scale, kv_len=kv_len, mask=mask, segments=segments,
+                                           impl=impl)

@@ -1,43 +1,56 @@
 """Kernels for grouped-indexer sparse attention, with interchangeable implementations.
 
-Public ops (pure functions of arrays; jittable with the keyword-only config arguments static):
+Public ops (pure functions of arrays; jittable with the keyword-only arguments but the arrays
+static):
 
     indexer_scores(q, k, weights, *, q_pos, kv_len, kv_start, ...)        -> float32 [B, S, T]
     indexer_topk(q, k, weights, *, topk, q_pos, kv_len, kv_start, ...)    -> int32 [B, S, topk]
     sparse_mla(q, kv, indices, *, sm_scale, v_dim, ...)         -> (out [B, S, H, v_dim], lse [B, S, H])
+    causal_attention(q, k, v, *, scale, kv_len, mask, segments, ...)      -> [B, S, N, d]
 
-Every op takes `impl`:
-    "reference"   dense plain-jnp oracle (builds [B, S, T]-sized matrices; tests, small shapes)
-    "xla"         memory-sane jnp, chunked over queries (never all of [S, T] at once)
-    "auto"        the Pallas implementation of the current backend on TPU and GPU, else "xla"
-    "pallas_tpu"  Mosaic TPU kernels;  "pallas_gpu"  Pallas kernels with the Triton lowering
-`interpret` runs a Pallas implementation on the CPU (tests) and is ignored by the others;
-`q_chunk` is the number of queries per chunk of the "xla" implementation and of the Pallas
-indexer top-k (None: chosen from the shapes so that a chunk's intermediates stay bounded)
-and ignored by "reference".
+Every op takes
+    impl       "reference" (the dense plain-jnp oracle: [B, S, T]-sized matrices; tests, small
+               shapes), "xla" (memory-sane jnp or `jax.nn`), "pallas_tpu" (Mosaic TPU
+               kernels), "pallas_gpu" (Pallas kernels with the Triton lowering), "cudnn"
+               (cuDNN's flash attention), or "auto": the implementation of the current backend
+               where the op has one (for causal_attention: where cuDNN supports the dtype
+               and head width), else "xla". `impl_choices(op)` lists an op's names.
+    config     the tuning knobs of that implementation, a frozen dataclass (`XlaConfig`,
+               `IndexerGpuConfig`, `SparseMLAGpuConfig`, ...; None: its defaults). A config of
+               another implementation is a ValueError.
+    interpret  run a Pallas implementation on the CPU (tests); ignored by the plain-jnp ones,
+               refused by "cudnn".
 All arithmetic is float32 internally; inputs may be bfloat16.
+
+Implementations live in one folder per op family (indexer/, attention/ for sparse MLA,
+dense/ for causal attention) and are listed in `registry.REGISTRY`, the one table from which
+the valid names, "auto", the command-line choices and the contract tests derive: adding an
+implementation is a module with the op's function and its config dataclass, plus one entry
+there (docs/kernels.md).
 """
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import attention as _attention
-from pallas_kernels import indexer as _indexer
-from pallas_kernels._common import AUTO_IMPL, VALID_IMPLS, resolve_impl, start_or_zero
+from pallas_kernels import registry
+from pallas_kernels._common import NoConfig, XlaConfig, start_or_zero
+from pallas_kernels.attention.gpu import SparseMLAGpuConfig
+from pallas_kernels.attention.tpu import SparseMLATpuConfig
+from pallas_kernels.dense import cudnn as _cudnn
+from pallas_kernels.indexer.gpu import IndexerGpuConfig
+from pallas_kernels.indexer.tpu import IndexerTpuConfig
+from pallas_kernels.registry import REGISTRY, impl_choices, resolve_impl
 
-_INDEXER_PALLAS = {"pallas_gpu": _indexer.gpu, "pallas_tpu": _indexer.tpu}
-_INDEXER_IMPLS = ("reference", "xla") + tuple(_INDEXER_PALLAS)
-
-__all__ = ["VALID_IMPLS", "AUTO_IMPL", "resolve_impl", "indexer_scores", "indexer_topk", "sparse_mla"]
+__all__ = ["REGISTRY", "impl_choices", "resolve_impl", "indexer_scores", "indexer_topk", "sparse_mla",
+           "causal_attention", "NoConfig", "XlaConfig", "IndexerGpuConfig", "IndexerTpuConfig",
+           "SparseMLAGpuConfig", "SparseMLATpuConfig"]
 
 
 def indexer_scores(q: jax.Array, k: jax.Array, weights: jax.Array, *, q_pos: jax.Array,
                    kv_len: jax.Array, kv_start: jax.Array | None = None, impl: str = "auto",
-                   interpret: bool = False, q_chunk: int | None = None) -> jax.Array:
+                   config=None, interpret: bool = False) -> jax.Array:
     """Lightning-indexer scores of every key for every query.
 
     Args:
@@ -48,52 +61,22 @@ def indexer_scores(q: jax.Array, k: jax.Array, weights: jax.Array, *, q_pos: jax
       kv_len: int32 [B] number of valid keys.
       kv_start: int32 [B, S] first valid key of each query (packed documents: where the
         query's document starts), or None for 0.
-      impl, interpret, q_chunk: see the package docstring.
+      impl, config, interpret: see the package docstring.
 
     Returns:
       float32 [B, S, T]: score[b,s,t] = sum_h weights[b,s,h] * relu(q[b,s,h] . k[b,t]) where
       kv_start[b,s] <= t <= q_pos[b,s] and t < kv_len[b]; -inf elsewhere. Differentiable in
       q, k and weights.
     """
-    impl = resolve_impl("indexer_scores", impl, implemented=_INDEXER_IMPLS)
+    entry, config = registry.select("indexer_scores", impl, config, interpret)
     q_pos = jnp.asarray(q_pos, jnp.int32)
-    kv_start = start_or_zero(kv_start, q_pos)
-    if impl in _INDEXER_PALLAS:
-        return _pallas_scores(impl, interpret, q_chunk)(q, k, weights, q_pos,
-                                                        jnp.asarray(kv_len, jnp.int32), kv_start)
-    if impl == "reference":
-        return _indexer.reference.indexer_scores(q, k, weights, q_pos=q_pos, kv_len=kv_len,
-                                                 kv_start=kv_start)
-    return _indexer.xla.indexer_scores(q, k, weights, q_pos=q_pos, kv_len=kv_len, kv_start=kv_start,
-                                       q_chunk=q_chunk)
-
-
-@functools.cache
-def _pallas_scores(impl: str, interpret: bool, q_chunk: int | None):
-    """The Pallas scores, differentiable: the backward pass is that of the `xla` scores (the
-    indexer losses train through them)."""
-    forward = functools.partial(_INDEXER_PALLAS[impl].indexer_scores, interpret=interpret)
-
-    @jax.custom_vjp
-    def scores(q, k, weights, q_pos, kv_len, kv_start):
-        return forward(q, k, weights, q_pos=q_pos, kv_len=kv_len, kv_start=kv_start)
-
-    def fwd(*args):
-        return scores(*args), args
-
-    def bwd(res, g):
-        q, k, weights, q_pos, kv_len, kv_start = res
-        _, vjp = jax.vjp(lambda a, b, c: _indexer.xla.indexer_scores(
-            a, b, c, q_pos=q_pos, kv_len=kv_len, kv_start=kv_start, q_chunk=q_chunk), q, k, weights)
-        return (*vjp(g), None, None, None)
-
-    scores.defvjp(fwd, bwd)
-    return scores
+    return entry.fn(q, k, weights, q_pos=q_pos, kv_len=jnp.asarray(kv_len, jnp.int32),
+                    kv_start=start_or_zero(kv_start, q_pos), config=config, interpret=interpret)
 
 
 def indexer_topk(q: jax.Array, k: jax.Array, weights: jax.Array, *, topk: int, q_pos: jax.Array,
                  kv_len: jax.Array, kv_start: jax.Array | None = None, impl: str = "auto",
-                 interpret: bool = False, q_chunk: int | None = None) -> jax.Array:
+                 config=None, interpret: bool = False) -> jax.Array:
     """The exact top-k keys of each query under the indexer scores (see `indexer_scores`).
 
     Args:
@@ -101,7 +84,7 @@ def indexer_topk(q: jax.Array, k: jax.Array, weights: jax.Array, *, topk: int, q
       q_pos: int32 [B, S];  kv_len: int32 [B];  kv_start: int32 [B, S] or None
         -- as in `indexer_scores`.
       topk: number of slots per query (static); may exceed T.
-      impl, interpret, q_chunk: see the package docstring.
+      impl, config, interpret: see the package docstring.
 
     Returns:
       int32 [B, S, topk]. Row (b, s) holds the min(topk, #valid) valid keys t (kv_start[b,s]
@@ -111,20 +94,16 @@ def indexer_topk(q: jax.Array, k: jax.Array, weights: jax.Array, *, topk: int, q
       differentiated: a function that also uses q, k or weights elsewhere can be (the
       indices count as constants).
     """
-    impl = resolve_impl("indexer_topk", impl, implemented=_INDEXER_IMPLS)
+    entry, config = registry.select("indexer_topk", impl, config, interpret)
     # Indices carry no gradient; stopping it here keeps autodiff out of the kernels.
     q, k, weights = (jax.lax.stop_gradient(x) for x in (q, k, weights))
-    args = dict(topk=topk, q_pos=q_pos, kv_len=kv_len, kv_start=start_or_zero(kv_start, q_pos))
-    if impl in _INDEXER_PALLAS:
-        return _INDEXER_PALLAS[impl].indexer_topk(q, k, weights, interpret=interpret, q_chunk=q_chunk,
-                                                  **args)
-    if impl == "reference":
-        return _indexer.reference.indexer_topk(q, k, weights, **args)
-    return _indexer.xla.indexer_topk(q, k, weights, q_chunk=q_chunk, **args)
+    q_pos = jnp.asarray(q_pos, jnp.int32)
+    return entry.fn(q, k, weights, topk=topk, q_pos=q_pos, kv_len=jnp.asarray(kv_len, jnp.int32),
+                    kv_start=start_or_zero(kv_start, q_pos), config=config, interpret=interpret)
 
 
 def sparse_mla(q: jax.Array, kv: jax.Array, indices: jax.Array, *, sm_scale: float, v_dim: int,
-               impl: str = "auto", interpret: bool = False, q_chunk: int | None = None):
+               impl: str = "auto", config=None, interpret: bool = False):
     """Sparse multi-query attention over one shared latent head, restricted to selected rows.
 
     Args:
@@ -134,8 +113,7 @@ def sparse_mla(q: jax.Array, kv: jax.Array, indices: jax.Array, *, sm_scale: flo
         Duplicates are not expected; they do not fail, but how they count is unspecified.
       sm_scale: softmax scale (static).
       v_dim: value width (static), <= Dk.
-      impl, interpret, q_chunk: see the package docstring. "auto" is "pallas_tpu" on TPU,
-        "pallas_gpu" on GPU and "xla" elsewhere; q_chunk only applies to "xla".
+      impl, config, interpret: see the package docstring.
 
     Returns:
       out: [B, S, H, v_dim] in q.dtype, softmax(sm_scale * q . kv[sel]) @ kv[sel, :v_dim].
@@ -143,13 +121,39 @@ def sparse_mla(q: jax.Array, kv: jax.Array, indices: jax.Array, *, sm_scale: flo
       A query with no valid index gets out 0 and lse -inf. Differentiable in q and kv, with
       finite gradients also for such rows (mask the -inf lse before using it in a loss).
     """
-    impl = resolve_impl("sparse_mla", impl, implemented=("reference", "xla", "pallas_tpu", "pallas_gpu"))
+    entry, config = registry.select("sparse_mla", impl, config, interpret)
     if not 0 < v_dim <= kv.shape[-1]:
         raise ValueError(f"pallas_kernels.sparse_mla: v_dim={v_dim} must be in [1, {kv.shape[-1]}]")
-    if impl == "pallas_tpu":
-        return _attention.tpu.sparse_mla(q, kv, indices, sm_scale=sm_scale, v_dim=v_dim, interpret=interpret)
-    if impl == "pallas_gpu":
-        return _attention.gpu.sparse_mla(q, kv, indices, sm_scale=sm_scale, v_dim=v_dim, interpret=interpret)
-    if impl == "reference":
-        return _attention.reference.sparse_mla(q, kv, indices, sm_scale=sm_scale, v_dim=v_dim)
-    return _attention.xla.sparse_mla(q, kv, indices, sm_scale=sm_scale, v_dim=v_dim, q_chunk=q_chunk)
+    return entry.fn(q, kv, indices, sm_scale=sm_scale, v_dim=v_dim, config=config, interpret=interpret)
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float,
+                     kv_len: jax.Array | None = None, mask: jax.Array | None = None,
+                     segments: tuple[jax.Array, jax.Array] | None = None, impl: str = "auto",
+                     config=None, interpret: bool = False) -> jax.Array:
+    """Dense causal self-attention of whole sequences (query s sits at key s).
+
+    Args:
+      q, k, v: [B, S, N, d], one head width d for all three.
+      scale: softmax scale (static).
+      kv_len: int32 [B] valid keys per sequence, or None for S.
+      mask: bool [B, S, S] or None: further restricts the keys of each query (packed
+        documents: query s sees key t only inside its own document).
+      segments: the same documents in the packed layout of fused kernels, (offsets int32
+        [B, M + 1]: where segment m starts, -1 after a row's last one; lengths int32 [B, M]),
+        or None. The "cudnn" impl then runs cuDNN's packed kernel and builds no mask; the
+        others use `mask`, or the segments' mask when mask is None.
+      impl, config, interpret: see the package docstring; "auto" is "cudnn" on a GPU where
+        `dense.cudnn.supports` the dtype and head width, else "xla".
+
+    Returns:
+      [B, S, N, d] in q.dtype: softmax over the visible keys t (t <= s, t < kv_len[b], and
+      inside the documents) of scale * q[b,s,n] . k[b,t,n], times v[b,t,n]. Rows s >= kv_len[b]
+      and rows that see no key are unspecified (finite). Differentiable in q, k and v.
+    """
+    if impl == registry.AUTO and resolve_impl("causal_attention", impl) == "cudnn" \
+            and not _cudnn.supports(q.shape[-1], q.dtype):
+        impl = registry.FALLBACK
+    entry, config = registry.select("causal_attention", impl, config, interpret)
+    return entry.fn(q, k, v, scale=scale, kv_len=kv_len, mask=mask, segments=segments, config=config,
+                    interpret=interpret)

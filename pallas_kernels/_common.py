@@ -1,20 +1,16 @@
-"""Helpers shared by every op: `impl` resolution, query chunking and key masks."""
+"""Helpers shared by the implementations: the knob-less and `xla` configs, query chunking,
+key masks and top-k padding."""
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 from jax import lax
-
-#: Every accepted value of `impl`, in the order the error messages list them.
-VALID_IMPLS = ("auto", "reference", "xla", "pallas_tpu", "pallas_gpu")
-#: The implementations every op has.
-IMPLEMENTED = ("reference", "xla")
-#: What "auto" resolves to where the backend has no Pallas implementation of the op.
-AUTO_IMPL = "xla"
+from jax.experimental.pallas import tpu as pltpu
 
 #: Upper bound on the bytes of the per-chunk intermediates of the `xla` impls.
 CHUNK_BUDGET_BYTES = 256 * 2**20
@@ -22,24 +18,38 @@ CHUNK_BUDGET_BYTES = 256 * 2**20
 MAX_Q_CHUNK = 256
 
 
-def resolve_impl(op: str, impl: str, implemented: Sequence[str] = IMPLEMENTED) -> str:
-    """Validates `impl` for op `op` and returns the concrete implementation name.
+def check_positive_fields(config) -> None:
+    """Raises ValueError naming the first int field of the dataclass `config` that is set (not
+    None) but not a positive int (block sizes, chunks, warps, stages)."""
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if value is not None and not isinstance(value, (bool, str)):
+            _positive_int(f"{type(config).__name__}.{field.name}", value, " or None")
 
-    `implemented` lists the op's implementations; "auto" becomes the Pallas one of the current
-    backend ("pallas_tpu" on TPU, "pallas_gpu" on GPU) when the op has it, else AUTO_IMPL.
-    Raises ValueError (listing the valid choices) for an unknown name and NotImplementedError
-    for an implementation that does not exist yet."""
-    if not isinstance(impl, str) or impl not in VALID_IMPLS:
-        choices = ", ".join(repr(c) for c in VALID_IMPLS)
-        raise ValueError(f"pallas_kernels.{op}: unknown impl {impl!r}; valid choices are {choices}")
-    if impl == "auto":
-        native = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(jax.default_backend())
-        return native if native in implemented else AUTO_IMPL
-    if impl not in implemented:
-        raise NotImplementedError(
-            f"pallas_kernels.{op}: impl={impl!r} is not implemented yet; "
-            f"use impl='auto', 'xla' or 'reference'")
-    return impl
+
+@dataclasses.dataclass(frozen=True)
+class NoConfig:
+    """The config of an implementation without tuning knobs (the references, `jax.nn` calls)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class XlaConfig:
+    """Tuning of the `xla` implementations of the indexer and of sparse MLA.
+
+    q_chunk: queries per chunk (only one chunk's intermediates are live at a time); None:
+      the largest power of two <= MAX_Q_CHUNK whose intermediates stay under
+      CHUNK_BUDGET_BYTES."""
+
+    q_chunk: int | None = None
+
+    def __post_init__(self):
+        check_positive_fields(self)
+
+
+def tpu_interpret(interpret: bool):
+    """The `interpret` argument of a Mosaic TPU `pallas_call`: the TPU interpreter (which also
+    simulates the DMAs and semaphores) when interpret, else False (compile)."""
+    return pltpu.InterpretParams() if interpret else False
 
 
 def choose_q_chunk(seq_len: int, bytes_per_query: int, q_chunk: int | None = None, *,

@@ -1,11 +1,12 @@
-"""Pallas lightning-indexer kernels (GPU Triton, TPU Mosaic) and the threshold selection.
+"""Pallas lightning-indexer kernels (GPU Triton, TPU Mosaic): the threshold selection, their
+configs' knobs, and compilation for real chips. Their contract (interpret mode on the CPU,
+with the default configs) is tested with every implementation's in test_kernel_contract.py.
 
-The kernels run in interpret mode on the CPU against the reference on integer-valued inputs,
-whose float32 scores are exact whatever the summation order, so index outputs must be
-identical and ties are plentiful. The threshold selection is checked on its own (plain-jnp
-passes) on adversarial rows: heavy ties, monotone rows, -0.0/+0.0 mixes, tiny magnitudes and a
-candidate capacity of exactly k. The TPU kernels are compiled ahead of time for v5p and v6e
-(needs libtpu) and the GPU kernels lowered to Triton for an H200 (no GPU needed).
+The threshold selection is checked on its own (plain-jnp passes) on adversarial rows: heavy
+ties, monotone rows, -0.0/+0.0 mixes, tiny magnitudes and a candidate capacity of exactly k;
+then through each backend's kernels on given scores. The TPU kernels are compiled ahead of
+time for v5p and v6e (needs libtpu) and the GPU kernels lowered to Triton for an H200 (no GPU
+needed).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import jax.numpy as jnp
 
 import pallas_kernels as pk
 from conftest import tpu_compile_mesh
+from kernel_contract import check_topk, int_inputs
 from pallas_kernels.indexer import gpu, reference, threshold, tpu
 
 BACKENDS = {"pallas_gpu": gpu, "pallas_tpu": tpu}
@@ -70,51 +72,22 @@ def test_pallas_selection_over_given_scores(impl):
         np.testing.assert_array_equal(np.asarray(got)[:, :min(k, T)], _select_ref(x, min(k, T)))
 
 
-def _int_inputs(rng, B, S, T, H, D, lim=3):
-    q = jnp.asarray(rng.integers(-lim, lim + 1, (B, S, H, D)), jnp.float32)
-    k = jnp.asarray(rng.integers(-lim, lim + 1, (B, T, D)), jnp.float32)
-    w = jnp.asarray(rng.integers(-2, 4, (B, S, H)), jnp.float32)
-    q_pos = jnp.asarray(rng.integers(-1, T + 2, (B, S)), jnp.int32)
-    kv_len = jnp.asarray(rng.integers(0, T + 1, (B,)), jnp.int32)
-    return q, k, w, q_pos, kv_len
-
-
-def _doc_starts(rng, q_pos, T):
-    """Packed documents: each query's first valid key, somewhere at or before it."""
-    pos = np.asarray(q_pos)
-    return jnp.asarray(np.where(rng.random(pos.shape) < 0.3, 0,
-                                rng.integers(0, np.maximum(pos, 0) + 1)), jnp.int32)
-
-
-@pytest.mark.parametrize("impl", list(BACKENDS))
-@pytest.mark.parametrize("B,S,T,H,D,topk,lim", [
-    (2, 1, 300, 4, 8, 16, 3),      # decode: one query per sequence
-    (1, 3, 200, 2, 4, 7, 1),       # few distinct scores: ties everywhere
-    (2, 11, 700, 4, 16, 20, 3),    # several query blocks, the last one padded
-    (1, 2, 40, 3, 8, 64, 3),       # topk > T: -1 padding
-])
-def test_pallas_indexer_equals_reference(impl, B, S, T, H, D, topk, lim):
-    rng = np.random.default_rng(B * 1000 + S * 10 + T)
-    q, k, w, q_pos, kv_len = _int_inputs(rng, B, S, T, H, D, lim)
-    args = dict(q_pos=q_pos, kv_len=kv_len, kv_start=_doc_starts(rng, q_pos, T) if S > 1 else None)
-    want_scores = reference.indexer_scores(q, k, w, **args)
-    got_scores = pk.indexer_scores(q, k, w, impl=impl, interpret=True, **args)
-    np.testing.assert_array_equal(np.asarray(got_scores), np.asarray(want_scores))
-    want = reference.indexer_topk(q, k, w, topk=topk, **args)
-    got = pk.indexer_topk(q, k, w, topk=topk, impl=impl, interpret=True, **args)
-    assert got.dtype == jnp.int32 and got.shape == (B, S, topk)
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-
-
 @pytest.mark.parametrize("impl", list(BACKENDS))
 def test_pallas_indexer_bf16_and_query_chunks(impl):
+    """A prefill cut into chunks of 4 queries (`q_chunk`) selects what the brute force does."""
     rng = np.random.default_rng(7)
-    q, k, w, q_pos, kv_len = _int_inputs(rng, 1, 10, 260, 4, 16)
-    q, k = q.astype(jnp.bfloat16), k.astype(jnp.bfloat16)
-    args = dict(topk=12, q_pos=q_pos, kv_len=kv_len)
-    want = reference.indexer_topk(q, k, w, **args)
-    got = pk.indexer_topk(q, k, w, impl=impl, interpret=True, q_chunk=4, **args)
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    q, k, w = int_inputs(rng, 1, 10, 260, 4, 16, dtype=jnp.bfloat16)
+    q_pos = jnp.asarray(rng.integers(-1, 262, (1, 10)), jnp.int32)
+    config = pk.REGISTRY["indexer_topk"][impl].config(q_chunk=4)
+    check_topk(impl, q, k, w, topk=12, q_pos=q_pos, kv_len=jnp.asarray([200], jnp.int32), config=config)
+
+
+def test_gpu_config_sets_the_score_tiling():
+    """Fields left None take `score_tiling`'s choice for the shapes; set ones win."""
+    assert pk.IndexerGpuConfig().tiling(1, 32) == gpu.score_tiling(1, 32)
+    assert pk.IndexerGpuConfig().tiling(512, 32) == gpu.score_tiling(512, 32)
+    tiling = pk.IndexerGpuConfig(block_t=32, keys_major=False).tiling(512, 32)
+    assert tiling == gpu.ScoreTiling(gpu.score_tiling(512, 32).block_q, 32, 8, False)
 
 
 def _abstract_args(B, S, T, sharding=None, H=32, D=128):
@@ -142,65 +115,10 @@ def test_tpu_indexer_compiles_ahead_of_time(topology, B, S, T):
 
 
 def test_gpu_indexer_lowers_to_triton_for_h200():
-    from jax._src.mesh import AbstractDevice  # the abstract target device for lowering
-
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=jax.sharding.AbstractDevice(
         device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
     with jax.sharding.use_abstract_mesh(mesh):
         text = jax.jit(_topk_fn(gpu)).trace(*_abstract_args(4, 1, 131072)).lower(
             lowering_platforms=("cuda",)).as_text()
     # scores, the first counting pass, the counting pass in the loop, the compaction
     assert text.count("xla.gpu.triton") == 4
-
-
-@pytest.mark.parametrize("impl", list(BACKENDS))
-def test_pallas_scores_gradients_equal_xla(impl):
-    rng = np.random.default_rng(11)
-    q, k, w, q_pos, kv_len = _int_inputs(rng, 1, 3, 50, 2, 8)
-    q, k, w = (x + jnp.asarray(rng.normal(size=x.shape), jnp.float32) * 0.1 for x in (q, k, w))
-
-    def loss(impl, q, k, w):
-        s = pk.indexer_scores(q, k, w, q_pos=q_pos, kv_len=kv_len, impl=impl, interpret=True)
-        return jnp.sum(jnp.where(jnp.isfinite(s), jnp.sin(s), 0.0))
-
-    want = jax.grad(functools.partial(loss, "xla"), argnums=(0, 1, 2))(q, k, w)
-    got = jax.grad(functools.partial(loss, impl), argnums=(0, 1, 2))(q, k, w)
-    for a, b in zip(got, want):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
-
-
-@pytest.mark.parametrize("impl", list(BACKENDS))
-def test_topk_inside_a_differentiated_function(impl):
-    """A loss that selects with the indexer and uses its inputs elsewhere differentiates (the
-    indices are constants): same gradients as with the xla top-k."""
-    rng = np.random.default_rng(12)
-    q, k, w, q_pos, kv_len = _int_inputs(rng, 1, 3, 40, 2, 8)
-
-    def loss(impl, q, k, w):
-        idx = pk.indexer_topk(q, k, w, topk=4, q_pos=q_pos, kv_len=kv_len, impl=impl, interpret=True)
-        rows = jnp.take_along_axis(k[:, None], jnp.maximum(idx, 0)[..., None], axis=2)   # [B, S, 4, D]
-        return jnp.sum(jnp.where(idx[..., None] >= 0, rows, 0.0) * jnp.sum(q, axis=2)[:, :, None]) + jnp.sum(w)
-
-    want = jax.grad(functools.partial(loss, "xla"), argnums=(0, 1, 2))(q, k, w)
-    got = jax.grad(functools.partial(loss, impl), argnums=(0, 1, 2))(q, k, w)
-    for a, b in zip(got, want):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-
-
-def test_kv_start_in_every_impl():
-    """kv_start (packed documents) bounds the keys from below: reference against a direct
-    brute force, and xla against the reference; a wrong shape is refused."""
-    rng = np.random.default_rng(5)
-    q, k, w, q_pos, kv_len = _int_inputs(rng, 2, 6, 40, 2, 8)
-    start = _doc_starts(rng, q_pos, 40)
-    scores = np.asarray(reference.indexer_scores(q, k, w, q_pos=q_pos, kv_len=kv_len, kv_start=start))
-    t = np.arange(40)
-    below = t[None, None, :] < np.asarray(start)[..., None]
-    assert np.all(np.isneginf(scores[below]))
-    free = np.asarray(reference.indexer_scores(q, k, w, q_pos=q_pos, kv_len=kv_len))
-    np.testing.assert_array_equal(scores[~below], free[~below])
-    args = dict(topk=9, q_pos=q_pos, kv_len=kv_len, kv_start=start)
-    np.testing.assert_array_equal(np.asarray(pk.indexer_topk(q, k, w, impl="xla", q_chunk=4, **args)),
-                                  np.asarray(pk.indexer_topk(q, k, w, impl="reference", **args)))
-    with pytest.raises(ValueError, match="kv_start must have the shape of q_pos"):
-        pk.indexer_topk(q, k, w, topk=3, q_pos=q_pos, kv_len=kv_len, kv_start=start[:, :2])

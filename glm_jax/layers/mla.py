@@ -18,41 +18,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from glm_jax import ops
-from glm_jax.sharding import context_size
 from glm_jax.config import GLMConfig
 from glm_jax.layers.linear import Linear
 from glm_jax.layers.norms import RMSNorm
 from glm_jax.layers.rope import apply_rope, rope_inv_freq, softmax_scale_factor
 from glm_jax.layers.segments import SegmentTable
-
-
-def fused_attention_backend(head_width: int) -> str | None:
-    """The `jax.nn.dot_product_attention` implementation for dense causal attention.
-
-    "cudnn" (flash attention: no [S, T] scores in memory, forward and backward) on a GPU for head
-    widths it supports (a multiple of 8, <= 256 from Hopper on, <= 128 before); None (XLA, which
-    materialises the scores) elsewhere, and under context parallelism: the flash kernel's causal
-    mask assumes query i is key i, while XLA splits its scores over the query shards. XLA never
-    picks cuDNN by itself."""
-    if jax.default_backend() != "gpu" or head_width % 8 or context_size() > 1:
-        return None
-    capability = getattr(jax.devices()[0], "compute_capability", "0.0")
-    hopper_or_later = tuple(int(x) for x in capability.split(".")[:2]) >= (9, 0)
-    return "cudnn" if head_width <= (256 if hopper_or_later else 128) else None
-
-
-def packed_causal_attention(q, k, v, segments: SegmentTable, *, scale: float):
-    """cuDNN's flash attention over packed rows: causal inside each segment, nothing across.
-
-    q, k, v bf16 [B, S, nh, d] (one width d), segments: the SegmentTable of the rows -> [B, S, nh, d].
-    No [S, T] mask is built, so packed rows of 128K tokens cost what unpacked ones do. This is
-    cuDNN's packed (ragged) layout, which `jax.nn.dot_product_attention` does not expose; it
-    needs a Hopper-or-later GPU."""
-    from jax._src.cudnn import fused_attention_stablehlo as cudnn
-
-    return cudnn.dot_product_attention(q, k, v, q_seqlen=segments.lengths, kv_seqlen=segments.lengths,
-                                       q_offsets=segments.offsets, kv_offsets=segments.offsets, scale=scale,
-                                       mask_type=cudnn.MaskType.PADDING_CAUSAL, qkv_layout="BTNH")
 
 
 class MLAProjection(nnx.Module):
@@ -111,7 +81,7 @@ class MLAProjection(nnx.Module):
         q_abs = jnp.concatenate([q_lat, q_rope], axis=-1)
         o_lat, lse = ops.sparse_mla(q_abs, latent_kv.astype(q_abs.dtype), indices, sm_scale=self.sm_scale,
                                     v_dim=self.cfg.kv_lora_rank, impl=kernels.attention,
-                                    interpret=kernels.interpret)
+                                    config=kernels.attention_config, interpret=kernels.interpret)
         o = jnp.einsum("bshc,chv->bshv", o_lat, w_uv.astype(o_lat.dtype),
                        preferred_element_type=jnp.float32).astype(q_nope.dtype)
         out = self.o_proj(o.reshape(o.shape[:2] + (-1,)))
@@ -120,13 +90,13 @@ class MLAProjection(nnx.Module):
     # ------------------------------------------------------------------ dense, long sequences
     def attend_causal(self, q_nope, q_rope, latent_kv, kv_len, mask=None, segments: SegmentTable | None = None):
         """Dense causal attention of a full sequence from position 0 without [S, T] matrices
-        in memory (`jax.nn.dot_product_attention`: cuDNN's flash kernel on GPU, see
-        `fused_attention_backend`).
+        in memory where the backend allows (`ops.causal_attention`: cuDNN's flash kernel on a
+        GPU).
 
         q_* [B, S, nh, *], latent_kv [B, S, kv_lora + rope], kv_len int32 [B] -> [B, S, hidden].
         Packed documents: mask bool [B, S, T] further restricts the keys (an [S, T] matrix);
-        where cuDNN runs and `segments` (the same documents as a SegmentTable) is given, the
-        packed flash kernel is used instead and no mask is built."""
+        `segments` (the same documents as a SegmentTable), where given, lets cuDNN run its
+        packed kernel instead, with no mask built."""
         c = self.cfg
         c_kv, k_rope = latent_kv[..., : c.kv_lora_rank], latent_kv[..., c.kv_lora_rank:]
         kv = self.kv_b_proj(c_kv).reshape(c_kv.shape[:2] + (c.num_attention_heads, -1))
@@ -136,13 +106,8 @@ class MLAProjection(nnx.Module):
         k = jnp.concatenate([k_nope, k_rope], axis=-1)
         width = max(q.shape[-1], v.shape[-1])                   # one head width for q, k and v
         pad = lambda x: jnp.pad(x, [(0, 0)] * 3 + [(0, width - x.shape[-1])])
-        backend = fused_attention_backend(width)
-        if mask is not None and segments is not None and backend == "cudnn":
-            o = packed_causal_attention(pad(q), pad(k), pad(v), segments, scale=self.sm_scale)
-        else:
-            o = jax.nn.dot_product_attention(pad(q), pad(k), pad(v), mask=None if mask is None else mask[:, None],
-                                             scale=self.sm_scale, is_causal=True, key_value_seq_lengths=kv_len,
-                                             implementation=backend)
+        o = ops.causal_attention(pad(q), pad(k), pad(v), scale=self.sm_scale, kv_len=kv_len, mask=mask,
+                                 segments=segments)
         o = o[..., : c.v_head_dim]
         return self.o_proj(o.astype(q_nope.dtype).reshape(o.shape[:2] + (-1,)))
 

@@ -29,6 +29,7 @@ scatter-add - docs/kernels-sparse-mla.md).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -38,6 +39,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels._common import check_positive_fields
 from pallas_kernels.attention import vjp
 
 #: Rows per loop step of the forward and the backward for 2-byte inputs (halved for 4-byte).
@@ -313,40 +315,62 @@ def default_splits(num_queries: int, topk: int, block_k: int) -> int:
     return 1 << (splits.bit_length() - 1)
 
 
+@dataclasses.dataclass(frozen=True)
+class SparseMLAGpuConfig:
+    """Tuning of the GPU sparse MLA kernels (`impl="pallas_gpu"`; module docstring).
+
+    block_k, bwd_block_k: rows per loop step of the forward / backward (powers of two; default
+      DEFAULT_BLOCK_K / DEFAULT_BWD_BLOCK_K for 2-byte inputs, halved for 4-byte ones, the
+      forward's at most K rounded up to a power of two >= 16).
+    num_splits: programs per query in the forward (default: enough to fill the GPU,
+      `default_splits`).
+    num_warps, num_stages, bwd_num_stages: Triton settings.
+    bwd_head_group: heads per backward program (a power of two).
+    dkv_mode: "atomic" (each backward program adds its rows' gradient into a float32 dkv),
+      "scatter" (per-slot contributions, scatter-added in XLA) or "auto" (atomic when the heads
+      fit one backward program, else scatter)."""
+
+    block_k: int | None = None
+    num_splits: int | None = None
+    num_warps: int = 8
+    num_stages: int = 2
+    bwd_block_k: int | None = None
+    bwd_num_stages: int = 1
+    bwd_head_group: int = 32
+    dkv_mode: str = "auto"
+
+    def __post_init__(self):
+        check_positive_fields(self)
+        if self.dkv_mode not in DKV_MODES:
+            raise ValueError(f"dkv_mode must be one of {DKV_MODES}, got {self.dkv_mode!r}")
+
+
 def sparse_mla(q: jax.Array, kv: jax.Array, indices: jax.Array, *, sm_scale: float, v_dim: int,
-               interpret: bool = False, block_k: int | None = None, num_splits: int | None = None,
-               num_warps: int = 8, num_stages: int = 2, bwd_block_k: int | None = None,
-               bwd_num_stages: int = 1, bwd_head_group: int = 32, dkv_mode: str = "auto"):
+               config: SparseMLAGpuConfig = SparseMLAGpuConfig(), interpret: bool = False):
     """Sparse MLA forward/backward with Pallas Triton kernels; contract of
     `pallas_kernels.sparse_mla`.
 
     q [B, S, H, Dk], kv [B, T, Dk], indices int32 [B, S, K] (-1 = skip)
     -> (out [B, S, H, v_dim] in q.dtype, lse float32 [B, S, H]).
-    block_k, bwd_block_k: rows per loop step of the forward / backward (powers of two);
-    num_splits: programs per query in the forward (default: enough to fill the GPU);
-    num_warps, num_stages, bwd_num_stages: Triton settings; bwd_head_group: heads per backward
-    program (power of two); dkv_mode: "atomic" (each backward program adds its rows' gradient
-    into a float32 dkv), "scatter" (per-slot contributions, scatter-added in XLA) or "auto"
-    (atomic when the heads fit one backward program, else scatter).
     Compiled for a GPU, every power-of-two column chunk of Dk must be >= 16 wide, and the
     backward's q, dout and row block must fit in shared memory (bf16 at 64 x 576 does;
     float32 at 64 heads does not)."""
-    if dkv_mode not in DKV_MODES:
-        raise ValueError(f"dkv_mode must be one of {DKV_MODES}, got {dkv_mode!r}")
+    c = config
     batch, seq_len = q.shape[:2]
     topk = indices.shape[-1]
     shrink = max(1, jnp.dtype(kv.dtype).itemsize // 2)
-    bk = int(block_k or min(DEFAULT_BLOCK_K // shrink, max(16, _next_pow2(topk))))
-    bbk = int(bwd_block_k or max(16, DEFAULT_BWD_BLOCK_K // shrink))
-    splits = int(num_splits or default_splits(batch * seq_len, topk, bk))
+    bk = int(c.block_k or min(DEFAULT_BLOCK_K // shrink, max(16, _next_pow2(topk))))
+    bbk = int(c.bwd_block_k or max(16, DEFAULT_BWD_BLOCK_K // shrink))
+    splits = int(c.num_splits or default_splits(batch * seq_len, topk, bk))
     unit = math.lcm(bk * splits, bbk)
     padded = -(-topk // unit) * unit
     idx = jnp.asarray(indices, jnp.int32)
     if padded != topk:
         idx = jnp.pad(idx, ((0, 0), (0, 0), (0, padded - topk)), constant_values=-1)
+    dkv_mode = c.dkv_mode
     if dkv_mode == "auto":
-        one_program = max(16, _next_pow2(q.shape[2])) <= bwd_head_group
+        one_program = max(16, _next_pow2(q.shape[2])) <= c.bwd_head_group
         dkv_mode = "atomic" if one_program else "scatter"
-    op = _op(float(sm_scale), int(v_dim), bk, splits, int(num_warps), int(num_stages), bbk,
-             int(bwd_num_stages), int(bwd_head_group), dkv_mode, bool(interpret))
+    op = _op(float(sm_scale), int(v_dim), bk, splits, c.num_warps, c.num_stages, bbk, c.bwd_num_stages,
+             c.bwd_head_group, dkv_mode, bool(interpret))
     return op(q, kv, idx)

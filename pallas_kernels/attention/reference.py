@@ -7,6 +7,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels._common import NoConfig
+
 
 def indices_to_mask(indices: jax.Array, num_keys: int) -> jax.Array:
     """indices int32 [B, S, K] -> bool [B, S, T]: True at every listed t in [0, T).
@@ -21,13 +23,17 @@ def indices_to_mask(indices: jax.Array, num_keys: int) -> jax.Array:
     return jax.vmap(jax.vmap(row))(idx)
 
 
-def sparse_mla(q: jax.Array, kv: jax.Array, indices: jax.Array, *, sm_scale: float, v_dim: int):
+def sparse_mla(q: jax.Array, kv: jax.Array, indices: jax.Array, *, sm_scale: float, v_dim: int,
+               config: NoConfig = NoConfig(), interpret: bool = False):
     """Sparse MQA over one shared latent head, computed densely with a mask.
 
     q [B, S, H, Dk], kv [B, T, Dk] (V = kv[..., :v_dim]), indices int32 [B, S, K] (-1 = skip)
     -> (out [B, S, H, v_dim] in q.dtype, lse float32 [B, S, H]) with
     lse = log sum_{t selected} exp(sm_scale * q . kv[t]); rows without a valid index give
-    out 0 and lse -inf (with finite gradients). Duplicate indices count once here."""
+    out 0 and lse -inf (with finite gradients). Duplicate indices count once here.
+    config, interpret: the registry's uniform arguments (nothing to tune, no Pallas to
+    interpret)."""
+    del config, interpret
     num_keys = kv.shape[1]
     qf = q.astype(jnp.float32)
     kvf = kv.astype(jnp.float32)

@@ -25,6 +25,7 @@ dq (accumulated over the blocks in VMEM) and the per-(query, slot) dkv contribut
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -33,14 +34,23 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels._common import check_positive_fields, tpu_interpret
 from pallas_kernels.attention import vjp
 
 #: Rows gathered per grid step.
 DEFAULT_BLOCK_K = 256
 
 
-def _interpret_arg(interpret: bool):
-    return pltpu.InterpretParams() if interpret else False
+@dataclasses.dataclass(frozen=True)
+class SparseMLATpuConfig:
+    """Tuning of the TPU sparse MLA kernels (`impl="pallas_tpu"`).
+
+    block_k: rows gathered per grid step (default min(DEFAULT_BLOCK_K, K rounded up to 128))."""
+
+    block_k: int | None = None
+
+    def __post_init__(self):
+        check_positive_fields(self)
 
 
 def _pad_indices(indices: jax.Array, block_k: int) -> jax.Array:
@@ -190,7 +200,7 @@ def _forward(q, kv, idx, *, sm_scale, v_dim, block_k, interpret):
             pltpu.VMEM((heads, 1), jnp.float32), pltpu.VMEM((heads, 1), jnp.float32),
             pltpu.VMEM((heads, v_dim), jnp.float32)],
         compiler_params=_params(),
-        interpret=_interpret_arg(interpret),
+        interpret=tpu_interpret(interpret),
         name="sparse_mla_fwd",
     )(idx4, idx4, q, kv4)
     return out, lse[..., 0]
@@ -248,7 +258,7 @@ def _backward(q, kv, idx, dout, lse, delta, *, sm_scale, v_dim, block_k, interpr
                    jax.ShapeDtypeStruct((batch, seq_len, topk, dk), kv.dtype)],
         scratch_shapes=_scratch(block_k, dk, kv.dtype) + [pltpu.VMEM((heads, dk), jnp.float32)],
         compiler_params=_params(),
-        interpret=_interpret_arg(interpret),
+        interpret=tpu_interpret(interpret),
         name="sparse_mla_bwd",
     )(idx4, idx4, q, dout.astype(q.dtype), lse[..., None], delta[..., None], kv4)
     return dq, contrib
@@ -264,14 +274,13 @@ def _op(sm_scale, v_dim, block_k, interpret):
 
 
 def sparse_mla(q: jax.Array, kv: jax.Array, indices: jax.Array, *, sm_scale: float, v_dim: int,
-               interpret: bool = False, block_k: int | None = None):
+               config: SparseMLATpuConfig = SparseMLATpuConfig(), interpret: bool = False):
     """Sparse MLA forward/backward with Mosaic TPU kernels; contract of `pallas_kernels.sparse_mla`.
 
     q [B, S, H, Dk], kv [B, T, Dk], indices int32 [B, S, K] (-1 = skip)
     -> (out [B, S, H, v_dim] in q.dtype, lse float32 [B, S, H]).
-    block_k: rows gathered per grid step (default min(256, K rounded up to 128)).
     Compiled for a TPU, H should be a multiple of 8 and Dk, v_dim multiples of 128."""
     topk = indices.shape[-1]
-    bk = _block_k(topk, block_k)
+    bk = _block_k(topk, config.block_k)
     idx = _pad_indices(indices, bk)
     return _op(float(sm_scale), int(v_dim), bk, bool(interpret))(q, kv, idx)

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._common import choose_q_chunk, map_query_chunks
+from pallas_kernels._common import XlaConfig, choose_q_chunk, map_query_chunks
 
 
 def _bytes_per_query(batch: int, num_heads: int, topk: int, dk: int, v_dim: int, itemsize: int) -> int:
@@ -44,16 +44,20 @@ def _attend_chunk(q, indices, kv, *, sm_scale, v_dim):
 
 
 def sparse_mla(q: jax.Array, kv: jax.Array, indices: jax.Array, *, sm_scale: float, v_dim: int,
-               q_chunk: int | None = None):
-    """Sparse MQA over one shared latent head by gathering the selected rows.
+               config: XlaConfig = XlaConfig(), interpret: bool = False):
+    """Sparse MQA over one shared latent head by gathering the selected rows, `config.q_chunk`
+    queries at a time.
 
     q [B, S, H, Dk], kv [B, T, Dk] (V = kv[..., :v_dim]), indices int32 [B, S, K] (-1 = skip)
     -> (out [B, S, H, v_dim] in q.dtype, lse float32 [B, S, H]). Rows without a valid index
-    give out 0 and lse -inf (finite gradients). Duplicate indices are each counted."""
+    give out 0 and lse -inf (finite gradients). Duplicate indices are each counted.
+    interpret: the registry's uniform argument (no Pallas here)."""
+    del interpret
     batch, seq_len, num_heads, dk = q.shape
     topk = indices.shape[-1]
     itemsize = jnp.dtype(kv.dtype).itemsize
-    chunk = choose_q_chunk(seq_len, _bytes_per_query(batch, num_heads, topk, dk, v_dim, itemsize), q_chunk)
+    per_query = _bytes_per_query(batch, num_heads, topk, dk, v_dim, itemsize)
+    chunk = choose_q_chunk(seq_len, per_query, config.q_chunk)
 
     def body(q_c, idx_c):
         return _attend_chunk(q_c, idx_c, kv, sm_scale=sm_scale, v_dim=v_dim)

@@ -18,6 +18,9 @@ Why Triton rather than Mosaic GPU: the compaction is a data-dependent scatter, w
 pointer-based Triton lowering expresses directly as one masked store. Block sizes must be
 powers of two, so heads and the key width are zero-padded to powers of two >= 16 and queries
 to a multiple of `block_q` (padded queries have q_pos -1: every key masked).
+
+The tuning knobs are the fields of `IndexerGpuConfig`; the top-k over chunks of queries and
+the scores' backward are shared with the TPU kernels (`indexer.pallas_ops`).
 """
 
 from __future__ import annotations
@@ -31,8 +34,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._common import check_topk, map_query_chunks, pad_axis, pad_topk, start_or_zero
-from pallas_kernels.indexer import threshold
+from pallas_kernels._common import check_positive_fields, pad_axis, start_or_zero
+from pallas_kernels.indexer import pallas_ops, threshold
 
 #: Key tiles per score program.
 TILES_PER_PROGRAM = 16
@@ -40,8 +43,6 @@ TILES_PER_PROGRAM = 16
 #: programs hide memory latency better than few looping ones).
 CHUNK = 2048
 BLOCK = 2048
-#: Upper bound on the score bytes of one query chunk (longer prefills are chunked).
-SCORE_BUDGET_BYTES = 2 * 2**30
 
 
 def _next_pow2(n: int) -> int:
@@ -131,17 +132,52 @@ def score_tiling(seq_len: int, heads: int) -> ScoreTiling:
     return ScoreTiling(max(1, min(8, 256 // hp)), 64, 8, True)
 
 
-def scores(q, k, weights, *, q_pos, kv_len, kv_start=None, tiling: ScoreTiling | None = None,
-           tiles_per_program: int = TILES_PER_PROGRAM, num_stages: int = 2, interpret: bool = False):
+@dataclasses.dataclass(frozen=True)
+class IndexerGpuConfig:
+    """Tuning of the GPU indexer kernels (`impl="pallas_gpu"`); None: chosen from the shapes.
+
+    block_q, block_t, num_warps, keys_major: the score kernel's `ScoreTiling` (defaults:
+      `score_tiling`; block sizes are powers of two).
+    tiles_per_program: key tiles per score program.  num_stages: its software pipelining.
+    chunk: scores per count / compaction program (a power of two; default CHUNK, or the row
+      rounded up to a power of two >= 16 when that is shorter).  block: scores per loop step
+      inside them.  select_num_warps: their warps.
+    q_chunk: queries per top-k chunk and per chunk of the scores' backward (default: as many as
+      keep the top-k's scores under `pallas_ops.SCORE_BUDGET_BYTES`)."""
+
+    block_q: int | None = None
+    block_t: int | None = None
+    num_warps: int | None = None
+    keys_major: bool | None = None
+    tiles_per_program: int = TILES_PER_PROGRAM
+    num_stages: int = 2
+    chunk: int | None = None
+    block: int = BLOCK
+    select_num_warps: int = 4
+    q_chunk: int | None = None
+
+    def __post_init__(self):
+        check_positive_fields(self)
+
+    def tiling(self, seq_len: int, heads: int) -> ScoreTiling:
+        """The score kernel's tiling for [*, seq_len, heads, *] queries: the fields set here
+        over `score_tiling`'s defaults."""
+        fixed = {f.name: getattr(self, f.name) for f in dataclasses.fields(ScoreTiling)}
+        return dataclasses.replace(score_tiling(seq_len, heads),
+                                   **{k: v for k, v in fixed.items() if v is not None})
+
+
+def scores(q, k, weights, *, q_pos, kv_len, kv_start=None, config: IndexerGpuConfig = IndexerGpuConfig(),
+           interpret: bool = False):
     """q [B, S, H, D], k [B, T, D], weights f32 [B, S, H], q_pos int32 [B, S], kv_len int32 [B],
     kv_start int32 [B, S] or None -> scores f32 [B, S, T], -inf where masked."""
     batch, seq_len, heads, _ = q.shape
     num_keys = k.shape[1]
-    tiling = tiling or score_tiling(seq_len, heads)
+    tiling = config.tiling(seq_len, heads)
     bq, block_t = tiling.block_q, tiling.block_t
     qf, kf, w, pos, start, hp = _layout(q, k, weights, q_pos, kv_start, bq)
     n_tiles = -(-num_keys // block_t)
-    tiles = max(1, min(tiles_per_program, n_tiles))
+    tiles = max(1, min(config.tiles_per_program, n_tiles))
     n_chunks = -(-n_tiles // tiles)
     tp = n_chunks * tiles * block_t
     kf = pad_axis(kf, 1, tp)
@@ -152,7 +188,7 @@ def scores(q, k, weights, *, q_pos, kv_len, kv_start=None, tiling: ScoreTiling |
         kernel,
         grid=(batch, sp // bq, n_chunks),
         out_shape=jax.ShapeDtypeStruct((batch, sp, tp), jnp.float32),
-        compiler_params=_params(tiling.num_warps, num_stages),
+        compiler_params=_params(tiling.num_warps, config.num_stages),
         interpret=interpret,
         name="indexer_scores",
     )(qf, w, pos, start, jnp.asarray(kv_len, jnp.int32), kf)
@@ -249,46 +285,25 @@ def _chunk_for(num_keys: int, chunk: int | None) -> int:
     return min(CHUNK, max(16, _next_pow2(num_keys)))
 
 
-def select_topk(scores: jax.Array, topk: int, *, chunk: int | None = None, block: int = BLOCK,
-                num_warps: int = 4, num_edges: int = threshold.NUM_EDGES,
-                sample_rank: int = threshold.SAMPLE_RANK, interpret: bool = False) -> jax.Array:
+def select_topk(scores: jax.Array, topk: int, *, config: IndexerGpuConfig = IndexerGpuConfig(),
+                interpret: bool = False) -> jax.Array:
     """Exact top-k of each row of float32 scores [R, T] (-inf = masked) -> int32 [R, topk]."""
-    ch = _chunk_for(scores.shape[1], chunk)
-    kw = dict(chunk=ch, block=min(block, ch), num_warps=num_warps, interpret=interpret)
-    return threshold.select_topk(scores.astype(jnp.float32), topk, num_edges=num_edges,
-                                 sample_rank=sample_rank, count_fn=functools.partial(count, **kw),
+    ch = _chunk_for(scores.shape[1], config.chunk)
+    kw = dict(chunk=ch, block=min(config.block, ch), num_warps=config.select_num_warps, interpret=interpret)
+    return threshold.select_topk(scores.astype(jnp.float32), topk, count_fn=functools.partial(count, **kw),
                                  compact_fn=functools.partial(compact, **kw))
 
 
-def _query_chunk(batch: int, seq_len: int, num_keys: int, block_q: int) -> int:
-    per_query = batch * max(num_keys, 1) * 4
-    q_chunk = max(block_q, SCORE_BUDGET_BYTES // per_query // block_q * block_q)
-    return min(seq_len, q_chunk)
-
-
-def indexer_scores(q, k, weights, *, q_pos, kv_len, kv_start=None, interpret=False):
-    """Contract of `pallas_kernels.indexer_scores`."""
-    return scores(q, k, weights, q_pos=q_pos, kv_len=kv_len, kv_start=kv_start, interpret=interpret)
-
-
-def indexer_topk(q, k, weights, *, topk, q_pos, kv_len, kv_start=None, interpret=False, q_chunk=None):
+def indexer_topk(q, k, weights, *, topk, q_pos, kv_len, kv_start=None,
+                 config: IndexerGpuConfig = IndexerGpuConfig(), interpret: bool = False):
     """Contract of `pallas_kernels.indexer_topk`: scores kernel, then threshold selection, over
-    chunks of `q_chunk` queries (default: as many as keep the scores under ~2 GiB)."""
-    topk = check_topk(topk)
+    chunks of `config.q_chunk` queries (`pallas_ops.topk`). Every chunk's scores are tiled as
+    the whole prefill's."""
     batch, seq_len, heads, _ = q.shape
-    num_keys = k.shape[1]
-    if num_keys == 0:
-        return jnp.full((batch, seq_len, topk), -1, jnp.int32)
-    bq = score_tiling(seq_len, heads).block_q
-    chunk = int(q_chunk or _query_chunk(batch, seq_len, num_keys, bq))
-
-    def body(q_c, w_c, pos_c, start_c):
-        s = scores(q_c, k, w_c, q_pos=pos_c, kv_len=kv_len, kv_start=start_c,
-                   tiling=score_tiling(seq_len, heads), interpret=interpret)
-        rows = s.shape[0] * s.shape[1]
-        idx = select_topk(s.reshape(rows, num_keys), min(topk, num_keys), interpret=interpret)
-        return idx.reshape(s.shape[0], s.shape[1], -1)
-
-    args = (q, weights, jnp.asarray(q_pos, jnp.int32), start_or_zero(kv_start, q_pos))
-    out = map_query_chunks(body, args, (0, 0, -1, 0), chunk)
-    return pad_topk(out, topk)
+    tiling = config.tiling(seq_len, heads)
+    config = dataclasses.replace(config, **dataclasses.asdict(tiling))
+    chunk = pallas_ops.query_chunk(batch, seq_len, k.shape[1], tiling.block_q, config.q_chunk)
+    return pallas_ops.topk(q, k, weights, topk=topk, q_pos=q_pos, kv_len=kv_len, kv_start=kv_start,
+                           scores_fn=functools.partial(scores, config=config, interpret=interpret),
+                           select_fn=functools.partial(select_topk, config=config, interpret=interpret),
+                           q_chunk=chunk)

@@ -8,17 +8,20 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._common import check_topk, key_mask, normalize_zero, pad_topk
+from pallas_kernels._common import NoConfig, check_topk, key_mask, normalize_zero, pad_topk
 
 
 def indexer_scores(q: jax.Array, k: jax.Array, weights: jax.Array, *, q_pos: jax.Array,
-                   kv_len: jax.Array, kv_start: jax.Array | None = None) -> jax.Array:
+                   kv_len: jax.Array, kv_start: jax.Array | None = None, config: NoConfig = NoConfig(),
+                   interpret: bool = False) -> jax.Array:
     """Indexer scores, computed densely in float32.
 
     q [B, S, H, D], k [B, T, D], weights float32 [B, S, H], q_pos int32 [B, S], kv_len int32 [B]
     -> float32 [B, S, T]: sum_h weights[b,s,h] * relu(q[b,s,h] . k[b,t]) where
     kv_start[b,s] <= t <= q_pos[b,s] and t < kv_len[b] (kv_start: int32 [B, S] or None = 0),
-    -inf elsewhere."""
+    -inf elsewhere. config, interpret: the registry's uniform arguments (nothing to tune, no
+    Pallas to interpret)."""
+    del config, interpret
     qf = q.astype(jnp.float32)
     kf = k.astype(jnp.float32)
     logits = jnp.einsum("bshd,btd->bsht", qf, kf, precision=lax.Precision.HIGHEST)
@@ -46,12 +49,15 @@ def topk_from_scores(score: jax.Array, valid: jax.Array, topk: int) -> jax.Array
 
 
 def indexer_topk(q: jax.Array, k: jax.Array, weights: jax.Array, *, topk: int, q_pos: jax.Array,
-                 kv_len: jax.Array, kv_start: jax.Array | None = None) -> jax.Array:
+                 kv_len: jax.Array, kv_start: jax.Array | None = None, config: NoConfig = NoConfig(),
+                 interpret: bool = False) -> jax.Array:
     """Top-k keys per query under the indexer scores (see `indexer_scores`).
 
     q [B, S, H, D], k [B, T, D], weights float32 [B, S, H], q_pos int32 [B, S], kv_len int32 [B]
     -> int32 [B, S, topk]: the valid t with the largest scores (ties: lower t wins), ordered by
-    descending score then ascending t, -1 in the trailing slots when fewer are valid."""
+    descending score then ascending t, -1 in the trailing slots when fewer are valid.
+    config, interpret: as in `indexer_scores`."""
+    del config, interpret
     score = indexer_scores(q, k, weights, q_pos=q_pos, kv_len=kv_len, kv_start=kv_start)
     valid = key_mask(q_pos, kv_len, k.shape[1], kv_start)
     return topk_from_scores(score, valid, topk)

@@ -16,10 +16,14 @@ counting pass it touches the scores only once more.
 Mosaic block rules: the last two block dims are multiples of (8, 128) or the whole array dims.
 Heads are zero-padded to a multiple of 8, queries to a multiple of `block_q` (8 in prefill,
 all of them in decode), keys to a multiple of `block_t`, rows of the selection to 8.
+
+The tuning knobs are the fields of `IndexerTpuConfig`; the top-k over chunks of queries and
+the scores' backward are shared with the GPU kernels (`indexer.pallas_ops`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -28,19 +32,31 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels._common import check_topk, map_query_chunks, pad_axis, pad_topk, start_or_zero
-from pallas_kernels.indexer import threshold
+from pallas_kernels._common import check_positive_fields, pad_axis, start_or_zero, tpu_interpret
+from pallas_kernels.indexer import pallas_ops, threshold
 
 #: Keys per score tile (lanes of the output block).
 BLOCK_T = 512
 #: Scores per counting program.
 CHUNK = 4096
-#: Upper bound on the score bytes of one query chunk (longer prefills are chunked).
-SCORE_BUDGET_BYTES = 2 * 2**30
+#: Queries per score block in prefill (a sublane tile); decode blocks hold all queries.
+BLOCK_Q = 8
 
 
-def _interpret_arg(interpret: bool):
-    return pltpu.InterpretParams() if interpret else False
+@dataclasses.dataclass(frozen=True)
+class IndexerTpuConfig:
+    """Tuning of the TPU indexer kernels (`impl="pallas_tpu"`).
+
+    block_t: keys per score tile (a multiple of 128).  chunk: scores per counting program (a
+    multiple of 128).  q_chunk: queries per top-k chunk and per chunk of the scores' backward
+    (default: as many as keep the top-k's scores under `pallas_ops.SCORE_BUDGET_BYTES`)."""
+
+    block_t: int = BLOCK_T
+    chunk: int = CHUNK
+    q_chunk: int | None = None
+
+    def __post_init__(self):
+        check_positive_fields(self)
 
 
 def _round_up(n: int, m: int) -> int:
@@ -70,13 +86,14 @@ def _score_kernel(first_ref, last_ref, len_ref, q_ref, w_ref, pos_ref, start_ref
         s_ref[...] = jnp.full(s_ref.shape, -jnp.inf, jnp.float32)
 
 
-def scores(q, k, weights, *, q_pos, kv_len, kv_start=None, block_t: int = BLOCK_T,
+def scores(q, k, weights, *, q_pos, kv_len, kv_start=None, config: IndexerTpuConfig = IndexerTpuConfig(),
            interpret: bool = False):
     """q [B, S, H, D], k [B, T, D], weights f32 [B, S, H], q_pos int32 [B, S], kv_len int32 [B],
     kv_start int32 [B, S] or None -> scores f32 [B, S, T], -inf where masked."""
     batch, seq_len, heads, dim = q.shape
+    block_t = config.block_t
     num_keys = k.shape[1]
-    bq = seq_len if seq_len <= 8 else 8
+    bq = seq_len if seq_len <= BLOCK_Q else BLOCK_Q
     sp = _round_up(seq_len, bq)
     hp = _round_up(heads, 8)
     tp = _round_up(max(num_keys, 1), block_t)
@@ -116,7 +133,7 @@ def scores(q, k, weights, *, q_pos, kv_len, kv_start=None, block_t: int = BLOCK_
         ),
         out_shape=jax.ShapeDtypeStruct((batch, sp, tp), jnp.float32),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
-        interpret=_interpret_arg(interpret),
+        interpret=tpu_interpret(interpret),
         name="indexer_scores",
     )(first, last, kv_len, q, w, pos[..., None], start[..., None], k)
     return out[:, :seq_len, :num_keys]
@@ -153,41 +170,27 @@ def count(scores, edges, active, *, chunk: int = CHUNK, interpret: bool = False)
         out_specs=pl.BlockSpec((None, 8, e.shape[1]), lambda r, c: (c, r, 0)),
         out_shape=jax.ShapeDtypeStruct((n, rp, e.shape[1]), jnp.int32),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
-        interpret=_interpret_arg(interpret),
+        interpret=tpu_interpret(interpret),
         name="indexer_select_count",
     )(padded, e, act)
     return jnp.moveaxis(out, 0, 1)[:rows]
 
 
-def select_topk(scores: jax.Array, topk: int, *, chunk: int = CHUNK, interpret: bool = False) -> jax.Array:
+def select_topk(scores: jax.Array, topk: int, *, config: IndexerTpuConfig = IndexerTpuConfig(),
+                interpret: bool = False) -> jax.Array:
     """Exact top-k of each row of float32 scores [R, T] (-inf = masked) -> int32 [R, topk]."""
     return threshold.select_topk(
         scores.astype(jnp.float32), topk, compact_fn=threshold.compact_xla,
-        count_fn=functools.partial(count, chunk=chunk, interpret=interpret))
+        count_fn=functools.partial(count, chunk=config.chunk, interpret=interpret))
 
 
-def indexer_scores(q, k, weights, *, q_pos, kv_len, kv_start=None, interpret=False):
-    """Contract of `pallas_kernels.indexer_scores`."""
-    return scores(q, k, weights, q_pos=q_pos, kv_len=kv_len, kv_start=kv_start, interpret=interpret)
-
-
-def indexer_topk(q, k, weights, *, topk, q_pos, kv_len, kv_start=None, interpret=False, q_chunk=None):
+def indexer_topk(q, k, weights, *, topk, q_pos, kv_len, kv_start=None,
+                 config: IndexerTpuConfig = IndexerTpuConfig(), interpret: bool = False):
     """Contract of `pallas_kernels.indexer_topk`: scores kernel, then threshold selection, over
-    chunks of `q_chunk` queries (default: as many as keep the scores under ~2 GiB)."""
-    topk = check_topk(topk)
+    chunks of `config.q_chunk` queries (`pallas_ops.topk`)."""
     batch, seq_len = q.shape[:2]
-    num_keys = k.shape[1]
-    if num_keys == 0:
-        return jnp.full((batch, seq_len, topk), -1, jnp.int32)
-    per_query = batch * num_keys * 4
-    chunk = int(q_chunk or min(seq_len, max(8, SCORE_BUDGET_BYTES // per_query // 8 * 8)))
-
-    def body(q_c, w_c, pos_c, start_c):
-        s = scores(q_c, k, w_c, q_pos=pos_c, kv_len=kv_len, kv_start=start_c, interpret=interpret)
-        rows = s.shape[0] * s.shape[1]
-        idx = select_topk(s.reshape(rows, num_keys), min(topk, num_keys), interpret=interpret)
-        return idx.reshape(s.shape[0], s.shape[1], -1)
-
-    args = (q, weights, jnp.asarray(q_pos, jnp.int32), start_or_zero(kv_start, q_pos))
-    out = map_query_chunks(body, args, (0, 0, -1, 0), chunk)
-    return pad_topk(out, topk)
+    chunk = pallas_ops.query_chunk(batch, seq_len, k.shape[1], BLOCK_Q, config.q_chunk)
+    return pallas_ops.topk(q, k, weights, topk=topk, q_pos=q_pos, kv_len=kv_len, kv_start=kv_start,
+                           scores_fn=functools.partial(scores, config=config, interpret=interpret),
+                           select_fn=functools.partial(select_topk, config=config, interpret=interpret),
+                           q_chunk=chunk)

@@ -1,8 +1,8 @@
 """Memory-sane XLA implementation of the indexer.
 
-Queries are processed in chunks of `q_chunk` (lax.map), so only a chunk's [B, chunk, H, T]
-float32 logits are live at once; a long prefill never materialises scores for all queries
-(except `indexer_scores`, whose output is [B, S, T] by contract)."""
+Queries are processed in chunks of `XlaConfig.q_chunk` (lax.map), so only a chunk's
+[B, chunk, H, T] float32 logits are live at once; a long prefill never materialises scores for
+all queries (except `indexer_scores`, whose output is [B, S, T] by contract)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._common import (check_topk, choose_q_chunk, key_mask, map_query_chunks,
+from pallas_kernels._common import (XlaConfig, check_topk, choose_q_chunk, key_mask, map_query_chunks,
                                     normalize_zero, pad_topk, start_or_zero)
 
 _INT32_MAX = jnp.iinfo(jnp.int32).max
@@ -67,16 +67,17 @@ def select_topk(score: jax.Array, valid: jax.Array, topk: int) -> jax.Array:
 
 
 def indexer_scores(q: jax.Array, k: jax.Array, weights: jax.Array, *, q_pos: jax.Array,
-                   kv_len: jax.Array, kv_start: jax.Array | None = None,
-                   q_chunk: int | None = None) -> jax.Array:
-    """Indexer scores, chunked over queries.
+                   kv_len: jax.Array, kv_start: jax.Array | None = None, config: XlaConfig = XlaConfig(),
+                   interpret: bool = False) -> jax.Array:
+    """Indexer scores, chunked over queries (`config.q_chunk` queries at a time).
 
     q [B, S, H, D], k [B, T, D], weights float32 [B, S, H], q_pos int32 [B, S], kv_len int32 [B]
     kv_start int32 [B, S] or None (0)
     -> float32 [B, S, T]: sum_h weights * relu(q . k) where kv_start <= t <= q_pos and
-    t < kv_len, else -inf."""
+    t < kv_len, else -inf. interpret: the registry's uniform argument (no Pallas here)."""
+    del interpret
     batch, seq_len, num_heads, _ = q.shape
-    chunk = choose_q_chunk(seq_len, _bytes_per_query(batch, num_heads, k.shape[1]), q_chunk)
+    chunk = choose_q_chunk(seq_len, _bytes_per_query(batch, num_heads, k.shape[1]), config.q_chunk)
 
     def body(q_c, w_c, pos_c, start_c):
         score, valid = _chunk_scores(q_c, w_c, pos_c, start_c, k, kv_len)
@@ -87,16 +88,18 @@ def indexer_scores(q: jax.Array, k: jax.Array, weights: jax.Array, *, q_pos: jax
 
 
 def indexer_topk(q: jax.Array, k: jax.Array, weights: jax.Array, *, topk: int, q_pos: jax.Array,
-                 kv_len: jax.Array, kv_start: jax.Array | None = None,
-                 q_chunk: int | None = None) -> jax.Array:
+                 kv_len: jax.Array, kv_start: jax.Array | None = None, config: XlaConfig = XlaConfig(),
+                 interpret: bool = False) -> jax.Array:
     """Top-k keys per query, chunked over queries (see `select_topk` for the selection).
 
     q [B, S, H, D], k [B, T, D], weights float32 [B, S, H], q_pos int32 [B, S], kv_len int32 [B]
-    -> int32 [B, S, topk], ordered by descending score then ascending t, -1 padded."""
+    -> int32 [B, S, topk], ordered by descending score then ascending t, -1 padded.
+    config, interpret: as in `indexer_scores`."""
+    del interpret
     topk = check_topk(topk)
     batch, seq_len, num_heads, _ = q.shape
     num_keys = k.shape[1]
-    chunk = choose_q_chunk(seq_len, _bytes_per_query(batch, num_heads, num_keys), q_chunk)
+    chunk = choose_q_chunk(seq_len, _bytes_per_query(batch, num_heads, num_keys), config.q_chunk)
 
     def body(q_c, w_c, pos_c, start_c):
         score, valid = _chunk_scores(q_c, w_c, pos_c, start_c, k, kv_len)

@@ -1,0 +1,114 @@
+"""The one table of kernel implementations: `REGISTRY[op][impl]`.
+
+Everything that lists implementations derives from it: `resolve_impl` (the valid names of an
+op and what "auto" picks), `impl_choices` (command-line choices), the config check of the
+public ops, and the contract tests (tests/test_kernel_contract.py runs every entry against
+the op's "reference"). Adding an implementation is one entry here plus its config dataclass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable
+
+import jax
+
+from pallas_kernels import attention, dense, indexer
+from pallas_kernels._common import NoConfig, XlaConfig
+
+#: The name that picks an implementation by backend.
+AUTO = "auto"
+#: What "auto" picks where the backend has no implementation of its own.
+FALLBACK = "xla"
+
+
+@dataclasses.dataclass(frozen=True)
+class Implementation:
+    """One implementation of an op.
+
+    fn: takes the op's arguments (those of the public function, but `impl`) and the keyword
+      arguments `config` (an instance of `config`) and `interpret`.
+    config: its tuning knobs, a frozen dataclass whose fields all have defaults.
+    platform: the jax backend ("tpu", "gpu") on which "auto" picks it; None: a portable one.
+    interpretable: whether it runs on a CPU (plain jnp, or Pallas with interpret=True); a
+      vendor library (cuDNN) runs only on its platform."""
+
+    fn: Callable
+    config: type
+    platform: str | None = None
+    interpretable: bool = True
+
+
+REGISTRY: dict[str, dict[str, Implementation]] = {
+    "indexer_scores": {
+        "reference": Implementation(indexer.reference.indexer_scores, NoConfig),
+        "xla": Implementation(indexer.xla.indexer_scores, XlaConfig),
+        "pallas_tpu": Implementation(functools.partial(indexer.pallas_ops.indexer_scores, scores_fn=indexer.tpu.scores),
+                                     indexer.tpu.IndexerTpuConfig, "tpu"),
+        "pallas_gpu": Implementation(functools.partial(indexer.pallas_ops.indexer_scores, scores_fn=indexer.gpu.scores),
+                                     indexer.gpu.IndexerGpuConfig, "gpu"),
+    },
+    "indexer_topk": {
+        "reference": Implementation(indexer.reference.indexer_topk, NoConfig),
+        "xla": Implementation(indexer.xla.indexer_topk, XlaConfig),
+        "pallas_tpu": Implementation(indexer.tpu.indexer_topk, indexer.tpu.IndexerTpuConfig, "tpu"),
+        "pallas_gpu": Implementation(indexer.gpu.indexer_topk, indexer.gpu.IndexerGpuConfig, "gpu"),
+    },
+    "sparse_mla": {
+        "reference": Implementation(attention.reference.sparse_mla, NoConfig),
+        "xla": Implementation(attention.xla.sparse_mla, XlaConfig),
+        "pallas_tpu": Implementation(attention.tpu.sparse_mla, attention.tpu.SparseMLATpuConfig, "tpu"),
+        "pallas_gpu": Implementation(attention.gpu.sparse_mla, attention.gpu.SparseMLAGpuConfig, "gpu"),
+    },
+    "causal_attention": {
+        "reference": Implementation(dense.reference.causal_attention, NoConfig),
+        "xla": Implementation(dense.xla.causal_attention, NoConfig),
+        "cudnn": Implementation(dense.cudnn.causal_attention, NoConfig, "gpu", interpretable=False),
+    },
+}
+
+
+def _entries(op: str) -> dict[str, Implementation]:
+    try:
+        return REGISTRY[op]
+    except KeyError:
+        raise ValueError(f"pallas_kernels: unknown op {op!r}; the ops are {', '.join(REGISTRY)}") from None
+
+
+def impl_choices(op: str) -> tuple[str, ...]:
+    """Every valid `impl` of op: "auto", then its implementations in registry order (for
+    command-line choices)."""
+    return (AUTO,) + tuple(_entries(op))
+
+
+def resolve_impl(op: str, impl: str) -> str:
+    """The implementation `impl` names for op: itself, or for "auto" the first one whose platform
+    is the current backend, else FALLBACK. Raises ValueError listing the valid choices for a
+    name the op does not have."""
+    entries = _entries(op)
+    if impl == AUTO:
+        backend = jax.default_backend()
+        return next((name for name, entry in entries.items() if entry.platform == backend), FALLBACK)
+    if not isinstance(impl, str) or impl not in entries:
+        choices = ", ".join(repr(c) for c in impl_choices(op))
+        raise ValueError(f"pallas_kernels.{op}: unknown impl {impl!r}; valid choices are {choices}")
+    return impl
+
+
+def select(op: str, impl: str, config, interpret: bool):
+    """-> (the Implementation that `impl` names for op, its config: `config`, or the default one
+    when None). Raises ValueError for a config of another implementation, and for interpret=True
+    with an implementation that cannot run on a CPU."""
+    name = resolve_impl(op, impl)
+    entry = REGISTRY[op][name]
+    if config is None:
+        config = entry.config()
+    elif type(config) is not entry.config:
+        via = f" ({AUTO!r} resolved to {name!r} here)" if impl == AUTO else ""
+        raise ValueError(f"pallas_kernels.{op}: impl={name!r}{via} takes config={entry.config.__name__}(...), "
+                         f"got {type(config).__name__}; pass the config of the implementation you name")
+    if interpret and not entry.interpretable:
+        raise ValueError(f"pallas_kernels.{op}: impl={name!r} has no interpret mode; it runs only on "
+                         f"{entry.platform}")
+    return entry, config

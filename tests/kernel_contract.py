@@ -1,0 +1,339 @@
+"""The contract every kernel implementation is held to, for `tests/test_kernel_contract.py` (every
+registered implementation with its default config) and the kernel files' config tests.
+
+* `impl_params(op)`: one pytest parameter per entry of `pallas_kernels.REGISTRY[op]`, so a new
+  implementation is tested by adding its registry entry. Pallas implementations run in
+  interpret mode off their own backend; one that cannot run here (cuDNN off a GPU) is skipped.
+* float64 numpy oracles written from the contracts (`np_*`), independent of every
+  implementation, the reference included: forward values and analytic gradients.
+* `check_*`: call an op with (impl, config) on given inputs and assert its contract.
+
+Indexer inputs are small integers, so every float32 score is exact whatever the summation
+order: scores and indices are compared for equality and ties are plentiful.
+
+On a GPU, run these with JAX_DEFAULT_MATMUL_PRECISION=highest (and JAX_PLATFORMS=cuda,cpu, for
+the TPU interpreter): the float32 tolerances assume float32 matmuls, which GPUs run in TF32 by
+default.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_kernels as pk
+
+#: The static keyword arguments of each op (jitted once per value).
+STATIC = {"indexer_scores": (), "indexer_topk": ("topk",), "sparse_mla": ("sm_scale", "v_dim"),
+          "causal_attention": ("scale",)}
+_OPS = {op: jax.jit(getattr(pk, op), static_argnames=STATIC[op] + ("impl", "config", "interpret"))
+        for op in pk.REGISTRY}
+
+
+def runs_here(op: str, impl: str) -> bool:
+    entry = pk.REGISTRY[op][impl]
+    return entry.interpretable or entry.platform == jax.default_backend()
+
+
+def impl_params(op: str, *, exclude: tuple[str, ...] = ()):
+    """pytest parameters: every registered implementation of op (but `exclude`), skipped where
+    it cannot run."""
+    return [pytest.param(impl, id=impl, marks=() if runs_here(op, impl) else pytest.mark.skip(
+        reason=f"{impl} runs only on {pk.REGISTRY[op][impl].platform}"))
+        for impl in pk.REGISTRY[op] if impl not in exclude]
+
+
+def call(op: str, impl: str, *args, config=None, **kwargs):
+    """The public op, jitted, with `impl` and `config`; a Pallas impl off its backend interpreted."""
+    entry = pk.REGISTRY[op][impl]
+    interpret = entry.platform is not None and entry.platform != jax.default_backend()
+    return _OPS[op](*args, impl=impl, config=config, interpret=interpret, **kwargs)
+
+
+def f64(x) -> np.ndarray:
+    return np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+
+
+# ----------------------------------------------------------------------------- indexer
+
+
+def int_inputs(rng, B, S, T, H, D, *, lim=3, neg_weights=True, dtype=jnp.float32):
+    """Integer-valued q [B, S, H, D], k [B, T, D] in [-lim, lim] and weights f32 [B, S, H]."""
+    q = jnp.asarray(rng.integers(-lim, lim + 1, (B, S, H, D)), dtype)
+    k = jnp.asarray(rng.integers(-lim, lim + 1, (B, T, D)), dtype)
+    w = jnp.asarray(rng.integers(-2 if neg_weights else 1, 4, (B, S, H)), jnp.float32)
+    return q, k, w
+
+
+def positions(rng, B, S, T, mode):
+    """(q_pos int32 [B, S], kv_len int32 [B]) of a serving situation: "prefill" (causal from 0,
+    ragged kv_len), "offset" (chunked prefill / decode at an offset into the cache) or "random"
+    (random positions; queries that see nothing (-1) or one key, ragged kv_len)."""
+    if mode == "prefill":
+        q_pos = np.tile(np.arange(S), (B, 1))
+        kv_len = rng.integers(0, T + 1, B)
+        kv_len[0] = T
+    elif mode == "offset":
+        off = rng.integers(0, max(T - S, 0) + 1, B)
+        q_pos = off[:, None] + np.arange(S)[None]
+        kv_len = np.minimum(off + S, T)
+    else:
+        q_pos = rng.integers(-1, T + 2, (B, S))
+        q_pos[:, 0] = -1
+        q_pos[:, -1] = 0
+        kv_len = rng.integers(0, T + 1, B)
+    return jnp.asarray(q_pos, jnp.int32), jnp.asarray(kv_len, jnp.int32)
+
+
+def doc_starts(rng, q_pos):
+    """Packed documents: each query's first valid key, somewhere at or before it."""
+    pos = np.asarray(q_pos)
+    return jnp.asarray(np.where(rng.random(pos.shape) < 0.3, 0, rng.integers(0, np.maximum(pos, 0) + 1)),
+                       jnp.int32)
+
+
+def np_key_mask(q_pos, kv_len, T, kv_start=None) -> np.ndarray:
+    t = np.arange(T)[None, None, :]
+    valid = (t <= np.asarray(q_pos)[..., None]) & (t < np.asarray(kv_len)[:, None, None])
+    if kv_start is not None:
+        valid &= t >= np.asarray(kv_start)[..., None]
+    return valid
+
+
+def np_scores(q, k, w, q_pos, kv_len, kv_start=None) -> np.ndarray:
+    """float64 [B, S, T]: sum_h w * relu(q . k) where kv_start <= t <= q_pos, t < kv_len; -inf else."""
+    logits = np.einsum("bshd,btd->bsht", f64(q), f64(k))
+    score = np.sum(np.maximum(logits, 0.0) * f64(w)[..., None], axis=2)
+    return np.where(np_key_mask(q_pos, kv_len, k.shape[1], kv_start), score, -np.inf)
+
+
+def np_topk(scores: np.ndarray, topk: int) -> np.ndarray:
+    """int32 [..., topk]: each row's valid t by descending score, then ascending t; -1 after."""
+    rows = scores.reshape(-1, scores.shape[-1])
+    out = np.full((rows.shape[0], topk), -1, np.int32)
+    for r, row in enumerate(rows):
+        valid = np.flatnonzero(np.isfinite(row))
+        order = valid[np.lexsort((valid, -row[valid]))][:topk]
+        out[r, :order.size] = order
+    return out.reshape(scores.shape[:-1] + (topk,))
+
+
+def np_scores_grads(q, k, w, q_pos, kv_len, kv_start, g):
+    """(dq, dk, dw) of sum(g * scores) over the valid scores (g float64 [B, S, T])."""
+    q, k, w = f64(q), f64(k), f64(w)
+    g = np.where(np_key_mask(q_pos, kv_len, k.shape[1], kv_start), g, 0.0)
+    logits = np.einsum("bshd,btd->bsht", q, k)
+    active = (logits > 0) * w[..., None] * g[:, :, None, :]              # [B, S, H, T]
+    dq = np.einsum("bsht,btd->bshd", active, k)
+    dk = np.einsum("bsht,bshd->btd", active, q)
+    dw = np.einsum("bst,bsht->bsh", g, np.maximum(logits, 0.0))
+    return dq, dk, dw
+
+
+def check_topk(impl, q, k, w, *, topk, q_pos, kv_len, kv_start=None, config=None) -> np.ndarray:
+    """indexer_topk equals the brute force on integer inputs (dtype, shape, every slot); -> it."""
+    got = call("indexer_topk", impl, q, k, w, topk=topk, q_pos=q_pos, kv_len=kv_len, kv_start=kv_start,
+               config=config)
+    assert got.dtype == jnp.int32 and got.shape == q.shape[:2] + (topk,)
+    want = np_topk(np_scores(q, k, w, q_pos, kv_len, kv_start), topk)
+    np.testing.assert_array_equal(np.asarray(got), want, err_msg=f"{impl} top-{topk}")
+    return want
+
+
+def check_scores(impl, q, k, w, *, q_pos, kv_len, kv_start=None, config=None, exact=True):
+    """indexer_scores: float32 [B, S, T], -inf exactly where masked, the values of the oracle
+    (exactly on integer inputs)."""
+    got = call("indexer_scores", impl, q, k, w, q_pos=q_pos, kv_len=kv_len, kv_start=kv_start, config=config)
+    assert got.dtype == jnp.float32 and got.shape == q.shape[:2] + k.shape[1:2]
+    want = np_scores(q, k, w, q_pos, kv_len, kv_start)
+    got = np.asarray(got)
+    np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want))
+    if exact:
+        np.testing.assert_array_equal(got, want)
+    else:
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- sparse MLA
+
+
+def sparse_inputs(seed, B, S, T, K, H, Dk, dtype=jnp.float32):
+    """q [B, S, H, Dk], kv [B, T, Dk] normal; indices int32 [B, S, K], distinct per row, with
+    scattered -1, a row with no valid index (0, 0), and when S > 1 a row with trailing -1 and
+    out-of-range entries T + 3, T + 5 (B - 1, 1) and one with a duplicated index (0, S - 1);
+    K > T pads with -1."""
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.normal(size=(B, S, H, Dk)), dtype)
+    kv = jnp.asarray(rng.normal(size=(B, T, Dk)), dtype)
+    idx = np.full((B, S, K), -1, np.int32)
+    for b in range(B):
+        for s in range(S):
+            row = rng.permutation(T)[:K]
+            idx[b, s, :row.size] = row
+    idx[rng.random(idx.shape) < 0.25] = -1
+    idx[0, 0, :] = -1
+    if S > 1:
+        idx[-1, 1, K // 2:] = -1
+        idx[-1, 1, 0] = T + 3
+        idx[-1, 1, -1] = T + 5
+        idx[0, -1, :3] = [1, 1, 2]
+    return q, kv, jnp.asarray(idx)
+
+
+def duplicated_rows(indices, num_keys) -> np.ndarray:
+    """bool [B, S]: rows that list a valid index twice (how duplicates count is unspecified)."""
+    idx = np.sort(np.where((np.asarray(indices) >= 0) & (np.asarray(indices) < num_keys), indices, -1), axis=-1)
+    return np.any((idx[..., 1:] == idx[..., :-1]) & (idx[..., 1:] >= 0), axis=-1)
+
+
+def np_sparse_mla(q, kv, indices, sm_scale, v_dim, cot=None, c_lse=None):
+    """float64 (out [B, S, H, v_dim], lse [B, S, H]) over the valid selected rows (duplicates once);
+    with cot [B, S, H, v_dim] and c_lse [B, S, H] also (dq, dkv) of
+    sum(out * cot) + sum(lse * c_lse) over the rows with a valid index."""
+    q, kv, idx = f64(q), f64(kv), np.asarray(indices)
+    B, S, _, _ = q.shape
+    T = kv.shape[1]
+    sel = np.zeros((B, S, T), bool)
+    b, s, j = np.nonzero((idx >= 0) & (idx < T))
+    sel[b, s, idx[b, s, j]] = True
+    logits = np.where(sel[:, :, None], np.einsum("bshd,btd->bsht", q, kv) * sm_scale, -np.inf)
+    m = np.max(logits, axis=-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0.0)
+    e = np.exp(logits - m)
+    denom = e.sum(-1, keepdims=True)
+    p = e / np.where(denom > 0, denom, 1.0)
+    out = np.einsum("bsht,btd->bshd", p, kv[..., :v_dim])
+    lse = np.where(denom[..., 0] > 0, m[..., 0] + np.log(np.where(denom[..., 0] > 0, denom[..., 0], 1.0)), -np.inf)
+    if cot is None:
+        return out, lse
+    cot, c_lse = f64(cot), np.where(np.isfinite(lse), f64(c_lse), 0.0)
+    dp = np.einsum("bshd,btd->bsht", cot, kv[..., :v_dim])
+    dlogits = p * (dp - np.sum(cot * out, -1, keepdims=True) + c_lse[..., None]) * sm_scale
+    dq = np.einsum("bsht,btd->bshd", dlogits, kv)
+    dkv = np.einsum("bsht,bshd->btd", dlogits, q)
+    dkv[..., :v_dim] += np.einsum("bsht,bshd->btd", p, cot)
+    return out, lse, dq, dkv
+
+
+def assert_lse(lse, want):
+    lse = np.asarray(lse)
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want))
+    fin = np.isfinite(want)
+    np.testing.assert_allclose(np.where(fin, lse, 0), np.where(fin, want, 0), rtol=1e-5, atol=1e-5)
+
+
+def check_sparse_mla(impl, q, kv, idx, *, sm_scale, v_dim, config=None, gradients=True, tol=1e-5):
+    """sparse_mla: out [B, S, H, v_dim] in q.dtype and lse f32 [B, S, H] equal the oracle; rows
+    with no valid index give out 0 and lse -inf; rows with a duplicated index are only finite.
+    With `gradients`, dq and dkv of a loss of out and lse are finite, equal the oracle's when
+    the rows with duplicates do not count, and dq is exactly 0 on the rows with no valid index."""
+    out, lse = call("sparse_mla", impl, q, kv, idx, sm_scale=sm_scale, v_dim=v_dim, config=config)
+    assert out.shape == q.shape[:3] + (v_dim,) and out.dtype == q.dtype
+    assert lse.shape == q.shape[:3] and lse.dtype == jnp.float32
+    out, lse = f64(out), np.asarray(lse)
+    dup = duplicated_rows(idx, kv.shape[1])
+    assert np.isfinite(out).all() and np.isfinite(lse[dup]).all()
+    want_out, want_lse = np_sparse_mla(q, kv, idx, sm_scale, v_dim)
+    np.testing.assert_allclose(out[~dup], want_out[~dup], rtol=tol, atol=tol)
+    assert_lse(lse[~dup], want_lse[~dup])
+    empty = ~np.any((np.asarray(idx) >= 0) & (np.asarray(idx) < kv.shape[1]), axis=-1)   # [B, S]
+    assert empty.any()
+    assert (out[empty] == 0).all() and np.isneginf(lse[empty]).all()
+    if not gradients:
+        return
+    rng = np.random.default_rng(q.shape[1] * 7 + idx.shape[-1])
+    cot = jnp.asarray(rng.normal(size=out.shape), jnp.float32)
+    c_lse = jnp.asarray(rng.normal(size=lse.shape), jnp.float32)
+
+    def loss(q, kv, cot, c_lse):
+        out, lse = call("sparse_mla", impl, q, kv, idx, sm_scale=sm_scale, v_dim=v_dim, config=config)
+        return jnp.sum(out.astype(jnp.float32) * cot) + jnp.sum(jnp.where(jnp.isfinite(lse), lse * c_lse, 0.0))
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1)))
+    assert all(np.isfinite(f64(g)).all() for g in grad(q, kv, cot, c_lse))
+    keep = ~dup[..., None]                                       # the duplicates' cotangents 0
+    cot, c_lse = cot * keep[..., None], c_lse * keep
+    dq, dkv = grad(q, kv, cot, c_lse)
+    _, _, want_dq, want_dkv = np_sparse_mla(q, kv, idx, sm_scale, v_dim, cot, c_lse)
+    for got, want in ((dq, want_dq), (dkv, want_dkv)):
+        np.testing.assert_allclose(f64(got), want, rtol=4 * tol, atol=4 * tol)
+    assert (np.asarray(dq)[empty] == 0).all()
+
+
+# ----------------------------------------------------------------------------- causal attention
+
+
+def packed_documents(rng, B, S):
+    """Documents packed into each row: (segment ids int32 [B, S], mask bool [B, S, S] of
+    same-document pairs, segments (offsets int32 [B, M + 1], lengths int32 [B, M]))."""
+    ids = np.zeros((B, S), np.int32)
+    offsets, lengths = [], []
+    for b in range(B):
+        cuts = np.sort(rng.choice(np.arange(1, S), size=rng.integers(1, 4), replace=False))
+        starts = np.concatenate([[0], cuts])
+        ends = np.concatenate([cuts, [S]])
+        for m, (a, e) in enumerate(zip(starts, ends)):
+            ids[b, a:e] = m
+        offsets.append(starts)
+        lengths.append(ends - starts)
+    M = max(len(x) for x in offsets) + 1
+    off = np.full((B, M + 1), -1, np.int32)
+    lens = np.full((B, M), -1, np.int32)
+    for b in range(B):
+        off[b, :len(offsets[b])] = offsets[b]
+        lens[b, :len(lengths[b])] = lengths[b]
+    mask = ids[:, :, None] == ids[:, None, :]
+    return jnp.asarray(mask), (jnp.asarray(off), jnp.asarray(lens))
+
+
+def np_causal(q, k, v, scale, visible, cot=None):
+    """float64 out [B, S, N, d] of causal attention over `visible` [B, S, S] (rows with no
+    visible key: 0); with cot also (dq, dk, dv) of sum(out * cot)."""
+    q, k, v = f64(q), f64(k), f64(v)
+    logits = np.where(visible[:, None], np.einsum("bsnd,btnd->bnst", q, k) * scale, -np.inf)
+    m = np.max(logits, -1, keepdims=True)
+    e = np.exp(logits - np.where(np.isfinite(m), m, 0.0))
+    p = e / np.maximum(e.sum(-1, keepdims=True), 1e-300)
+    out = np.einsum("bnst,btnd->bsnd", p, v)
+    if cot is None:
+        return out
+    cot = f64(cot)
+    dp = np.einsum("bsnd,btnd->bnst", cot, v)
+    dlogits = p * (dp - np.einsum("bsnd,bsnd->bns", cot, out)[..., None]) * scale
+    dq = np.einsum("bnst,btnd->bsnd", dlogits, k)
+    dk = np.einsum("bnst,bsnd->btnd", dlogits, q)
+    dv = np.einsum("bnst,bsnd->btnd", p, cot)
+    return out, dq, dk, dv
+
+
+def np_visible(S, kv_len, mask) -> np.ndarray:
+    t = np.arange(S)
+    visible = np.broadcast_to(t[None, None, :] <= t[None, :, None], (len(kv_len), S, S))
+    visible = visible & (t[None, None, :] < np.asarray(kv_len)[:, None, None])
+    return visible if mask is None else visible & np.asarray(mask)
+
+
+def check_causal_attention(impl, q, k, v, *, scale, kv_len, mask, segments, documents, config=None,
+                           gradients=True, tol=2e-2):
+    """causal_attention: [B, S, N, d] in q.dtype equal to the oracle on every row s < kv_len
+    (`documents`: the mask that mask / segments stand for, or None); with `gradients`, dq, dk, dv
+    of sum(out * cot) over those rows equal the oracle's. `tol` relative to the largest value."""
+    B, S = q.shape[:2]
+    rows = np.arange(S)[None, :] < np.asarray(kv_len)[:, None]                   # [B, S]
+    visible = np_visible(S, kv_len, documents)
+    kw = dict(scale=scale, kv_len=kv_len, mask=mask, segments=segments, config=config)
+    out = call("causal_attention", impl, q, k, v, **kw)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    want = np_causal(q, k, v, scale, visible)
+    close = lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=tol * max(np.abs(b).max(), 1e-6))
+    close(np.where(rows[..., None, None], f64(out), 0), np.where(rows[..., None, None], want, 0))
+    if not gradients:
+        return
+    cot = jnp.asarray(np.random.default_rng(S).normal(size=q.shape) * rows[..., None, None], jnp.float32)
+    loss = lambda q, k, v: jnp.sum(call("causal_attention", impl, q, k, v, **kw).astype(jnp.float32) * cot)
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    for got, want in zip(grads, np_causal(q, k, v, scale, visible, cot)[1:]):
+        close(f64(got), want)
+
