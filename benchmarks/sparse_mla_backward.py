@@ -52,13 +52,16 @@ def rel(a, b):
 
 
 def impls(interpret, heads, bwd_cfg):
-    """name -> sparse_mla(q, kv, idx) -> (out, lse). "pallas_gpu ...": the current kernel
-    (`pk.sparse_mla(impl="pallas_gpu")` is `attention.gpu.sparse_mla`) with each dkv_mode."""
+    """name -> sparse_mla(q, kv, idx) -> (out, lse). "pallas_gpu ...": the older
+    backward of `attention.gpu.sparse_mla` (dkv_mode "atomic" and "scatter"); "new" is this
+    backward, which `pk.sparse_mla(impl="pallas_gpu")` now takes by default ("sorted")."""
     common = dict(sm_scale=SCALE, v_dim=DV, interpret=interpret)
     out = {
         "new": lambda q, kv, i: gb.sparse_mla(q, kv, i, **common, **bwd_cfg),
-        "pallas_gpu atomic": lambda q, kv, i: gpu.sparse_mla(q, kv, i, dkv_mode="atomic", **common),
-        "pallas_gpu scatter": lambda q, kv, i: gpu.sparse_mla(q, kv, i, dkv_mode="scatter", **common),
+        "pallas_gpu atomic": lambda q, kv, i: gpu.sparse_mla(q, kv, i, config=gpu.SparseMLAGpuConfig(
+            dkv_mode="atomic"), **common),
+        "pallas_gpu scatter": lambda q, kv, i: gpu.sparse_mla(q, kv, i, config=gpu.SparseMLAGpuConfig(
+            dkv_mode="scatter"), **common),
         "xla": lambda q, kv, i: pk.sparse_mla(q, kv, i, impl="xla", sm_scale=SCALE, v_dim=DV),
     }
     return out

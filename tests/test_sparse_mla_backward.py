@@ -10,6 +10,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
+from kernel_contract import sparse_inputs
 from pallas_kernels.attention import gpu_backward as gb
 from pallas_kernels.attention import reference
 from pallas_kernels.attention import transpose as tr
@@ -19,17 +20,13 @@ SCALE = 0.125
 
 
 def _inputs(seed, B, S, K, dtype=jnp.float32):
-    rng = np.random.default_rng(seed)
-    q = jnp.asarray(rng.normal(size=(B, S, H, DK)), dtype)
-    kv = jnp.asarray(rng.normal(size=(B, T, DK)), dtype)
-    idx = np.stack([np.stack([rng.permutation(T)[:K] for _ in range(S)]) for _ in range(B)])
-    idx = idx.astype(np.int32)
-    idx[rng.random(idx.shape) < 0.25] = -1                   # scattered padding
-    idx[0, 0, :] = -1                                        # a row with no valid index
-    idx[-1, -1, K // 2:] = -1                                # trailing padding
-    idx[-1, -1, 0] = T + 3                                   # out of range counts as skip
-    dout = jnp.asarray(rng.normal(size=(B, S, H, DV)), jnp.float32)
-    return q, kv, jnp.asarray(idx), dout
+    """The contract's sparse inputs (padding, an empty row, out-of-range entries) without its
+    duplicated index (how a duplicate counts is unspecified), and a cotangent of the output."""
+    q, kv, idx = sparse_inputs(seed, B=B, S=S, T=T, K=K, H=H, Dk=DK, dtype=dtype)
+    if S > 1:
+        idx = idx.at[0, -1, :3].set(-1)
+    dout = jnp.asarray(np.random.default_rng(seed + 1).normal(size=(B, S, H, DV)), jnp.float32)
+    return q, kv, idx, dout
 
 
 def _vjp(fn, q, kv, idx, dout):

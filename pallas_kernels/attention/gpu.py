@@ -15,16 +15,14 @@ chunks of [0, v_dim). When B*S programs are too few to fill the GPU (decode), th
 are split over `num_splits` programs per query, each writing a partial (out, lse), merged
 by a log-sum-exp in XLA.
 
-Backward: one program per (query, group of heads) recomputes p = exp(s - lse) per block and
-writes dq. Its dkv contributions ([block_k, Dk] per step) are either added atomically into a
-float32 dkv in global memory (`dkv_mode="atomic"`: no per-(query, slot) intermediate, and dkv
-summed in an order that varies from run to run, as XLA's own scatter-add on a GPU does), or
-written per (query, slot) for `vjp.backward` to scatter-add (`dkv_mode="scatter"`). "auto"
-takes atomic when all heads fit one backward program (<= bwd_head_group, 32 by default) and scatter
-when they take several (64 heads: each program would add its rows once more; measured on an
-H200 at 8K queries, the atomic backward took 220 ms against the scatter one's 142 ms, while at
-16 heads and 64K queries the atomic one made a training step 1.8x faster than XLA's
-scatter-add - docs/kernels-sparse-mla.md).
+Backward (`dkv_mode`). "sorted" (the default, "auto"): `gpu_backward` - per-query kernels
+write each (query, selected row) gradient at its place in a key-sorted list
+(`transpose.transpose_index`), and one program per latent row sums its run in a fixed order:
+no atomics, bitwise-repeatable gradients, and on an H200 3.4x (64 heads, 8K queries) to 4.1x
+(16 heads, 64K queries) faster than the modes below (docs/kernels-sparse-mla.md). The older
+kernel, one program per (query, group of heads) writing dq, stays selectable: its dkv rows are
+added atomically into a float32 dkv ("atomic": the order of the sum varies from run to run) or
+written per (query, slot) for `vjp.backward` to scatter-add in XLA ("scatter").
 """
 
 from __future__ import annotations
@@ -40,7 +38,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import check_positive_fields
-from pallas_kernels.attention import vjp
+from pallas_kernels.attention import gpu_backward, vjp
 
 #: Rows per loop step of the forward and the backward for 2-byte inputs (halved for 4-byte).
 #: Sized for Hopper's 227 KiB of shared memory at 64 heads x 576: the forward keeps q
@@ -52,7 +50,7 @@ DEFAULT_BWD_BLOCK_K = 16
 #: Programs the forward aims for (about two waves of an H100/H200's 132 SMs).
 TARGET_PROGRAMS = 264
 #: How the backward adds up the latent rows' gradient (module docstring).
-DKV_MODES = ("auto", "atomic", "scatter")
+DKV_MODES = ("auto", "sorted", "atomic", "scatter")
 
 
 def pow2_chunks(start: int, stop: int) -> list[tuple[int, int]]:
@@ -301,6 +299,9 @@ def _op(sm_scale, v_dim, block_k, splits, num_warps, num_stages, bwd_block_k, bw
                         block_k=block_k, splits=splits, num_warps=num_warps,
                         num_stages=num_stages, interpret=interpret)
 
+    if dkv_mode == "sorted":
+        bwd = functools.partial(gpu_backward.backward, sm_scale=sm_scale, v_dim=v_dim, interpret=interpret)
+        return vjp.make_sparse_mla(fwd, bwd, bwd_adds_dkv=True)
     bwd = functools.partial(_backward, sm_scale=sm_scale, v_dim=v_dim, block_k=bwd_block_k,
                             num_warps=num_warps, num_stages=bwd_num_stages,
                             head_group=bwd_head_group, atomic=dkv_mode == "atomic",
@@ -326,9 +327,10 @@ class SparseMLAGpuConfig:
       `default_splits`).
     num_warps, num_stages, bwd_num_stages: Triton settings.
     bwd_head_group: heads per backward program (a power of two).
-    dkv_mode: "atomic" (each backward program adds its rows' gradient into a float32 dkv),
-      "scatter" (per-slot contributions, scatter-added in XLA) or "auto" (atomic when the heads
-      fit one backward program, else scatter)."""
+    dkv_mode: "sorted" (the deterministic backward of `gpu_backward`; what "auto" takes),
+      "atomic" (the per-(query, head group) backward adding its rows' gradient into a float32
+      dkv) or "scatter" (per-slot contributions, scatter-added in XLA). bwd_block_k,
+      bwd_num_stages and bwd_head_group tune "atomic" and "scatter"."""
 
     block_k: int | None = None
     num_splits: int | None = None
@@ -367,10 +369,7 @@ def sparse_mla(q: jax.Array, kv: jax.Array, indices: jax.Array, *, sm_scale: flo
     idx = jnp.asarray(indices, jnp.int32)
     if padded != topk:
         idx = jnp.pad(idx, ((0, 0), (0, 0), (0, padded - topk)), constant_values=-1)
-    dkv_mode = c.dkv_mode
-    if dkv_mode == "auto":
-        one_program = max(16, _next_pow2(q.shape[2])) <= c.bwd_head_group
-        dkv_mode = "atomic" if one_program else "scatter"
+    dkv_mode = "sorted" if c.dkv_mode == "auto" else c.dkv_mode
     op = _op(float(sm_scale), int(v_dim), bk, splits, c.num_warps, c.num_stages, bbk, c.bwd_num_stages,
              c.bwd_head_group, dkv_mode, bool(interpret))
     return op(q, kv, idx)
