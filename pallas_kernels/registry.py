@@ -40,14 +40,17 @@ class Implementation:
     interpretable: bool = True
 
 
+def _pallas_scores(scores_fn: Callable) -> Callable:
+    """The differentiable `indexer_scores` of a backend's Pallas scores kernel."""
+    return functools.partial(indexer.pallas_ops.indexer_scores, scores_fn=scores_fn)
+
+
 REGISTRY: dict[str, dict[str, Implementation]] = {
     "indexer_scores": {
         "reference": Implementation(indexer.reference.indexer_scores, NoConfig),
         "xla": Implementation(indexer.xla.indexer_scores, XlaConfig),
-        "pallas_tpu": Implementation(functools.partial(indexer.pallas_ops.indexer_scores, scores_fn=indexer.tpu.scores),
-                                     indexer.tpu.IndexerTpuConfig, "tpu"),
-        "pallas_gpu": Implementation(functools.partial(indexer.pallas_ops.indexer_scores, scores_fn=indexer.gpu.scores),
-                                     indexer.gpu.IndexerGpuConfig, "gpu"),
+        "pallas_tpu": Implementation(_pallas_scores(indexer.tpu.scores), indexer.tpu.IndexerTpuConfig, "tpu"),
+        "pallas_gpu": Implementation(_pallas_scores(indexer.gpu.scores), indexer.gpu.IndexerGpuConfig, "gpu"),
     },
     "indexer_topk": {
         "reference": Implementation(indexer.reference.indexer_topk, NoConfig),
