@@ -3,7 +3,8 @@
 Everything that lists implementations derives from it: `resolve_impl` (the valid names of an
 op and what "auto" picks), `impl_choices` (command-line choices), the config check of the
 public ops, and the contract tests (tests/test_kernel_contract.py runs every entry against
-the op's "reference"). Adding an implementation is one entry here plus its config dataclass.
+numpy oracles of the contracts). Adding an implementation is one entry here plus its config
+dataclass (docs/kernels.md).
 """
 
 from __future__ import annotations
