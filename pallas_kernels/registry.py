@@ -3,7 +3,8 @@
 Everything that lists implementations derives from it: `resolve_impl` (the valid names of an
 op and what "auto" picks), `impl_choices` (command-line choices), the config check of the
 public ops, and the contract tests (tests/test_kernel_contract.py runs every entry against
-the op's "reference"). Adding an implementation is one entry here plus its config dataclass.
+numpy oracles of the contracts). Adding an implementation is one entry here plus its config
+dataclass (docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -40,14 +41,17 @@ class Implementation:
     interpretable: bool = True
 
 
+def _pallas_scores(scores_fn: Callable) -> Callable:
+    """The differentiable `indexer_scores` of a backend's Pallas scores kernel."""
+    return functools.partial(indexer.pallas_ops.indexer_scores, scores_fn=scores_fn)
+
+
 REGISTRY: dict[str, dict[str, Implementation]] = {
     "indexer_scores": {
         "reference": Implementation(indexer.reference.indexer_scores, NoConfig),
         "xla": Implementation(indexer.xla.indexer_scores, XlaConfig),
-        "pallas_tpu": Implementation(functools.partial(indexer.pallas_ops.indexer_scores, scores_fn=indexer.tpu.scores),
-                                     indexer.tpu.IndexerTpuConfig, "tpu"),
-        "pallas_gpu": Implementation(functools.partial(indexer.pallas_ops.indexer_scores, scores_fn=indexer.gpu.scores),
-                                     indexer.gpu.IndexerGpuConfig, "gpu"),
+        "pallas_tpu": Implementation(_pallas_scores(indexer.tpu.scores), indexer.tpu.IndexerTpuConfig, "tpu"),
+        "pallas_gpu": Implementation(_pallas_scores(indexer.gpu.scores), indexer.gpu.IndexerGpuConfig, "gpu"),
     },
     "indexer_topk": {
         "reference": Implementation(indexer.reference.indexer_topk, NoConfig),

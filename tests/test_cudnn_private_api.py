@@ -14,9 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import pallas_kernels as pk
 from kernel_contract import packed_documents
-from pallas_kernels.dense import cudnn
+from pallas_kernels.dense import cudnn, reference
 
 
 @pytest.fixture
@@ -59,9 +58,9 @@ def test_the_fallback_mask_of_segments_is_the_documents_mask():
     (`dense.reference.segment_mask`): the same-document pairs, each token in its segment."""
     rng = np.random.default_rng(4)
     mask, (offsets, lengths) = packed_documents(rng, 3, 10)
-    got = pk.dense.reference.segment_mask(offsets, lengths, 10)
+    got = reference.segment_mask(offsets, lengths, 10)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(mask))
     # a token past the listed segments (the table's bound too small) sees nothing
-    short = pk.dense.reference.segment_mask(offsets[:, :2].at[:, 1].set(-1), lengths[:, :1], 10)
+    short = reference.segment_mask(offsets[:, :2].at[:, 1].set(-1), lengths[:, :1], 10)
     inside = np.arange(10)[None, :] < np.asarray(lengths[:, :1])
     np.testing.assert_array_equal(np.asarray(jnp.any(short, axis=-1)), inside)

@@ -39,24 +39,26 @@ def test_choose_q_chunk():
     (2, 5, 40, 2, 4, 7, None),
     (2, 16, 16, 4, 8, 4, 5),
 ])
-@pytest.mark.parametrize("mode", ["prefill", "offset", "random"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_xla_topk_query_chunks(B, S, T, H, D, topk, q_chunk, mode, dtype):
+def test_xla_topk_query_chunks(B, S, T, H, D, topk, q_chunk, dtype):
+    """B sequences each of prefill, offset and random positions (`positions`)."""
     rng = np.random.default_rng(B * 1000 + S * 100 + T)
-    q, k, w = int_inputs(rng, B, S, T, H, D, dtype=dtype, neg_weights=mode == "random")
-    q_pos, kv_len = positions(rng, B, S, T, mode)
+    q, k, w = int_inputs(rng, 3 * B, S, T, H, D, dtype=dtype)
+    parts = [positions(rng, B, S, T, mode) for mode in ("prefill", "offset", "random")]
+    q_pos, kv_len = (jnp.concatenate(x) for x in zip(*parts))
     check_topk("xla", q, k, w, topk=topk, q_pos=q_pos, kv_len=kv_len, config=pk.XlaConfig(q_chunk))
 
 
 @pytest.mark.parametrize("q_chunk", [1, 3, 7])
-@pytest.mark.parametrize("mode", ["offset", "random"])
-def test_xla_scores_query_chunks(q_chunk, mode):
+def test_xla_scores_query_chunks(q_chunk):
+    """Two sequences each of offset and random positions."""
     rng = np.random.default_rng(7)
     B, S, T, H, D = 2, 11, 19, 3, 8
-    q = jnp.asarray(rng.normal(size=(B, S, H, D)), jnp.float32)
-    k = jnp.asarray(rng.normal(size=(B, T, D)), jnp.float32)
-    w = jnp.asarray(rng.normal(size=(B, S, H)), jnp.float32)
-    q_pos, kv_len = positions(rng, B, S, T, mode)
+    q = jnp.asarray(rng.normal(size=(2 * B, S, H, D)), jnp.float32)
+    k = jnp.asarray(rng.normal(size=(2 * B, T, D)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(2 * B, S, H)), jnp.float32)
+    parts = [positions(rng, B, S, T, mode) for mode in ("offset", "random")]
+    q_pos, kv_len = (jnp.concatenate(x) for x in zip(*parts))
     check_scores("xla", q, k, w, q_pos=q_pos, kv_len=kv_len, config=pk.XlaConfig(q_chunk), exact=False)
 
 

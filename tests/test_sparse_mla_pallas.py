@@ -21,10 +21,10 @@ from kernel_contract import check_sparse_mla, sparse_inputs
 from pallas_kernels.attention import gpu, tpu
 
 CASES = [  # (impl, B, S, K, config): K not a multiple of the block, several blocks
-    ("pallas_tpu", 2, 3, 40, pk.SparseMLATpuConfig(block_k=16)),
-    ("pallas_gpu", 2, 3, 40, pk.SparseMLAGpuConfig(block_k=16, num_splits=1, bwd_head_group=2, dkv_mode="atomic")),
+    ("pallas_tpu", 2, 2, 40, pk.SparseMLATpuConfig(block_k=16)),
+    ("pallas_gpu", 2, 2, 40, pk.SparseMLAGpuConfig(block_k=16, num_splits=1, bwd_head_group=2, dkv_mode="atomic")),
     ("pallas_gpu", 1, 2, 37, pk.SparseMLAGpuConfig(block_k=16, num_splits=2)),        # auto: atomic
-    ("pallas_gpu", 2, 3, 40, pk.SparseMLAGpuConfig(block_k=16, bwd_head_group=2)),    # auto: scatter
+    ("pallas_gpu", 2, 2, 40, pk.SparseMLAGpuConfig(block_k=16, bwd_head_group=2)),    # auto: scatter
 ]
 
 
