@@ -1,4 +1,4 @@
-"""Multi-head latent attention (MLA) in its two equivalent forms.
+"""Multi-head latent attention (MLA): the absorbed, the expanded and the dense causal forms.
 
 Per token, the layer caches one latent row [c_kv (kv_lora_rank) | k_rope (qk_rope_head_dim)],
 576 values for GLM-5.2. Attention for query t runs over the positions `indices[t]` selected by
@@ -8,7 +8,10 @@ the lightning indexer (-1 = unused slot).
   V = v from kv_b(c_kv); dense scores masked to the selected set.
 * absorbed form (decode): q' = [q_nope W_UK ; q_rope] (kv_lora + rope dims) attends the latent
   rows directly through `ops.sparse_mla` (gathering only selected rows); o' W_UV gives the
-  head outputs. Both use the softmax scale qk_head_dim^-0.5 (times YaRN's factor, if any).
+  head outputs.
+* dense causal form (long-sequence dense stage): per-head K and V as in the expanded form,
+  causal attention over every earlier token through `ops.causal_attention` (no [S, T] matrix).
+All use the softmax scale qk_head_dim^-0.5 (times YaRN's factor, if any).
 """
 
 from __future__ import annotations
@@ -70,16 +73,16 @@ class MLAProjection(nnx.Module):
         return w[..., : c.qk_nope_head_dim], w[..., c.qk_nope_head_dim:]
 
     # ------------------------------------------------------------------ absorbed form
-    def attend_absorbed(self, q_nope, q_rope, latent_kv, indices, kernels: ops.KernelChoice, *,
+    def attend_absorbed(self, q_nope, q_rope, latent, indices, kernels: ops.KernelChoice, *,
                         return_stats: bool = False):
-        """q_* [B, S, nh, *], latent_kv [B, T, kv_lora + rope], indices int32 [B, S, K]
+        """q_* [B, S, nh, *], latent [B, T, kv_lora + rope], indices int32 [B, S, K]
         -> attention output [B, S, hidden]; with return_stats also the absorbed queries
         [B, S, nh, kv_lora + rope] and the log-sum-exp float32 [B, S, nh] (for the indexer KL)."""
         w_uk, w_uv = self._kv_b()
         q_lat = jnp.einsum("bshn,chn->bshc", q_nope, w_uk.astype(q_nope.dtype),
                            preferred_element_type=jnp.float32).astype(q_nope.dtype)
         q_abs = jnp.concatenate([q_lat, q_rope], axis=-1)
-        o_lat, lse = ops.sparse_mla(q_abs, latent_kv.astype(q_abs.dtype), indices, sm_scale=self.sm_scale,
+        o_lat, lse = ops.sparse_mla(q_abs, latent.astype(q_abs.dtype), indices, sm_scale=self.sm_scale,
                                     v_dim=self.cfg.kv_lora_rank, impl=kernels.attention,
                                     config=kernels.attention_config, interpret=kernels.interpret)
         o = jnp.einsum("bshc,chv->bshv", o_lat, w_uv.astype(o_lat.dtype),
@@ -88,17 +91,17 @@ class MLAProjection(nnx.Module):
         return (out, q_abs, lse) if return_stats else out
 
     # ------------------------------------------------------------------ dense, long sequences
-    def attend_causal(self, q_nope, q_rope, latent_kv, kv_len, mask=None, segments: SegmentTable | None = None):
+    def attend_causal(self, q_nope, q_rope, latent, kv_len, mask=None, segments: SegmentTable | None = None):
         """Dense causal attention of a full sequence from position 0 without [S, T] matrices
         in memory where the backend allows (`ops.causal_attention`: cuDNN's flash kernel on a
         GPU).
 
-        q_* [B, S, nh, *], latent_kv [B, S, kv_lora + rope], kv_len int32 [B] -> [B, S, hidden].
+        q_* [B, S, nh, *], latent [B, S, kv_lora + rope], kv_len int32 [B] -> [B, S, hidden].
         Packed documents: mask bool [B, S, T] further restricts the keys (an [S, T] matrix);
         `segments` (the same documents as a SegmentTable), where given, lets cuDNN run its
         packed kernel instead, with no mask built."""
         c = self.cfg
-        c_kv, k_rope = latent_kv[..., : c.kv_lora_rank], latent_kv[..., c.kv_lora_rank:]
+        c_kv, k_rope = latent[..., : c.kv_lora_rank], latent[..., c.kv_lora_rank:]
         kv = self.kv_b_proj(c_kv).reshape(c_kv.shape[:2] + (c.num_attention_heads, -1))
         k_nope, v = kv[..., : c.qk_nope_head_dim], kv[..., c.qk_nope_head_dim:]
         k_rope = jnp.broadcast_to(k_rope[:, :, None, :].astype(k_nope.dtype), k_nope.shape[:3] + k_rope.shape[-1:])
@@ -112,12 +115,12 @@ class MLAProjection(nnx.Module):
         return self.o_proj(o.astype(q_nope.dtype).reshape(o.shape[:2] + (-1,)))
 
     # ------------------------------------------------------------------ expanded form
-    def attend_expanded(self, q_nope, q_rope, latent_kv, mask, *, return_probs: bool = False):
+    def attend_expanded(self, q_nope, q_rope, latent, mask, *, return_probs: bool = False):
         """Dense per-head attention restricted by mask bool [B, S, T] (the selected set).
 
         -> output [B, S, hidden] (and, with return_probs, probabilities float32 [B, nh, S, T])."""
         c = self.cfg
-        c_kv, k_rope = latent_kv[..., : c.kv_lora_rank], latent_kv[..., c.kv_lora_rank:]
+        c_kv, k_rope = latent[..., : c.kv_lora_rank], latent[..., c.kv_lora_rank:]
         kv = self.kv_b_proj(c_kv).reshape(c_kv.shape[:2] + (c.num_attention_heads, -1))
         k_nope, v = kv[..., : c.qk_nope_head_dim], kv[..., c.qk_nope_head_dim:]
         logits = (jnp.einsum("bshd,bthd->bhst", q_nope, k_nope, preferred_element_type=jnp.float32)
