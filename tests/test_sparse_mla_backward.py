@@ -23,8 +23,14 @@ def _inputs(seed, B, S, K, dtype=jnp.float32):
     """The contract's sparse inputs (padding, an empty row, out-of-range entries) without its
     duplicated index (how a duplicate counts is unspecified), and a cotangent of the output."""
     q, kv, idx = sparse_inputs(seed, B=B, S=S, T=T, K=K, H=H, Dk=DK, dtype=dtype)
-    if S > 1:
-        idx = idx.at[0, -1, :3].set(-1)
+    idx = np.array(idx)
+    for row in idx.reshape(-1, K):                  # a repeated index becomes -1
+        seen = set()
+        for j, t in enumerate(row):
+            if t >= 0 and t in seen:
+                row[j] = -1
+            seen.add(int(t))
+    idx = jnp.asarray(idx)
     dout = jnp.asarray(np.random.default_rng(seed + 1).normal(size=(B, S, H, DV)), jnp.float32)
     return q, kv, idx, dout
 
