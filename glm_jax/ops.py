@@ -27,14 +27,16 @@ __all__ = ["KernelChoice", "impl_choices", "indexer_scores", "indexer_topk", "sp
 @dataclasses.dataclass(frozen=True)
 class KernelChoice:
     """Which implementation each op uses (`impl_choices`): `indexer` for the indexer's scores and
-    top-k, `attention` for sparse MLA with `attention_config` its tuning (that implementation's
-    config dataclass, e.g. `pallas_kernels.SparseMLAGpuConfig`; None: its defaults);
-    `interpret` runs Pallas kernels on the CPU."""
+    top-k with `indexer_config` its tuning, `attention` for sparse MLA with `attention_config`
+    (each that implementation's config dataclass, e.g. `pallas_kernels.IndexerGpuConfig`,
+    `pallas_kernels.SparseMLAGpuConfig`; None: its defaults); `interpret` runs Pallas kernels
+    on the CPU."""
 
     indexer: str = "auto"
     attention: str = "auto"
     interpret: bool = False
     attention_config: Any = None
+    indexer_config: Any = None
 
 
 def indexer_scores(q, k, weights, *, q_pos, kv_len, kv_start=None, **static):

@@ -178,3 +178,22 @@ def test_mtp_forward_shapes(micro_cfg):
     assert latent.shape == (2, 9, micro_cfg.latent_dim) and indices.shape == (2, 9, micro_cfg.index_topk)
     assert mtp.logits.shape == (2, 9, micro_cfg.vocab_size)
     assert np.isfinite(np.asarray(mtp.logits)).all()
+
+
+def test_kernel_configs_reach_the_ops(micro_cfg):
+    """KernelChoice's indexer_config and attention_config are passed to the ops, in the full
+    forward and through the cache view: the same logits with another query chunk, and a config
+    of another implementation refused."""
+    import pallas_kernels as pk
+
+    model, tokens = _model(micro_cfg), _tokens(micro_cfg, 1, 9)
+    kernels = ops.KernelChoice(indexer="xla", attention="xla", indexer_config=pk.XlaConfig(q_chunk=2),
+                               attention_config=pk.XlaConfig(q_chunk=3))
+    base = model(tokens).logits
+    np.testing.assert_allclose(model(tokens, settings=AttentionSettings(kernels=kernels)).logits, base,
+                               atol=ATOL, rtol=1e-4)
+    logits, _, _ = model.forward_cached(tokens, create_cache(micro_cfg, 1, 16), kernels=kernels)
+    np.testing.assert_allclose(logits, base, atol=ATOL, rtol=1e-4)
+    wrong = ops.KernelChoice(indexer="xla", indexer_config=pk.SparseMLAGpuConfig())
+    with pytest.raises(ValueError, match="takes config=XlaConfig"):
+        model.forward_cached(tokens, create_cache(micro_cfg, 1, 16), kernels=wrong)

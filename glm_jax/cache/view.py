@@ -90,7 +90,8 @@ class GroupCacheView:
             slot, mine = self.placement.locate(index, store.shape[0])
             keys = read_sequence(store, slot, page_table).astype(queries.dtype)
             indices = ops.indexer_topk(queries, keys, weights, topk=topk, q_pos=positions, kv_len=kv_len,
-                                       impl=kernels.indexer, interpret=kernels.interpret)
+                                       impl=kernels.indexer, config=kernels.indexer_config,
+                                       interpret=kernels.interpret)
             return (self.placement.share(indices, mine),)
         rows = (self.page_table, queries, weights, self.positions, kv_len)
         return self.placement.manual(fn, (self.index_keys,), rows, (self.full_index,), out_stores=0, out_rows=1)[0]

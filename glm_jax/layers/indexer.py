@@ -63,7 +63,7 @@ class Indexer(nnx.Module):
         q = self.queries(q_resid, positions)
         return ops.indexer_topk(q, keys.astype(q.dtype), self.head_weights(x), topk=self.cfg.index_topk,
                                 q_pos=query_rows(positions, kv_start), kv_len=kv_len, kv_start=kv_start,
-                                impl=kernels.indexer,
+                                impl=kernels.indexer, config=kernels.indexer_config,
                                 interpret=kernels.interpret)
 
     def scores(self, x, q_resid, positions, keys, kv_len, kernels: ops.KernelChoice, kv_start=None):
@@ -72,5 +72,5 @@ class Indexer(nnx.Module):
         q = self.queries(q_resid, positions)
         return ops.indexer_scores(q, keys.astype(q.dtype), self.head_weights(x),
                                   q_pos=query_rows(positions, kv_start),
-                                  kv_len=kv_len, kv_start=kv_start, impl=kernels.indexer,
+                                  kv_len=kv_len, kv_start=kv_start, impl=kernels.indexer, config=kernels.indexer_config,
                                   interpret=kernels.interpret)
