@@ -67,6 +67,17 @@ def int_inputs(rng, B, S, T, H, D, *, lim=3, neg_weights=True, dtype=jnp.float32
     return q, k, w
 
 
+def float_score_inputs(rng, B=2, S=11, T=19, H=3, D=8):
+    """Normal float32 q [2B, S, H, D], k [2B, T, D], weights [2B, S, H], with B sequences of
+    queries at an offset then B at random positions -> (q, k, w, q_pos, kv_len)."""
+    q = jnp.asarray(rng.normal(size=(2 * B, S, H, D)), jnp.float32)
+    k = jnp.asarray(rng.normal(size=(2 * B, T, D)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(2 * B, S, H)), jnp.float32)
+    parts = [positions(rng, B, S, T, mode) for mode in ("offset", "random")]
+    q_pos, kv_len = (jnp.concatenate(x) for x in zip(*parts))
+    return q, k, w, q_pos, kv_len
+
+
 def positions(rng, B, S, T, mode):
     """(q_pos int32 [B, S], kv_len int32 [B]) of a serving situation: "prefill" (causal from 0,
     ragged kv_len), "offset" (chunked prefill / decode at an offset into the cache) or "random"

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import pallas_kernels as pk
-from kernel_contract import (call, check_causal_attention, check_scores, check_sparse_mla, check_topk, doc_starts,
+from kernel_contract import (call, float_score_inputs, check_causal_attention, check_scores, check_sparse_mla, check_topk, doc_starts,
                              f64, impl_params, int_inputs, np_scores, np_scores_grads, np_topk, packed_documents,
                              positions, sparse_inputs)
 
@@ -213,12 +213,7 @@ def test_indexer_topk_float_inputs_in_a_differentiated_function(impl):
 def test_indexer_scores_float_inputs(impl):
     """Normal float32 inputs, queries at an offset and at random positions, packed documents."""
     rng = np.random.default_rng(7)
-    B, S, T, H, D = 2, 11, 19, 3, 8
-    q = jnp.asarray(rng.normal(size=(2 * B, S, H, D)), jnp.float32)
-    k = jnp.asarray(rng.normal(size=(2 * B, T, D)), jnp.float32)
-    w = jnp.asarray(rng.normal(size=(2 * B, S, H)), jnp.float32)
-    parts = [positions(rng, B, S, T, mode) for mode in ("offset", "random")]
-    q_pos, kv_len = (jnp.concatenate(x) for x in zip(*parts))
+    q, k, w, q_pos, kv_len = float_score_inputs(rng)
     check_scores(impl, q, k, w, q_pos=q_pos, kv_len=kv_len, kv_start=doc_starts(rng, q_pos), exact=False)
 
 

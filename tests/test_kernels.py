@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels as pk
-from kernel_contract import (call, check_scores, check_sparse_mla, check_topk, int_inputs, np_scores, np_topk,
+from kernel_contract import (call, float_score_inputs, check_scores, check_sparse_mla, check_topk, int_inputs, np_scores, np_topk,
                              positions, sparse_inputs)
 from pallas_kernels._common import CHUNK_BUDGET_BYTES, choose_q_chunk
 
@@ -53,12 +53,7 @@ def test_xla_topk_query_chunks(B, S, T, H, D, topk, q_chunk, dtype):
 def test_xla_scores_query_chunks(q_chunk):
     """Two sequences each of offset and random positions."""
     rng = np.random.default_rng(7)
-    B, S, T, H, D = 2, 11, 19, 3, 8
-    q = jnp.asarray(rng.normal(size=(2 * B, S, H, D)), jnp.float32)
-    k = jnp.asarray(rng.normal(size=(2 * B, T, D)), jnp.float32)
-    w = jnp.asarray(rng.normal(size=(2 * B, S, H)), jnp.float32)
-    parts = [positions(rng, B, S, T, mode) for mode in ("offset", "random")]
-    q_pos, kv_len = (jnp.concatenate(x) for x in zip(*parts))
+    q, k, w, q_pos, kv_len = float_score_inputs(rng)
     check_scores("xla", q, k, w, q_pos=q_pos, kv_len=kv_len, config=pk.XlaConfig(q_chunk), exact=False)
 
 

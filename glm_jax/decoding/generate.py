@@ -10,7 +10,6 @@ cache donated, so it is updated in place; the Python loop runs once per block, n
 from __future__ import annotations
 
 import functools
-import sys
 import time
 from typing import Callable, Iterator
 
@@ -210,11 +209,3 @@ class Generator(GeneratorBase):
 def round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
-
-def print_progress(done: int, total: int) -> None:
-    """A one-line progress display for long prefills (stderr)."""
-    if total >= 512:
-        width = 30
-        filled = int(width * done / total)
-        print(f"\rprefill [{'#' * filled}{'.' * (width - filled)}] {done}/{total} tokens",
-              end="" if done < total else "\n", file=sys.stderr, flush=True)
