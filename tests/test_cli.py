@@ -275,6 +275,7 @@ def test_ctrl_c_saves_and_exits_a_second_quits(trained_run, tmp_path, monkeypatc
         return real_step(*a, **kw)
 
     monkeypatch.setattr(run, "train_step", step_then_interrupt)
+    before = signal.getsignal(signal.SIGINT)      # the default, or ignored in a background job
     out = tmp_path / "run"
     assert train.main(["--config", str(cfg_path), "--out", str(out), "--steps", "12", "--batch-size", "4",
                        "--seq-len", "32", "--dense-steps", "6", "--warmup-steps", "2", "--lr", "1e-2",
@@ -286,7 +287,7 @@ def test_ctrl_c_saves_and_exits_a_second_quits(trained_run, tmp_path, monkeypatc
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert records and all(r["memory_gib"] > 0 for r in records if "loss" in r)
     assert len(calls) == 2 and (out / "checkpoints" / "2").is_dir()
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler      # handlers restored
+    assert signal.getsignal(signal.SIGINT) is before                         # handlers restored
 
     with run.StopSignals() as stop:
         signal.raise_signal(signal.SIGINT)
