@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python3 benchmarks/long_context.py                  # on a GPU
     PYTHONPATH=. python3 benchmarks/long_context.py --smoke          # tiny, CPU
+    PYTHONPATH=. python3 benchmarks/long_context.py --prefill 200000 # prefill of one long prompt
 
 The model has GLM-5.2's attention (64 heads, MLA latent 512 + 64 rope, indexer 32 heads x
 128, top-2048, hidden 6144) and 8 layers with a small MoE; its cache is filled with random
@@ -15,6 +16,12 @@ with the cache donated. Two measurements per context and pattern, in one run:
 
 The ratio all-Full / IndexShare of each is printed next to the copy bandwidth of the device
 and the bytes the indexers read. `--json FILE` writes the rows for plotting.
+
+`--prefill N` measures instead the chunked prefill of one N-token prompt (`--prefill-chunk`
+tokens per jitted call, as decode.py prefills), compiled once and timed on a second run, for
+each pattern: seconds, tokens/s, the ratio all-Full / IndexShare beside the published one
+(1.82x at 200K tokens, IndexCache, H100) and beside the ratio of the two patterns' forward
+FLOPs (`glm_jax.costs.prefill_flops`), which is what the ratio would be if time followed the arithmetic.
 """
 
 from __future__ import annotations
@@ -32,11 +39,16 @@ from flax import nnx
 
 import pallas_kernels as pk
 from benchmarks._measure import bench, ceilings
+from glm_jax import costs
 from glm_jax.cache import KVCache, contiguous_page_table, create_cache
 from glm_jax.config import load_config
-from glm_jax.model import GLMModel
+from glm_jax.decoding.generate import Generator
+from glm_jax.info import params_by_part
+from glm_jax.model import GLMModel, abstract_model
 
 PATTERNS = {"all Full": "FFFFFFFF", "IndexShare": "FSSSFSSS"}
+#: IndexCache's prefill speed-up of IndexShare over every layer Full at 200K tokens (H100).
+PUBLISHED_PREFILL_RATIO = 1.82
 
 
 def model_config(pattern: str, smoke: bool):
@@ -112,6 +124,39 @@ def attention_ms(cfg, batch: int, context: int, key, interpret: bool) -> tuple[f
     return 1e3 * bench(attend, q, rows, idx), 1e3 * bench(topk, iq, ik, w)
 
 
+def prefill_seconds(cfg, length: int, chunk: int) -> float:
+    """Seconds of the chunked prefill of one random `length`-token prompt (the second of two
+    runs: the first compiles), as `Generator` prefills for decode.py."""
+    model = GLMModel(cfg, rngs=nnx.Rngs(0))
+    gen = Generator(model, batch=1, max_len=length + chunk, prefill_chunk=chunk, block_size=1)
+    prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, length), dtype=np.int32)
+    for _ in range(2):
+        next(gen.generate(prompt, max_new_tokens=1))
+    return gen.stats["prefill_s"]
+
+
+def prefill_main(length: int, chunk: int, smoke: bool, out: str | None) -> None:
+    print(f"device {jax.devices()[0].device_kind}; prefill of one {length}-token prompt in chunks of {chunk}; "
+          f"8 layers; patterns {PATTERNS}")
+    print("| pattern | prefill s | tokens/s | forward TFLOP |")
+    print("|---|---|---|---|")
+    rows = {}
+    for name, pattern in PATTERNS.items():
+        cfg = model_config(pattern, smoke)
+        active = costs.active_params(cfg, params_by_part(abstract_model(cfg)))
+        seconds, flops = prefill_seconds(cfg, length, chunk), costs.prefill_flops(cfg, length, active)
+        rows[name] = dict(pattern=name, prefill_s=seconds, tokens_per_s=length / seconds, flops=flops)
+        print(f"| {name} | {seconds:.3f} | {length / seconds:.0f} | {flops / 1e12:.1f} |", flush=True)
+    full, share = rows["all Full"], rows["IndexShare"]
+    ratio, flop_ratio = full["prefill_s"] / share["prefill_s"], full["flops"] / share["flops"]
+    print(f"IndexShare prefill speed-up over all Full: {ratio:.2f}x measured; published "
+          f"{PUBLISHED_PREFILL_RATIO:.2f}x (200K tokens, H100); {flop_ratio:.2f}x if time followed the FLOPs")
+    if out:
+        with open(out, "w") as f:
+            json.dump(dict(length=length, chunk=chunk, rows=list(rows.values()), ratio=ratio,
+                           flop_ratio=flop_ratio, published_ratio=PUBLISHED_PREFILL_RATIO), f, indent=1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="tiny model and contexts (CPU)")
@@ -120,7 +165,13 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--json", help="also write the rows here")
+    ap.add_argument("--prefill", type=int, metavar="N",
+                    help="time the prefill of one N-token prompt instead of decode steps")
+    ap.add_argument("--prefill-chunk", type=int, default=8192, help="tokens per prefill call (default 8192)")
     args = ap.parse_args()
+    if args.prefill:
+        prefill_main(args.prefill, min(args.prefill_chunk, args.prefill), args.smoke, args.json)
+        return
     contexts = [512, 2048] if args.smoke else args.contexts
     bw, _ = ceilings(args.smoke)
     print(f"device {jax.devices()[0].device_kind}; copy bandwidth {bw / 1e9:.0f} GB/s; batch {args.batch}; "

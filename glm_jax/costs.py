@@ -28,7 +28,7 @@ def indexer_flops(cfg: GLMConfig, context: int) -> int:
 
 
 def sparse_attention_flops(cfg: GLMConfig, context: int) -> int:
-    keys = min(cfg.index_topk, context)
+    keys = np.minimum(cfg.index_topk, context)
     return 2 * cfg.num_attention_heads * (2 * cfg.kv_lora_rank + cfg.qk_rope_head_dim) * keys
 
 
@@ -36,6 +36,13 @@ def flops_per_token(cfg: GLMConfig, context: int, active: int, *, index_share: b
     full = len(cfg.full_layers) if index_share else cfg.num_hidden_layers
     return (2 * active + full * indexer_flops(cfg, context)
             + cfg.num_hidden_layers * sparse_attention_flops(cfg, context))
+
+
+def prefill_flops(cfg: GLMConfig, length: int, active: int) -> float:
+    """Forward FLOPs of prefilling a `length`-token prompt: `flops_per_token` summed over the
+    contexts 1 .. length (the pattern's Full layers run the indexer)."""
+    contexts = np.arange(1, length + 1, dtype=np.float64)
+    return float(np.sum(flops_per_token(cfg, contexts, active)))
 
 
 def training_flops_per_token(cfg: GLMConfig, seq_len: int, active: int, *, sparse: bool = True,
