@@ -31,7 +31,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels._common import check_positive_fields, tpu_interpret
-from pallas_kernels.attention import tpu_backward, tpu_rows, vjp
+from pallas_kernels.attention import tpu_backward, tpu_rows, transpose, vjp
 
 #: Rows gathered per grid step of the forward.
 DEFAULT_BLOCK_K = 256
@@ -137,6 +137,16 @@ def _layout(q, kv, idx, block_k):
     return batch, seq_len, heads, dk, num_keys, topk, topk // block_k, kv4, idx4, specs
 
 
+def _forward_cost(q, kv, topk, v_dim):
+    """What the forward does per (query, slot): one row gathered, the matmuls of its heads."""
+    batch, seq_len, heads, dk = q.shape
+    pairs = batch * seq_len * topk
+    return pl.CostEstimate(
+        flops=2 * pairs * heads * (dk + v_dim), transcendentals=pairs * heads,
+        bytes_accessed=pairs * (dk * jnp.dtype(kv.dtype).itemsize + 4)
+        + batch * seq_len * heads * (dk + v_dim) * jnp.dtype(q.dtype).itemsize)
+
+
 def _forward(q, kv, idx, *, sm_scale, v_dim, block_k, interpret):
     """idx already padded to a multiple of block_k."""
     batch, seq_len, heads, dk, num_keys, topk, nk, kv4, idx4, specs = _layout(q, kv, idx, block_k)
@@ -156,36 +166,47 @@ def _forward(q, kv, idx, *, sm_scale, v_dim, block_k, interpret):
             pltpu.VMEM((heads, v_dim), jnp.float32)],
         compiler_params=_params(),
         interpret=tpu_interpret(interpret),
+        cost_estimate=_forward_cost(q, kv, topk, v_dim),
         name="sparse_mla_fwd",
     )(idx4, idx4, q, kv4)
     return out, lse[..., 0]
 
 
+def _padded_forward(q, kv, indices, *, block_k, **settings):
+    return _forward(q, kv, _pad_indices(indices, block_k), block_k=block_k, **settings)
+
+
 @functools.lru_cache(maxsize=None)
-def _op(sm_scale, v_dim, block_k, bwd_settings, interpret):
-    fwd = functools.partial(_forward, sm_scale=sm_scale, v_dim=v_dim, block_k=block_k,
+def _op(sm_scale, v_dim, block_k, bwd_settings, chunk_rows, interpret):
+    """The differentiable op on unpadded indices; chunk_rows: None builds the transposed index
+    in the backward, else the op takes a prebuilt one's (position, offsets) too."""
+    fwd = functools.partial(_padded_forward, sm_scale=sm_scale, v_dim=v_dim, block_k=block_k,
                             interpret=interpret)
     bwd = functools.partial(tpu_backward.backward, sm_scale=sm_scale, v_dim=v_dim,
                             interpret=interpret, **dict(bwd_settings))
-    return vjp.make_sparse_mla(fwd, bwd, bwd_adds_dkv=True)
-
-
-def backward_settings(topk: int, config: SparseMLATpuConfig) -> dict:
-    """The keyword settings of `tpu_backward.backward` that `config` stands for at top-k K."""
-    return dict(block_k=_block_k(topk, config.bwd_block_k, tpu_backward.DEFAULT_BLOCK_K),
-                reduce_rows=config.reduce_rows, reduce_window=config.reduce_window,
-                budget=config.bwd_budget)
+    if chunk_rows is None:
+        return vjp.make_sparse_mla(fwd, bwd, bwd_adds_dkv=True)
+    return vjp.make_indexed_sparse_mla(fwd, bwd, chunk_rows=chunk_rows)
 
 
 def sparse_mla(q: jax.Array, kv: jax.Array, indices: jax.Array, *, sm_scale: float, v_dim: int,
-               config: SparseMLATpuConfig = SparseMLATpuConfig(), interpret: bool = False):
+               config: SparseMLATpuConfig = SparseMLATpuConfig(), interpret: bool = False,
+               tindex: transpose.TransposedIndex | None = None):
     """Sparse MLA forward/backward with Mosaic TPU kernels; contract of `pallas_kernels.sparse_mla`.
 
     q [B, S, H, Dk], kv [B, T, Dk], indices int32 [B, S, K] (-1 = skip)
     -> (out [B, S, H, v_dim] in q.dtype, lse float32 [B, S, H]).
+    tindex: the backward's transposed index, `transpose.transpose_index(indices, T, chunk_rows=
+    tpu_backward.default_chunk_rows(...))` built once and shared by the layers of an IndexShare
+    group; None: built in each backward (chunks of `config.bwd_budget` bytes).
     Compiled for a TPU, H should be a multiple of 8 and Dk, v_dim multiples of 128."""
     topk = indices.shape[-1]
     bk = _block_k(topk, config.block_k)
-    idx = _pad_indices(indices, bk)
-    bwd = tuple(sorted(backward_settings(idx.shape[-1], config).items()))
-    return _op(float(sm_scale), int(v_dim), bk, bwd, bool(interpret))(q, kv, idx)
+    bwd = (("block_k", _block_k(topk, config.bwd_block_k, tpu_backward.DEFAULT_BLOCK_K)),
+           ("budget", config.bwd_budget), ("reduce_rows", config.reduce_rows),
+           ("reduce_window", config.reduce_window))
+    idx = jnp.asarray(indices, jnp.int32)
+    if tindex is None:
+        return _op(float(sm_scale), int(v_dim), bk, bwd, None, bool(interpret))(q, kv, idx)
+    op = _op(float(sm_scale), int(v_dim), bk, bwd, tindex.chunk_rows, bool(interpret))
+    return op(q, kv, idx, tindex.position, tindex.offsets)

@@ -178,6 +178,12 @@ def pairs_call(q, do, lse, delta, kv, gidx, pos, *, num_places, sm_scale, block_
     per_head = lambda width: pl.BlockSpec((None, heads, width), lambda r, k: (r, 0, 0))
     kernel = functools.partial(_pairs_kernel, sm_scale=sm_scale, v_dim=v_dim, block_k=block_k,
                                num_keys=num_keys)
+    pairs = rows * kp
+    item = jnp.dtype(q.dtype).itemsize
+    cost = pl.CostEstimate(                      # per pair: the row in, its gradient out
+        flops=2 * pairs * heads * (3 * dk + 2 * v_dim), transcendentals=pairs * heads,
+        bytes_accessed=pairs * (dk * jnp.dtype(kv.dtype).itemsize + pair_row_bytes(dk) + 8)
+        + rows * heads * (2 * dk + v_dim) * item)
     return pl.pallas_call(
         kernel,
         grid=(rows, kp // block_k),
@@ -192,6 +198,7 @@ def pairs_call(q, do, lse, delta, kv, gidx, pos, *, num_places, sm_scale, block_
             pltpu.VMEM((heads, dk), jnp.float32)],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
         interpret=tpu_interpret(interpret),
+        cost_estimate=cost,
         name="sparse_mla_bwd_pairs",
     )(idx3, pos3, idx3, q, do, lse[..., None], delta[..., None], kv.reshape(1, num_keys, 1, dk))
 
@@ -268,6 +275,10 @@ def reduce_call(contrib, offsets, dkv, *, rows_per_block, window, passes, interp
     runs = lambda x: x.reshape(num_padded, 1)
     row_block = lambda width: pl.BlockSpec((rows_per_block, width), lambda i, b: (i, 0))
     kernel = functools.partial(_reduce_kernel, window=window, passes=passes)
+    places = contrib.shape[0]
+    cost = pl.CostEstimate(                      # every place read once (windows' overlap aside)
+        flops=2 * places * rows_per_block * dk * passes, transcendentals=0,
+        bytes_accessed=places * pair_row_bytes(dk) + 2 * dkv.size * 4)
     return pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -281,6 +292,7 @@ def reduce_call(contrib, offsets, dkv, *, rows_per_block, window, passes, interp
         input_output_aliases={4: 0},
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
         interpret=tpu_interpret(interpret),
+        cost_estimate=cost,
         name="sparse_mla_bwd_reduce",
     )(bounds, runs(off[:-1]), runs(off[1:]), contrib, dkv)
 
@@ -339,9 +351,6 @@ def backward(q, kv, indices, dout, lse, delta, *, sm_scale, v_dim, tindex=None,
         return dkv, dq_c
 
     dkv0 = jnp.zeros((padded_rows, dk), jnp.float32)
-    if n == 1:
-        dkv, dq = step(dkv0, tuple(x[0] for x in xs))
-    else:
-        dkv, dq = lax.scan(step, dkv0, xs)
+    dkv, dq = lax.scan(step, dkv0, xs)
     dq = dq.reshape((n * chunk, heads, dk))[:rows].reshape(q.shape)
     return dq, dkv[:batch * num_keys].reshape(batch, num_keys, dk)
