@@ -15,7 +15,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from kernel_contract import sparse_inputs
+from kernel_contract import backward_inputs, vjp_grads
 from pallas_kernels.attention import reference, tpu, tpu_backward
 from pallas_kernels.attention import transpose as tr
 
@@ -26,26 +26,11 @@ SMALL = dict(block_k=16, bwd_block_k=16, reduce_rows=8, reduce_window=16)
 
 
 def _inputs(seed, B, S, K, dtype=jnp.float32):
-    """The contract's sparse inputs (-1 holes, an empty row, trailing -1 and out-of-range
-    entries) with its duplicated index dropped (how a duplicate counts is unspecified), and a
-    cotangent of the output."""
-    q, kv, idx = sparse_inputs(seed, B=B, S=S, T=T, K=K, H=H, Dk=DK, dtype=dtype)
-    idx = np.array(idx)
-    for row in idx.reshape(-1, K):
-        seen = set()
-        for j, t in enumerate(row):
-            if 0 <= t < T and t in seen:
-                row[j] = -1
-            seen.add(int(t))
-    dout = jnp.asarray(np.random.default_rng(seed + 1).normal(size=(B, S, H, DV)), dtype)
-    return q, kv, jnp.asarray(idx), dout
+    q, kv, idx, dout = backward_inputs(seed, B, S, T, K, H, DK, DV, dtype)
+    return q, kv, idx, dout.astype(dtype)
 
 
-def _vjp(fn, q, kv, idx, dout):
-    """(dq, dkv) for the cotangents (dout, a per-head dlse) through jax.vjp."""
-    (out, lse), pull = jax.vjp(lambda q, kv: fn(q, kv, idx), q, kv)
-    dlse = jnp.where(jnp.isfinite(lse), jnp.arange(1, H + 1, dtype=jnp.float32) / H, 0.0)
-    return pull((dout.astype(out.dtype), dlse))
+_vjp = vjp_grads
 
 
 def _ref(q, kv, idx):
