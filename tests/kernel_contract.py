@@ -196,6 +196,29 @@ def sparse_inputs(seed, B, S, T, K, H, Dk, dtype=jnp.float32):
     return q, kv, jnp.asarray(idx)
 
 
+def backward_inputs(seed, B, S, T, K, H, Dk, v_dim, dtype=jnp.float32):
+    """`sparse_inputs` without its duplicated index (how a duplicate counts is unspecified: a
+    repeated index becomes -1), and a cotangent dout [B, S, H, v_dim] of the output in dtype."""
+    q, kv, idx = sparse_inputs(seed, B=B, S=S, T=T, K=K, H=H, Dk=Dk, dtype=dtype)
+    idx = np.array(idx)
+    for row in idx.reshape(-1, K):
+        seen = set()
+        for j, t in enumerate(row):
+            if 0 <= t < T and t in seen:
+                row[j] = -1
+            seen.add(int(t))
+    dout = jnp.asarray(np.random.default_rng(seed + 1).normal(size=(B, S, H, v_dim)), dtype)
+    return q, kv, jnp.asarray(idx), dout
+
+
+def vjp_grads(fn, q, kv, idx, dout):
+    """(dq, dkv) of fn(q, kv, idx) -> (out, lse) for the cotangents (dout, a per-head dlse)."""
+    (out, lse), pull = jax.vjp(lambda q, kv: fn(q, kv, idx), q, kv)
+    heads = lse.shape[-1]
+    dlse = jnp.where(jnp.isfinite(lse), jnp.arange(1, heads + 1, dtype=jnp.float32) / heads, 0.0)
+    return pull((dout.astype(out.dtype), dlse))
+
+
 def duplicated_rows(indices, num_keys) -> np.ndarray:
     """bool [B, S]: rows that list a valid index twice (how duplicates count is unspecified)."""
     idx = np.sort(np.where((np.asarray(indices) >= 0) & (np.asarray(indices) < num_keys), indices, -1), axis=-1)

@@ -10,7 +10,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from kernel_contract import sparse_inputs
+from kernel_contract import backward_inputs, vjp_grads
 from pallas_kernels.attention import gpu_backward as gb
 from pallas_kernels.attention import reference
 from pallas_kernels.attention import transpose as tr
@@ -20,26 +20,11 @@ SCALE = 0.125
 
 
 def _inputs(seed, B, S, K, dtype=jnp.float32):
-    """The contract's sparse inputs (padding, an empty row, out-of-range entries) without its
-    duplicated index (how a duplicate counts is unspecified), and a cotangent of the output."""
-    q, kv, idx = sparse_inputs(seed, B=B, S=S, T=T, K=K, H=H, Dk=DK, dtype=dtype)
-    idx = np.array(idx)
-    for row in idx.reshape(-1, K):                  # a repeated index becomes -1
-        seen = set()
-        for j, t in enumerate(row):
-            if t >= 0 and t in seen:
-                row[j] = -1
-            seen.add(int(t))
-    idx = jnp.asarray(idx)
-    dout = jnp.asarray(np.random.default_rng(seed + 1).normal(size=(B, S, H, DV)), jnp.float32)
-    return q, kv, idx, dout
+    q, kv, idx, dout = backward_inputs(seed, B, S, T, K, H, DK, DV, dtype)
+    return q, kv, idx, dout.astype(jnp.float32)
 
 
-def _vjp(fn, q, kv, idx, dout):
-    """(dq, dkv) for the cotangents (dout, a per-head dlse) through jax.vjp."""
-    (out, lse), pull = jax.vjp(lambda q, kv: fn(q, kv, idx), q, kv)
-    dlse = jnp.where(jnp.isfinite(lse), jnp.arange(1, H + 1, dtype=jnp.float32) / H, 0.0)
-    return pull((dout.astype(out.dtype), dlse))
+_vjp = vjp_grads
 
 
 def _ref(q, kv, idx):

@@ -3,7 +3,7 @@ for real chips. Their contract (interpret mode on the CPU, with the default conf
 with every implementation's in test_kernel_contract.py.
 
 Interpret mode runs the TPU kernels with pltpu.InterpretParams, which also simulates the DMAs
-and their semaphores. The TPU kernels are also compiled ahead of time for v5p and v6e (needs
+and their semaphores. The TPU kernels are also compiled ahead of time for v5p, v6e and tpu7x (needs
 libtpu; skipped without it) and the GPU kernels lowered to Triton for an H200 (no GPU needed),
 which catches layout and block-size errors that interpret mode does not.
 """
@@ -16,12 +16,14 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels as pk
+from benchmarks import sparse_mla_tpu_aot as aot
 from conftest import tpu_compile_mesh
 from kernel_contract import check_sparse_mla, sparse_inputs
 from pallas_kernels.attention import gpu, tpu
 
-CASES = [  # (impl, B, S, K, config): K not a multiple of the block, several blocks
-    ("pallas_tpu", 2, 2, 40, pk.SparseMLATpuConfig(block_k=16)),
+CASES = [  # (impl, B, S, K, config): K not a multiple of the block, several blocks (and chunks)
+    ("pallas_tpu", 2, 2, 56, pk.SparseMLATpuConfig(   # K > T = 50; backward in 2 query chunks
+        block_k=16, bwd_block_k=16, reduce_rows=8, reduce_window=16, bwd_budget=2 * 56 * 512)),
     ("pallas_gpu", 2, 2, 40, pk.SparseMLAGpuConfig(block_k=16, num_splits=1, bwd_head_group=2, dkv_mode="atomic")),
     ("pallas_gpu", 1, 2, 37, pk.SparseMLAGpuConfig(block_k=16, num_splits=2)),        # auto: atomic
     ("pallas_gpu", 2, 2, 40, pk.SparseMLAGpuConfig(block_k=16, bwd_head_group=2)),    # auto: scatter
@@ -44,6 +46,10 @@ def test_gpu_column_chunks():
 
 DECODE = (2, 1, 64, 576, 512, 8192, 2048)     # B, S, H, Dk, v, T, K
 PREFILL = (1, 256, 64, 576, 512, 4096, 2048)
+TRAIN = (1, 4096, 16, 576, 512, 8192, 2048)
+#: Bytes of pair gradients per backward query chunk in the compile tests: 32 queries, since
+#: XLA's compile time grows with the chunk (the default chunk's is in sparse_mla_tpu_aot.py).
+CHUNK_BUDGET = 32 * 2048 * 2560
 
 
 def _shapes(shape, sharding=None):
@@ -65,20 +71,27 @@ def _fwd_and_grad(module, v_dim):
     return fwd, grad
 
 
-@pytest.mark.parametrize("topology", ["v5p:2x2x1", "v6e:2x2"])
-@pytest.mark.parametrize("shape", [DECODE, PREFILL], ids=["decode", "prefill"])
+@pytest.mark.parametrize("topology", ["v5p:2x2x1", "v6e:2x2", "tpu7x:2x2x1"])
+@pytest.mark.parametrize("shape", [DECODE, PREFILL, TRAIN], ids=["decode", "prefill", "train"])
 def test_tpu_kernels_compile_ahead_of_time(topology, shape):
+    """Decode: the forward; prefill (64 heads) and train (16 heads, 4096 queries): forward +
+    deterministic backward (pairs and reduce kernels) with a prebuilt transposed index."""
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     mesh = tpu_compile_mesh(topology)
-    args = _shapes(shape, NamedSharding(mesh, P()))
-    for fn in _fwd_and_grad(tpu, shape[4]):
-        wrapped = jax.shard_map(fn, mesh=mesh, in_specs=(P(), P(), P()), out_specs=P(),
-                                check_vma=False)
-        compiled = jax.jit(wrapped).lower(*args).compile()
-        text = compiled.as_text()
-        assert "sparse_mla" in text
-        assert compiled.memory_analysis() is not None
+    if shape is DECODE:
+        fwd = jax.shard_map(_fwd_and_grad(tpu, shape[4])[0], mesh=mesh, in_specs=(P(), P(), P()),
+                            out_specs=P(), check_vma=False)
+        compiled = jax.jit(fwd).lower(*_shapes(shape, NamedSharding(mesh, P()))).compile()
+        kernels = ["sparse_mla_fwd"]
+    else:
+        args = aot.abstract_inputs(mesh, *shape[:4], *shape[5:], budget=CHUNK_BUDGET)
+        compiled = aot.compile_gradient(mesh, args, v_dim=shape[4],
+                                        config=pk.SparseMLATpuConfig(bwd_budget=CHUNK_BUDGET))
+        kernels = ["sparse_mla_fwd", "sparse_mla_bwd_pairs", "sparse_mla_bwd_reduce"]
+    text = compiled.as_text()
+    assert all(name in text for name in kernels)
+    assert compiled.memory_analysis() is not None
 
 
 def test_gpu_kernels_lower_to_triton_for_h200():

@@ -61,6 +61,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.attention import transpose as tr
+from pallas_kernels.attention import vjp
 
 #: Rows per loop step of the pairs kernel (the M dimension of its matmuls).
 DEFAULT_BLOCK_K = 64
@@ -355,7 +356,7 @@ def backward(q, kv, indices, dout, lse, delta, *, sm_scale, v_dim, tindex=None,
 # ----------------------------------------------------------------------------- a differentiable op
 
 @functools.lru_cache(maxsize=None)
-def _op(sm_scale, v_dim, fwd_block_k, fwd_warps, fwd_stages, bwd_cfg, interpret):
+def _op(sm_scale, v_dim, fwd_block_k, fwd_warps, fwd_stages, bwd_cfg, chunk_rows, interpret):
     from pallas_kernels.attention import gpu as gpu_fwd          # the existing forward kernel
 
     def fwd(q, kv, indices):
@@ -367,29 +368,9 @@ def _op(sm_scale, v_dim, fwd_block_k, fwd_warps, fwd_stages, bwd_cfg, interpret)
                                 block_k=fwd_block_k, splits=1, num_warps=fwd_warps,
                                 num_stages=fwd_stages, interpret=interpret)
 
-    @jax.custom_vjp
-    def attend(q, kv, indices, position, offsets):
-        return fwd(q, kv, indices)
-
-    def attend_fwd(q, kv, indices, position, offsets):
-        out, lse = fwd(q, kv, indices)
-        return (out, lse), (q, kv, indices, position, offsets, out, lse)
-
-    def attend_bwd(res, cts):
-        q, kv, indices, position, offsets, out, lse = res
-        dout, dlse = cts
-        delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
-        delta = delta - jnp.where(jnp.isfinite(lse), dlse.astype(jnp.float32), 0.0)
-        cfg = dict(bwd_cfg)
-        chunk_rows = cfg.pop("chunk_rows")
-        tindex = tr.TransposedIndex(position=position, offsets=offsets, chunk_rows=chunk_rows,
-                                    topk=indices.shape[-1], num_keys=kv.shape[1])
-        dq, dkv = backward(q, kv, indices, dout, lse, delta, sm_scale=sm_scale, v_dim=v_dim,
-                           tindex=tindex, interpret=interpret, **cfg)
-        return dq, dkv.astype(kv.dtype), None, None, None
-
-    attend.defvjp(attend_fwd, attend_bwd)
-    return attend
+    bwd = functools.partial(backward, sm_scale=sm_scale, v_dim=v_dim, interpret=interpret,
+                            **dict(bwd_cfg))
+    return vjp.make_indexed_sparse_mla(fwd, bwd, chunk_rows=chunk_rows)
 
 
 def sparse_mla(q, kv, indices, *, sm_scale, v_dim, tindex=None, interpret=False,
@@ -406,7 +387,6 @@ def sparse_mla(q, kv, indices, *, sm_scale, v_dim, tindex=None, interpret=False,
         itemsize = 4 if jnp.dtype(kv.dtype).itemsize >= 4 else jnp.dtype(kv.dtype).itemsize
         chunk = tr.default_chunk_rows(batch * seq_len, indices.shape[-1], dk, itemsize, budget)
         tindex = tr.transpose_index(indices, kv.shape[1], chunk_rows=chunk)
-    cfg = tuple(sorted(dict(bwd_cfg, chunk_rows=tindex.chunk_rows).items()))
-    op = _op(float(sm_scale), int(v_dim), int(fwd_block_k), int(fwd_warps), int(fwd_stages), cfg,
-             bool(interpret))
+    op = _op(float(sm_scale), int(v_dim), int(fwd_block_k), int(fwd_warps), int(fwd_stages),
+             tuple(sorted(bwd_cfg.items())), tindex.chunk_rows, bool(interpret))
     return op(q, kv, jnp.asarray(indices, jnp.int32), tindex.position, tindex.offsets)

@@ -2,13 +2,10 @@
 
 Layout. One program handles one query (b, s) with all H heads (the heads are the M dimension
 of both matmuls) and walks its K selected rows in blocks of `block_k` along the last grid
-axis ("arbitrary"), keeping the online-softmax state in VMEM scratch. The latent cache stays
-in HBM (memory_space=ANY) viewed as [B, T, 1, Dk]: one DMA per selected row copies
-kv[b, t] into row j of a [2, block_k, 1, Dk] VMEM buffer. With the unit axis second-minor,
-both the HBM source and the VMEM destination are indexed dynamically on a leading axis only;
-a dynamic offset on the sublane axis (a [T, Dk] view) must be a multiple of 8 and does not
-compile. The buffer is double-buffered: block k+1's DMAs are issued before block k's are
-waited on, so the gather of the next block overlaps the matmuls of this one.
+axis ("arbitrary"), keeping the online-softmax state in VMEM scratch. The rows are gathered
+from the HBM cache, viewed as [B, T, 1, Dk], by one DMA per row into a double-buffered VMEM
+buffer (`tpu_rows`: why the unit axis, how the next block's gather overlaps this block's
+matmuls).
 
 Indices. Each program needs the K indices of its query as scalars (DMA addresses) and the
 current block of them as a vector (the validity mask). The scalars come as a per-query SMEM
@@ -18,9 +15,9 @@ whole [B, S, K] array into SMEM, which does not fit for prefill (8K queries x 20
 
 Invalid slots (-1 or out of range) fetch row 0 and are masked to -inf / zero probability.
 
-Backward: per query, with the same gather, the kernel recomputes p = exp(s - lse) and writes
-dq (accumulated over the blocks in VMEM) and the per-(query, slot) dkv contributions, which
-`vjp.backward` scatter-adds into dkv (no two programs write the same memory).
+Backward: `tpu_backward` - per-query kernels write each (query, selected row) gradient at its
+place in a key-row-sorted list (`transpose.transpose_index`), and one program per block of
+latent rows sums their runs in a fixed order: no atomics, bitwise-repeatable gradients.
 """
 
 from __future__ import annotations
@@ -30,14 +27,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels._common import check_positive_fields, tpu_interpret
-from pallas_kernels.attention import vjp
+from pallas_kernels.attention import tpu_backward, tpu_rows, transpose, vjp
 
-#: Rows gathered per grid step.
+#: Rows gathered per grid step of the forward.
 DEFAULT_BLOCK_K = 256
 
 
@@ -45,12 +41,25 @@ DEFAULT_BLOCK_K = 256
 class SparseMLATpuConfig:
     """Tuning of the TPU sparse MLA kernels (`impl="pallas_tpu"`).
 
-    block_k: rows gathered per grid step (default min(DEFAULT_BLOCK_K, K rounded up to 128))."""
+    block_k, bwd_block_k: rows gathered per grid step of the forward / of the backward's pairs
+      kernel (default min(DEFAULT_BLOCK_K / tpu_backward.DEFAULT_BLOCK_K, K rounded up to 128);
+      compiled for a TPU, a multiple of 128 or at least K).
+    reduce_rows, reduce_window: key rows per program and pair gradients per DMA window of the
+      backward's reduce kernel (multiples of 8; `tpu_backward`).
+    bwd_budget: bytes of one query chunk's float32 pair gradients in the backward."""
 
     block_k: int | None = None
+    bwd_block_k: int | None = None
+    reduce_rows: int = tpu_backward.DEFAULT_REDUCE_ROWS
+    reduce_window: int = tpu_backward.DEFAULT_REDUCE_WINDOW
+    bwd_budget: int = tpu_backward.DEFAULT_BUDGET
 
     def __post_init__(self):
         check_positive_fields(self)
+        for name in ("reduce_rows", "reduce_window"):
+            if getattr(self, name) % 8:
+                raise ValueError(f"SparseMLATpuConfig.{name} must be a multiple of 8, "
+                                 f"got {getattr(self, name)}")
 
 
 def _pad_indices(indices: jax.Array, block_k: int) -> jax.Array:
@@ -62,60 +71,10 @@ def _pad_indices(indices: jax.Array, block_k: int) -> jax.Array:
     return idx
 
 
-def _block_k(topk: int, block_k: int | None) -> int:
+def _block_k(topk: int, block_k: int | None, default: int = DEFAULT_BLOCK_K) -> int:
     if block_k is not None:
         return int(block_k)
-    return min(DEFAULT_BLOCK_K, -(-topk // 128) * 128)
-
-
-def _gather(idx_smem, kv_hbm, buf, sem, *, b, block, slot, block_k, num_keys):
-    """Starts the DMAs of the rows of index block `block` into buf[slot]."""
-
-    def start(j, carry):
-        r = idx_smem[block * block_k + j]
-        r = jnp.where((r >= 0) & (r < num_keys), r, 0)
-        pltpu.make_async_copy(kv_hbm.at[b, r], buf.at[slot, j], sem.at[slot]).start()
-        return carry
-
-    lax.fori_loop(0, block_k, start, 0)
-
-
-def _wait(kv_hbm, buf, sem, *, slot, block_k):
-    def wait(j, carry):
-        pltpu.make_async_copy(kv_hbm.at[0, 0], buf.at[slot, j], sem.at[slot]).wait()
-        return carry
-
-    lax.fori_loop(0, block_k, wait, 0)
-
-
-def _prefetch_and_wait(idx_smem, kv_hbm, buf, sem, *, block_k, num_keys):
-    """Double buffering over the K axis of the grid; returns the slot holding this block."""
-    b = pl.program_id(0)
-    kb = pl.program_id(2)
-    nk = pl.num_programs(2)
-    slot = kb % 2
-    gather = functools.partial(_gather, idx_smem, kv_hbm, buf, sem, b=b, block_k=block_k,
-                               num_keys=num_keys)
-
-    @pl.when(kb == 0)
-    def _():
-        gather(block=0, slot=0)
-
-    @pl.when(kb + 1 < nk)
-    def _():
-        gather(block=kb + 1, slot=1 - slot)
-
-    _wait(kv_hbm, buf, sem, slot=slot, block_k=block_k)
-    return slot
-
-
-def _dot_nt(a, b):
-    """a [M, D] . b [N, D]^T -> float32 [M, N]."""
-    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-
-
-def _dot(a, b):
-    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    return min(default, -(-topk // 128) * 128)
 
 
 def _fwd_kernel(idx_smem, idx_vmem, q_ref, kv_hbm, out_ref, lse_ref, buf, sem, m_sc, l_sc, acc_sc,
@@ -128,12 +87,12 @@ def _fwd_kernel(idx_smem, idx_vmem, q_ref, kv_hbm, out_ref, lse_ref, buf, sem, m
         l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
         acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
 
-    slot = _prefetch_and_wait(idx_smem, kv_hbm, buf, sem, block_k=block_k, num_keys=num_keys)
-    rows = buf[slot]
-    rows = rows.reshape(rows.shape[0], rows.shape[-1])                   # [bk, Dk]
+    slot = tpu_rows.prefetch_and_wait(idx_smem, kv_hbm, buf, sem, b=pl.program_id(0), kb=kb,
+                                      nk=pl.num_programs(2), block_k=block_k, num_keys=num_keys)
+    rows = tpu_rows.rows_of(buf, slot)                                   # [bk, Dk]
     idx = idx_vmem[...]                                                  # [1, bk]
     valid = (idx >= 0) & (idx < num_keys)
-    s = _dot_nt(q_ref[...], rows) * sm_scale                             # [H, bk]
+    s = tpu_rows.dot_nt(q_ref[...], rows) * sm_scale                             # [H, bk]
     s = jnp.where(valid, s, -jnp.inf)
     m_prev = m_sc[...]                                                   # [H, 1]
     m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
@@ -141,7 +100,7 @@ def _fwd_kernel(idx_smem, idx_vmem, q_ref, kv_hbm, out_ref, lse_ref, buf, sem, m
     p = jnp.exp(s - m_use)
     alpha = jnp.exp(m_prev - m_use)
     l_sc[...] = alpha * l_sc[...] + jnp.sum(p, axis=1, keepdims=True)
-    acc_sc[...] = alpha * acc_sc[...] + _dot(p.astype(rows.dtype), rows[:, :v_dim])
+    acc_sc[...] = alpha * acc_sc[...] + tpu_rows.dot(p.astype(rows.dtype), rows[:, :v_dim])
     m_sc[...] = m_new
 
     @pl.when(kb == pl.num_programs(2) - 1)
@@ -164,10 +123,6 @@ def _common_specs(batch, heads, dk, block_k, topk):
     return idx_smem, idx_vmem, q_spec, kv_spec
 
 
-def _scratch(block_k, dk, kv_dtype):
-    return [pltpu.VMEM((2, block_k, 1, dk), kv_dtype), pltpu.SemaphoreType.DMA((2,))]
-
-
 def _params():
     return pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary"))
 
@@ -180,6 +135,16 @@ def _layout(q, kv, idx, block_k):
     idx4 = idx.reshape(batch, seq_len, 1, topk)
     specs = _common_specs(batch, heads, dk, block_k, topk)
     return batch, seq_len, heads, dk, num_keys, topk, topk // block_k, kv4, idx4, specs
+
+
+def _forward_cost(q, kv, topk, v_dim):
+    """What the forward does per (query, slot): one row gathered, the matmuls of its heads."""
+    batch, seq_len, heads, dk = q.shape
+    pairs = batch * seq_len * topk
+    return pl.CostEstimate(
+        flops=2 * pairs * heads * (dk + v_dim), transcendentals=pairs * heads,
+        bytes_accessed=pairs * (dk * jnp.dtype(kv.dtype).itemsize + 4)
+        + batch * seq_len * heads * (dk + v_dim) * jnp.dtype(q.dtype).itemsize)
 
 
 def _forward(q, kv, idx, *, sm_scale, v_dim, block_k, interpret):
@@ -196,91 +161,52 @@ def _forward(q, kv, idx, *, sm_scale, v_dim, block_k, interpret):
                    pl.BlockSpec((None, None, heads, 1), lambda b, s, k: (b, s, 0, 0))],
         out_shape=[jax.ShapeDtypeStruct((batch, seq_len, heads, v_dim), q.dtype),
                    jax.ShapeDtypeStruct((batch, seq_len, heads, 1), jnp.float32)],
-        scratch_shapes=_scratch(block_k, dk, kv.dtype) + [
+        scratch_shapes=tpu_rows.scratch(block_k, dk, kv.dtype) + [
             pltpu.VMEM((heads, 1), jnp.float32), pltpu.VMEM((heads, 1), jnp.float32),
             pltpu.VMEM((heads, v_dim), jnp.float32)],
         compiler_params=_params(),
         interpret=tpu_interpret(interpret),
+        cost_estimate=_forward_cost(q, kv, topk, v_dim),
         name="sparse_mla_fwd",
     )(idx4, idx4, q, kv4)
     return out, lse[..., 0]
 
 
-def _bwd_kernel(idx_smem, idx_vmem, q_ref, do_ref, lse_ref, delta_ref, kv_hbm, dq_ref, contrib_ref,
-                buf, sem, dq_sc, *, sm_scale, v_dim, block_k, num_keys):
-    kb = pl.program_id(2)
-
-    @pl.when(kb == 0)
-    def _():
-        dq_sc[...] = jnp.zeros(dq_sc.shape, jnp.float32)
-
-    slot = _prefetch_and_wait(idx_smem, kv_hbm, buf, sem, block_k=block_k, num_keys=num_keys)
-    rows = buf[slot]
-    rows = rows.reshape(rows.shape[0], rows.shape[-1])                   # [bk, Dk]
-    dtype = rows.dtype
-    idx = idx_vmem[...]
-    valid = (idx >= 0) & (idx < num_keys)
-    q = q_ref[...]                                                       # [H, Dk]
-    do = do_ref[...]                                                     # [H, v]
-    lse = lse_ref[...]                                                   # [H, 1]
-    lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)                       # empty row: p = 0
-    s = _dot_nt(q, rows) * sm_scale
-    p = jnp.where(valid, jnp.exp(s - lse), 0.0)                          # [H, bk]
-    dp = _dot_nt(do, rows[:, :v_dim])                                    # [H, bk]
-    ds = p * (dp - delta_ref[...]) * sm_scale
-    dq_sc[...] += _dot(ds.astype(dtype), rows)
-    dk = _dot(ds.T.astype(dtype), q.astype(dtype))                       # [bk, Dk]
-    dv = _dot(p.T.astype(dtype), do.astype(dtype))                       # [bk, v]
-    if v_dim < dk.shape[1]:
-        contrib_ref[:, :v_dim] = (dk[:, :v_dim] + dv).astype(contrib_ref.dtype)
-        contrib_ref[:, v_dim:] = dk[:, v_dim:].astype(contrib_ref.dtype)
-    else:
-        contrib_ref[...] = (dk + dv).astype(contrib_ref.dtype)
-
-    @pl.when(kb == pl.num_programs(2) - 1)
-    def _():
-        dq_ref[...] = dq_sc[...].astype(dq_ref.dtype)
-
-
-def _backward(q, kv, idx, dout, lse, delta, *, sm_scale, v_dim, block_k, interpret):
-    batch, seq_len, heads, dk, num_keys, topk, nk, kv4, idx4, specs = _layout(q, kv, idx, block_k)
-    idx_smem, idx_vmem, q_spec, kv_spec = specs
-    per_head = lambda width: pl.BlockSpec((None, None, heads, width), lambda b, s, k: (b, s, 0, 0))
-    kernel = functools.partial(_bwd_kernel, sm_scale=sm_scale, v_dim=v_dim, block_k=block_k,
-                               num_keys=num_keys)
-    dq, contrib = pl.pallas_call(
-        kernel,
-        grid=(batch, seq_len, nk),
-        in_specs=[idx_smem, idx_vmem, q_spec, per_head(v_dim), per_head(1), per_head(1), kv_spec],
-        out_specs=[per_head(dk),
-                   pl.BlockSpec((None, None, block_k, dk), lambda b, s, k: (b, s, k, 0))],
-        out_shape=[jax.ShapeDtypeStruct((batch, seq_len, heads, dk), q.dtype),
-                   jax.ShapeDtypeStruct((batch, seq_len, topk, dk), kv.dtype)],
-        scratch_shapes=_scratch(block_k, dk, kv.dtype) + [pltpu.VMEM((heads, dk), jnp.float32)],
-        compiler_params=_params(),
-        interpret=tpu_interpret(interpret),
-        name="sparse_mla_bwd",
-    )(idx4, idx4, q, dout.astype(q.dtype), lse[..., None], delta[..., None], kv4)
-    return dq, contrib
+def _padded_forward(q, kv, indices, *, block_k, **settings):
+    return _forward(q, kv, _pad_indices(indices, block_k), block_k=block_k, **settings)
 
 
 @functools.lru_cache(maxsize=None)
-def _op(sm_scale, v_dim, block_k, interpret):
-    fwd = functools.partial(_forward, sm_scale=sm_scale, v_dim=v_dim, block_k=block_k,
+def _op(sm_scale, v_dim, block_k, bwd_settings, chunk_rows, interpret):
+    """The differentiable op on unpadded indices; chunk_rows: None builds the transposed index
+    in the backward, else the op takes a prebuilt one's (position, offsets) too."""
+    fwd = functools.partial(_padded_forward, sm_scale=sm_scale, v_dim=v_dim, block_k=block_k,
                             interpret=interpret)
-    bwd = functools.partial(_backward, sm_scale=sm_scale, v_dim=v_dim, block_k=block_k,
-                            interpret=interpret)
-    return vjp.make_sparse_mla(fwd, bwd)
+    bwd = functools.partial(tpu_backward.backward, sm_scale=sm_scale, v_dim=v_dim,
+                            interpret=interpret, **dict(bwd_settings))
+    if chunk_rows is None:
+        return vjp.make_sparse_mla(fwd, bwd, bwd_adds_dkv=True)
+    return vjp.make_indexed_sparse_mla(fwd, bwd, chunk_rows=chunk_rows)
 
 
 def sparse_mla(q: jax.Array, kv: jax.Array, indices: jax.Array, *, sm_scale: float, v_dim: int,
-               config: SparseMLATpuConfig = SparseMLATpuConfig(), interpret: bool = False):
+               config: SparseMLATpuConfig = SparseMLATpuConfig(), interpret: bool = False,
+               tindex: transpose.TransposedIndex | None = None):
     """Sparse MLA forward/backward with Mosaic TPU kernels; contract of `pallas_kernels.sparse_mla`.
 
     q [B, S, H, Dk], kv [B, T, Dk], indices int32 [B, S, K] (-1 = skip)
     -> (out [B, S, H, v_dim] in q.dtype, lse float32 [B, S, H]).
+    tindex: the backward's transposed index, `transpose.transpose_index(indices, T, chunk_rows=
+    tpu_backward.default_chunk_rows(...))` built once and shared by the layers of an IndexShare
+    group; None: built in each backward (chunks of `config.bwd_budget` bytes).
     Compiled for a TPU, H should be a multiple of 8 and Dk, v_dim multiples of 128."""
     topk = indices.shape[-1]
     bk = _block_k(topk, config.block_k)
-    idx = _pad_indices(indices, bk)
-    return _op(float(sm_scale), int(v_dim), bk, bool(interpret))(q, kv, idx)
+    bwd = (("block_k", _block_k(topk, config.bwd_block_k, tpu_backward.DEFAULT_BLOCK_K)),
+           ("budget", config.bwd_budget), ("reduce_rows", config.reduce_rows),
+           ("reduce_window", config.reduce_window))
+    idx = jnp.asarray(indices, jnp.int32)
+    if tindex is None:
+        return _op(float(sm_scale), int(v_dim), bk, bwd, None, bool(interpret))(q, kv, idx)
+    op = _op(float(sm_scale), int(v_dim), bk, bwd, tindex.chunk_rows, bool(interpret))
+    return op(q, kv, idx, tindex.position, tindex.offsets)

@@ -10,8 +10,10 @@ where `idx` is the int32 index array padded by the kernel module and `contrib[b,
 the gradient that query (b, s) sends to the kv row it selected in slot j (keys and values
 together: dK in every column, plus dV in the first v_dim columns).
 
-A kernel that adds those contributions into dkv itself (atomically, on a GPU) is plugged in
-with `bwd_adds_dkv=True` and returns (dq, dkv float32 [B, T, Dk]) for all queries at once.
+A kernel that adds those contributions into dkv itself (atomically, or by key row through a
+transposed index) is plugged in with `bwd_adds_dkv=True` and returns (dq, dkv float32
+[B, T, Dk]) for all queries at once. `make_indexed_sparse_mla` plugs in such a backward with a
+prebuilt transposed index (`transpose.TransposedIndex`, shared by an IndexShare group's layers).
 
 dkv is accumulated without write races: the kernels never write into a row that another
 program may write; each writes its own (query, slot) contributions, and XLA adds them into
@@ -29,6 +31,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels._common import split_query_chunks
+from pallas_kernels.attention import transpose
 
 #: Upper bound on the bytes of one chunk's per-(query, slot) gradient contributions.
 CONTRIB_BUDGET_BYTES = 2 * 2**30
@@ -103,3 +106,31 @@ def make_sparse_mla(fwd: Callable, bwd: Callable, *, budget: int = CONTRIB_BUDGE
     attend.defvjp(attend_fwd, attend_bwd)
     return attend
 
+
+
+def make_indexed_sparse_mla(fwd: Callable, bwd: Callable, *, chunk_rows: int):
+    """A differentiable sparse_mla(q, kv, indices, position, offsets) -> (out, lse) whose backward
+    takes a prebuilt transposed index, passed as its arrays (`TransposedIndex.position`,
+    `.offsets`, built with `chunk_rows`).
+
+    fwd(q, kv, indices) -> (out, lse); bwd(q, kv, indices, dout, lse, delta, tindex=...) ->
+    (dq, dkv float32 [B, T, Dk])."""
+
+    @jax.custom_vjp
+    def attend(q, kv, indices, position, offsets):
+        return fwd(q, kv, indices)
+
+    def attend_fwd(q, kv, indices, position, offsets):
+        out, lse = fwd(q, kv, indices)
+        return (out, lse), (q, kv, indices, position, offsets, out, lse)
+
+    def attend_bwd(res, cts):
+        q, kv, indices, position, offsets, out, lse = res
+        dout, dlse = cts
+        tindex = transpose.TransposedIndex(position=position, offsets=offsets, chunk_rows=chunk_rows,
+                                           topk=indices.shape[-1], num_keys=kv.shape[1])
+        dq, dkv = bwd(q, kv, indices, dout, lse, _delta(out, lse, dout, dlse), tindex=tindex)
+        return dq.astype(q.dtype), dkv.astype(kv.dtype), None, None, None
+
+    attend.defvjp(attend_fwd, attend_bwd)
+    return attend
