@@ -5,7 +5,8 @@ static):
 
     indexer_scores(q, k, weights, *, q_pos, kv_len, kv_start, ...)        -> float32 [B, S, T]
     indexer_topk(q, k, weights, *, topk, q_pos, kv_len, kv_start, ...)    -> int32 [B, S, topk]
-    sparse_mla(q, kv, indices, *, sm_scale, v_dim, ...)         -> (out [B, S, H, v_dim], lse [B, S, H])
+    sparse_mla(q, kv, indices, *, sm_scale, v_dim, ...)         -> (out [B, S, H, v_dim], lse [B, S, H]
+                                                                   [, target [B, S, K]])
     causal_attention(q, k, v, *, scale, kv_len, mask, segments, ...)      -> [B, S, N, d]
 
 Every op takes
@@ -103,7 +104,7 @@ def indexer_topk(q: jax.Array, k: jax.Array, weights: jax.Array, *, topk: int, q
 
 
 def sparse_mla(q: jax.Array, kv: jax.Array, indices: jax.Array, *, sm_scale: float, v_dim: int,
-               impl: str = "auto", config=None, interpret: bool = False):
+               return_target: bool = False, impl: str = "auto", config=None, interpret: bool = False):
     """Sparse multi-query attention over one shared latent head, restricted to selected rows.
 
     Args:
@@ -113,18 +114,24 @@ def sparse_mla(q: jax.Array, kv: jax.Array, indices: jax.Array, *, sm_scale: flo
         Duplicates are not expected; they do not fail, but how they count is unspecified.
       sm_scale: softmax scale (static).
       v_dim: value width (static), <= Dk.
+      return_target: also return the indexer's training target (static).
       impl, config, interpret: see the package docstring.
 
     Returns:
       out: [B, S, H, v_dim] in q.dtype, softmax(sm_scale * q . kv[sel]) @ kv[sel, :v_dim].
       lse: float32 [B, S, H], log sum over the selected rows of exp(sm_scale * q . kv[t]).
+      target (with return_target): float32 [B, S, K], the attention probabilities at each slot
+        averaged over the heads, mean_h exp(sm_scale * q[h] . kv[indices[j]] - lse[h]) (the
+        L1-normalised head sum over the selected set); 0 at invalid slots, all 0 in a row with
+        no valid index. A constant: no gradient flows through it.
       A query with no valid index gets out 0 and lse -inf. Differentiable in q and kv, with
       finite gradients also for such rows (mask the -inf lse before using it in a loss).
     """
     entry, config = registry.select("sparse_mla", impl, config, interpret)
     if not 0 < v_dim <= kv.shape[-1]:
         raise ValueError(f"pallas_kernels.sparse_mla: v_dim={v_dim} must be in [1, {kv.shape[-1]}]")
-    return entry.fn(q, kv, indices, sm_scale=sm_scale, v_dim=v_dim, config=config, interpret=interpret)
+    return entry.fn(q, kv, indices, sm_scale=sm_scale, v_dim=v_dim, return_target=bool(return_target),
+                    config=config, interpret=interpret)
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float,

@@ -26,8 +26,8 @@ import pytest
 import pallas_kernels as pk
 
 #: The static keyword arguments of each op (jitted once per value).
-STATIC = {"indexer_scores": (), "indexer_topk": ("topk",), "sparse_mla": ("sm_scale", "v_dim"),
-          "causal_attention": ("scale",)}
+STATIC = {"indexer_scores": (), "indexer_topk": ("topk",), "sparse_mla": ("sm_scale", "v_dim", "return_target"),
+          "causal_attention": ("scale",), "indexer_cross_entropy": ()}
 _OPS = {op: jax.jit(getattr(pk, op), static_argnames=STATIC[op] + ("impl", "config", "interpret"))
         for op in pk.REGISTRY}
 
@@ -276,6 +276,39 @@ def check_sparse_mla(impl, q, kv, idx, *, sm_scale, v_dim, config=None, gradient
     np.testing.assert_allclose(dq[~dup], want_dq[~dup], rtol=4 * tol, atol=4 * tol)
     np.testing.assert_allclose(dkv[~touched], want_dkv[~touched], rtol=4 * tol, atol=4 * tol)
     assert (dq[empty] == 0).all()
+
+
+def np_sparse_target(q, kv, indices, sm_scale) -> np.ndarray:
+    """float64 [B, S, K]: mean over heads of exp(sm_scale q . kv[idx] - lse) at each valid slot, else 0."""
+    q, kv, idx = f64(q), f64(kv), np.asarray(indices)
+    _, lse = np_sparse_mla(q, kv, idx, sm_scale, 1)
+    valid = (idx >= 0) & (idx < kv.shape[1])
+    rows = np.take_along_axis(kv[:, None], np.where(valid, idx, 0)[..., None], axis=2)   # [B, S, K, Dk]
+    logits = np.einsum("bshd,bskd->bshk", q, rows) * sm_scale
+    p = np.exp(logits - np.where(np.isfinite(lse), lse, np.inf)[..., None])
+    return np.where(valid, p.mean(axis=2), 0.0)
+
+
+def check_sparse_mla_target(impl, q, kv, idx, *, sm_scale, v_dim, config=None, tol=1e-5):
+    """sparse_mla with return_target: out and lse those of the contract; target float32 [B, S, K]
+    equal to the oracle (0 at invalid slots, all 0 in a row with no valid index; rows with a
+    duplicated index only finite); a cotangent of the target alone gives zero gradients."""
+    kw = dict(sm_scale=sm_scale, v_dim=v_dim, return_target=True, config=config)
+    (out, lse, target), pull = jax.vjp(lambda q, kv: call("sparse_mla", impl, q, kv, idx, **kw), q, kv)
+    dup = duplicated_rows(idx, kv.shape[1])
+    want_out, want_lse = np_sparse_mla(q, kv, idx, sm_scale, v_dim)
+    np.testing.assert_allclose(f64(out)[~dup], want_out[~dup], rtol=tol, atol=tol)
+    assert_lse(np.asarray(lse)[~dup], want_lse[~dup])
+    assert target.shape == idx.shape and target.dtype == jnp.float32
+    target = np.asarray(target)
+    assert np.isfinite(target).all()
+    np.testing.assert_allclose(target[~dup], np_sparse_target(q, kv, idx, sm_scale)[~dup], rtol=tol, atol=tol)
+    valid = (np.asarray(idx) >= 0) & (np.asarray(idx) < kv.shape[1])
+    assert (target[~valid] == 0).all() and (~valid.any(-1)).any()
+    np.testing.assert_allclose(target.sum(-1)[valid.any(-1) & ~dup], 1.0, rtol=tol)
+    weight = jnp.asarray(np.random.default_rng(1).normal(size=target.shape), jnp.float32)
+    for g in pull((jnp.zeros_like(out), jnp.zeros_like(lse), weight)):
+        assert not np.asarray(g).any()
 
 
 # ----------------------------------------------------------------------------- causal attention

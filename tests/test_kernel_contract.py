@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 import pallas_kernels as pk
-from kernel_contract import (call, float_score_inputs, check_causal_attention, check_scores, check_sparse_mla, check_topk, doc_starts,
+from kernel_contract import (call, float_score_inputs, check_causal_attention, check_scores, check_sparse_mla,
+                             check_sparse_mla_target, check_topk, doc_starts,
                              f64, impl_params, int_inputs, np_scores, np_scores_grads, np_topk, packed_documents,
                              positions, sparse_inputs)
 
@@ -245,6 +246,19 @@ def test_sparse_mla_forward_and_gradients(impl):
     of a block."""
     q, kv, idx = sparse_inputs(240, B=2, S=2, T=50, K=40, H=4, Dk=80)
     check_sparse_mla(impl, q, kv, idx, sm_scale=0.125, v_dim=64)
+
+
+@pytest.mark.parametrize("impl", impl_params("sparse_mla", exclude=("pallas_tpu",)))
+def test_sparse_mla_target(impl):
+    """return_target: the head-mean probabilities at each slot, beside unchanged out and lse;
+    -1 holes, an empty row, out-of-range and duplicated indices. The TPU kernel's target is
+    `xla.target_from_lse` of its lse (contract-tested above): checked here on XLA's lse."""
+    q, kv, idx = sparse_inputs(31, B=2, S=2, T=40, K=20, H=3, Dk=48)
+    check_sparse_mla_target(impl, q, kv, idx, sm_scale=0.2, v_dim=32)
+    if impl == "xla":
+        _, lse, target = call("sparse_mla", impl, q, kv, idx, sm_scale=0.2, v_dim=32, return_target=True)
+        from_lse = pk.attention.xla.target_from_lse(q, kv, idx, lse, sm_scale=0.2, q_chunk=1)
+        np.testing.assert_allclose(np.asarray(from_lse), np.asarray(target), rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("impl", impl_params("sparse_mla"))

@@ -35,7 +35,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels._common import check_positive_fields, tpu_interpret
-from pallas_kernels.attention import vjp
+from pallas_kernels.attention import vjp, xla
 
 #: Rows gathered per grid step.
 DEFAULT_BLOCK_K = 256
@@ -274,13 +274,18 @@ def _op(sm_scale, v_dim, block_k, interpret):
 
 
 def sparse_mla(q: jax.Array, kv: jax.Array, indices: jax.Array, *, sm_scale: float, v_dim: int,
-               config: SparseMLATpuConfig = SparseMLATpuConfig(), interpret: bool = False):
+               return_target: bool = False, config: SparseMLATpuConfig = SparseMLATpuConfig(),
+               interpret: bool = False):
     """Sparse MLA forward/backward with Mosaic TPU kernels; contract of `pallas_kernels.sparse_mla`.
 
     q [B, S, H, Dk], kv [B, T, Dk], indices int32 [B, S, K] (-1 = skip)
-    -> (out [B, S, H, v_dim] in q.dtype, lse float32 [B, S, H]).
+    -> (out [B, S, H, v_dim] in q.dtype, lse float32 [B, S, H]); with return_target also the
+    indexer target float32 [B, S, K], here from the lse by XLA (`xla.target_from_lse`).
     Compiled for a TPU, H should be a multiple of 8 and Dk, v_dim multiples of 128."""
     topk = indices.shape[-1]
     bk = _block_k(topk, config.block_k)
     idx = _pad_indices(indices, bk)
-    return _op(float(sm_scale), int(v_dim), bk, bool(interpret))(q, kv, idx)
+    out, lse = _op(float(sm_scale), int(v_dim), bk, bool(interpret))(q, kv, idx)
+    if not return_target:
+        return out, lse
+    return out, lse, xla.target_from_lse(q, kv, indices, lse, sm_scale=sm_scale)

@@ -2,7 +2,9 @@
 
 A kernel pair is plugged in as two callables:
 
-    fwd(q, kv, idx) -> (out [B, S, H, v_dim] in q.dtype, lse float32 [B, S, H])
+    fwd(q, kv, idx) -> (out [B, S, H, v_dim] in q.dtype, lse float32 [B, S, H]), or with the
+                       indexer target float32 [B, S, K] as a third output (a constant: its
+                       cotangent is ignored)
     bwd(q, kv, idx, dout, lse, delta) -> (dq float32-or-q.dtype [B, S, H, Dk],
                                           contrib [B, S, K, Dk] in kv.dtype)
 
@@ -79,7 +81,8 @@ def backward(fwd_res, dout, dlse, *, bwd: Callable, budget: int = CONTRIB_BUDGET
 
 def make_sparse_mla(fwd: Callable, bwd: Callable, *, budget: int = CONTRIB_BUDGET_BYTES,
                     bwd_adds_dkv: bool = False):
-    """A differentiable sparse_mla(q, kv, idx) -> (out, lse) from a forward and backward kernel.
+    """A differentiable sparse_mla(q, kv, idx) -> (out, lse[, target]) from a forward and
+    backward kernel.
 
     bwd_adds_dkv: `bwd` returns (dq, dkv) itself instead of per-slot contributions."""
 
@@ -88,11 +91,11 @@ def make_sparse_mla(fwd: Callable, bwd: Callable, *, budget: int = CONTRIB_BUDGE
         return fwd(q, kv, idx)
 
     def attend_fwd(q, kv, idx):
-        out, lse = fwd(q, kv, idx)
-        return (out, lse), (q, kv, idx, out, lse)
+        outs = fwd(q, kv, idx)
+        return outs, (q, kv, idx) + tuple(outs[:2])
 
     def attend_bwd(res, cts):
-        dout, dlse = cts
+        dout, dlse = cts[:2]
         if bwd_adds_dkv:
             q, kv, idx, out, lse = res
             dq, dkv = bwd(q, kv, idx, dout, lse, _delta(out, lse, dout, dlse))
