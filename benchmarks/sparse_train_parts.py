@@ -30,11 +30,30 @@ import jax.numpy as jnp
 
 import pallas_kernels
 from benchmarks._measure import bench, ceilings
-from pallas_kernels.attention.xla import target_from_lse
+from pallas_kernels._common import choose_q_chunk, map_query_chunks
+from pallas_kernels.attention.xla import gather_rows
 
 HEADS, LATENT, VALUE, TOPK, INDEX_HEADS, INDEX_DIM = 16, 576, 512, 2048, 16, 128
 SCALE = 192 ** -0.5
 BF16, F32 = 2, 4
+
+
+def target_from_lse(q, kv, indices, lse, *, sm_scale):
+    """The indexer target as the replaced per-layer KL computed it, for its baseline: from the
+    attention's lse, gathering the selected latent rows again, chunked over queries.
+    q [B, S, H, Dk], kv [B, T, Dk], indices int32 [B, S, K], lse float32 [B, S, H] -> float32 [B, S, K]."""
+    batch, seq_len, num_heads, dk = q.shape
+    topk, num_keys = indices.shape[-1], kv.shape[1]
+    chunk = choose_q_chunk(seq_len, batch * topk * (dk * kv.dtype.itemsize + 8 * num_heads), None)
+
+    def body(q_c, idx_c, lse_c):
+        valid = (idx_c >= 0) & (idx_c < num_keys)
+        rows = gather_rows(kv, jnp.where(valid, idx_c, 0))
+        logits = jnp.einsum("bchd,bckd->bchk", q_c, rows, preferred_element_type=jnp.float32) * sm_scale
+        p = jnp.exp(logits - jnp.where(jnp.isfinite(lse_c), lse_c, jnp.inf)[..., None])
+        return jnp.mean(jnp.where(valid[:, :, None, :], p, 0.0), axis=2)
+
+    return map_query_chunks(body, (q, indices, lse), (0, -1, -jnp.inf), chunk)
 
 
 def main() -> None:

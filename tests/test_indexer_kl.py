@@ -1,6 +1,7 @@
 """The GPU indexer cross-entropy kernels (`indexer_kl.gpu`) beyond the contract: several query
 chunks and slot blocks, bf16, bitwise-repeatable gradients (in Pallas interpret mode on the
-CPU), and their Triton lowering for an H200 beside the sparse MLA forward that writes the target."""
+CPU), and their Triton lowering for an H200 beside the sparse MLA forward that writes the target;
+the TPU sparse MLA forward's target (interpret mode, and compiled ahead of time for a v5p)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels as pk
-from kernel_contract import check_indexer_cross_entropy, cross_entropy_inputs, np_indexer_cross_entropy
-from pallas_kernels.attention import gpu as attention_gpu
+from conftest import tpu_compile_mesh
+from kernel_contract import (check_indexer_cross_entropy, check_sparse_mla_target, cross_entropy_inputs,
+                             np_indexer_cross_entropy, sparse_inputs)
+from pallas_kernels.attention import gpu as attention_gpu, tpu as attention_tpu
 from pallas_kernels.indexer_kl import gpu
 
 #: Slots per block and a budget of 2 queries' pair gradients (float32, K = 37, D = 12): 3 chunks.
@@ -63,3 +66,17 @@ def test_lowers_to_triton_for_h200():
         args = (s((1, 8, 16, 576), jnp.bfloat16), s((1, 4096, 576), jnp.bfloat16), s((1, 8, 2048), jnp.int32))
         text = jax.jit(attend).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert text.count("xla.gpu.triton") == 1
+
+
+def test_tpu_forward_writes_the_target():
+    """The TPU forward's target from the logits it keeps in VMEM (2 blocks of 16 slots), in
+    interpret mode; and the kernel compiled ahead of time for a v5p at GLM shapes."""
+    q, kv, idx = sparse_inputs(31, B=2, S=2, T=40, K=20, H=3, Dk=48)
+    check_sparse_mla_target("pallas_tpu", q, kv, idx, sm_scale=0.2, v_dim=32, config=pk.SparseMLATpuConfig(block_k=16))
+    mesh = tpu_compile_mesh("v5p:2x2x1")
+    spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    args = [jax.ShapeDtypeStruct(shape, dtype, sharding=spec) for shape, dtype in
+            (((1, 16, 16, 576), jnp.bfloat16), ((1, 4096, 576), jnp.bfloat16), ((1, 16, 2048), jnp.int32))]
+    attend = lambda q, kv, i: attention_tpu.sparse_mla(q, kv, i, sm_scale=0.04, v_dim=512, return_target=True)
+    wrapped = jax.shard_map(attend, mesh=mesh, in_specs=(spec.spec,) * 3, out_specs=spec.spec, check_vma=False)
+    assert "sparse_mla" in jax.jit(wrapped).lower(*args).compile().as_text()

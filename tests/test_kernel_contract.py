@@ -255,14 +255,11 @@ def test_sparse_mla_forward_and_gradients(impl):
 @pytest.mark.parametrize("impl", impl_params("sparse_mla", exclude=("pallas_tpu",)))
 def test_sparse_mla_target(impl):
     """return_target: the head-mean probabilities at each slot, beside unchanged out and lse;
-    -1 holes, an empty row, out-of-range and duplicated indices. The TPU kernel's target is
-    `xla.target_from_lse` of its lse (contract-tested above): checked here on XLA's lse."""
+    -1 holes, an empty row, out-of-range and duplicated indices. (The TPU kernel, slow to
+    interpret with its default 128-slot blocks, is checked with 16-slot blocks in
+    test_indexer_kl.py.)"""
     q, kv, idx = sparse_inputs(31, B=2, S=2, T=40, K=20, H=3, Dk=48)
     check_sparse_mla_target(impl, q, kv, idx, sm_scale=0.2, v_dim=32)
-    if impl == "xla":
-        _, lse, target = call("sparse_mla", impl, q, kv, idx, sm_scale=0.2, v_dim=32, return_target=True)
-        from_lse = pk.attention.xla.target_from_lse(q, kv, idx, lse, sm_scale=0.2, q_chunk=1)
-        np.testing.assert_allclose(np.asarray(from_lse), np.asarray(target), rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("impl", impl_params("sparse_mla"))

@@ -18,6 +18,11 @@ whole [B, S, K] array into SMEM, which does not fit for prefill (8K queries x 20
 
 Invalid slots (-1 or out of range) fetch row 0 and are masked to -inf / zero probability.
 
+Indexer target (`return_target`): every block's logits [H, block_k] are also kept in a VMEM
+scratch ([K, H] float32 in all: 128 KiB at 16 heads x 2048 slots, 512 KiB at 64 heads); at the
+last block, with lse known, the kernel writes target[j] = mean over heads of exp(s[h, j] - lse[h])
+from them, gathering no row twice.
+
 Backward: per query, with the same gather, the kernel recomputes p = exp(s - lse) and writes
 dq (accumulated over the blocks in VMEM) and the per-(query, slot) dkv contributions, which
 `vjp.backward` scatter-adds into dkv (no two programs write the same memory).
@@ -35,7 +40,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels._common import check_positive_fields, tpu_interpret
-from pallas_kernels.attention import vjp, xla
+from pallas_kernels.attention import vjp
 
 #: Rows gathered per grid step.
 DEFAULT_BLOCK_K = 256
@@ -118,8 +123,14 @@ def _dot(a, b):
     return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
 
 
-def _fwd_kernel(idx_smem, idx_vmem, q_ref, kv_hbm, out_ref, lse_ref, buf, sem, m_sc, l_sc, acc_sc,
-                *, sm_scale, v_dim, block_k, num_keys):
+def _fwd_kernel(idx_smem, idx_vmem, q_ref, kv_hbm, out_ref, lse_ref, *refs, sm_scale, v_dim, block_k, num_keys,
+                with_target):
+    """refs: (target_ref,) when with_target, then the scratch buffers: the row buffer and its DMA
+    semaphores, m, l, the output accumulator, and (with_target) every block's logits."""
+    if with_target:
+        target_ref, buf, sem, m_sc, l_sc, acc_sc, s_sc = refs
+    else:
+        buf, sem, m_sc, l_sc, acc_sc = refs
     kb = pl.program_id(2)
 
     @pl.when(kb == 0)
@@ -135,6 +146,8 @@ def _fwd_kernel(idx_smem, idx_vmem, q_ref, kv_hbm, out_ref, lse_ref, buf, sem, m
     valid = (idx >= 0) & (idx < num_keys)
     s = _dot_nt(q_ref[...], rows) * sm_scale                             # [H, bk]
     s = jnp.where(valid, s, -jnp.inf)
+    if with_target:
+        s_sc[kb] = s
     m_prev = m_sc[...]                                                   # [H, 1]
     m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
     m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
@@ -151,7 +164,13 @@ def _fwd_kernel(idx_smem, idx_vmem, q_ref, kv_hbm, out_ref, lse_ref, buf, sem, m
         safe = jnp.where(has_any, l, 1.0)
         out_ref[...] = (acc_sc[...] / safe).astype(out_ref.dtype)
         m = jnp.where(m_sc[...] == -jnp.inf, 0.0, m_sc[...])
-        lse_ref[...] = jnp.where(has_any, m + jnp.log(safe), -jnp.inf)
+        lse = jnp.where(has_any, m + jnp.log(safe), -jnp.inf)
+        lse_ref[...] = lse
+        if with_target:             # the mean over heads of p = exp(s - lse), from the kept logits
+            shift = jnp.where(has_any, lse, jnp.inf)
+            for j in range(s_sc.shape[0]):
+                p = jnp.exp(s_sc[j] - shift)                              # [H, bk]; 0 where invalid
+                target_ref[j:j + 1, :] = jnp.sum(p, axis=0, keepdims=True) * (1.0 / p.shape[0])
 
 
 def _common_specs(batch, heads, dk, block_k, topk):
@@ -182,28 +201,41 @@ def _layout(q, kv, idx, block_k):
     return batch, seq_len, heads, dk, num_keys, topk, topk // block_k, kv4, idx4, specs
 
 
-def _forward(q, kv, idx, *, sm_scale, v_dim, block_k, interpret):
-    """idx already padded to a multiple of block_k."""
-    batch, seq_len, heads, dk, num_keys, topk, nk, kv4, idx4, specs = _layout(q, kv, idx, block_k)
+def _forward(q, kv, idx, *, sm_scale, v_dim, block_k, interpret, topk=None):
+    """idx already padded to a multiple of block_k -> (out, lse), and with `topk` (the unpadded
+    K) the indexer target float32 [B, S, topk]: each block's logits are kept in VMEM ([Kp, H]
+    float32: 128 KiB at 16 heads x 2048 slots) and turned into the target once lse is known, so
+    no row is gathered twice."""
+    batch, seq_len, heads, dk, num_keys, padded, nk, kv4, idx4, specs = _layout(q, kv, idx, block_k)
     idx_smem, idx_vmem, q_spec, kv_spec = specs
+    with_target = topk is not None
     kernel = functools.partial(_fwd_kernel, sm_scale=sm_scale, v_dim=v_dim, block_k=block_k,
-                               num_keys=num_keys)
-    out, lse = pl.pallas_call(
+                               num_keys=num_keys, with_target=with_target)
+    per_query = lambda *shape: pl.BlockSpec((None, None) + shape, lambda b, s, k: (b, s, 0, 0))
+    out_specs = [per_query(heads, v_dim), per_query(heads, 1)]
+    out_shape = [jax.ShapeDtypeStruct((batch, seq_len, heads, v_dim), q.dtype),
+                 jax.ShapeDtypeStruct((batch, seq_len, heads, 1), jnp.float32)]
+    scratch = _scratch(block_k, dk, kv.dtype) + [
+        pltpu.VMEM((heads, 1), jnp.float32), pltpu.VMEM((heads, 1), jnp.float32),
+        pltpu.VMEM((heads, v_dim), jnp.float32)]
+    if with_target:
+        out_specs.append(per_query(nk, block_k))
+        out_shape.append(jax.ShapeDtypeStruct((batch, seq_len, nk, block_k), jnp.float32))
+        scratch.append(pltpu.VMEM((nk, heads, block_k), jnp.float32))
+    out, lse, *target = pl.pallas_call(
         kernel,
         grid=(batch, seq_len, nk),
         in_specs=[idx_smem, idx_vmem, q_spec, kv_spec],
-        out_specs=[pl.BlockSpec((None, None, heads, v_dim), lambda b, s, k: (b, s, 0, 0)),
-                   pl.BlockSpec((None, None, heads, 1), lambda b, s, k: (b, s, 0, 0))],
-        out_shape=[jax.ShapeDtypeStruct((batch, seq_len, heads, v_dim), q.dtype),
-                   jax.ShapeDtypeStruct((batch, seq_len, heads, 1), jnp.float32)],
-        scratch_shapes=_scratch(block_k, dk, kv.dtype) + [
-            pltpu.VMEM((heads, 1), jnp.float32), pltpu.VMEM((heads, 1), jnp.float32),
-            pltpu.VMEM((heads, v_dim), jnp.float32)],
+        out_specs=out_specs,
+        out_shape=out_shape,
+        scratch_shapes=scratch,
         compiler_params=_params(),
         interpret=tpu_interpret(interpret),
         name="sparse_mla_fwd",
     )(idx4, idx4, q, kv4)
-    return out, lse[..., 0]
+    if not with_target:
+        return out, lse[..., 0]
+    return out, lse[..., 0], target[0].reshape(batch, seq_len, padded)[..., :topk]
 
 
 def _bwd_kernel(idx_smem, idx_vmem, q_ref, do_ref, lse_ref, delta_ref, kv_hbm, dq_ref, contrib_ref,
@@ -265,9 +297,10 @@ def _backward(q, kv, idx, dout, lse, delta, *, sm_scale, v_dim, block_k, interpr
 
 
 @functools.lru_cache(maxsize=None)
-def _op(sm_scale, v_dim, block_k, interpret):
+def _op(sm_scale, v_dim, block_k, topk, interpret):
+    """topk: the unpadded K when the op also returns the indexer target, else None."""
     fwd = functools.partial(_forward, sm_scale=sm_scale, v_dim=v_dim, block_k=block_k,
-                            interpret=interpret)
+                            interpret=interpret, topk=topk)
     bwd = functools.partial(_backward, sm_scale=sm_scale, v_dim=v_dim, block_k=block_k,
                             interpret=interpret)
     return vjp.make_sparse_mla(fwd, bwd)
@@ -280,12 +313,9 @@ def sparse_mla(q: jax.Array, kv: jax.Array, indices: jax.Array, *, sm_scale: flo
 
     q [B, S, H, Dk], kv [B, T, Dk], indices int32 [B, S, K] (-1 = skip)
     -> (out [B, S, H, v_dim] in q.dtype, lse float32 [B, S, H]); with return_target also the
-    indexer target float32 [B, S, K], here from the lse by XLA (`xla.target_from_lse`).
+    indexer target float32 [B, S, K], from the logits the forward kernel keeps in VMEM.
     Compiled for a TPU, H should be a multiple of 8 and Dk, v_dim multiples of 128."""
     topk = indices.shape[-1]
     bk = _block_k(topk, config.block_k)
     idx = _pad_indices(indices, bk)
-    out, lse = _op(float(sm_scale), int(v_dim), bk, bool(interpret))(q, kv, idx)
-    if not return_target:
-        return out, lse
-    return out, lse, xla.target_from_lse(q, kv, indices, lse, sm_scale=sm_scale)
+    return _op(float(sm_scale), int(v_dim), bk, topk if return_target else None, bool(interpret))(q, kv, idx)

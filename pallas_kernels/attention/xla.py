@@ -69,25 +69,3 @@ def sparse_mla(q: jax.Array, kv: jax.Array, indices: jax.Array, *, sm_scale: flo
 
     return map_query_chunks(body, (q, jnp.asarray(indices, jnp.int32)), (0, -1), chunk, remat=True)
 
-
-def target_from_lse(q: jax.Array, kv: jax.Array, indices: jax.Array, lse: jax.Array, *, sm_scale: float,
-                    q_chunk: int | None = None) -> jax.Array:
-    """The indexer target of `pallas_kernels.sparse_mla` from an attention's lse, for kernels that
-    do not write it: q [B, S, H, Dk], kv [B, T, Dk], indices int32 [B, S, K], lse float32 [B, S, H]
-    -> float32 [B, S, K] (no gradient), gathering the selected rows again, chunked over queries."""
-    batch, seq_len, num_heads, dk = q.shape
-    topk = indices.shape[-1]
-    per_query = batch * topk * (dk * jnp.dtype(kv.dtype).itemsize + 8 * num_heads)
-    chunk = choose_q_chunk(seq_len, per_query, q_chunk)
-    num_keys = kv.shape[1]
-
-    def body(q_c, idx_c, lse_c):
-        valid = (idx_c >= 0) & (idx_c < num_keys)
-        rows = gather_rows(kv, jnp.where(valid, idx_c, 0))
-        logits = jnp.einsum("bchd,bckd->bchk", q_c, rows, preferred_element_type=jnp.float32) * sm_scale
-        p = jnp.exp(logits - jnp.where(jnp.isfinite(lse_c), lse_c, jnp.inf)[..., None])
-        return jnp.mean(jnp.where(valid[:, :, None, :], p, 0.0), axis=2)
-
-    args = (q, jnp.asarray(indices, jnp.int32), lse)
-    return lax.stop_gradient(map_query_chunks(body, tuple(lax.stop_gradient(a) for a in args), (0, -1, -jnp.inf),
-                                              chunk))
