@@ -213,9 +213,10 @@ def _backward(lay: _Layout, indices, num_keys, lse, tsum, g, cfg: IndexerKLGpuCo
     per = chunk * topk                                     # pairs per chunk
     # padded slots all go to the first spare row (never read)
     pos = _pad_to(tindex.position.reshape(n * chunk, topk), (n * chunk, kp), per)
-    per_query = (lay.q, lay.w, lay.gidx, lay.t, lse, g, g * tsum)
-    per_query = tuple(_pad_to(x, (n * chunk,) + x.shape[1:], -1 if x is lay.gidx else 0) for x in per_query)
-    xs = tuple(x.reshape((n, chunk) + x.shape[1:]) for x in per_query + (pos,)) + (tindex.offsets,)
+    padded_rows = lambda x, value=0: _pad_to(x, (n * chunk,) + x.shape[1:], value)
+    per_query = (padded_rows(lay.q), padded_rows(lay.w), padded_rows(lay.gidx, -1), padded_rows(lay.t),
+                 padded_rows(lse), padded_rows(g), padded_rows(g * tsum), pos)
+    xs = tuple(x.reshape((n, chunk) + x.shape[1:]) for x in per_query) + (tindex.offsets,)
     kernel = functools.partial(_pairs_kernel, block_k=cfg.block_k, num_blocks=kp // cfg.block_k)
     hp = lay.q.shape[1]
 
