@@ -1,14 +1,23 @@
 """Where a sparse (DSA) training step's attention time goes: its parts timed alone on a GPU.
 
     PYTHONPATH=. python3 benchmarks/sparse_train_parts.py --seq-len 65536 --json parts.json
+    PYTHONPATH=. python3 benchmarks/sparse_train_parts.py --seq-len 256 --smoke    # CPU check
 
 At small-128k's shapes (16 heads over GLM-5.2's 576-wide latent rows, top-2048, a 16-head
 indexer of width 128), on one sequence of --seq-len tokens: the indexer's top-k; sparse MLA
 forward, forward + backward, and forward + backward without the latent rows' gradient, once
-per implementation in --impls (the Pallas GPU kernel, which adds that gradient atomically
-from its backward kernel, and the chunked XLA impl, which scatter-adds one row per (query,
-selected key)); the selected-set indexer KL forward and forward + backward. Each line also gives
-the part's matmul FLOPs at the bf16 matmul rate measured in the same run (the physical limit).
+per implementation in --impls. Then the sparse-stage indexer KL, old and new:
+
+* the per-layer KL this project used to run in every layer (plain XLA: the target recomputed
+  from lse by gathering the latent rows again, then the indexer side), forward + backward;
+* the target written by the attention forward: the Pallas GPU forward with and without it;
+* the grouped indexer side, once per IndexShare group (`indexer_cross_entropy`), forward and
+  forward + backward, once per implementation in --kl-impls;
+and, per group of --group layers, the old cost (group x per-layer KL) beside the new one
+(group x the target's extra forward time + one grouped indexer side).
+
+Each line also gives two limits measured in the same run: the part's matmul FLOPs at the bf16
+matmul rate, and the bytes it must move at the device's copy bandwidth (read + write).
 """
 
 from __future__ import annotations
@@ -21,10 +30,30 @@ import jax.numpy as jnp
 
 import pallas_kernels
 from benchmarks._measure import bench, ceilings
-from glm_jax.layers.selected_kl import selected_set_kl
+from pallas_kernels._common import choose_q_chunk, map_query_chunks
+from pallas_kernels.attention.xla import gather_rows
 
 HEADS, LATENT, VALUE, TOPK, INDEX_HEADS, INDEX_DIM = 16, 576, 512, 2048, 16, 128
 SCALE = 192 ** -0.5
+BF16, F32 = 2, 4
+
+
+def target_from_lse(q, kv, indices, lse, *, sm_scale):
+    """The indexer target as the replaced per-layer KL computed it, for its baseline: from the
+    attention's lse, gathering the selected latent rows again, chunked over queries.
+    q [B, S, H, Dk], kv [B, T, Dk], indices int32 [B, S, K], lse float32 [B, S, H] -> float32 [B, S, K]."""
+    batch, seq_len, num_heads, dk = q.shape
+    topk, num_keys = indices.shape[-1], kv.shape[1]
+    chunk = choose_q_chunk(seq_len, batch * topk * (dk * kv.dtype.itemsize + 8 * num_heads), None)
+
+    def body(q_c, idx_c, lse_c):
+        valid = (idx_c >= 0) & (idx_c < num_keys)
+        rows = gather_rows(kv, jnp.where(valid, idx_c, 0))
+        logits = jnp.einsum("bchd,bckd->bchk", q_c, rows, preferred_element_type=jnp.float32) * sm_scale
+        p = jnp.exp(logits - jnp.where(jnp.isfinite(lse_c), lse_c, jnp.inf)[..., None])
+        return jnp.mean(jnp.where(valid[:, :, None, :], p, 0.0), axis=2)
+
+    return map_query_chunks(body, (q, indices, lse), (0, -1, -jnp.inf), chunk)
 
 
 def main() -> None:
@@ -33,6 +62,10 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="also write the rows here")
     ap.add_argument("--impls", nargs="+", default=["pallas_gpu", "xla"],
                     choices=pallas_kernels.impl_choices("sparse_mla"), help="sparse MLA implementations to time")
+    ap.add_argument("--kl-impls", nargs="+", default=["pallas_gpu", "xla"],
+                    choices=pallas_kernels.impl_choices("indexer_cross_entropy"),
+                    help="grouped indexer-side implementations to time")
+    ap.add_argument("--group", type=int, default=4, help="layers per IndexShare group (GLM-5.2: 4)")
     ap.add_argument("--smoke", action="store_true", help="a small ceiling measurement; Pallas interpreted (CPU check)")
     args = ap.parse_args()
     s = args.seq_len
@@ -43,55 +76,101 @@ def main() -> None:
     idx_k = jax.random.normal(keys[3], (1, s, INDEX_DIM), jnp.bfloat16)
     idx_w = jax.random.uniform(keys[4], (1, s, INDEX_HEADS), jnp.float32)
     positions, kv_len = jnp.arange(s, dtype=jnp.int32)[None], jnp.array([s], jnp.int32)
-    _, matmul = ceilings(args.smoke)
+    copy_rate, matmul = ceilings(args.smoke)
+    pallas = lambda impl: args.smoke and impl.startswith("pallas")
 
     def topk(a, b, c):
         return pallas_kernels.indexer_topk(a, b, c, topk=TOPK, q_pos=positions, kv_len=kv_len)
 
     indices = jax.block_until_ready(jax.jit(topk)(idx_q, idx_k, idx_w))
 
-    def attend(impl):
+    def attend(impl, return_target=False):
         return lambda q, kv: pallas_kernels.sparse_mla(q, kv, indices, sm_scale=SCALE, v_dim=VALUE, impl=impl,
-                                                       interpret=args.smoke and impl.startswith("pallas"))
+                                                       return_target=return_target, interpret=pallas(impl))
 
     def attention_loss(impl):
         return lambda q, kv: jnp.sum(attend(impl)(q, kv)[0].astype(jnp.float32))
 
-    lse = jax.jit(lambda q, kv: attend("xla")(q, kv)[1])(q, kv)
-    kl = lambda a, b, c: selected_set_kl(q, kv, indices, lse, sm_scale=SCALE, idx_q=a, idx_keys=b, idx_w=c)
+    lse, target = jax.jit(lambda q, kv: attend("xla", True)(q, kv)[1:])(q, kv)
+
+    def cross_entropy(impl):
+        return lambda a, b, c: jnp.sum(pallas_kernels.indexer_cross_entropy(a, b, c, indices, target, impl=impl,
+                                                                            interpret=pallas(impl)))
+
+    def old_layer_kl(a, b, c):
+        # the replaced per-layer KL: the target recomputed from lse, then the indexer side (XLA)
+        t = target_from_lse(q, kv, indices, lse, sm_scale=SCALE)
+        return jnp.sum(pallas_kernels.indexer_cross_entropy(a, b, c, indices, t, impl="xla"))
+
+    pairs = s * TOPK
     # matmul FLOPs: scores and weighted sum over the selected keys (x3 with the backward)
-    attn_fwd = 2 * s * HEADS * TOPK * (LATENT + VALUE)
+    attn_fwd = 2 * pairs * HEADS * (LATENT + VALUE)
     index_fwd = 2 * s * INDEX_HEADS * INDEX_DIM * s / 2
-    # the KL's scores: the main heads' and the indexer's over the selected keys; its backward
-    # reaches only the indexer inputs
-    kl_fwd = 2 * s * TOPK * (HEADS * LATENT + INDEX_HEADS * INDEX_DIM)
-    kl_bwd = 2 * 2 * s * TOPK * INDEX_HEADS * INDEX_DIM
-    parts = [("indexer top-k", topk, (idx_q, idx_k, idx_w), index_fwd)]
+    target_flops = 2 * pairs * HEADS * LATENT                       # the target pass: Q.K again
+    side_fwd = 2 * pairs * INDEX_HEADS * INDEX_DIM                  # the indexer side's scores
+    # bytes: every pair gathers its row (latent or indexer key); the per-query tensors once
+    attn_bytes = pairs * (LATENT * BF16 + 4) + s * HEADS * (LATENT + VALUE) * BF16
+    target_bytes = pairs * (LATENT * BF16 + 4 + F32)                # gather again, write the target
+    side_bytes = pairs * (INDEX_DIM * BF16 + 4 + F32) + s * INDEX_HEADS * (INDEX_DIM * BF16 + F32)
+    # backward: gather again (+ index, target, place), write a key gradient and read it back
+    side_bwd_bytes = pairs * (3 * INDEX_DIM * BF16 + 12) + 2 * s * INDEX_HEADS * (INDEX_DIM * BF16 + F32)
+    parts = [("indexer top-k", topk, (idx_q, idx_k, idx_w), index_fwd, s * s / 2 * INDEX_DIM * BF16)]
     for impl in args.impls:
-        parts += [(f"sparse MLA ({impl}) forward", lambda q, kv, impl=impl: attend(impl)(q, kv)[0], (q, kv), attn_fwd),
+        parts += [(f"sparse MLA ({impl}) forward", lambda q, kv, impl=impl: attend(impl)(q, kv)[0], (q, kv),
+                   attn_fwd, attn_bytes),
                   (f"sparse MLA ({impl}) forward + backward", jax.grad(attention_loss(impl), argnums=(0, 1)), (q, kv),
-                   3 * attn_fwd),
+                   3 * attn_fwd, 3 * attn_bytes),
                   ("  the same without the latent rows' gradient", jax.grad(attention_loss(impl), argnums=0), (q, kv),
-                   2 * attn_fwd)]
-    parts += [("selected-set KL forward", kl, (idx_q, idx_k, idx_w), kl_fwd),
-              ("selected-set KL forward + backward", jax.grad(kl, argnums=(0, 1, 2)), (idx_q, idx_k, idx_w),
-               kl_fwd + kl_bwd)]
-    print(f"sparse attention parts at {s} tokens; bf16 matmul {matmul / 1e12:.0f} TFLOP/s")
-    print("| part | ms | limit ms (matmul FLOPs at the measured rate) |")
-    print("|---|---|---|")
+                   2 * attn_fwd, 2 * attn_bytes)]
+    parts += [("old per-layer KL (XLA) forward + backward", jax.grad(old_layer_kl, argnums=(0, 1, 2)),
+               (idx_q, idx_k, idx_w), target_flops + 4 * side_fwd, target_bytes + side_bytes + side_bwd_bytes),
+              ("sparse MLA (pallas_gpu) forward, no target", lambda q, kv: attend("pallas_gpu")(q, kv)[:2], (q, kv),
+               attn_fwd, attn_bytes),
+              ("sparse MLA (pallas_gpu) forward + target", lambda q, kv: attend("pallas_gpu", True)(q, kv), (q, kv),
+               attn_fwd + target_flops, attn_bytes + target_bytes)]
+    for impl in args.kl_impls:
+        parts += [(f"grouped indexer side ({impl}) forward", cross_entropy(impl), (idx_q, idx_k, idx_w),
+                   side_fwd, side_bytes),
+                  (f"grouped indexer side ({impl}) forward + backward",
+                   jax.grad(cross_entropy(impl), argnums=(0, 1, 2)), (idx_q, idx_k, idx_w), 4 * side_fwd,
+                   side_bytes + side_bwd_bytes)]
+    print(f"sparse attention parts at {s} tokens; bf16 matmul {matmul / 1e12:.0f} TFLOP/s, "
+          f"copy {copy_rate / 1e12:.2f} TB/s")
+    print("| part | ms | matmul limit ms | copy limit ms |")
+    print("|---|---|---|---|")
     rows = []
-    for name, fn, inputs, flops in parts:
-        row = {"part": name.strip(), "limit_ms": flops / matmul * 1e3}
+
+    def save():         # after every part, so a run cut short keeps what it measured
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"seq_len": s, "matmul_flops": matmul, "copy_bytes_per_s": copy_rate, "rows": rows}, f,
+                          indent=1)
+
+    for name, fn, inputs, flops, nbytes in parts:
+        row = {"part": name.strip(), "limit_ms": flops / matmul * 1e3, "copy_limit_ms": nbytes / copy_rate * 1e3}
+        limits = f"{row['limit_ms']:.1f} | {row['copy_limit_ms']:.1f}"
         try:
             row["ms"] = bench(jax.jit(fn), *inputs, reps=3, inner=1) * 1e3
-            print(f"| {name} | {row['ms']:.1f} | {row['limit_ms']:.1f} |", flush=True)
+            print(f"| {name} | {row['ms']:.1f} | {limits} |", flush=True)
         except Exception as e:  # noqa: BLE001 - e.g. out of memory: report it, time the next part
             row["failed"] = f"{type(e).__name__}: {str(e)[:300]}"
-            print(f"| {name} | failed: {row['failed'][:160]} | {row['limit_ms']:.1f} |", flush=True)
+            print(f"| {name} | failed: {row['failed'][:160]} | {limits} |", flush=True)
         rows.append(row)
-        if args.json:       # after every part, so a run cut short keeps what it measured
-            with open(args.json, "w") as f:
-                json.dump({"seq_len": s, "matmul_flops": matmul, "rows": rows}, f, indent=1)
+        save()
+    ms = {r["part"]: r.get("ms") for r in rows}
+    sides = [(impl, ms[f"grouped indexer side ({impl}) forward + backward"]) for impl in args.kl_impls]
+    side_impl, side = next(((i, t) for i, t in sides if t is not None), (None, None))
+    old, plain, with_target = (ms[k] for k in ("old per-layer KL (XLA) forward + backward",
+                                               "sparse MLA (pallas_gpu) forward, no target",
+                                               "sparse MLA (pallas_gpu) forward + target"))
+    if None not in (old, plain, with_target, side):
+        new = args.group * (with_target - plain) + side
+        print(f"indexer KL per group of {args.group} layers: old {args.group * old:.1f} ms "
+              f"({args.group} x the per-layer KL), new {new:.1f} ms ({args.group} x the target's "
+              f"{with_target - plain:.1f} + the grouped indexer side's {side:.1f}, {side_impl})")
+        rows.append({"part": f"indexer KL per group of {args.group} layers", "old_ms": args.group * old,
+                     "new_ms": new})
+        save()
 
 
 if __name__ == "__main__":

@@ -21,15 +21,18 @@ import pallas_kernels
 from pallas_kernels import impl_choices
 from glm_jax.sharding import context_size, split_queries
 
-__all__ = ["KernelChoice", "impl_choices", "indexer_scores", "indexer_topk", "sparse_mla", "causal_attention"]
+__all__ = ["KernelChoice", "impl_choices", "indexer_scores", "indexer_topk", "sparse_mla", "indexer_cross_entropy",
+           "causal_attention"]
 
 
 @dataclasses.dataclass(frozen=True)
 class KernelChoice:
     """Which implementation each op uses (`impl_choices`): `indexer` for the indexer's scores and
-    top-k with `indexer_config` its tuning, `attention` for sparse MLA with `attention_config`
-    (each that implementation's config dataclass, e.g. `pallas_kernels.IndexerGpuConfig`,
-    `pallas_kernels.SparseMLAGpuConfig`; None: its defaults); `interpret` runs Pallas kernels
+    top-k with `indexer_config` its tuning, `attention` for sparse MLA with `attention_config`,
+    `indexer_kl` for the indexer side of the sparse-stage KL (`indexer_cross_entropy`) with
+    `indexer_kl_config` (each that implementation's config dataclass, e.g.
+    `pallas_kernels.IndexerGpuConfig`, `pallas_kernels.SparseMLAGpuConfig`,
+    `pallas_kernels.IndexerKLGpuConfig`; None: its defaults); `interpret` runs Pallas kernels
     on the CPU."""
 
     indexer: str = "auto"
@@ -37,6 +40,8 @@ class KernelChoice:
     interpret: bool = False
     attention_config: Any = None
     indexer_config: Any = None
+    indexer_kl: str = "auto"
+    indexer_kl_config: Any = None
 
 
 def indexer_scores(q, k, weights, *, q_pos, kv_len, kv_start=None, **static):
@@ -52,10 +57,17 @@ def indexer_topk(q, k, weights, *, q_pos, kv_len, kv_start=None, **static):
 
 
 def sparse_mla(q, kv, indices, **static):
-    """q [B, S, H, Dk], kv [B, T, Dk], indices [B, S, K] -> (out [B, S, H, v_dim], lse [B, S, H])
-    (`pallas_kernels.sparse_mla`)."""
+    """q [B, S, H, Dk], kv [B, T, Dk], indices [B, S, K] -> (out [B, S, H, v_dim], lse [B, S, H]
+    [, target [B, S, K]]) (`pallas_kernels.sparse_mla`)."""
     return split_queries(functools.partial(pallas_kernels.sparse_mla, **static),
                          dict(q=q, indices=indices), dict(kv=kv))
+
+
+def indexer_cross_entropy(q, k, weights, indices, target, **static):
+    """q [B, S, H, D], k [B, T, D], weights [B, S, H], indices, target [B, S, K] -> float32 [B, S]
+    (`pallas_kernels.indexer_cross_entropy`)."""
+    return split_queries(functools.partial(pallas_kernels.indexer_cross_entropy, **static),
+                         dict(q=q, weights=weights, indices=indices, target=target), dict(k=k))
 
 
 def causal_attention(q, k, v, *, scale, kv_len=None, mask=None, segments=None):

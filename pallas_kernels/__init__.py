@@ -5,7 +5,9 @@ static):
 
     indexer_scores(q, k, weights, *, q_pos, kv_len, kv_start, ...)        -> float32 [B, S, T]
     indexer_topk(q, k, weights, *, topk, q_pos, kv_len, kv_start, ...)    -> int32 [B, S, topk]
-    sparse_mla(q, kv, indices, *, sm_scale, v_dim, ...)         -> (out [B, S, H, v_dim], lse [B, S, H])
+    sparse_mla(q, kv, indices, *, sm_scale, v_dim, ...)         -> (out [B, S, H, v_dim], lse [B, S, H]
+                                                                   [, target [B, S, K]])
+    indexer_cross_entropy(q, k, weights, indices, target, ...)            -> float32 [B, S]
     causal_attention(q, k, v, *, scale, kv_len, mask, segments, ...)      -> [B, S, N, d]
 
 Every op takes
@@ -23,7 +25,7 @@ Every op takes
 All arithmetic is float32 internally; inputs may be bfloat16.
 
 Implementations live in one folder per op family (indexer/, attention/ for sparse MLA,
-dense/ for causal attention) and are listed in `registry.REGISTRY`, the one table from which
+indexer_kl/ for the indexer's selected-set loss, dense/ for causal attention) and are listed in `registry.REGISTRY`, the one table from which
 the valid names, "auto", the command-line choices and the contract tests derive: adding an
 implementation is a module with the op's function and its config dataclass, plus one entry
 there (docs/kernels.md).
@@ -41,11 +43,12 @@ from pallas_kernels.attention.tpu import SparseMLATpuConfig
 from pallas_kernels.dense import cudnn as _cudnn
 from pallas_kernels.indexer.gpu import IndexerGpuConfig
 from pallas_kernels.indexer.tpu import IndexerTpuConfig
+from pallas_kernels.indexer_kl.gpu import IndexerKLGpuConfig
 from pallas_kernels.registry import REGISTRY, impl_choices, resolve_impl
 
 __all__ = ["REGISTRY", "impl_choices", "resolve_impl", "indexer_scores", "indexer_topk", "sparse_mla",
-           "causal_attention", "NoConfig", "XlaConfig", "IndexerGpuConfig", "IndexerTpuConfig",
-           "SparseMLAGpuConfig", "SparseMLATpuConfig"]
+           "indexer_cross_entropy", "causal_attention", "NoConfig", "XlaConfig", "IndexerGpuConfig",
+           "IndexerTpuConfig", "IndexerKLGpuConfig", "SparseMLAGpuConfig", "SparseMLATpuConfig"]
 
 
 def indexer_scores(q: jax.Array, k: jax.Array, weights: jax.Array, *, q_pos: jax.Array,
@@ -103,7 +106,7 @@ def indexer_topk(q: jax.Array, k: jax.Array, weights: jax.Array, *, topk: int, q
 
 
 def sparse_mla(q: jax.Array, kv: jax.Array, indices: jax.Array, *, sm_scale: float, v_dim: int,
-               impl: str = "auto", config=None, interpret: bool = False):
+               return_target: bool = False, impl: str = "auto", config=None, interpret: bool = False):
     """Sparse multi-query attention over one shared latent head, restricted to selected rows.
 
     Args:
@@ -113,18 +116,53 @@ def sparse_mla(q: jax.Array, kv: jax.Array, indices: jax.Array, *, sm_scale: flo
         Duplicates are not expected; they do not fail, but how they count is unspecified.
       sm_scale: softmax scale (static).
       v_dim: value width (static), <= Dk.
+      return_target: also return the indexer's training target (static).
       impl, config, interpret: see the package docstring.
 
     Returns:
       out: [B, S, H, v_dim] in q.dtype, softmax(sm_scale * q . kv[sel]) @ kv[sel, :v_dim].
       lse: float32 [B, S, H], log sum over the selected rows of exp(sm_scale * q . kv[t]).
+      target (with return_target): float32 [B, S, K], the attention probabilities at each slot
+        averaged over the heads, mean_h exp(sm_scale * q[h] . kv[indices[j]] - lse[h]) (the
+        L1-normalised head sum over the selected set); 0 at invalid slots, all 0 in a row with
+        no valid index. A constant: no gradient flows through it.
       A query with no valid index gets out 0 and lse -inf. Differentiable in q and kv, with
       finite gradients also for such rows (mask the -inf lse before using it in a loss).
     """
     entry, config = registry.select("sparse_mla", impl, config, interpret)
     if not 0 < v_dim <= kv.shape[-1]:
         raise ValueError(f"pallas_kernels.sparse_mla: v_dim={v_dim} must be in [1, {kv.shape[-1]}]")
-    return entry.fn(q, kv, indices, sm_scale=sm_scale, v_dim=v_dim, config=config, interpret=interpret)
+    return entry.fn(q, kv, indices, sm_scale=sm_scale, v_dim=v_dim, return_target=bool(return_target),
+                    config=config, interpret=interpret)
+
+
+def indexer_cross_entropy(q: jax.Array, k: jax.Array, weights: jax.Array, indices: jax.Array,
+                          target: jax.Array, *, impl: str = "auto", config=None,
+                          interpret: bool = False) -> jax.Array:
+    """The indexer side of the selected-set KL: each query's cross-entropy of a target
+    distribution over its selected slots against the indexer's softmax over them.
+
+    Args:
+      q: [B, S, H, D] indexer queries.
+      k: [B, T, D] indexer keys.
+      weights: float32 [B, S, H] per-head weights, every scale folded in.
+      indices: int32 [B, S, K] selected keys; -1 (or any t outside [0, T)) = skip. Duplicates
+        are not expected; they do not fail, but how they count is unspecified.
+      target: float32 [B, S, K] non-negative weights of the slots (the head-mean attention of
+        `sparse_mla(return_target=True)`, or a sum of several layers'); a constant.
+      impl, config, interpret: see the package docstring.
+
+    Returns:
+      float32 [B, S]: -sum over the valid slots j of target[j] * log softmax_j(z), with
+      z[j] = sum_h weights[h] * relu(q[h] . k[indices[j]]) and the softmax over the valid slots;
+      0 for a query with no valid slot. Differentiable in q, k and weights (finite gradients
+      everywhere, 0 for queries with no valid slot); no gradient reaches target.
+    """
+    entry, config = registry.select("indexer_cross_entropy", impl, config, interpret)
+    if indices.shape != target.shape or indices.shape[:2] != q.shape[:2]:
+        raise ValueError(f"pallas_kernels.indexer_cross_entropy: indices {indices.shape} and target "
+                         f"{target.shape} must both be [B, S, K] with q's [B, S] {q.shape[:2]}")
+    return entry.fn(q, k, weights, jnp.asarray(indices, jnp.int32), target, config=config, interpret=interpret)
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float,

@@ -15,7 +15,7 @@ from typing import Callable
 
 import jax
 
-from pallas_kernels import attention, dense, indexer
+from pallas_kernels import attention, dense, indexer, indexer_kl
 from pallas_kernels._common import NoConfig, XlaConfig
 
 #: The name that picks an implementation by backend.
@@ -64,6 +64,11 @@ REGISTRY: dict[str, dict[str, Implementation]] = {
         "xla": Implementation(attention.xla.sparse_mla, XlaConfig),
         "pallas_tpu": Implementation(attention.tpu.sparse_mla, attention.tpu.SparseMLATpuConfig, "tpu"),
         "pallas_gpu": Implementation(attention.gpu.sparse_mla, attention.gpu.SparseMLAGpuConfig, "gpu"),
+    },
+    "indexer_cross_entropy": {
+        "reference": Implementation(indexer_kl.reference.indexer_cross_entropy, NoConfig),
+        "xla": Implementation(indexer_kl.xla.indexer_cross_entropy, XlaConfig),
+        "pallas_gpu": Implementation(indexer_kl.gpu.indexer_cross_entropy, indexer_kl.gpu.IndexerKLGpuConfig, "gpu"),
     },
     "causal_attention": {
         "reference": Implementation(dense.reference.causal_attention, NoConfig),

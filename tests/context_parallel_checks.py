@@ -23,7 +23,6 @@ from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 from conftest import micro_config  # noqa: E402
 from glm_jax import ops, sharding  # noqa: E402
-from glm_jax.layers import selected_kl  # noqa: E402
 from glm_jax.model import GLMModel  # noqa: E402
 from glm_jax.training.step import LossWeights, loss_terms  # noqa: E402
 
@@ -124,13 +123,13 @@ def main():
                 case["scores_shape"] = {n: f"f32[{n}]" in hlo for n in ("2,2,2,16", "1,2,4,16", "2,2,16,16")}
             out["cases"][f"{spec} {stage} {form}{' packed' * packed}"] = case
     mesh = sharding.make_mesh("context=8")
-    ops.split_queries = selected_kl.split_queries = keys_not_gathered
+    ops.split_queries = keys_not_gathered
     with jax.set_mesh(mesh):
         args = on_mesh(mesh, params, rest, batch)
         loss = jax.jit(lambda p, r, x, y, seg: loss_terms(
             nnx.merge(graphdef, p, r), x, y, stage="sparse", weights=ALL_LOSSES, kernels=ops.KernelChoice(),
             form="absorbed", segment_ids=seg)[0])(args[0], args[1], *args[2])
-    ops.split_queries = selected_kl.split_queries = REAL_SPLIT
+    ops.split_queries = REAL_SPLIT
     out["keys_not_gathered"] = [float(loss), float(refs[("sparse", True)][0]["loss"])]
     out["indivisible"] = indivisible_errors(graphdef, params, rest)
     print(json.dumps(out))

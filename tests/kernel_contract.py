@@ -26,8 +26,8 @@ import pytest
 import pallas_kernels as pk
 
 #: The static keyword arguments of each op (jitted once per value).
-STATIC = {"indexer_scores": (), "indexer_topk": ("topk",), "sparse_mla": ("sm_scale", "v_dim"),
-          "causal_attention": ("scale",)}
+STATIC = {"indexer_scores": (), "indexer_topk": ("topk",), "sparse_mla": ("sm_scale", "v_dim", "return_target"),
+          "causal_attention": ("scale",), "indexer_cross_entropy": ()}
 _OPS = {op: jax.jit(getattr(pk, op), static_argnames=STATIC[op] + ("impl", "config", "interpret"))
         for op in pk.REGISTRY}
 
@@ -299,6 +299,104 @@ def check_sparse_mla(impl, q, kv, idx, *, sm_scale, v_dim, config=None, gradient
     np.testing.assert_allclose(dq[~dup], want_dq[~dup], rtol=4 * tol, atol=4 * tol)
     np.testing.assert_allclose(dkv[~touched], want_dkv[~touched], rtol=4 * tol, atol=4 * tol)
     assert (dq[empty] == 0).all()
+
+
+def np_sparse_target(q, kv, indices, sm_scale) -> np.ndarray:
+    """float64 [B, S, K]: mean over heads of exp(sm_scale q . kv[idx] - lse) at each valid slot, else 0."""
+    q, kv, idx = f64(q), f64(kv), np.asarray(indices)
+    _, lse = np_sparse_mla(q, kv, idx, sm_scale, 1)
+    valid = (idx >= 0) & (idx < kv.shape[1])
+    rows = np.take_along_axis(kv[:, None], np.where(valid, idx, 0)[..., None], axis=2)   # [B, S, K, Dk]
+    logits = np.einsum("bshd,bskd->bshk", q, rows) * sm_scale
+    p = np.exp(logits - np.where(np.isfinite(lse), lse, np.inf)[..., None])
+    return np.where(valid, p.mean(axis=2), 0.0)
+
+
+def check_sparse_mla_target(impl, q, kv, idx, *, sm_scale, v_dim, config=None, tol=1e-5):
+    """sparse_mla with return_target: out and lse those of the contract; target float32 [B, S, K]
+    equal to the oracle (0 at invalid slots, all 0 in a row with no valid index; rows with a
+    duplicated index only finite); a cotangent of the target alone gives zero gradients."""
+    kw = dict(sm_scale=sm_scale, v_dim=v_dim, return_target=True, config=config)
+    (out, lse, target), pull = jax.vjp(lambda q, kv: call("sparse_mla", impl, q, kv, idx, **kw), q, kv)
+    dup = duplicated_rows(idx, kv.shape[1])
+    want_out, want_lse = np_sparse_mla(q, kv, idx, sm_scale, v_dim)
+    np.testing.assert_allclose(f64(out)[~dup], want_out[~dup], rtol=tol, atol=tol)
+    assert_lse(np.asarray(lse)[~dup], want_lse[~dup])
+    assert target.shape == idx.shape and target.dtype == jnp.float32
+    target = np.asarray(target)
+    assert np.isfinite(target).all()
+    np.testing.assert_allclose(target[~dup], np_sparse_target(q, kv, idx, sm_scale)[~dup], rtol=tol, atol=tol)
+    valid = (np.asarray(idx) >= 0) & (np.asarray(idx) < kv.shape[1])
+    assert (target[~valid] == 0).all() and (~valid.any(-1)).any()
+    np.testing.assert_allclose(target.sum(-1)[valid.any(-1) & ~dup], 1.0, rtol=tol)
+    weight = jnp.asarray(np.random.default_rng(1).normal(size=target.shape), jnp.float32)
+    for g in pull((jnp.zeros_like(out), jnp.zeros_like(lse), weight)):
+        assert not np.asarray(g).any()
+
+
+# ----------------------------------------------------------------------------- indexer cross-entropy
+
+
+def np_indexer_cross_entropy(q, k, w, indices, target, g=None):
+    """float64 ce [B, S] = -sum over valid slots of target * log softmax (over the valid slots) of
+    z = sum_h w relu(q . k[idx]); with g [B, S] also (dq, dk, dw) of sum(g * ce)."""
+    q, k, w, t, idx = f64(q), f64(k), f64(w), f64(target), np.asarray(indices)
+    valid = (idx >= 0) & (idx < k.shape[1])
+    rows = np.take_along_axis(k[:, None], np.where(valid, idx, 0)[..., None], axis=2)   # [B, S, K, D]
+    s = np.einsum("bshd,bskd->bshk", q, rows)
+    z = np.where(valid, np.sum(np.maximum(s, 0.0) * w[..., None], axis=2), -np.inf)
+    m = np.max(z, axis=-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0.0)
+    denom = np.exp(z - m).sum(-1, keepdims=True)
+    denom = np.where(denom > 0, denom, 1.0)
+    t = np.where(valid, t, 0.0)
+    ce = -np.sum(t * np.where(valid, z - m - np.log(denom), 0.0), axis=-1)
+    if g is None:
+        return ce
+    dz = f64(g)[..., None] * (np.exp(z - m) / denom * t.sum(-1, keepdims=True) - t)    # [B, S, K]
+    ds = dz[:, :, None, :] * w[..., None] * (s > 0)                                     # [B, S, H, K]
+    dq = np.einsum("bshk,bskd->bshd", ds, rows)
+    dw = np.einsum("bsk,bshk->bsh", dz, np.maximum(s, 0.0))
+    dk = np.zeros_like(k)
+    b, srow, j = np.nonzero(valid)
+    np.add.at(dk, (b, idx[b, srow, j]), np.einsum("bshk,bshd->bskd", ds, q)[b, srow, j])
+    return ce, dq, dk, dw
+
+
+def cross_entropy_inputs(seed, B, S, T, K, H, D, dtype=jnp.float32):
+    """`sparse_inputs` as indexer queries, keys and indices, plus weights float32 [B, S, H] of both
+    signs and a non-negative target float32 [B, S, K], with mass at invalid slots too."""
+    q, k, idx = sparse_inputs(seed, B=B, S=S, T=T, K=K, H=H, Dk=D, dtype=dtype)
+    rng = np.random.default_rng(seed + 1)
+    w = jnp.asarray(rng.normal(size=(B, S, H)), jnp.float32)
+    target = jnp.asarray(rng.random((B, S, K)), jnp.float32)
+    return q, k, w, idx, target
+
+
+def check_indexer_cross_entropy(impl, q, k, w, idx, target, *, config=None, tol=1e-5):
+    """indexer_cross_entropy: float32 [B, S] equal to the oracle, 0 on rows with no valid slot,
+    only finite on rows with a duplicated index; gradients finite and equal to the oracle's
+    but where duplicates make them unspecified (their rows' dq and dw, the keys they select),
+    dq and dw exactly 0 on the rows with no valid slot, and none into the target."""
+    fn = lambda q, k, w, target: call("indexer_cross_entropy", impl, q, k, w, idx, target, config=config)
+    ce, pull = jax.vjp(fn, q, k, w, target)
+    assert ce.shape == idx.shape[:2] and ce.dtype == jnp.float32
+    ce = np.asarray(ce)
+    dup = duplicated_rows(idx, k.shape[1])
+    empty = ~np.any((np.asarray(idx) >= 0) & (np.asarray(idx) < k.shape[1]), axis=-1)
+    assert np.isfinite(ce).all() and empty.any() and (ce[empty] == 0).all()
+    np.testing.assert_allclose(ce[~dup], np_indexer_cross_entropy(q, k, w, idx, target)[~dup], rtol=tol, atol=tol)
+    g = jnp.asarray(np.random.default_rng(3).normal(size=ce.shape), jnp.float32)
+    dq, dk, dw, dt = (f64(x) for x in pull(g))
+    _, want_dq, want_dk, want_dw = np_indexer_cross_entropy(q, k, w, idx, target, g)
+    assert np.isfinite(dq).all() and np.isfinite(dk).all() and np.isfinite(dw).all() and not dt.any()
+    touched = np.zeros(k.shape[:2], bool)
+    b, s, j = np.nonzero(dup[..., None] & (np.asarray(idx) >= 0) & (np.asarray(idx) < k.shape[1]))
+    touched[b, np.asarray(idx)[b, s, j]] = True
+    np.testing.assert_allclose(dq[~dup], want_dq[~dup], rtol=4 * tol, atol=4 * tol)
+    np.testing.assert_allclose(dw[~dup], want_dw[~dup], rtol=4 * tol, atol=4 * tol)
+    np.testing.assert_allclose(dk[~touched], want_dk[~touched], rtol=4 * tol, atol=4 * tol)
+    assert (dq[empty] == 0).all() and (dw[empty] == 0).all()
 
 
 # ----------------------------------------------------------------------------- causal attention

@@ -16,7 +16,9 @@ import numpy as np
 import pytest
 
 import pallas_kernels as pk
-from kernel_contract import (call, float_score_inputs, check_causal_attention, check_scores, check_sparse_mla, check_topk, doc_starts,
+from kernel_contract import (call, float_score_inputs, check_causal_attention, check_indexer_cross_entropy,
+                             check_scores, check_sparse_mla, check_sparse_mla_target, check_topk,
+                             cross_entropy_inputs, doc_starts,
                              f64, impl_params, int_inputs, np_scores, np_scores_grads, np_topk, packed_documents,
                              positions, sparse_inputs)
 
@@ -36,6 +38,7 @@ def _tiny_args(op):
         "indexer_topk": ((q, k, w), dict(topk=2, q_pos=pos, kv_len=kv_len)),
         "sparse_mla": ((q, k, jnp.zeros((1, 2, 2), jnp.int32)), dict(sm_scale=1.0, v_dim=2)),
         "causal_attention": ((x, x, x), dict(scale=1.0)),
+        "indexer_cross_entropy": ((q, k, w, jnp.zeros((1, 2, 2), jnp.int32), jnp.ones((1, 2, 2))), {}),
     }[op]
 
 
@@ -90,6 +93,8 @@ def test_config_fields_are_validated():
         pk.SparseMLATpuConfig(block_k=-8)
     with pytest.raises(ValueError, match="dkv_mode must be one of"):
         pk.SparseMLAGpuConfig(dkv_mode="sum")
+    with pytest.raises(ValueError, match="block_k must be a power of two"):
+        pk.IndexerKLGpuConfig(block_k=24)
 
 
 @pytest.mark.parametrize("op", ["indexer_scores", "indexer_topk"])
@@ -247,6 +252,16 @@ def test_sparse_mla_forward_and_gradients(impl):
     check_sparse_mla(impl, q, kv, idx, sm_scale=0.125, v_dim=64)
 
 
+@pytest.mark.parametrize("impl", impl_params("sparse_mla", exclude=("pallas_tpu",)))
+def test_sparse_mla_target(impl):
+    """return_target: the head-mean probabilities at each slot, beside unchanged out and lse;
+    -1 holes, an empty row, out-of-range and duplicated indices. (The TPU kernel, slow to
+    interpret with its default 128-slot blocks, is checked with 16-slot blocks in
+    test_indexer_kl.py.)"""
+    q, kv, idx = sparse_inputs(31, B=2, S=2, T=40, K=20, H=3, Dk=48)
+    check_sparse_mla_target(impl, q, kv, idx, sm_scale=0.2, v_dim=32)
+
+
 @pytest.mark.parametrize("impl", impl_params("sparse_mla"))
 def test_sparse_mla_bf16(impl):
     q, kv, idx = sparse_inputs(7, B=2, S=2, T=50, K=24, H=4, Dk=80, dtype=jnp.bfloat16)
@@ -296,6 +311,22 @@ def test_sparse_mla_v_dim_is_checked():
     q, kv, idx = sparse_inputs(1, B=1, S=1, T=4, K=2, H=2, Dk=8)
     with pytest.raises(ValueError, match="v_dim=9 must be in"):
         pk.sparse_mla(q, kv, idx, sm_scale=1.0, v_dim=9)
+
+
+# ----------------------------------------------------------------------------- indexer cross-entropy
+
+
+@pytest.mark.parametrize("impl", impl_params("indexer_cross_entropy"))
+def test_indexer_cross_entropy(impl):
+    """-1 holes, an empty row, trailing -1, out-of-range and duplicated indices, target mass at
+    invalid slots (ignored), K not a multiple of a block; value and gradients."""
+    check_indexer_cross_entropy(impl, *cross_entropy_inputs(17, B=2, S=3, T=40, K=20, H=3, D=12))
+
+
+def test_indexer_cross_entropy_shapes_are_checked():
+    q, k, w, idx, target = cross_entropy_inputs(1, B=1, S=2, T=8, K=4, H=2, D=4)
+    with pytest.raises(ValueError, match="must both be"):
+        pk.indexer_cross_entropy(q, k, w, idx, target[..., :3])
 
 
 # ----------------------------------------------------------------------------- causal attention

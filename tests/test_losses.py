@@ -99,37 +99,44 @@ def test_multi_depth_mtp_losses_with_and_without_kv_share(stage):
     assert one[0] == one[1]
 
 
-def test_selected_set_kl_equals_dense_indexer_kl():
-    """The chunked sparse-stage KL (for long sequences) equals the dense-matrix one, with the
-    same gradients into the indexer's queries, keys and weights."""
+def test_grouped_selected_set_kl_equals_the_per_layer_sum():
+    """The group's KL from the attention kernel's targets, the indexer side computed once on
+    their weighted sum, equals the sum over the group's layers of share * the dense-matrix KL
+    of each layer's head-summed attention, with the same gradients into the indexer's queries,
+    keys and weights (one row selects nothing: padded slots)."""
     import pallas_kernels as pk
-    from glm_jax.layers.selected_kl import selected_set_kl
+    from glm_jax.layers.selected_kl import add_target, selected_set_kl
 
     rng = np.random.default_rng(0)
-    B, S, H, Dk, K, Hi, Di, scale = 2, 9, 3, 8, 4, 2, 5, 0.3
+    B, S, H, Dk, K, Hi, Di, scale, layers = 2, 9, 3, 8, 4, 2, 5, 0.3, 3
     f32 = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
-    q, latent, iq, ik = f32(B, S, H, Dk), f32(B, S, Dk), f32(B, S, Hi, Di), f32(B, S, Di)
+    qs, latents, iq, ik = f32(layers, B, S, H, Dk), f32(layers, B, S, Dk), f32(B, S, Hi, Di), f32(B, S, Di)
     iw = jnp.asarray(rng.random((B, S, Hi)), jnp.float32)
-    pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+    pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S)).at[1, 0].set(-1)
     n = jnp.full((B,), S, jnp.int32)
     idx = pk.indexer_topk(iq, ik, iw, topk=K, q_pos=pos, kv_len=n, impl="reference")
-    _, lse = pk.sparse_mla(q, latent, idx, sm_scale=scale, v_dim=4, impl="reference")
+    b, s = jnp.arange(B)[:, None, None], jnp.arange(S)[None, :, None]
+    mask = jnp.zeros((B, S, S), bool).at[b, s, jnp.maximum(idx, 0)].max(idx >= 0)
 
-    def chunked(iq, ik, iw):
-        return selected_set_kl(q, latent, idx, lse, sm_scale=scale, idx_q=iq, idx_keys=ik, idx_w=iw,
-                               q_chunk=4)
+    def grouped(iq, ik, iw):
+        acc = None
+        for q, latent in zip(qs, latents):
+            _, _, target = pk.sparse_mla(q, latent, idx, sm_scale=scale, v_dim=4, return_target=True)
+            acc = add_target(acc, target, 1.0 / layers)
+        return selected_set_kl(acc, idx_q=iq, idx_keys=ik, idx_w=iw, indices=idx, kernels=ops.KernelChoice())
 
-    def dense(iq, ik, iw):
-        b, s = jnp.arange(B)[:, None, None], jnp.arange(S)[None, :, None]
-        mask = jnp.zeros((B, S, S), bool).at[b, s, jnp.maximum(idx, 0)].max(idx >= 0)
-        logits = jnp.where(mask[:, None], jnp.einsum("bshd,btd->bhst", q, latent) * scale, -jnp.inf)
-        probs = jnp.where(mask[:, None], jax.nn.softmax(logits, -1), 0.0).sum(1)
-        target = probs / probs.sum(-1, keepdims=True)
+    def per_layer(iq, ik, iw):
         scores = pk.indexer_scores(iq, ik, iw, q_pos=pos, kv_len=n, impl="reference")
-        return indexer_kl(target, scores, mask)
+        total = 0.0
+        for q, latent in zip(qs, latents):
+            logits = jnp.where(mask[:, None], jnp.einsum("bshd,btd->bhst", q, latent) * scale, -jnp.inf)
+            probs = jnp.where(mask[:, None], jax.nn.softmax(logits, -1), 0.0).sum(1)
+            target = probs / jnp.maximum(probs.sum(-1, keepdims=True), 1e-30)
+            total = total + indexer_kl(target, scores, mask) / layers
+        return total
 
-    np.testing.assert_allclose(chunked(iq, ik, iw), dense(iq, ik, iw), rtol=1e-5)
-    for a, b in zip(jax.grad(chunked, (0, 1, 2))(iq, ik, iw), jax.grad(dense, (0, 1, 2))(iq, ik, iw)):
+    np.testing.assert_allclose(grouped(iq, ik, iw), per_layer(iq, ik, iw), rtol=1e-5)
+    for a, b in zip(jax.grad(grouped, (0, 1, 2))(iq, ik, iw), jax.grad(per_layer, (0, 1, 2))(iq, ik, iw)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 

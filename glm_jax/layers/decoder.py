@@ -26,7 +26,7 @@ from glm_jax.config import GLMConfig
 from glm_jax.layers.indexer import Indexer
 from glm_jax.layers.mla import MLAProjection, indices_to_mask
 from glm_jax.layers.moe import MLP, MoE
-from glm_jax.layers.selected_kl import selected_set_kl
+from glm_jax.layers.selected_kl import add_target, selected_set_kl
 from glm_jax.layers.norms import RMSNorm
 from glm_jax.layers.segments import query_rows, segment_table
 from glm_jax.sharding import gather_keys, split_tokens
@@ -194,16 +194,23 @@ class IndexShareGroup(nnx.Module):
         rows = _Rows(x.shape[1], positions, kv_len, kv_start)
         x = split_tokens(x)
         found = _IndexerOutputs() if shared_kv is None else _IndexerOutputs(indices=shared_kv[1])
-        kl, first_latent = jnp.zeros((), jnp.float32), None
+        kl, first_latent, targets = jnp.zeros((), jnp.float32), None, None
+        share = 1.0 / len(self.layers)
         for j, layer in enumerate(self.layers):
-            forward = functools.partial(_layer_forward, j=j, group_size=len(self.layers), rows=rows,
-                                        settings=settings, shared_kv=shared_kv)
+            forward = functools.partial(_layer_forward, j=j, share=share, rows=rows, settings=settings,
+                                        shared_kv=shared_kv)
             if settings.remat:
                 forward = _rematerialised(forward)
-            x, layer_kl, latent, found = forward(layer, x, found)
+            x, layer_kl, target, latent, found = forward(layer, x, found)
             kl = kl + layer_kl
+            if target is not None:
+                targets = add_target(targets, target, share)
             if j == 0:
                 first_latent = latent
+        if targets is not None:          # the absorbed form's KL: the indexer side once per group
+            idx_q, idx_keys, idx_w = found.index_inputs
+            kl = kl + selected_set_kl(targets, idx_q=idx_q, idx_keys=idx_keys, idx_w=idx_w,
+                                      indices=found.indices, kernels=settings.kernels)
         return split_tokens(x), kl, first_latent, found.indices
 
     def forward_cached(self, x, positions, view, kernels: ops.KernelChoice):
@@ -253,13 +260,14 @@ def _rematerialised(forward):
     return run
 
 
-def _layer_forward(layer: DecoderLayer, x, found: _IndexerOutputs, *, j: int, group_size: int, rows: _Rows,
-               settings: AttentionSettings, shared_kv):
-    """Layer j of an IndexShare group of group_size layers (`IndexShareGroup.forward`). The Full
-    layer (j = 0) runs the indexer unless shared_kv is given; the later layers read its outputs
-    from `found`.
-    -> (x [B, S, hidden], this layer's share of the indexer KL, its latent rows (gathered),
-        the indexer outputs)."""
+def _layer_forward(layer: DecoderLayer, x, found: _IndexerOutputs, *, j: int, share: float, rows: _Rows,
+                   settings: AttentionSettings, shared_kv):
+    """Layer j of an IndexShare group whose layers each weigh `share` in its indexer KL
+    (`IndexShareGroup.forward`). The Full layer (j = 0) runs the indexer unless shared_kv is
+    given; the later layers read its outputs from `found`.
+    -> (x [B, S, hidden], this layer's weighted indexer KL (expanded form; else 0), its
+        selected-set target float32 [B, S, K] (absorbed form with the indexer loss; else None),
+        its latent rows (gathered), the indexer outputs)."""
     positions, kv_len, kv_start = rows.positions, rows.kv_len, rows.kv_start
     h, q_resid, q_nope, q_rope, latent = layer.attention_inputs(x, positions)
     if j == 0 and shared_kv is not None:
@@ -278,8 +286,7 @@ def _layer_forward(layer: DecoderLayer, x, found: _IndexerOutputs, *, j: int, gr
             index_inputs = (layer.indexer.queries(qd, positions), keys, layer.indexer.head_weights(hd))
         found = _IndexerOutputs(indices, index_logits, index_inputs)
     latent = gather_keys(latent)
-    share = 1.0 / group_size
-    kl = jnp.zeros((), jnp.float32)
+    kl, target = jnp.zeros((), jnp.float32), None
     if settings.form == "expanded":
         mask = rows.causal()
         if settings.mode == "sparse":
@@ -293,11 +300,8 @@ def _layer_forward(layer: DecoderLayer, x, found: _IndexerOutputs, *, j: int, gr
         out = layer.self_attn.attend_causal(q_nope, q_rope, latent, kv_len, mask=rows.causal() if packed else None,
                                             segments=segments)
     elif found.index_inputs is not None:
-        out, q_abs, lse = layer.self_attn.attend_absorbed(q_nope, q_rope, latent, found.indices,
-                                                          settings.kernels, return_stats=True)
-        idx_q, idx_keys, idx_w = found.index_inputs
-        kl = selected_set_kl(q_abs, latent, found.indices, lse, sm_scale=layer.self_attn.sm_scale,
-                             idx_q=idx_q, idx_keys=idx_keys, idx_w=idx_w) * share
+        out, target = layer.self_attn.attend_absorbed(q_nope, q_rope, latent, found.indices, settings.kernels,
+                                                      return_target=True)
     else:
         out = layer.self_attn.attend_absorbed(q_nope, q_rope, latent, found.indices, settings.kernels)
-    return layer.finish(x, out), kl, latent, found
+    return layer.finish(x, out), kl, target, latent, found

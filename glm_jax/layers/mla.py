@@ -74,21 +74,22 @@ class MLAProjection(nnx.Module):
 
     # ------------------------------------------------------------------ absorbed form
     def attend_absorbed(self, q_nope, q_rope, latent, indices, kernels: ops.KernelChoice, *,
-                        return_stats: bool = False):
+                        return_target: bool = False):
         """q_* [B, S, nh, *], latent [B, T, kv_lora + rope], indices int32 [B, S, K]
-        -> attention output [B, S, hidden]; with return_stats also the absorbed queries
-        [B, S, nh, kv_lora + rope] and the log-sum-exp float32 [B, S, nh] (for the indexer KL)."""
+        -> attention output [B, S, hidden]; with return_target also the indexer KL's target
+        float32 [B, S, K] (the head-mean probabilities at each slot, no gradient; `ops.sparse_mla`)."""
         w_uk, w_uv = self._kv_b()
         q_lat = jnp.einsum("bshn,chn->bshc", q_nope, w_uk.astype(q_nope.dtype),
                            preferred_element_type=jnp.float32).astype(q_nope.dtype)
         q_abs = jnp.concatenate([q_lat, q_rope], axis=-1)
-        o_lat, lse = ops.sparse_mla(q_abs, latent.astype(q_abs.dtype), indices, sm_scale=self.sm_scale,
-                                    v_dim=self.cfg.kv_lora_rank, impl=kernels.attention,
-                                    config=kernels.attention_config, interpret=kernels.interpret)
+        o_lat, _, *target = ops.sparse_mla(q_abs, latent.astype(q_abs.dtype), indices, sm_scale=self.sm_scale,
+                                           v_dim=self.cfg.kv_lora_rank, return_target=return_target,
+                                           impl=kernels.attention, config=kernels.attention_config,
+                                           interpret=kernels.interpret)
         o = jnp.einsum("bshc,chv->bshv", o_lat, w_uv.astype(o_lat.dtype),
                        preferred_element_type=jnp.float32).astype(q_nope.dtype)
         out = self.o_proj(o.reshape(o.shape[:2] + (-1,)))
-        return (out, q_abs, lse) if return_stats else out
+        return (out, target[0]) if return_target else out
 
     # ------------------------------------------------------------------ dense, long sequences
     def attend_causal(self, q_nope, q_rope, latent, kv_len, mask=None, segments: SegmentTable | None = None):

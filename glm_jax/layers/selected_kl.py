@@ -1,71 +1,57 @@
-"""The sparse-stage indexer KL without dense attention matrices, for long sequences.
+"""The sparse-stage indexer KL of an IndexShare group, its indexer side computed once per group.
 
-The sparse stage trains each Full layer's indexer toward the main attention restricted to the
-selected set: target[s, j] = L1-normalised sum over heads of softmax(sm_scale q[s] . kv[idx[s, j]])
-over the selected j, and the loss is KL(target || softmax over j of the indexer logits at the
-same positions). `decoder.indexer_kl` computes it from dense [B, S, T] matrices, which
-a 128K-token sequence cannot hold. Here it is computed per chunk of queries from the absorbed
-queries, the latent rows of the selected positions and the log-sum-exp the sparse attention
-kernel already returns, so memory is O(chunk x K) and the attention side is not recomputed
-over all keys. Gradients reach only the indexer inputs (the target is constant).
+Layer j of a group (share_j = 1 / group size) trains the group's indexer toward its target t_j
+[B, S, K]: the L1-normalised head sum of its attention probabilities over the selected set,
+which the sparse attention kernel writes beside its output (`ops.sparse_mla(return_target=True)`;
+a constant). The indexer's distribution q = softmax over the selected slots of its scores is
+the same for every layer of the group (same indices, same indexer), so
+
+    sum_j share_j KL(t_j || q) = sum_j share_j sum_k t_j log t_j  -  sum_k tbar log q,
+    tbar = sum_j share_j t_j.
+
+Each layer adds its weighted negative entropy and its target to a `TargetSum`; the group then
+gathers the indexer keys, scores, normalises and differentiates once, on tbar
+(`ops.indexer_cross_entropy`, gradients into the indexer's queries, keys and head weights only).
+Equal, value and gradients, to the per-layer sum of `decoder.indexer_kl` over the selected set
+(tests/test_losses.py). Memory: tbar, float32 [B, S, K] per group (as large as the group's
+int32 top-k), is kept for the backward pass; no [S, T] matrix is built.
 """
 
 from __future__ import annotations
 
-import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from glm_jax.sharding import split_queries
-from pallas_kernels._common import map_query_chunks
+from glm_jax import ops
 
 
-def _chunk_kl(q_abs, lse, idx, idx_q, idx_w, latent, idx_keys, *, sm_scale):
-    """One chunk of C queries -> each query's KL, float32 [B, C]."""
-    valid = idx >= 0                                                       # [B, C, K]
-    safe = jnp.where(valid, idx, 0)
-    take = jax.vmap(lambda rows, i: rows[i])                               # per sequence
-    kv_sel = take(latent, safe)                                            # [B, C, K, Dk]
-    logits = jnp.einsum("bchd,bckd->bchk", q_abs, kv_sel.astype(q_abs.dtype),
-                        preferred_element_type=jnp.float32)
-    p = jnp.exp(sm_scale * logits - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None])
-    p = jnp.where(valid[:, :, None, :], p, 0.0).sum(axis=2)                 # [B, C, K]
-    target = jax.lax.stop_gradient(p / jnp.maximum(p.sum(-1, keepdims=True), 1e-30))
+class TargetSum(NamedTuple):
+    """The layers' part of a group's selected-set KL so far: neg_entropy float32 scalar (sum_j
+    share_j of sum over queries and slots of t_j log t_j), tbar float32 [B, S, K] (sum_j share_j t_j)."""
 
-    key_sel = take(idx_keys, safe)                                         # [B, C, K, Di]
-    scores = jnp.einsum("bchd,bckd->bchk", idx_q, key_sel.astype(idx_q.dtype),
-                        preferred_element_type=jnp.float32)
-    index_logits = jnp.sum(jnp.maximum(scores, 0.0) * idx_w[..., None], axis=2)   # [B, C, K]
-    masked = jnp.where(valid, index_logits, -jnp.inf)
-    log_q = jax.nn.log_softmax(jnp.where(valid.any(-1, keepdims=True), masked, 0.0), axis=-1)
-    safe_t = jnp.where(target > 0, target, 1.0)
-    kl = jnp.where(target > 0, target * (jnp.log(safe_t) - jnp.where(valid, log_q, 0.0)), 0.0)
-    return kl.sum(axis=2)
+    neg_entropy: jax.Array
+    tbar: jax.Array
 
 
-def selected_set_kl(q_abs: jax.Array, latent: jax.Array, indices: jax.Array, lse: jax.Array, *,
-                    sm_scale: float, idx_q: jax.Array, idx_keys: jax.Array, idx_w: jax.Array,
-                    q_chunk: int = 64) -> jax.Array:
-    """Sum over queries of the selected-set indexer KL, averaged over the batch (a scalar).
-
-    q_abs [B, S, H, Dk] absorbed attention queries; latent [B, T, Dk] latent rows; indices int32
-    [B, S, K] (-1 = none); lse float32 [B, S, H] from the sparse attention over those indices;
-    idx_q [B, S, Hi, Di], idx_keys [B, T, Di], idx_w float32 [B, S, Hi]: the indexer's queries,
-    keys and head weights (gradients flow into these only).
-    Equals `decoder.indexer_kl(head-summed target, indexer logits, selected mask)`. Under context
-    parallelism each device computes the KL of its own queries (`sharding.split_queries`)."""
-    per_query = split_queries(functools.partial(_per_query_kl, sm_scale=sm_scale, q_chunk=q_chunk),
-                              dict(q_abs=q_abs, lse=lse, indices=indices, idx_q=idx_q, idx_w=idx_w),
-                              dict(latent=latent, idx_keys=idx_keys))
-    return jnp.sum(per_query) / q_abs.shape[0]
+def add_target(acc: TargetSum | None, target: jax.Array, share: float) -> TargetSum:
+    """acc (None: the first layer) + one layer's target float32 [B, S, K] with weight share."""
+    t = jax.lax.stop_gradient(target)
+    neg_entropy = share * jnp.sum(jnp.where(t > 0, t * jnp.log(jnp.where(t > 0, t, 1.0)), 0.0))
+    if acc is None:
+        return TargetSum(neg_entropy, share * t)
+    return TargetSum(acc.neg_entropy + neg_entropy, acc.tbar + share * t)
 
 
-def _per_query_kl(q_abs, lse, indices, idx_q, idx_w, latent, idx_keys, *, sm_scale, q_chunk):
-    """Each query's KL, float32 [B, S], in chunks of q_chunk queries; arguments as in `selected_set_kl`."""
-    chunk = max(1, min(int(q_chunk), q_abs.shape[1]))
+def selected_set_kl(acc: TargetSum, *, idx_q: jax.Array, idx_keys: jax.Array, idx_w: jax.Array,
+                    indices: jax.Array, kernels: ops.KernelChoice) -> jax.Array:
+    """sum_j share_j KL(t_j || q) summed over queries, averaged over the batch (a scalar).
 
-    def body(q_c, lse_c, idx_c, iq_c, iw_c):
-        return _chunk_kl(q_c, lse_c, idx_c, iq_c, iw_c, latent, idx_keys, sm_scale=sm_scale)
-
-    return map_query_chunks(body, (q_abs, lse, indices, idx_q, idx_w), (0, -jnp.inf, -1, 0, 0), chunk, remat=True)
+    acc: the group's layers' `TargetSum`; idx_q [B, S, Hi, Di], idx_keys [B, T, Di], idx_w
+    float32 [B, S, Hi]: the indexer's queries, keys and head weights (gradients flow into these
+    only); indices int32 [B, S, K] (-1 = none); kernels: `indexer_kl` picks the implementation.
+    Under context parallelism each device computes its own queries' part (`ops`)."""
+    cross = ops.indexer_cross_entropy(idx_q, idx_keys, idx_w, indices, acc.tbar, impl=kernels.indexer_kl,
+                                      config=kernels.indexer_kl_config, interpret=kernels.interpret)
+    return (acc.neg_entropy + jnp.sum(cross)) / indices.shape[0]

@@ -15,6 +15,12 @@ chunks of [0, v_dim). When B*S programs are too few to fill the GPU (decode), th
 are split over `num_splits` programs per query, each writing a partial (out, lse), merged
 by a log-sum-exp in XLA.
 
+Indexer target (`return_target`). Once a program's loop has its lse, a second loop over the
+same K rows (just gathered by this program, so mostly served from L2) recomputes the logits
+and writes target[j] = mean over the real heads of exp(s[h, j] - lse[h]): per selected row
+another gather (Dk * itemsize bytes) and the Q.K matmul (2 H Dk FLOPs), no P.V, and 4 bytes
+written. It needs the final lse in the program, so the forward then runs one split per query.
+
 Backward (`dkv_mode`). "sorted" (the default, "auto"): `gpu_backward` - per-query kernels
 write each (query, selected row) gradient at its place in a key-sorted list
 (`transpose.transpose_index`), and one program per latent row sums its run in a fixed order:
@@ -83,24 +89,27 @@ def _load_block(idx_ref, kv_ref, *, b, row, k0, block_k, num_keys, chunks):
     return valid, safe, rows
 
 
-def _fwd_kernel(q_ref, kv_ref, idx_ref, out_ref, lse_ref, *, seq_len, num_keys, sm_scale, block_k,
-                blocks_per_split, kchunks, vchunks):
+def _fwd_kernel(q_ref, kv_ref, idx_ref, out_ref, lse_ref, *target_ref, seq_len, num_keys, sm_scale, block_k,
+                blocks_per_split, kchunks, vchunks, heads):
     row = pl.program_id(0)                  # b * S + s
     split = pl.program_id(1)
     b = row // seq_len
     qs = [q_ref[row, :, pl.ds(c0, cs)] for c0, cs in kchunks]          # [Hp, cs] each
-    heads = qs[0].shape[0]
+    padded_heads = qs[0].shape[0]
     nv = len(vchunks)
 
-    def body(j, carry):
-        m, l, accs = carry
-        k0 = (split * blocks_per_split + j) * block_k
+    def scores(k0):
         valid, _, rows = _load_block(idx_ref, kv_ref, b=b, row=row, k0=k0, block_k=block_k,
                                      num_keys=num_keys, chunks=kchunks)
         s = _dot_nt(qs[0], rows[0])
         for qc, rc in zip(qs[1:], rows[1:]):
             s += _dot_nt(qc, rc)
-        s = jnp.where(valid[None, :], s * sm_scale, -jnp.inf)
+        return valid, rows, s * sm_scale                                  # s [Hp, bk]
+
+    def body(j, carry):
+        m, l, accs = carry
+        valid, rows, s = scores((split * blocks_per_split + j) * block_k)
+        s = jnp.where(valid[None, :], s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
         p = jnp.exp(s - m_use[:, None])
@@ -110,15 +119,30 @@ def _fwd_kernel(q_ref, kv_ref, idx_ref, out_ref, lse_ref, *, seq_len, num_keys, 
         accs = tuple(a * alpha[:, None] + _dot(pc, r) for a, r in zip(accs, rows[:nv]))
         return m_new, l, accs
 
-    init = (jnp.full((heads,), -jnp.inf, jnp.float32), jnp.zeros((heads,), jnp.float32),
-            tuple(jnp.zeros((heads, cs), jnp.float32) for _, cs in vchunks))
+    init = (jnp.full((padded_heads,), -jnp.inf, jnp.float32), jnp.zeros((padded_heads,), jnp.float32),
+            tuple(jnp.zeros((padded_heads, cs), jnp.float32) for _, cs in vchunks))
     m, l, accs = lax.fori_loop(0, blocks_per_split, body, init)
     has_any = l > 0
     safe = jnp.where(has_any, l, 1.0)
     for (c0, cs), a in zip(vchunks, accs):
         out_ref[row, split, :, pl.ds(c0, cs)] = (a / safe[:, None]).astype(out_ref.dtype)
     m = jnp.where(m == -jnp.inf, 0.0, m)
-    lse_ref[row, split, :] = jnp.where(has_any, m + jnp.log(safe), -jnp.inf)
+    lse = m + jnp.log(safe)
+    lse_ref[row, split, :] = jnp.where(has_any, lse, -jnp.inf)
+    if not target_ref:
+        return
+    # the indexer target: a second pass over the same rows (just read, likely still in L2) now
+    # that lse is known; the mean over the real heads of p = exp(s - lse) at each slot
+    real = (lax.broadcasted_iota(jnp.int32, (padded_heads,), 0) < heads) & has_any
+
+    def target_body(j, carry):
+        k0 = j * block_k
+        valid, _, s = scores(k0)
+        p = jnp.where(valid[None, :] & real[:, None], jnp.exp(s - lse[:, None]), 0.0)
+        target_ref[0][row, pl.ds(k0, block_k)] = jnp.sum(p, axis=0) * (1.0 / heads)
+        return carry
+
+    lax.fori_loop(0, blocks_per_split, target_body, 0)
 
 
 def _pad_heads(q):
@@ -135,24 +159,32 @@ def _params(num_warps, num_stages):
     return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
-def _forward(q, kv, idx, *, sm_scale, v_dim, block_k, splits, num_warps, num_stages, interpret):
-    """q [B, S, H, Dk]; idx int32 [B*S, Kp] (Kp a multiple of block_k * splits)."""
+def _forward(q, kv, idx, *, sm_scale, v_dim, block_k, splits, num_warps, num_stages, interpret,
+             topk=None):
+    """q [B, S, H, Dk]; idx int32 [B*S, Kp] (Kp a multiple of block_k * splits) -> (out, lse),
+    and with `topk` (needs splits == 1) the indexer target float32 [B, S, topk] as well."""
     batch, seq_len, heads, dk = q.shape
     qp, hp = _pad_heads(q)
     kchunks = pow2_chunks(0, v_dim) + pow2_chunks(v_dim, dk)
     vchunks = pow2_chunks(0, v_dim)
     rows_total = batch * seq_len
-    blocks_per_split = idx.shape[-1] // (block_k * splits)
+    kp = idx.shape[-1]
+    blocks_per_split = kp // (block_k * splits)
     final = splits == 1
+    if topk is not None and not final:
+        raise ValueError("sparse_mla: the indexer target needs the whole lse in one program (num_splits=1)")
     kernel = functools.partial(
         _fwd_kernel, seq_len=seq_len, num_keys=kv.shape[1], sm_scale=sm_scale, block_k=block_k,
-        blocks_per_split=blocks_per_split, kchunks=kchunks, vchunks=vchunks)
+        blocks_per_split=blocks_per_split, kchunks=kchunks, vchunks=vchunks, heads=heads)
     out_dtype = q.dtype if final else jnp.float32
-    out, lse = pl.pallas_call(
+    out_shape = [jax.ShapeDtypeStruct((rows_total, splits, hp, v_dim), out_dtype),
+                 jax.ShapeDtypeStruct((rows_total, splits, hp), jnp.float32)]
+    if topk is not None:
+        out_shape.append(jax.ShapeDtypeStruct((rows_total, kp), jnp.float32))
+    out, lse, *target = pl.pallas_call(
         kernel,
         grid=(rows_total, splits),
-        out_shape=[jax.ShapeDtypeStruct((rows_total, splits, hp, v_dim), out_dtype),
-                   jax.ShapeDtypeStruct((rows_total, splits, hp), jnp.float32)],
+        out_shape=out_shape,
         compiler_params=_params(num_warps, num_stages),
         interpret=interpret,
         name="sparse_mla_fwd",
@@ -164,7 +196,9 @@ def _forward(q, kv, idx, *, sm_scale, v_dim, block_k, splits, num_warps, num_sta
         out = jnp.sum(out * w[..., None], axis=1, keepdims=True).astype(q.dtype)
     out = out[:, 0, :heads].reshape(batch, seq_len, heads, v_dim)
     lse = lse[:, 0, :heads].reshape(batch, seq_len, heads)
-    return out, lse
+    if topk is None:
+        return out, lse
+    return out, lse, target[0][:, :topk].reshape(batch, seq_len, topk)
 
 
 def _add_rows(dkv_ref, rows, valid, c0, val, *, interpret):
@@ -292,12 +326,13 @@ def _backward(q, kv, idx, dout, lse, delta, *, sm_scale, v_dim, block_k, num_war
 
 @functools.lru_cache(maxsize=None)
 def _op(sm_scale, v_dim, block_k, splits, num_warps, num_stages, bwd_block_k, bwd_num_stages,
-        bwd_head_group, dkv_mode, interpret):
+        bwd_head_group, dkv_mode, topk, interpret):
+    """topk: the unpadded K when the op also returns the indexer target, else None."""
     def fwd(q, kv, idx):
         b, s, kp = idx.shape
         return _forward(q, kv, idx.reshape(b * s, kp), sm_scale=sm_scale, v_dim=v_dim,
                         block_k=block_k, splits=splits, num_warps=num_warps,
-                        num_stages=num_stages, interpret=interpret)
+                        num_stages=num_stages, interpret=interpret, topk=topk)
 
     if dkv_mode == "sorted":
         bwd = functools.partial(gpu_backward.backward, sm_scale=sm_scale, v_dim=v_dim, interpret=interpret)
@@ -348,12 +383,15 @@ class SparseMLAGpuConfig:
 
 
 def sparse_mla(q: jax.Array, kv: jax.Array, indices: jax.Array, *, sm_scale: float, v_dim: int,
-               config: SparseMLAGpuConfig = SparseMLAGpuConfig(), interpret: bool = False):
+               return_target: bool = False, config: SparseMLAGpuConfig = SparseMLAGpuConfig(),
+               interpret: bool = False):
     """Sparse MLA forward/backward with Pallas Triton kernels; contract of
     `pallas_kernels.sparse_mla`.
 
     q [B, S, H, Dk], kv [B, T, Dk], indices int32 [B, S, K] (-1 = skip)
-    -> (out [B, S, H, v_dim] in q.dtype, lse float32 [B, S, H]).
+    -> (out [B, S, H, v_dim] in q.dtype, lse float32 [B, S, H]); with return_target also the
+    indexer target float32 [B, S, K], written by the forward kernel in a second pass over the
+    rows (one program per query: num_splits is 1 then).
     Compiled for a GPU, every power-of-two column chunk of Dk must be >= 16 wide, and the
     backward's q, dout and row block must fit in shared memory (bf16 at 64 x 576 does;
     float32 at 64 heads does not)."""
@@ -363,7 +401,7 @@ def sparse_mla(q: jax.Array, kv: jax.Array, indices: jax.Array, *, sm_scale: flo
     shrink = max(1, jnp.dtype(kv.dtype).itemsize // 2)
     bk = int(c.block_k or min(DEFAULT_BLOCK_K // shrink, max(16, _next_pow2(topk))))
     bbk = int(c.bwd_block_k or max(16, DEFAULT_BWD_BLOCK_K // shrink))
-    splits = int(c.num_splits or default_splits(batch * seq_len, topk, bk))
+    splits = 1 if return_target else int(c.num_splits or default_splits(batch * seq_len, topk, bk))
     unit = math.lcm(bk * splits, bbk)
     padded = -(-topk // unit) * unit
     idx = jnp.asarray(indices, jnp.int32)
@@ -371,5 +409,5 @@ def sparse_mla(q: jax.Array, kv: jax.Array, indices: jax.Array, *, sm_scale: flo
         idx = jnp.pad(idx, ((0, 0), (0, 0), (0, padded - topk)), constant_values=-1)
     dkv_mode = "sorted" if c.dkv_mode == "auto" else c.dkv_mode
     op = _op(float(sm_scale), int(v_dim), bk, splits, c.num_warps, c.num_stages, bbk, c.bwd_num_stages,
-             c.bwd_head_group, dkv_mode, bool(interpret))
+             c.bwd_head_group, dkv_mode, topk if return_target else None, bool(interpret))
     return op(q, kv, idx)

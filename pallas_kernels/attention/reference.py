@@ -24,13 +24,15 @@ def indices_to_mask(indices: jax.Array, num_keys: int) -> jax.Array:
 
 
 def sparse_mla(q: jax.Array, kv: jax.Array, indices: jax.Array, *, sm_scale: float, v_dim: int,
-               config: NoConfig = NoConfig(), interpret: bool = False):
+               return_target: bool = False, config: NoConfig = NoConfig(), interpret: bool = False):
     """Sparse MQA over one shared latent head, computed densely with a mask.
 
     q [B, S, H, Dk], kv [B, T, Dk] (V = kv[..., :v_dim]), indices int32 [B, S, K] (-1 = skip)
     -> (out [B, S, H, v_dim] in q.dtype, lse float32 [B, S, H]) with
     lse = log sum_{t selected} exp(sm_scale * q . kv[t]); rows without a valid index give
     out 0 and lse -inf (with finite gradients). Duplicate indices count once here.
+    return_target: also the indexer target float32 [B, S, K] (`pallas_kernels.sparse_mla`), no
+    gradient: the head mean of the probabilities, read at each slot's row.
     config, interpret: the registry's uniform arguments (nothing to tune, no Pallas to
     interpret)."""
     del config, interpret
@@ -51,4 +53,9 @@ def sparse_mla(q: jax.Array, kv: jax.Array, indices: jax.Array, *, sm_scale: flo
     out = jnp.einsum("bsht,btd->bshd", p, kvf[..., :v_dim], precision=lax.Precision.HIGHEST)
     out = out / safe[..., None]
     lse = jnp.where(has_any, m + jnp.log(safe), -jnp.inf)
-    return out.astype(q.dtype), lse
+    if not return_target:
+        return out.astype(q.dtype), lse
+    head_mean = jnp.mean(p / safe[..., None], axis=2)                       # [B, S, T]
+    valid = (indices >= 0) & (indices < num_keys)
+    target = jnp.where(valid, jnp.take_along_axis(head_mean, jnp.where(valid, indices, 0), axis=-1), 0.0)
+    return out.astype(q.dtype), lse, lax.stop_gradient(target)

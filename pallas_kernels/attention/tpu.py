@@ -15,6 +15,12 @@ whole [B, S, K] array into SMEM, which does not fit for prefill (8K queries x 20
 
 Invalid slots (-1 or out of range) fetch row 0 and are masked to -inf / zero probability.
 
+Indexer target (`return_target`): every block's logits [H, block_k] are also kept in a VMEM
+scratch ([K, H] float32 in all: 128 KiB at 16 heads x 2048 slots, 512 KiB at 64 heads); at the
+last block, with lse known, the kernel writes target[j] = mean over heads of exp(s[h, j] - lse[h])
+from them, gathering no row twice.
+
+
 Backward: `tpu_backward` - per-query kernels write each (query, selected row) gradient at its
 place in a key-row-sorted list (`transpose.transpose_index`), and one program per block of
 latent rows sums their runs in a fixed order: no atomics, bitwise-repeatable gradients.
@@ -77,8 +83,14 @@ def _block_k(topk: int, block_k: int | None, default: int = DEFAULT_BLOCK_K) -> 
     return min(default, -(-topk // 128) * 128)
 
 
-def _fwd_kernel(idx_smem, idx_vmem, q_ref, kv_hbm, out_ref, lse_ref, buf, sem, m_sc, l_sc, acc_sc,
-                *, sm_scale, v_dim, block_k, num_keys):
+def _fwd_kernel(idx_smem, idx_vmem, q_ref, kv_hbm, out_ref, lse_ref, *refs, sm_scale, v_dim, block_k, num_keys,
+                with_target):
+    """refs: (target_ref,) when with_target, then the scratch buffers: the row buffer and its DMA
+    semaphores, m, l, the output accumulator, and (with_target) every block's logits."""
+    if with_target:
+        target_ref, buf, sem, m_sc, l_sc, acc_sc, s_sc = refs
+    else:
+        buf, sem, m_sc, l_sc, acc_sc = refs
     kb = pl.program_id(2)
 
     @pl.when(kb == 0)
@@ -94,6 +106,8 @@ def _fwd_kernel(idx_smem, idx_vmem, q_ref, kv_hbm, out_ref, lse_ref, buf, sem, m
     valid = (idx >= 0) & (idx < num_keys)
     s = tpu_rows.dot_nt(q_ref[...], rows) * sm_scale                             # [H, bk]
     s = jnp.where(valid, s, -jnp.inf)
+    if with_target:
+        s_sc[kb] = s
     m_prev = m_sc[...]                                                   # [H, 1]
     m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
     m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
@@ -110,7 +124,13 @@ def _fwd_kernel(idx_smem, idx_vmem, q_ref, kv_hbm, out_ref, lse_ref, buf, sem, m
         safe = jnp.where(has_any, l, 1.0)
         out_ref[...] = (acc_sc[...] / safe).astype(out_ref.dtype)
         m = jnp.where(m_sc[...] == -jnp.inf, 0.0, m_sc[...])
-        lse_ref[...] = jnp.where(has_any, m + jnp.log(safe), -jnp.inf)
+        lse = jnp.where(has_any, m + jnp.log(safe), -jnp.inf)
+        lse_ref[...] = lse
+        if with_target:             # the mean over heads of p = exp(s - lse), from the kept logits
+            shift = jnp.where(has_any, lse, jnp.inf)
+            for j in range(s_sc.shape[0]):
+                p = jnp.exp(s_sc[j] - shift)                              # [H, bk]; 0 where invalid
+                target_ref[j:j + 1, :] = jnp.sum(p, axis=0, keepdims=True) * (1.0 / p.shape[0])
 
 
 def _common_specs(batch, heads, dk, block_k, topk):
@@ -147,29 +167,42 @@ def _forward_cost(q, kv, topk, v_dim):
         + batch * seq_len * heads * (dk + v_dim) * jnp.dtype(q.dtype).itemsize)
 
 
-def _forward(q, kv, idx, *, sm_scale, v_dim, block_k, interpret):
-    """idx already padded to a multiple of block_k."""
-    batch, seq_len, heads, dk, num_keys, topk, nk, kv4, idx4, specs = _layout(q, kv, idx, block_k)
+def _forward(q, kv, idx, *, sm_scale, v_dim, block_k, interpret, topk=None):
+    """idx already padded to a multiple of block_k -> (out, lse), and with `topk` (the unpadded
+    K) the indexer target float32 [B, S, topk]: each block's logits are kept in VMEM ([Kp, H]
+    float32: 128 KiB at 16 heads x 2048 slots) and turned into the target once lse is known, so
+    no row is gathered twice."""
+    batch, seq_len, heads, dk, num_keys, padded, nk, kv4, idx4, specs = _layout(q, kv, idx, block_k)
     idx_smem, idx_vmem, q_spec, kv_spec = specs
+    with_target = topk is not None
     kernel = functools.partial(_fwd_kernel, sm_scale=sm_scale, v_dim=v_dim, block_k=block_k,
-                               num_keys=num_keys)
-    out, lse = pl.pallas_call(
+                               num_keys=num_keys, with_target=with_target)
+    per_query = lambda *shape: pl.BlockSpec((None, None) + shape, lambda b, s, k: (b, s, 0, 0))
+    out_specs = [per_query(heads, v_dim), per_query(heads, 1)]
+    out_shape = [jax.ShapeDtypeStruct((batch, seq_len, heads, v_dim), q.dtype),
+                 jax.ShapeDtypeStruct((batch, seq_len, heads, 1), jnp.float32)]
+    scratch = tpu_rows.scratch(block_k, dk, kv.dtype) + [
+        pltpu.VMEM((heads, 1), jnp.float32), pltpu.VMEM((heads, 1), jnp.float32),
+        pltpu.VMEM((heads, v_dim), jnp.float32)]
+    if with_target:
+        out_specs.append(per_query(nk, block_k))
+        out_shape.append(jax.ShapeDtypeStruct((batch, seq_len, nk, block_k), jnp.float32))
+        scratch.append(pltpu.VMEM((nk, heads, block_k), jnp.float32))
+    out, lse, *target = pl.pallas_call(
         kernel,
         grid=(batch, seq_len, nk),
         in_specs=[idx_smem, idx_vmem, q_spec, kv_spec],
-        out_specs=[pl.BlockSpec((None, None, heads, v_dim), lambda b, s, k: (b, s, 0, 0)),
-                   pl.BlockSpec((None, None, heads, 1), lambda b, s, k: (b, s, 0, 0))],
-        out_shape=[jax.ShapeDtypeStruct((batch, seq_len, heads, v_dim), q.dtype),
-                   jax.ShapeDtypeStruct((batch, seq_len, heads, 1), jnp.float32)],
-        scratch_shapes=tpu_rows.scratch(block_k, dk, kv.dtype) + [
-            pltpu.VMEM((heads, 1), jnp.float32), pltpu.VMEM((heads, 1), jnp.float32),
-            pltpu.VMEM((heads, v_dim), jnp.float32)],
+        out_specs=out_specs,
+        out_shape=out_shape,
+        scratch_shapes=scratch,
         compiler_params=_params(),
         interpret=tpu_interpret(interpret),
-        cost_estimate=_forward_cost(q, kv, topk, v_dim),
+        cost_estimate=_forward_cost(q, kv, padded, v_dim),
         name="sparse_mla_fwd",
     )(idx4, idx4, q, kv4)
-    return out, lse[..., 0]
+    if not with_target:
+        return out, lse[..., 0]
+    return out, lse[..., 0], target[0].reshape(batch, seq_len, padded)[..., :topk]
 
 
 def _padded_forward(q, kv, indices, *, block_k, **settings):
@@ -177,11 +210,12 @@ def _padded_forward(q, kv, indices, *, block_k, **settings):
 
 
 @functools.lru_cache(maxsize=None)
-def _op(sm_scale, v_dim, block_k, bwd_settings, chunk_rows, interpret):
+def _op(sm_scale, v_dim, block_k, bwd_settings, chunk_rows, topk, interpret):
     """The differentiable op on unpadded indices; chunk_rows: None builds the transposed index
-    in the backward, else the op takes a prebuilt one's (position, offsets) too."""
+    in the backward, else the op takes a prebuilt one's (position, offsets) too; topk: the K
+    of the indices when the op also returns the indexer target, else None."""
     fwd = functools.partial(_padded_forward, sm_scale=sm_scale, v_dim=v_dim, block_k=block_k,
-                            interpret=interpret)
+                            interpret=interpret, topk=topk)
     bwd = functools.partial(tpu_backward.backward, sm_scale=sm_scale, v_dim=v_dim,
                             interpret=interpret, **dict(bwd_settings))
     if chunk_rows is None:
@@ -190,12 +224,13 @@ def _op(sm_scale, v_dim, block_k, bwd_settings, chunk_rows, interpret):
 
 
 def sparse_mla(q: jax.Array, kv: jax.Array, indices: jax.Array, *, sm_scale: float, v_dim: int,
-               config: SparseMLATpuConfig = SparseMLATpuConfig(), interpret: bool = False,
-               tindex: transpose.TransposedIndex | None = None):
+               return_target: bool = False, config: SparseMLATpuConfig = SparseMLATpuConfig(),
+               interpret: bool = False, tindex: transpose.TransposedIndex | None = None):
     """Sparse MLA forward/backward with Mosaic TPU kernels; contract of `pallas_kernels.sparse_mla`.
 
     q [B, S, H, Dk], kv [B, T, Dk], indices int32 [B, S, K] (-1 = skip)
-    -> (out [B, S, H, v_dim] in q.dtype, lse float32 [B, S, H]).
+    -> (out [B, S, H, v_dim] in q.dtype, lse float32 [B, S, H]); with return_target also the
+    indexer target float32 [B, S, K], from the logits the forward kernel keeps in VMEM.
     tindex: the backward's transposed index, `transpose.transpose_index(indices, T, chunk_rows=
     tpu_backward.default_chunk_rows(...))` built once and shared by the layers of an IndexShare
     group; None: built in each backward (chunks of `config.bwd_budget` bytes).
@@ -206,7 +241,8 @@ def sparse_mla(q: jax.Array, kv: jax.Array, indices: jax.Array, *, sm_scale: flo
            ("budget", config.bwd_budget), ("reduce_rows", config.reduce_rows),
            ("reduce_window", config.reduce_window))
     idx = jnp.asarray(indices, jnp.int32)
+    target_k = topk if return_target else None
     if tindex is None:
-        return _op(float(sm_scale), int(v_dim), bk, bwd, None, bool(interpret))(q, kv, idx)
-    op = _op(float(sm_scale), int(v_dim), bk, bwd, tindex.chunk_rows, bool(interpret))
+        return _op(float(sm_scale), int(v_dim), bk, bwd, None, target_k, bool(interpret))(q, kv, idx)
+    op = _op(float(sm_scale), int(v_dim), bk, bwd, tindex.chunk_rows, target_k, bool(interpret))
     return op(q, kv, idx, tindex.position, tindex.offsets)

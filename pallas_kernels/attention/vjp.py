@@ -2,7 +2,9 @@
 
 A kernel pair is plugged in as two callables:
 
-    fwd(q, kv, idx) -> (out [B, S, H, v_dim] in q.dtype, lse float32 [B, S, H])
+    fwd(q, kv, idx) -> (out [B, S, H, v_dim] in q.dtype, lse float32 [B, S, H]), or with the
+                       indexer target float32 [B, S, K] as a third output (a constant: its
+                       cotangent is ignored)
     bwd(q, kv, idx, dout, lse, delta) -> (dq float32-or-q.dtype [B, S, H, Dk],
                                           contrib [B, S, K, Dk] in kv.dtype)
 
@@ -82,7 +84,8 @@ def backward(fwd_res, dout, dlse, *, bwd: Callable, budget: int = CONTRIB_BUDGET
 
 def make_sparse_mla(fwd: Callable, bwd: Callable, *, budget: int = CONTRIB_BUDGET_BYTES,
                     bwd_adds_dkv: bool = False):
-    """A differentiable sparse_mla(q, kv, idx) -> (out, lse) from a forward and backward kernel.
+    """A differentiable sparse_mla(q, kv, idx) -> (out, lse[, target]) from a forward and
+    backward kernel.
 
     bwd_adds_dkv: `bwd` returns (dq, dkv) itself instead of per-slot contributions."""
 
@@ -91,11 +94,11 @@ def make_sparse_mla(fwd: Callable, bwd: Callable, *, budget: int = CONTRIB_BUDGE
         return fwd(q, kv, idx)
 
     def attend_fwd(q, kv, idx):
-        out, lse = fwd(q, kv, idx)
-        return (out, lse), (q, kv, idx, out, lse)
+        outs = fwd(q, kv, idx)
+        return outs, (q, kv, idx) + tuple(outs[:2])
 
     def attend_bwd(res, cts):
-        dout, dlse = cts
+        dout, dlse = cts[:2]
         if bwd_adds_dkv:
             q, kv, idx, out, lse = res
             dq, dkv = bwd(q, kv, idx, dout, lse, _delta(out, lse, dout, dlse))
@@ -107,13 +110,12 @@ def make_sparse_mla(fwd: Callable, bwd: Callable, *, budget: int = CONTRIB_BUDGE
     return attend
 
 
-
 def make_indexed_sparse_mla(fwd: Callable, bwd: Callable, *, chunk_rows: int):
-    """A differentiable sparse_mla(q, kv, indices, position, offsets) -> (out, lse) whose backward
-    takes a prebuilt transposed index, passed as its arrays (`TransposedIndex.position`,
-    `.offsets`, built with `chunk_rows`).
+    """A differentiable sparse_mla(q, kv, indices, position, offsets) -> (out, lse[, target])
+    whose backward takes a prebuilt transposed index, passed as its arrays
+    (`TransposedIndex.position`, `.offsets`, built with `chunk_rows`).
 
-    fwd(q, kv, indices) -> (out, lse); bwd(q, kv, indices, dout, lse, delta, tindex=...) ->
+    fwd(q, kv, indices) -> (out, lse[, target]); bwd(q, kv, indices, dout, lse, delta, tindex=...) ->
     (dq, dkv float32 [B, T, Dk])."""
 
     @jax.custom_vjp
@@ -121,12 +123,12 @@ def make_indexed_sparse_mla(fwd: Callable, bwd: Callable, *, chunk_rows: int):
         return fwd(q, kv, indices)
 
     def attend_fwd(q, kv, indices, position, offsets):
-        out, lse = fwd(q, kv, indices)
-        return (out, lse), (q, kv, indices, position, offsets, out, lse)
+        outs = fwd(q, kv, indices)
+        return outs, (q, kv, indices, position, offsets) + tuple(outs[:2])
 
     def attend_bwd(res, cts):
         q, kv, indices, position, offsets, out, lse = res
-        dout, dlse = cts
+        dout, dlse = cts[:2]
         tindex = transpose.TransposedIndex(position=position, offsets=offsets, chunk_rows=chunk_rows,
                                            topk=indices.shape[-1], num_keys=kv.shape[1])
         dq, dkv = bwd(q, kv, indices, dout, lse, _delta(out, lse, dout, dlse), tindex=tindex)

@@ -24,7 +24,7 @@ def gather_rows(kv: jax.Array, indices: jax.Array) -> jax.Array:
     return jax.vmap(lambda rows, idx: rows[idx])(kv, indices)
 
 
-def _attend_chunk(q, indices, kv, *, sm_scale, v_dim):
+def _attend_chunk(q, indices, kv, *, sm_scale, v_dim, return_target):
     num_keys = kv.shape[1]
     valid = (indices >= 0) & (indices < num_keys)
     rows = gather_rows(kv, jnp.where(valid, indices, 0))                 # [B, C, K, Dk]
@@ -40,17 +40,22 @@ def _attend_chunk(q, indices, kv, *, sm_scale, v_dim):
     out = jnp.einsum("bchk,bckd->bchd", p, values, preferred_element_type=jnp.float32)
     out = out / safe[..., None]
     lse = jnp.where(has_any, m + jnp.log(safe), -jnp.inf)
-    return out.astype(q.dtype), lse
+    if not return_target:
+        return out.astype(q.dtype), lse
+    target = lax.stop_gradient(jnp.mean(p / safe[..., None], axis=2))       # [B, C, K]
+    return out.astype(q.dtype), lse, target
 
 
 def sparse_mla(q: jax.Array, kv: jax.Array, indices: jax.Array, *, sm_scale: float, v_dim: int,
-               config: XlaConfig = XlaConfig(), interpret: bool = False):
+               return_target: bool = False, config: XlaConfig = XlaConfig(), interpret: bool = False):
     """Sparse MQA over one shared latent head by gathering the selected rows, `config.q_chunk`
     queries at a time.
 
     q [B, S, H, Dk], kv [B, T, Dk] (V = kv[..., :v_dim]), indices int32 [B, S, K] (-1 = skip)
     -> (out [B, S, H, v_dim] in q.dtype, lse float32 [B, S, H]). Rows without a valid index
     give out 0 and lse -inf (finite gradients). Duplicate indices are each counted.
+    return_target: also the indexer target float32 [B, S, K] (`pallas_kernels.sparse_mla`), from
+    the same chunk's probabilities.
     interpret: the registry's uniform argument (no Pallas here)."""
     del interpret
     batch, seq_len, num_heads, dk = q.shape
@@ -60,6 +65,7 @@ def sparse_mla(q: jax.Array, kv: jax.Array, indices: jax.Array, *, sm_scale: flo
     chunk = choose_q_chunk(seq_len, per_query, config.q_chunk)
 
     def body(q_c, idx_c):
-        return _attend_chunk(q_c, idx_c, kv, sm_scale=sm_scale, v_dim=v_dim)
+        return _attend_chunk(q_c, idx_c, kv, sm_scale=sm_scale, v_dim=v_dim, return_target=return_target)
 
     return map_query_chunks(body, (q, jnp.asarray(indices, jnp.int32)), (0, -1), chunk, remat=True)
+
