@@ -124,16 +124,29 @@ def _fwd_kernel(idx_smem, idx_vmem, q_ref, kv_hbm, out_ref, lse_ref, buf, sem, m
 
     @pl.when(kb == 0)
     def _():
-        m_sc[...] = jnp.full(m_sc.shape, -jnp.inf, jnp.float32)
-        l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
-        acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+        _softmax_init(m_sc, l_sc, acc_sc)
 
     slot = _prefetch_and_wait(idx_smem, kv_hbm, buf, sem, block_k=block_k, num_keys=num_keys)
-    rows = buf[slot]
-    rows = rows.reshape(rows.shape[0], rows.shape[-1])                   # [bk, Dk]
     idx = idx_vmem[...]                                                  # [1, bk]
-    valid = (idx >= 0) & (idx < num_keys)
-    s = _dot_nt(q_ref[...], rows) * sm_scale                             # [H, bk]
+    _softmax_update(q_ref, buf[slot], (idx >= 0) & (idx < num_keys), m_sc, l_sc, acc_sc, sm_scale=sm_scale,
+                    v_dim=v_dim)
+
+    @pl.when(kb == pl.num_programs(2) - 1)
+    def _():
+        _softmax_finish(out_ref, lse_ref, m_sc, l_sc, acc_sc)
+
+
+def _softmax_init(m_sc, l_sc, acc_sc):
+    m_sc[...] = jnp.full(m_sc.shape, -jnp.inf, jnp.float32)
+    l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
+    acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+
+
+def _softmax_update(q_ref, rows, valid, m_sc, l_sc, acc_sc, *, sm_scale, v_dim):
+    """One block of the online softmax: rows [bk, 1, Dk] gathered, valid bool [1, bk]."""
+    q = q_ref[...]
+    rows = rows.reshape(rows.shape[0], rows.shape[-1]).astype(q.dtype)  # [bk, Dk]
+    s = _dot_nt(q, rows) * sm_scale                                      # [H, bk]
     s = jnp.where(valid, s, -jnp.inf)
     m_prev = m_sc[...]                                                   # [H, 1]
     m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
@@ -144,14 +157,14 @@ def _fwd_kernel(idx_smem, idx_vmem, q_ref, kv_hbm, out_ref, lse_ref, buf, sem, m
     acc_sc[...] = alpha * acc_sc[...] + _dot(p.astype(rows.dtype), rows[:, :v_dim])
     m_sc[...] = m_new
 
-    @pl.when(kb == pl.num_programs(2) - 1)
-    def _():
-        l = l_sc[...]
-        has_any = l > 0
-        safe = jnp.where(has_any, l, 1.0)
-        out_ref[...] = (acc_sc[...] / safe).astype(out_ref.dtype)
-        m = jnp.where(m_sc[...] == -jnp.inf, 0.0, m_sc[...])
-        lse_ref[...] = jnp.where(has_any, m + jnp.log(safe), -jnp.inf)
+
+def _softmax_finish(out_ref, lse_ref, m_sc, l_sc, acc_sc):
+    l = l_sc[...]
+    has_any = l > 0
+    safe = jnp.where(has_any, l, 1.0)
+    out_ref[...] = (acc_sc[...] / safe).astype(out_ref.dtype)
+    m = jnp.where(m_sc[...] == -jnp.inf, 0.0, m_sc[...])
+    lse_ref[...] = jnp.where(has_any, m + jnp.log(safe), -jnp.inf)
 
 
 def _common_specs(batch, heads, dk, block_k, topk):
@@ -284,3 +297,95 @@ def sparse_mla(q: jax.Array, kv: jax.Array, indices: jax.Array, *, sm_scale: flo
     bk = _block_k(topk, config.block_k)
     idx = _pad_indices(indices, bk)
     return _op(float(sm_scale), int(v_dim), bk, bool(interpret))(q, kv, idx)
+
+
+# ------------------------------------------------------------------------ paged decode forward
+
+def _paged_gather(slot_ref, idx_smem, pages_smem, kv_hbm, buf, sem, *, block, buf_slot, block_k, page_size,
+                  num_keys):
+    """Starts the DMAs of index block `block`: logical row t of this sequence is
+    kv_hbm[slot, pages[t // P], t % P] (a [1, Dk] row at a dynamic sublane offset of its page)."""
+
+    def start(j, carry):
+        r = idx_smem[block * block_k + j]
+        r = jnp.where((r >= 0) & (r < num_keys), r, 0)
+        src = kv_hbm.at[slot_ref[0], pages_smem[r // page_size], pl.ds(r % page_size, 1)]
+        pltpu.make_async_copy(src, buf.at[buf_slot, j], sem.at[buf_slot]).start()
+        return carry
+
+    lax.fori_loop(0, block_k, start, 0)
+
+
+def _paged_fwd_kernel(slot_ref, idx_smem, pages_smem, idx_vmem, q_ref, kv_hbm, out_ref, lse_ref, buf, sem, m_sc,
+                      l_sc, acc_sc, *, sm_scale, v_dim, block_k, page_size, num_keys):
+    kb = pl.program_id(2)
+    nk = pl.num_programs(2)
+    buf_slot = kb % 2
+    gather = functools.partial(_paged_gather, slot_ref, idx_smem, pages_smem, kv_hbm, buf, sem, block_k=block_k,
+                               page_size=page_size, num_keys=num_keys)
+
+    @pl.when(kb == 0)
+    def _():
+        _softmax_init(m_sc, l_sc, acc_sc)
+        gather(block=0, buf_slot=0)
+
+    @pl.when(kb + 1 < nk)
+    def _():
+        gather(block=kb + 1, buf_slot=1 - buf_slot)
+
+    def wait(j, carry):
+        pltpu.make_async_copy(kv_hbm.at[0, 0, pl.ds(0, 1)], buf.at[buf_slot, j], sem.at[buf_slot]).wait()
+        return carry
+
+    lax.fori_loop(0, block_k, wait, 0)
+    idx = idx_vmem[...]                                                  # [1, bk]
+    _softmax_update(q_ref, buf[buf_slot], (idx >= 0) & (idx < num_keys), m_sc, l_sc, acc_sc, sm_scale=sm_scale,
+                    v_dim=v_dim)
+
+    @pl.when(kb == nk - 1)
+    def _():
+        _softmax_finish(out_ref, lse_ref, m_sc, l_sc, acc_sc)
+
+
+def paged_sparse_mla(q: jax.Array, kv_pages: jax.Array, page_table: jax.Array, indices: jax.Array, *, slot,
+                     sm_scale: float, v_dim: int, config: SparseMLATpuConfig = SparseMLATpuConfig(),
+                     interpret: bool = False):
+    """The forward kernel reading a paged store: each selected logical row is translated to
+    (page, offset) inside the kernel and copied by one DMA from the store in HBM (no copy of
+    the rows, no relayout of the store). Contract of `pallas_kernels.paged_sparse_mla`.
+
+    q [B, S, H, Dk], kv_pages [slots, pages, P, Dk], page_table int32 [B, n], slot int32
+    scalar (prefetched), indices int32 [B, S, K] (-1 or >= n * P = skip) -> (out [B, S, H,
+    v_dim] in q.dtype, lse f32 [B, S, H]). Forward only. The sequence's page table is an SMEM
+    block next to the query's indices (n int32 per sequence)."""
+    batch, seq_len, heads, dk = q.shape
+    page_size, n = kv_pages.shape[2], page_table.shape[1]
+    bk = _block_k(indices.shape[-1], config.block_k)
+    idx = _pad_indices(indices, bk)
+    topk = idx.shape[-1]
+    kernel = functools.partial(_paged_fwd_kernel, sm_scale=float(sm_scale), v_dim=int(v_dim), block_k=bk,
+                               page_size=page_size, num_keys=n * page_size)
+    per_query = lambda width: pl.BlockSpec((None, None, heads, width), lambda b, s, k, *_: (b, s, 0, 0))
+    out, lse = pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(batch, seq_len, topk // bk),
+            in_specs=[pl.BlockSpec((None, None, None, topk), lambda b, s, k, *_: (b, s, 0, 0),
+                                   memory_space=pltpu.SMEM),
+                      pl.BlockSpec((None, None, n), lambda b, s, k, *_: (b, 0, 0), memory_space=pltpu.SMEM),
+                      pl.BlockSpec((None, None, 1, bk), lambda b, s, k, *_: (b, s, 0, k)),
+                      per_query(dk),
+                      pl.BlockSpec(memory_space=pl.ANY)],
+            out_specs=[per_query(v_dim), per_query(1)],
+            scratch_shapes=_scratch(bk, dk, kv_pages.dtype) + [
+                pltpu.VMEM((heads, 1), jnp.float32), pltpu.VMEM((heads, 1), jnp.float32),
+                pltpu.VMEM((heads, v_dim), jnp.float32)]),
+        out_shape=[jax.ShapeDtypeStruct((batch, seq_len, heads, v_dim), q.dtype),
+                   jax.ShapeDtypeStruct((batch, seq_len, heads, 1), jnp.float32)],
+        compiler_params=_params(),
+        interpret=tpu_interpret(interpret),
+        name="paged_sparse_mla_fwd",
+    )(jnp.reshape(jnp.asarray(slot, jnp.int32), (1,)), idx.reshape(batch, seq_len, 1, topk),
+      page_table.reshape(batch, 1, n), idx.reshape(batch, seq_len, 1, topk), q, kv_pages)
+    return out, lse[..., 0]
