@@ -309,7 +309,7 @@ def _paged_gather(slot_ref, idx_smem, pages_smem, kv_hbm, buf, sem, *, block, bu
     def start(j, carry):
         r = idx_smem[block * block_k + j]
         r = jnp.where((r >= 0) & (r < num_keys), r, 0)
-        src = kv_hbm.at[slot_ref[0], pages_smem[r // page_size], pl.ds(r % page_size, 1)]
+        src = kv_hbm.at[slot_ref[0], pages_smem[r // page_size], r % page_size]
         pltpu.make_async_copy(src, buf.at[buf_slot, j], sem.at[buf_slot]).start()
         return carry
 
@@ -334,7 +334,7 @@ def _paged_fwd_kernel(slot_ref, idx_smem, pages_smem, idx_vmem, q_ref, kv_hbm, o
         gather(block=kb + 1, buf_slot=1 - buf_slot)
 
     def wait(j, carry):
-        pltpu.make_async_copy(kv_hbm.at[0, 0, pl.ds(0, 1)], buf.at[buf_slot, j], sem.at[buf_slot]).wait()
+        pltpu.make_async_copy(kv_hbm.at[0, 0, 0], buf.at[buf_slot, j], sem.at[buf_slot]).wait()
         return carry
 
     lax.fori_loop(0, block_k, wait, 0)
@@ -387,5 +387,5 @@ def paged_sparse_mla(q: jax.Array, kv_pages: jax.Array, page_table: jax.Array, i
         interpret=tpu_interpret(interpret),
         name="paged_sparse_mla_fwd",
     )(jnp.reshape(jnp.asarray(slot, jnp.int32), (1,)), idx.reshape(batch, seq_len, 1, topk),
-      page_table.reshape(batch, 1, n), idx.reshape(batch, seq_len, 1, topk), q, kv_pages)
+      page_table.reshape(batch, 1, n), idx.reshape(batch, seq_len, 1, topk), q, kv_pages[..., None, :])
     return out, lse[..., 0]

@@ -188,7 +188,9 @@ def paged_scores(q, k_pages, page_table, slot, weights, *, q_pos, kv_len, kv_sta
     The page table (flattened) and the slot are scalar-prefetched into SMEM and the key tile's
     index map reads them: grid (b, query block, page j, tile i of block_t keys in the page; a
     page of P <= block_t keys is one tile), clamped to the tiles the block may see like
-    `scores`. SMEM holds B * n page ids."""
+    `scores`. SMEM holds B * n page ids. The scores come out page-major ([B, n, S, P]; a
+    block's last two dims must be whole or (8, 128)-aligned) and are moved to [B, S, n * P]
+    in XLA (a bitcast for one query)."""
     batch, seq_len, _, dim = q.shape
     page_size, n = k_pages.shape[2], page_table.shape[1]
     block_t = min(config.block_t, page_size)
@@ -210,10 +212,10 @@ def paged_scores(q, k_pages, page_table, slot, weights, *, q_pos, kv_len, kv_sta
     out = _score_call(
         kernel, (batch, n_qb, n, per_page), scalars, q, w, pos, start, k_pages,
         pl.BlockSpec((None, None, block_t, dim), key_block),
-        jax.ShapeDtypeStruct((batch, sp, n, per_page * block_t), jnp.float32),
-        pl.BlockSpec((None, bq, None, block_t), lambda b, qb, j, i, *_: (b, qb, j, i)), block_q=bq,
+        jax.ShapeDtypeStruct((batch, n, sp, per_page * block_t), jnp.float32),
+        pl.BlockSpec((None, None, bq, block_t), lambda b, qb, j, i, *_: (b, j, qb, i)), block_q=bq,
         interpret=interpret)
-    return out[:, :seq_len, :, :page_size].reshape(batch, seq_len, n * page_size)
+    return jnp.moveaxis(out[:, :, :seq_len, :page_size], 1, 2).reshape(batch, seq_len, n * page_size)
 
 
 def _precision(q):
