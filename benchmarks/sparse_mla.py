@@ -124,17 +124,9 @@ def paged_decode(impl, config_type, interpret, bw, smoke, context):
     rows = []
     for B in (2,) if smoke else (64, 128):
         q, store, table, idx = paged_inputs(jax.random.key(B + 1), B, T, K, page)
-        best = None
-        for cfg in configs:
-            fn = jax.jit(lambda q, st, t, i, cfg=cfg: pk.paged_sparse_mla(
-                q, st, t, i, sm_scale=SCALE, v_dim=DV, impl=impl, config=config_type(**cfg), interpret=interpret))
-            try:
-                t = bench(fn, q, store, table, idx)
-            except Exception as e:  # a config that does not compile is skipped
-                print(f"  config {cfg} failed: {type(e).__name__}: {str(e)[:200]}")
-                continue
-            if best is None or t < best[0]:
-                best = (t, cfg)
+        paged = lambda cfg: jax.jit(lambda q, st, t, i: pk.paged_sparse_mla(
+            q, st, t, i, sm_scale=SCALE, v_dim=DV, impl=impl, config=config_type(**cfg), interpret=interpret))
+        best = fastest(paged, configs, q, store, table, idx)
         if best is None:
             continue
         t, cfg = best
@@ -144,6 +136,21 @@ def paged_decode(impl, config_type, interpret, bw, smoke, context):
         print(f"| {B} | {t * 1e6:.1f} | {cfg} | {moved / bw * 1e6:.1f} | {100 * moved / t / bw:.0f}% "
               f"| {tg * 1e6:.1f} | {tg / t:.2f}x |", flush=True)
     return rows
+
+
+def fastest(make_fn, configs, *args):
+    """(seconds, config) of the fastest make_fn(config)(*args), or None; a config that does not
+    compile is reported and skipped."""
+    best = None
+    for cfg in configs:
+        try:
+            t = bench(make_fn(cfg), *args)
+        except Exception as e:
+            print(f"  config {cfg} failed: {type(e).__name__}: {str(e)[:200]}")
+            continue
+        if best is None or t < best[0]:
+            best = (t, cfg)
+    return best
 
 
 def backend_is_gpu() -> bool:
@@ -223,15 +230,7 @@ def main():
     print("|---|---|---|---|---|---|---|---|")
     for B in (() if args.prefill_only else (2,) if smoke else (64, 128)):
         q, kv, idx = inputs(jax.random.key(B), B, 1, T, K)
-        best = None
-        for cfg in configs:
-            try:
-                t = bench(ours(**cfg), q, kv, idx)
-            except Exception as e:  # a config that does not compile is skipped
-                print(f"  config {cfg} failed: {type(e).__name__}: {str(e)[:200]}")
-                continue
-            if best is None or t < best[0]:
-                best = (t, cfg)
+        best = fastest(lambda cfg: ours(**cfg), configs, q, kv, idx)
         if best is None:
             continue
         t, cfg = best
