@@ -13,7 +13,13 @@ latent width is cut into power-of-two column chunks ([0, v_dim) first, then [v_d
 576 = 512 + 64); the logits are summed over the chunks and the value accumulators are the
 chunks of [0, v_dim). When B*S programs are too few to fill the GPU (decode), the K slots
 are split over `num_splits` programs per query, each writing a partial (out, lse), merged
-by a log-sum-exp in XLA.
+by a log-sum-exp in XLA. The heads may also be cut into groups of `head_group` (one program
+per group, each re-reading the query's rows).
+
+Paged decode (`paged_sparse_mla`): the same forward kernel over a paged store [slots, pages,
+P, Dk]; each block's logical indices are translated to (page, offset) through the page table
+inside the kernel and the rows gathered from their pages, so no contiguous copy is made. By
+default it runs head groups rather than K splits (`default_head_group`).
 
 Backward (`dkv_mode`). "sorted" (the default, "auto"): `gpu_backward` - per-query kernels
 write each (query, selected row) gradient at its place in a key-sorted list
