@@ -79,12 +79,17 @@ def _topk_fn(module):
                                                                             kv_len=n, slot=slot)
 
 
+def _scores_fn(module):
+    return lambda q, store, table, w, p, n, slot: module.paged_scores(q, store, table, slot, w, q_pos=p, kv_len=n)
+
+
 def test_tpu_paged_kernels_compile_ahead_of_time():
+    """The paged kernels (the selection after the scores is compiled in test_indexer_pallas.py)."""
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     mesh = tpu_compile_mesh("v5p:2x2x1")
     for fn, args, name in ((_mla_fn(mla_tpu), _mla_args, "paged_sparse_mla_fwd"),
-                           (_topk_fn(indexer_tpu), _topk_args, "paged_indexer_scores")):
+                           (_scores_fn(indexer_tpu), _topk_args, "paged_indexer_scores")):
         specs = args()
         wrapped = jax.shard_map(fn, mesh=mesh, in_specs=(P(),) * len(specs), out_specs=P(), check_vma=False)
         compiled = jax.jit(wrapped).lower(*args(NamedSharding(mesh, P()))).compile()
