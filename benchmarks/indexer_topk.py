@@ -9,7 +9,11 @@ scores, many ties); selection alone over given float32 scores [64, T]; decode (6
 1 query, 32 heads x 128, bf16 keys) at several contexts, with bandwidth on the key bytes; and
 prefill scoring and top-k (4K and 8K queries at the end of a 128K context) with the FLOP rate
 of the causal scores. The baseline is what one writes without the kernels: the `xla` scores
-followed by `jax.lax.top_k`. `--json FILE` also writes the rows for plotting.
+followed by `jax.lax.top_k`. Paged decode: the same decode over keys in a store of 64-row pages
+in shuffled order, `paged_indexer_topk` (the kernel reads the keys through the page table)
+against the path it replaces (the pages gathered into a contiguous copy, then the Pallas
+top-k), next to the copy-bandwidth floor of the key bytes. `--paged-only` runs the ceilings and
+the paged decode alone. `--json FILE` also writes the rows for plotting.
 """
 
 from __future__ import annotations
@@ -60,6 +64,32 @@ def check(impl, interpret):
     return same
 
 
+def paged_decode(impl, interpret, bw, contexts, batch, topk, page):
+    """Paged decode rows: paged kernel vs pages copied then the contiguous kernel, with the floor
+    key bytes / copy bandwidth."""
+    print(f"\n| paged decode: {batch} seq x 1 query, pages of {page} keys (shuffled) | paged ms | "
+          f"copy + kernel ms | speedup | floor ms (key bytes / copy BW) | % of copy BW |")
+    print("|---|---|---|---|---|---|")
+    rows = []
+    for T in contexts:
+        q, k, w, q_pos, kv_len = decode_inputs(jax.random.key(4), batch, 1, T)
+        n = -(-T // page)
+        table = (1 + jax.random.permutation(jax.random.key(5), batch * n)).reshape(batch, n).astype(jnp.int32)
+        store = jnp.zeros((1, batch * n + 1, page, D), k.dtype).at[0, table].set(k.reshape(batch, n, page, D))
+        del k
+        args = dict(topk=topk, q_pos=q_pos, kv_len=kv_len, impl=impl, interpret=interpret)
+        paged_fn = jax.jit(lambda q, st, t, w: pk.paged_indexer_topk(q, st, t, w, **args))
+        copy_fn = jax.jit(lambda q, st, t, w: pk.indexer_topk(q, st[0][t].reshape(batch, n * page, D), w, **args))
+        ours = bench(paged_fn, q, store, table, w)
+        base = bench(copy_fn, q, store, table, w)
+        key_bytes = batch * T * D * jnp.dtype(store.dtype).itemsize
+        print(f"| {T} | {ours * 1e3:.3f} | {base * 1e3:.3f} | {base / ours:.2f}x | {key_bytes / bw * 1e3:.3f} | "
+              f"{100 * key_bytes / ours / bw:.0f}% |", flush=True)
+        rows.append(dict(kind="paged_decode", T=T, ours_s=ours, baseline_s=base, key_bytes=key_bytes, page=page))
+        del store
+    return rows
+
+
 def baseline_topk(q, k, w, q_pos, kv_len, topk):
     s = pk.indexer_scores(q, k, w, q_pos=q_pos, kv_len=kv_len, impl="xla")
     return jax.lax.top_k(s, topk)[1]
@@ -70,6 +100,7 @@ def main():
     ap.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (CPU)")
     ap.add_argument("--contexts", type=int, nargs="+", default=[131072, 262144, 1048576])
     ap.add_argument("--prefill-queries", type=int, nargs="+", default=[4096, 8192])
+    ap.add_argument("--paged-only", action="store_true", help="only the ceilings and the paged decode")
     ap.add_argument("--json", help="also write the rows here")
     args = ap.parse_args()
     interpret = args.smoke
@@ -77,11 +108,18 @@ def main():
     bw, mm = ceilings(args.smoke)
     print(f"device: {jax.devices()[0].device_kind}; copy bandwidth {bw / 1e9:.0f} GB/s; "
           f"bf16 matmul {mm / 1e12:.0f} TFLOP/s; impl {impl}")
-    ok = check(impl, interpret)
-    rows = []
     contexts = [4096] if args.smoke else args.contexts
     batch = 2 if args.smoke else 64
     topk = 64 if args.smoke else TOPK
+    page = 16 if args.smoke else 64
+    if args.paged_only:
+        rows = paged_decode(impl, interpret, bw, contexts, batch, topk, page)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(dict(copy_bytes_per_s=bw, matmul_flops=mm, rows=rows), f, indent=1)
+        return
+    ok = check(impl, interpret)
+    rows = []
 
     print("\n| selection alone, f32 scores | ours ms | lax.top_k ms | speedup | GB/s on scores | copy GB/s |")
     print("|---|---|---|---|---|---|")
@@ -108,6 +146,8 @@ def main():
               f"{100 * k.nbytes / ours / bw:.0f}% |", flush=True)
         rows.append(dict(kind="decode", T=T, ours_s=ours, baseline_s=base, key_bytes=k.nbytes))
         del q, k
+
+    rows += paged_decode(impl, interpret, bw, contexts, batch, topk, page)
 
     T = 4096 if args.smoke else 131072
     print(f"\n| prefill, {T} keys | scores ms | TFLOP/s | % of matmul | top-k ms | baseline ms | speedup |")

@@ -6,10 +6,13 @@
 Prints, in one run: the measured device copy bandwidth and bf16 matmul rate (the ceilings);
 a correctness check of the Pallas impl against the XLA impl (forward and gradients, fresh
 random inputs); decode (64 heads, Dk 576, v 512, top-k 2048, one query per sequence) at batch
-64 and 128, with bandwidth on the gathered bytes; prefill forward and backward (8K queries,
-top-k 2048, 128K context) with FLOP rates; dense attention at the same shapes where it runs,
-and the context above which sparse beats dense. Times are medians over repeats of a loop of
-calls, after a warm-up, each repeat ended by block_until_ready.
+64 and 128, with bandwidth on the gathered bytes; paged decode (the same shapes over a paged
+store of 64-row pages in shuffled order: `paged_sparse_mla` against the gather + kernel path
+it replaces, next to the copy-bandwidth floor of the bytes the kernel must move); prefill
+forward and backward (8K queries, top-k 2048, 128K context) with FLOP rates; dense attention
+at the same shapes where it runs, and the context above which sparse beats dense. Times are
+medians over repeats of a loop of calls, after a warm-up, each repeat ended by
+block_until_ready. `--paged-only` runs the ceilings and the paged decode alone.
 """
 
 from __future__ import annotations
@@ -78,6 +81,82 @@ def check(impl, interpret, key):
     return res
 
 
+def paged_inputs(key, B, T, K, page_size, dtype=jnp.bfloat16):
+    """Decode over a paged store: q [B, 1, H, Dk], store [1, B*n + 1, P, Dk] (page 0 scratch),
+    page_table int32 [B, n] (the pages shuffled over the store), indices [B, 1, K] logical rows."""
+    kq, kk, ki, kp = jax.random.split(key, 4)
+    n = -(-T // page_size)
+    q = jax.random.normal(kq, (B, 1, H, DK), dtype)
+    store = jax.random.normal(kk, (1, B * n + 1, page_size, DK), dtype)
+    table = (1 + jax.random.permutation(kp, B * n)).reshape(B, n).astype(jnp.int32)
+    idx = jax.random.randint(ki, (B, 1, K), 0, T, jnp.int32)
+    return q, store, table, idx
+
+
+def gather_then_attend(impl, interpret):
+    """The path paged_sparse_mla replaces: the selected rows gathered through the page table into
+    a [B, S*K, Dk] copy (the cache view's "rows" fetch), then `sparse_mla` over the copy."""
+    def fn(q, store, table, idx):
+        b, s, k = idx.shape
+        page_size = store.shape[2]
+        pages = jnp.take_along_axis(table, jnp.maximum(idx, 0).reshape(b, -1) // page_size, axis=1)
+        rows = store[0, pages, jnp.maximum(idx, 0).reshape(b, -1) % page_size]            # [B, S*K, Dk]
+        local = jnp.arange(s * k, dtype=jnp.int32).reshape(1, s, k)
+        return pk.sparse_mla(q, rows, jnp.where(idx >= 0, local, -1), sm_scale=SCALE, v_dim=DV, impl=impl,
+                             interpret=interpret)
+    return jax.jit(fn)
+
+
+def paged_decode(impl, config_type, interpret, bw, smoke, context):
+    """Paged decode at batch 64 and 128: the paged kernel (best of a few configs) vs gather +
+    kernel, next to the copy-bandwidth floor of the bytes the kernel must move (the selected
+    rows, q, the output, the indices)."""
+    T, K, page = (1024, 64, 16) if smoke else (context, 2048, 64)
+    if backend_is_gpu() and not smoke:
+        configs = [dict(), dict(head_group=64), dict(head_group=32), dict(block_k=32, num_stages=3),
+                   dict(head_group=16, num_warps=4), dict(head_group=32, block_k=32, num_stages=3)]
+    else:
+        configs = [dict()]
+    print(f"\n## paged decode: H={H}, Dk={DK}, v={DV}, top-k {K}, context {T}, pages of {page} rows "
+          f"(shuffled), bf16, 1 query/sequence")
+    print("| batch | paged us | config | floor us (bytes / copy BW) | % of copy BW | gather + kernel us | speedup |")
+    print("|---|---|---|---|---|---|---|")
+    rows = []
+    for B in (2,) if smoke else (64, 128):
+        q, store, table, idx = paged_inputs(jax.random.key(B + 1), B, T, K, page)
+        paged = lambda cfg: jax.jit(lambda q, st, t, i: pk.paged_sparse_mla(
+            q, st, t, i, sm_scale=SCALE, v_dim=DV, impl=impl, config=config_type(**cfg), interpret=interpret))
+        best = fastest(paged, configs, q, store, table, idx)
+        if best is None:
+            continue
+        t, cfg = best
+        tg = bench(gather_then_attend(impl, interpret), q, store, table, idx)
+        moved = B * K * DK * 2 + B * H * (DK + DV) * 2 + B * K * 4
+        rows.append(dict(batch=B, paged=t, config=cfg, floor=moved / bw, pct=moved / t / bw, gather_kernel=tg))
+        print(f"| {B} | {t * 1e6:.1f} | {cfg} | {moved / bw * 1e6:.1f} | {100 * moved / t / bw:.0f}% "
+              f"| {tg * 1e6:.1f} | {tg / t:.2f}x |", flush=True)
+    return rows
+
+
+def fastest(make_fn, configs, *args):
+    """(seconds, config) of the fastest make_fn(config)(*args), or None; a config that does not
+    compile is reported and skipped."""
+    best = None
+    for cfg in configs:
+        try:
+            t = bench(make_fn(cfg), *args)
+        except Exception as e:
+            print(f"  config {cfg} failed: {type(e).__name__}: {str(e)[:200]}")
+            continue
+        if best is None or t < best[0]:
+            best = (t, cfg)
+    return best
+
+
+def backend_is_gpu() -> bool:
+    return jax.default_backend() == "gpu"
+
+
 def dense_decode(q, kv):
     """Dense MQA decode over the whole latent cache (XLA): q [B,1,H,Dk], kv [B,T,Dk]."""
     s = jnp.einsum("bshd,btd->bsht", q, kv, preferred_element_type=jnp.float32) * SCALE
@@ -101,13 +180,14 @@ def main():
     ap.add_argument("--prefill-context", type=int, default=131072)
     ap.add_argument("--prefill-heads", type=int, default=H)
     ap.add_argument("--prefill-only", action="store_true", help="skip the decode measurements")
+    ap.add_argument("--paged-only", action="store_true", help="only the ceilings and the paged decode")
     args = ap.parse_args()
     smoke = args.smoke
     backend = jax.default_backend()
     impl = "pallas_tpu" if backend == "tpu" else "pallas_gpu"
     config_type = pk.REGISTRY["sparse_mla"][impl].config
     interpret = smoke
-    on_gpu = backend == "gpu"
+    on_gpu = backend_is_gpu()
     report = {"backend": backend, "device": str(jax.devices()[0].device_kind), "impl": impl}
     print(f"# sparse MLA benchmark on {report['device']} ({backend}), jax {jax.__version__}, "
           f"impl={impl}{' (interpret, smoke)' if smoke else ''}")
@@ -116,6 +196,12 @@ def main():
     report["copy_bw"], report["matmul"] = bw, mm
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s (read+write); bf16 matmul {mm / 1e12:.0f} TFLOP/s")
 
+    if args.paged_only:
+        report["paged_decode"] = paged_decode(impl, config_type, interpret, bw, smoke, args.decode_context)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=1, default=str)
+        return
     try:
         chk = check(impl, interpret, jax.random.key(3))
     except Exception as e:
@@ -144,15 +230,7 @@ def main():
     print("|---|---|---|---|---|---|---|---|")
     for B in (() if args.prefill_only else (2,) if smoke else (64, 128)):
         q, kv, idx = inputs(jax.random.key(B), B, 1, T, K)
-        best = None
-        for cfg in configs:
-            try:
-                t = bench(ours(**cfg), q, kv, idx)
-            except Exception as e:  # a config that does not compile is skipped
-                print(f"  config {cfg} failed: {type(e).__name__}: {str(e)[:200]}")
-                continue
-            if best is None or t < best[0]:
-                best = (t, cfg)
+        best = fastest(lambda cfg: ours(**cfg), configs, q, kv, idx)
         if best is None:
             continue
         t, cfg = best
@@ -186,6 +264,8 @@ def main():
         cross.append(dict(context=ctx, sparse=ts, dense=td))
         print(f"| {ctx} | {ts * 1e6:.1f} | {td * 1e6:.1f} |")
     report["decode_crossover"] = cross
+    if not args.prefill_only:
+        report["paged_decode"] = paged_decode(impl, config_type, interpret, bw, smoke, args.decode_context)
 
     # ------------------------------------------------------------------ prefill
     S = 128 if smoke else args.prefill_queries
@@ -230,7 +310,7 @@ def main():
     txg = bench(grad_fn(lambda q, kv, i: pk.sparse_mla(q, kv, i, sm_scale=SCALE, v_dim=DV, impl="xla")),
                 q, kv, idx, reps=3)
     tb = max(tg - tf, 1e-9)
-    tcf = tcg = None
+    tcf = None
     if on_gpu:
         try:
             tcf = bench(jax.jit(functools.partial(cudnn_attention, causal=True)),

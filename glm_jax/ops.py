@@ -22,7 +22,7 @@ from pallas_kernels import impl_choices
 from glm_jax.sharding import context_size, split_queries
 
 __all__ = ["KernelChoice", "impl_choices", "indexer_scores", "indexer_topk", "sparse_mla", "indexer_cross_entropy",
-           "causal_attention"]
+           "causal_attention", "paged_indexer_topk", "paged_sparse_mla"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +68,20 @@ def indexer_cross_entropy(q, k, weights, indices, target, **static):
     (`pallas_kernels.indexer_cross_entropy`)."""
     return split_queries(functools.partial(pallas_kernels.indexer_cross_entropy, **static),
                          dict(q=q, weights=weights, indices=indices, target=target), dict(k=k))
+
+
+def paged_indexer_topk(q, k_pages, page_table, weights, **kwargs):
+    """q [B, S, H, D], k_pages [slots, pages, P, D], page_table int32 [B, n], weights [B, S, H]
+    -> int32 [B, S, topk] (`pallas_kernels.paged_indexer_topk`). Not split per query shard: the
+    cached forward that reads a paged store runs without a context axis."""
+    return pallas_kernels.paged_indexer_topk(q, k_pages, page_table, weights, **kwargs)
+
+
+def paged_sparse_mla(q, kv_pages, page_table, indices, **kwargs):
+    """q [B, S, H, Dk], kv_pages [slots, pages, P, Dk], page_table int32 [B, n], indices [B, S, K]
+    -> (out [B, S, H, v_dim], lse [B, S, H]) (`pallas_kernels.paged_sparse_mla`); not split per
+    query shard, as `paged_indexer_topk`."""
+    return pallas_kernels.paged_sparse_mla(q, kv_pages, page_table, indices, **kwargs)
 
 
 def causal_attention(q, k, v, *, scale, kv_len=None, mask=None, segments=None):

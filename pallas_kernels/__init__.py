@@ -10,6 +10,14 @@ static):
     indexer_cross_entropy(q, k, weights, indices, target, ...)            -> float32 [B, S]
     causal_attention(q, k, v, *, scale, kv_len, mask, segments, ...)      -> [B, S, N, d]
 
+Paged decode forms read a paged store ([slots, pages, P, D], `paging`) through a page table
+instead of a contiguous [B, T, D] copy (forward only):
+
+    paged_indexer_topk(q, k_pages, page_table, weights, *, topk, q_pos, kv_len, slot, ...)
+                                                                          -> int32 [B, S, topk]
+    paged_sparse_mla(q, kv_pages, page_table, indices, *, sm_scale, v_dim, slot, ...)
+                                                                -> (out [B, S, H, v_dim], lse [B, S, H])
+
 Every op takes
     impl       "reference" (the dense plain-jnp oracle: [B, S, T]-sized matrices; tests, small
                shapes), "xla" (memory-sane jnp or `jax.nn`), "pallas_tpu" (Mosaic TPU
@@ -37,6 +45,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import registry
+from pallas_kernels import paging
 from pallas_kernels._common import NoConfig, XlaConfig, start_or_zero
 from pallas_kernels.attention.gpu import SparseMLAGpuConfig
 from pallas_kernels.attention.tpu import SparseMLATpuConfig
@@ -47,8 +56,9 @@ from pallas_kernels.indexer_kl.gpu import IndexerKLGpuConfig
 from pallas_kernels.registry import REGISTRY, impl_choices, resolve_impl
 
 __all__ = ["REGISTRY", "impl_choices", "resolve_impl", "indexer_scores", "indexer_topk", "sparse_mla",
-           "indexer_cross_entropy", "causal_attention", "NoConfig", "XlaConfig", "IndexerGpuConfig",
-           "IndexerTpuConfig", "IndexerKLGpuConfig", "SparseMLAGpuConfig", "SparseMLATpuConfig"]
+           "indexer_cross_entropy", "causal_attention", "paged_indexer_topk", "paged_sparse_mla", "NoConfig",
+           "XlaConfig", "IndexerGpuConfig", "IndexerTpuConfig", "IndexerKLGpuConfig", "SparseMLAGpuConfig",
+           "SparseMLATpuConfig"]
 
 
 def indexer_scores(q: jax.Array, k: jax.Array, weights: jax.Array, *, q_pos: jax.Array,
@@ -163,6 +173,61 @@ def indexer_cross_entropy(q: jax.Array, k: jax.Array, weights: jax.Array, indice
         raise ValueError(f"pallas_kernels.indexer_cross_entropy: indices {indices.shape} and target "
                          f"{target.shape} must both be [B, S, K] with q's [B, S] {q.shape[:2]}")
     return entry.fn(q, k, weights, jnp.asarray(indices, jnp.int32), target, config=config, interpret=interpret)
+
+
+def paged_indexer_topk(q: jax.Array, k_pages: jax.Array, page_table: jax.Array, weights: jax.Array, *,
+                       topk: int, q_pos: jax.Array, kv_len: jax.Array, slot=0, impl: str = "auto", config=None,
+                       interpret: bool = False) -> jax.Array:
+    """`indexer_topk` over keys kept in a paged store, read through the page table.
+
+    Args:
+      q: [B, S, H, D];  weights: float32 [B, S, H];  q_pos: int32 [B, S];  kv_len: int32 [B]
+        -- as in `indexer_topk` (no kv_start: decode and chunked prefill of one document).
+      k_pages: [slots, pages, P, D] (or one slot [pages, P, D]) indexer keys.
+      page_table: int32 [B, n]; key t of sequence b is k_pages[slot, page_table[b, t // P], t % P]
+        for t < n * P (`pallas_kernels.paging`); every page id in [0, pages).
+      slot: int or int32 scalar, the store's slot to read.
+      topk, impl, config, interpret: as in `indexer_topk` (the same config classes).
+
+    Returns:
+      int32 [B, S, topk]: `indexer_topk` of the keys k[b, t] (T = n * P), cast to q's dtype.
+      Not differentiated.
+    """
+    entry, config = registry.select("paged_indexer_topk", impl, config, interpret)
+    k_pages = paging.as_slots(k_pages, "paged_indexer_topk")
+    page_table = paging.check_page_table(page_table, q.shape[0], "paged_indexer_topk")
+    return entry.fn(q, k_pages, page_table, weights, topk=topk, q_pos=jnp.asarray(q_pos, jnp.int32),
+                    kv_len=jnp.asarray(kv_len, jnp.int32), slot=jnp.asarray(slot, jnp.int32), config=config,
+                    interpret=interpret)
+
+
+def paged_sparse_mla(q: jax.Array, kv_pages: jax.Array, page_table: jax.Array, indices: jax.Array, *,
+                     sm_scale: float, v_dim: int, slot=0, impl: str = "auto", config=None,
+                     interpret: bool = False):
+    """`sparse_mla` over latent rows kept in a paged store, gathered through the page table.
+
+    Args:
+      q: [B, S, H, Dk] queries.
+      kv_pages: [slots, pages, P, Dk] (or one slot [pages, P, Dk]) latent rows.
+      page_table: int32 [B, n]; logical row t of sequence b is kv_pages[slot,
+        page_table[b, t // P], t % P] for t < n * P (`pallas_kernels.paging`); every page id
+        in [0, pages).
+      indices: int32 [B, S, K] logical rows; -1 (or any t outside [0, n * P)) = skip.
+      slot: int or int32 scalar, the store's slot to read.
+      sm_scale, v_dim, impl, config, interpret: as in `sparse_mla` (the same config classes).
+
+    Returns:
+      (out [B, S, H, v_dim] in q.dtype, lse float32 [B, S, H]): `sparse_mla` of the logical
+      rows kv[b, t] (cast to q's dtype). Forward only (decode reads the cache; nothing
+      differentiates through it).
+    """
+    entry, config = registry.select("paged_sparse_mla", impl, config, interpret)
+    kv_pages = paging.as_slots(kv_pages, "paged_sparse_mla")
+    page_table = paging.check_page_table(page_table, q.shape[0], "paged_sparse_mla")
+    if not 0 < v_dim <= kv_pages.shape[-1]:
+        raise ValueError(f"pallas_kernels.paged_sparse_mla: v_dim={v_dim} must be in [1, {kv_pages.shape[-1]}]")
+    return entry.fn(q, kv_pages, page_table, jnp.asarray(indices, jnp.int32), slot=jnp.asarray(slot, jnp.int32),
+                    sm_scale=sm_scale, v_dim=v_dim, config=config, interpret=interpret)
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float,

@@ -70,6 +70,18 @@ REGISTRY: dict[str, dict[str, Implementation]] = {
         "xla": Implementation(indexer_kl.xla.indexer_cross_entropy, XlaConfig),
         "pallas_gpu": Implementation(indexer_kl.gpu.indexer_cross_entropy, indexer_kl.gpu.IndexerKLGpuConfig, "gpu"),
     },
+    "paged_indexer_topk": {
+        "reference": Implementation(indexer.reference.paged_indexer_topk, NoConfig),
+        "xla": Implementation(indexer.xla.paged_indexer_topk, XlaConfig),
+        "pallas_tpu": Implementation(indexer.tpu.paged_indexer_topk, indexer.tpu.IndexerTpuConfig, "tpu"),
+        "pallas_gpu": Implementation(indexer.gpu.paged_indexer_topk, indexer.gpu.IndexerGpuConfig, "gpu"),
+    },
+    "paged_sparse_mla": {
+        "reference": Implementation(attention.reference.paged_sparse_mla, NoConfig),
+        "xla": Implementation(attention.xla.paged_sparse_mla, XlaConfig),
+        "pallas_tpu": Implementation(attention.tpu.paged_sparse_mla, attention.tpu.SparseMLATpuConfig, "tpu"),
+        "pallas_gpu": Implementation(attention.gpu.paged_sparse_mla, attention.gpu.SparseMLAGpuConfig, "gpu"),
+    },
     "causal_attention": {
         "reference": Implementation(dense.reference.causal_attention, NoConfig),
         "xla": Implementation(dense.xla.causal_attention, NoConfig),

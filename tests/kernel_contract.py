@@ -27,7 +27,8 @@ import pallas_kernels as pk
 
 #: The static keyword arguments of each op (jitted once per value).
 STATIC = {"indexer_scores": (), "indexer_topk": ("topk",), "sparse_mla": ("sm_scale", "v_dim", "return_target"),
-          "causal_attention": ("scale",), "indexer_cross_entropy": ()}
+          "causal_attention": ("scale",), "indexer_cross_entropy": (), "paged_indexer_topk": ("topk",),
+          "paged_sparse_mla": ("sm_scale", "v_dim")}
 _OPS = {op: jax.jit(getattr(pk, op), static_argnames=STATIC[op] + ("impl", "config", "interpret"))
         for op in pk.REGISTRY}
 
@@ -261,13 +262,10 @@ def assert_lse(lse, want):
     np.testing.assert_allclose(np.where(fin, lse, 0), np.where(fin, want, 0), rtol=1e-5, atol=1e-5)
 
 
-def check_sparse_mla(impl, q, kv, idx, *, sm_scale, v_dim, config=None, gradients=True, tol=1e-5):
-    """sparse_mla: out [B, S, H, v_dim] in q.dtype and lse f32 [B, S, H] equal the oracle; rows
-    with no valid index give out 0 and lse -inf; rows with a duplicated index are only finite.
-    With `gradients`, dq and dkv of a loss of out and lse are finite and equal the oracle's but
-    where duplicates make them unspecified (their rows' dq, the kv rows they select), and dq
-    is exactly 0 on the rows with no valid index."""
-    out, lse = call("sparse_mla", impl, q, kv, idx, sm_scale=sm_scale, v_dim=v_dim, config=config)
+def assert_sparse_mla_forward(out, lse, q, kv, idx, *, sm_scale, v_dim, tol):
+    """out [B, S, H, v_dim] in q.dtype and lse f32 [B, S, H] equal the oracle over kv [B, T, Dk];
+    rows with no valid index give out 0 and lse -inf; rows with a duplicated index are only
+    finite. -> (out as float64, the duplicated rows, the empty rows: bool [B, S])."""
     assert out.shape == q.shape[:3] + (v_dim,) and out.dtype == q.dtype
     assert lse.shape == q.shape[:3] and lse.dtype == jnp.float32
     out, lse = f64(out), np.asarray(lse)
@@ -279,6 +277,17 @@ def check_sparse_mla(impl, q, kv, idx, *, sm_scale, v_dim, config=None, gradient
     empty = ~np.any((np.asarray(idx) >= 0) & (np.asarray(idx) < kv.shape[1]), axis=-1)   # [B, S]
     assert empty.any()
     assert (out[empty] == 0).all() and np.isneginf(lse[empty]).all()
+    return out, dup, empty
+
+
+def check_sparse_mla(impl, q, kv, idx, *, sm_scale, v_dim, config=None, gradients=True, tol=1e-5):
+    """sparse_mla: out [B, S, H, v_dim] in q.dtype and lse f32 [B, S, H] equal the oracle; rows
+    with no valid index give out 0 and lse -inf; rows with a duplicated index are only finite.
+    With `gradients`, dq and dkv of a loss of out and lse are finite and equal the oracle's but
+    where duplicates make them unspecified (their rows' dq, the kv rows they select), and dq
+    is exactly 0 on the rows with no valid index."""
+    out, lse = call("sparse_mla", impl, q, kv, idx, sm_scale=sm_scale, v_dim=v_dim, config=config)
+    out, dup, empty = assert_sparse_mla_forward(out, lse, q, kv, idx, sm_scale=sm_scale, v_dim=v_dim, tol=tol)
     if not gradients:
         return
     rng = np.random.default_rng(q.shape[1] * 7 + idx.shape[-1])
@@ -397,6 +406,51 @@ def check_indexer_cross_entropy(impl, q, k, w, idx, target, *, config=None, tol=
     np.testing.assert_allclose(dw[~dup], want_dw[~dup], rtol=4 * tol, atol=4 * tol)
     np.testing.assert_allclose(dk[~touched], want_dk[~touched], rtol=4 * tol, atol=4 * tol)
     assert (dq[empty] == 0).all() and (dw[empty] == 0).all()
+
+
+# ----------------------------------------------------------------------------- paged stores
+
+
+def paged_store(seed, rows, page_size, *, slots=3, slot=1, spare_pages=3):
+    """rows [B, T, D] laid out in a paged store the way a pool leaves them: pages shuffled over
+    the store (not in sequence order, interleaved between sequences), the last page of each
+    sequence partly filled, every other row of the store (other slots, spare pages, the rest of
+    the last pages) integer junk in [-4, 4].
+    -> (store [slots, pages, P, D] in rows.dtype, page_table int32 [B, n], the logical rows
+       [B, n * P, D] the table addresses: rows, then the junk of the last pages)."""
+    rng = np.random.default_rng(seed)
+    rows_np = np.asarray(jnp.asarray(rows, jnp.float32))
+    B, T, D = rows_np.shape
+    n = -(-T // page_size)
+    table = rng.permutation(B * n + spare_pages)[:B * n].reshape(B, n).astype(np.int32)
+    store = rng.integers(-4, 5, (slots, B * n + spare_pages, page_size, D)).astype(np.float32)
+    logical = np.pad(rows_np, ((0, 0), (0, n * page_size - T), (0, 0)))
+    for b in range(B):
+        for j in range(n):
+            filled = min(page_size, T - j * page_size)
+            store[slot, table[b, j], :filled] = rows_np[b, j * page_size:j * page_size + filled]
+            logical[b, j * page_size + filled:(j + 1) * page_size] = store[slot, table[b, j], filled:]
+    return jnp.asarray(store, rows.dtype), jnp.asarray(table), jnp.asarray(logical, rows.dtype)
+
+
+def check_paged_sparse_mla(impl, q, kv, idx, *, page_size, sm_scale, v_dim, config=None, tol=1e-5):
+    """paged_sparse_mla over kv [B, T, Dk] laid out by `paged_store` (slot 1 of 3) equals the
+    oracle over the logical rows (the junk past T included: indices up to n * P are valid)."""
+    store, table, logical = paged_store(idx.shape[-1] + page_size, kv, page_size)
+    out, lse = call("paged_sparse_mla", impl, q, store, table, idx, slot=jnp.int32(1), sm_scale=sm_scale,
+                    v_dim=v_dim, config=config)
+    assert_sparse_mla_forward(out, lse, q, logical, idx, sm_scale=sm_scale, v_dim=v_dim, tol=tol)
+
+
+def check_paged_topk(impl, q, k, w, *, page_size, topk, q_pos, kv_len, config=None):
+    """paged_indexer_topk over keys k [B, T, D] laid out by `paged_store` (slot 1 of 3) equals
+    the brute force over the logical keys."""
+    store, table, logical = paged_store(topk + page_size, k, page_size)
+    got = call("paged_indexer_topk", impl, q, store, table, w, slot=jnp.int32(1), topk=topk, q_pos=q_pos,
+               kv_len=kv_len, config=config)
+    assert got.dtype == jnp.int32 and got.shape == q.shape[:2] + (topk,)
+    want = np_topk(np_scores(q, logical, w, q_pos, kv_len), topk)
+    np.testing.assert_array_equal(np.asarray(got), want, err_msg=f"{impl} paged top-{topk}")
 
 
 # ----------------------------------------------------------------------------- causal attention

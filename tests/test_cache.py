@@ -1,5 +1,7 @@
 """The cache package: a group's view writes through the page table into its own slots and goes
-back into the cache; the view's top-k over its cached keys is the indexer's over the sequence."""
+back into the cache; the view's top-k over its cached keys is the indexer's over the sequence;
+decode through a paged cache, whose kernels read the store through the page table, gives the
+full forward's logits."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from flax import nnx
 from glm_jax import ops
 from glm_jax.cache import create_cache, create_paged_cache
 from glm_jax.layers.indexer import Indexer
+from glm_jax.model import GLMModel
 
 
 def test_group_view_writes_its_slots_through_the_page_table(micro_cfg):
@@ -66,3 +69,23 @@ def test_view_select_equals_the_indexer_over_the_sequence(micro_cfg):
         assert got.shape == (b, s, cfg.index_topk)
         np.testing.assert_array_equal(got, want)
     assert int(jnp.max(want)) > cfg.index_topk          # a real selection, not every row
+
+
+def test_paged_decode_equals_full_forward(micro_cfg):
+    """A cache of shuffled pages (2 rows each, interleaved between the sequences, the pool's
+    scratch page 0 unused): a prefill chunk of 3 tokens (3 x top-4 < 16 rows: "paged" mode, the
+    kernels read the chunk's own rows back from the store through the page table) gives the
+    full forward's logits, and so does the next decode step with the Pallas GPU kernels
+    (interpreted)."""
+    model = GLMModel(micro_cfg, rngs=nnx.Rngs(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, 4), 0, micro_cfg.vocab_size, jnp.int32)
+    full = model(tokens).logits
+    table = jnp.asarray(np.random.default_rng(0).permutation(np.arange(1, 18))[:16].reshape(2, 8), jnp.int32)
+    cache = create_paged_cache(micro_cfg, 18, 2, table)
+    prefill, _, cache = model.forward_cached(tokens[:, :3], cache)
+    np.testing.assert_allclose(prefill, full[:, :3], atol=2e-4, rtol=1e-4)
+    assert not np.asarray(cache.latent[:, 0]).any()                  # page 0 is nobody's
+
+    pallas = ops.KernelChoice(indexer="pallas_gpu", attention="pallas_gpu", interpret=True)
+    step, _, _ = model.forward_cached(tokens[:, 3:4], cache, kernels=pallas)
+    np.testing.assert_allclose(step, full[:, 3:4], atol=2e-4, rtol=1e-4)

@@ -17,8 +17,8 @@ import pytest
 
 import pallas_kernels as pk
 from kernel_contract import (call, float_score_inputs, check_causal_attention, check_indexer_cross_entropy,
-                             check_scores, check_sparse_mla, check_sparse_mla_target, check_topk,
-                             cross_entropy_inputs, doc_starts,
+                             check_paged_sparse_mla, check_paged_topk, check_scores, check_sparse_mla,
+                             check_sparse_mla_target, check_topk, cross_entropy_inputs, doc_starts,
                              f64, impl_params, int_inputs, np_scores, np_scores_grads, np_topk, packed_documents,
                              positions, sparse_inputs)
 
@@ -33,7 +33,10 @@ def _tiny_args(op):
     q, k, w = jnp.zeros((1, 2, 2, 4)), jnp.zeros((1, 3, 4)), jnp.ones((1, 2, 2))
     pos, kv_len = jnp.zeros((1, 2), jnp.int32), jnp.full((1,), 3, jnp.int32)
     x = jnp.zeros((1, 2, 2, 8))
+    store, table = jnp.zeros((2, 2, 4)), jnp.zeros((1, 1), jnp.int32)
     return {
+        "paged_indexer_topk": ((q, store, table, w), dict(topk=2, q_pos=pos, kv_len=kv_len)),
+        "paged_sparse_mla": ((q, store, table, jnp.zeros((1, 2, 2), jnp.int32)), dict(sm_scale=1.0, v_dim=2)),
         "indexer_scores": ((q, k, w), dict(q_pos=pos, kv_len=kv_len)),
         "indexer_topk": ((q, k, w), dict(topk=2, q_pos=pos, kv_len=kv_len)),
         "sparse_mla": ((q, k, jnp.zeros((1, 2, 2), jnp.int32)), dict(sm_scale=1.0, v_dim=2)),
@@ -95,6 +98,16 @@ def test_config_fields_are_validated():
         pk.SparseMLAGpuConfig(dkv_mode="sum")
     with pytest.raises(ValueError, match="block_k must be a power of two"):
         pk.IndexerKLGpuConfig(block_k=24)
+
+
+@pytest.mark.parametrize("op", ["paged_indexer_topk", "paged_sparse_mla"])
+def test_paged_store_and_page_table_shapes_are_checked(op):
+    (q, store, table, last), kwargs = _tiny_args(op)
+    fn = getattr(pk, op)
+    with pytest.raises(ValueError, match="paged store must be"):
+        fn(q, store[None, None], table, last, **kwargs)
+    with pytest.raises(ValueError, match=r"page_table must be int32 \[B=1"):
+        fn(q, store, jnp.zeros((2, 1), jnp.int32), last, **kwargs)
 
 
 @pytest.mark.parametrize("op", ["indexer_scores", "indexer_topk"])
@@ -327,6 +340,31 @@ def test_indexer_cross_entropy_shapes_are_checked():
     q, k, w, idx, target = cross_entropy_inputs(1, B=1, S=2, T=8, K=4, H=2, D=4)
     with pytest.raises(ValueError, match="must both be"):
         pk.indexer_cross_entropy(q, k, w, idx, target[..., :3])
+
+
+# ----------------------------------------------------------------------------- paged decode forms
+
+
+@pytest.mark.parametrize("impl", impl_params("paged_sparse_mla"))
+def test_paged_sparse_mla(impl):
+    """Rows in shuffled pages of 16 rows in slot 1 of a 3-slot store, the last page partly
+    filled; -1 holes, an empty row, out-of-range and duplicated indices."""
+    q, kv, idx = sparse_inputs(240, B=2, S=2, T=50, K=24, H=4, Dk=80)
+    check_paged_sparse_mla(impl, q, kv, idx, page_size=16, sm_scale=0.125, v_dim=64)
+
+
+@pytest.mark.parametrize("impl", impl_params("paged_indexer_topk"))
+def test_paged_indexer_topk(impl):
+    """Decode (one query per sequence at the end of its ragged length) and a chunk of three
+    queries at random positions (some see nothing), keys in shuffled pages of 64 rows (tiles
+    gathered row by row on a GPU) and of 256 (tiles inside one page); the last page partly
+    filled; ties everywhere (integer inputs)."""
+    rng = np.random.default_rng(4)
+    B, T, H, D, topk = 3, 200, 4, 16, 16
+    for S, mode, page_size in ((1, "offset", 64), (3, "random", 256)):
+        q, k, w = int_inputs(rng, B, S, T, H, D)
+        q_pos, kv_len = positions(rng, B, S, T, mode)
+        check_paged_topk(impl, q, k, w, page_size=page_size, topk=topk, q_pos=q_pos, kv_len=kv_len)
 
 
 # ----------------------------------------------------------------------------- causal attention

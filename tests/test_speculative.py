@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from glm_jax import ops
-from glm_jax.cache import GroupCacheView, create_cache, create_mtp_cache
+from glm_jax.cache import create_cache, create_mtp_cache
 from glm_jax.decoding import GREEDY, rejection_sample
 from glm_jax.decoding.generate import Generator
 from glm_jax.decoding.speculative import SpeculativeGenerator, draft
@@ -94,26 +94,18 @@ def test_kv_share_draft_runs_no_indexer_and_reads_only_target_kv(monkeypatch):
     q1, g1, idx1 = q1[:, -1], g1[:, -1], idx1[:, -1:]
 
     calls = {"indexer": 0, "max_index": -1}
-    real_topk, real_mla = ops.indexer_topk, ops.sparse_mla
+    real_topk, real_mla = ops.paged_indexer_topk, ops.paged_sparse_mla
 
     def spy_topk(*a, **k):
         calls["indexer"] += 1
         return real_topk(*a, **k)
 
-    def spy_mla(q, kv, indices, **k):   # reads of a whole cached sequence (KVShare draft steps)
-        if kv.shape[1] == 32:
-            calls["max_index"] = max(calls["max_index"], int(np.max(np.asarray(indices))))
-        return real_mla(q, kv, indices, **k)
-
-    real_attended = GroupCacheView.attended_latent
-
-    def spy_attended(self, j, indices, latent):   # cache positions a cached forward attends
+    def spy_mla(q, kv_pages, page_table, indices, **k):   # the cache positions every draft step attends
         calls["max_index"] = max(calls["max_index"], int(np.max(np.asarray(indices))))
-        return real_attended(self, j, indices, latent)
+        return real_mla(q, kv_pages, page_table, indices, **k)
 
-    monkeypatch.setattr(ops, "indexer_topk", spy_topk)
-    monkeypatch.setattr(ops, "sparse_mla", spy_mla)
-    monkeypatch.setattr(GroupCacheView, "attended_latent", spy_attended)
+    monkeypatch.setattr(ops, "paged_indexer_topk", spy_topk)
+    monkeypatch.setattr(ops, "paged_sparse_mla", spy_mla)
     for kv_share, want_calls in ((True, 0), (False, 2)):
         calls.update(indexer=0, max_index=-1)
         with jax.disable_jit():

@@ -7,22 +7,29 @@ decoder the order of work:
 
     write_latent(j, latent); write_index_keys(keys)   the chunk's rows go to the owner's slots
     indices = select(queries, weights, ...)           the indexer's top-k over the Full layer's
-                                                      cached keys, run where they are; int32
-                                                      [B, S, K] shared
+                                                      cached keys, run where they are
+                                                      (`ops.paged_indexer_topk`: the kernel
+                                                      reads the keys through the page table);
+                                                      int32 [B, S, K] shared
     fetch(indices, G)                                 latent rows every layer of the group will
                                                       attend: layer 0 first, layers 1.. in a
                                                       second transfer that overlaps layer 0's
                                                       attention and MLP
-    latent, idx = attended_latent(j, indices, latent) per layer; the chunk's own rows come from
-                                                      the local computation (no transfer)
+    o_lat = attend(j, q_abs, indices, latent, ...)    per layer: the sparse MLA kernel over
+                                                      what layer j attends
 
-The decoder layer computes the indexer's queries and head weights and passes them down; the
-view runs the top-k kernel (`ops.indexer_topk`) over the keys, so the decode step reads
-model -> cache view -> kernels.
+The decoder layer computes the indexer's queries and head weights and the absorbed queries
+and passes them down; the view runs the kernels, so the decode step reads model -> cache view
+-> kernels.
 
-Fetch modes (static): "rows" gathers only the S * K selected rows per layer (decode: K rows
-however long the context); "slice" takes the whole [B, T, latent] slice when S * K >= T
-(prefill chunks of short contexts), where it is the smaller message.
+Fetch modes (static, chosen by `fetch`):
+  "paged"  the group's layers are local (no LayerSplit) and S * K < T: nothing is copied; each
+           layer's `ops.paged_sparse_mla` gathers the selected rows from its slot through the
+           page table inside the kernel (decode: K rows however long the context)
+  "rows"   LayerSplit, S * K < T: the owner gathers only the S * K selected rows per layer and
+           broadcasts them; the chunk's own rows come from the local computation (no transfer)
+  "slice"  S * K >= T (prefill chunks of short contexts): the whole [B, T, latent] slice, the
+           smaller message
 """
 
 from __future__ import annotations
@@ -35,8 +42,11 @@ from glm_jax.cache.layer_split import Placement
 from glm_jax.cache.pages import gather_rows, read_sequence, write_rows
 
 
-def fetch_mode(num_queries: int, topk: int, max_len: int) -> str:
-    return "rows" if num_queries * topk < max_len else "slice"
+def fetch_mode(num_queries: int, topk: int, max_len: int, local: bool) -> str:
+    """"paged", "rows" or "slice" (module docstring); local: no LayerSplit."""
+    if num_queries * topk >= max_len:
+        return "slice"
+    return "paged" if local else "rows"
 
 
 class GroupCacheView:
@@ -88,10 +98,9 @@ class GroupCacheView:
 
         def fn(store, page_table, queries, weights, positions, kv_len, index):
             slot, mine = self.placement.locate(index, store.shape[0])
-            keys = read_sequence(store, slot, page_table).astype(queries.dtype)
-            indices = ops.indexer_topk(queries, keys, weights, topk=topk, q_pos=positions, kv_len=kv_len,
-                                       impl=kernels.indexer, config=kernels.indexer_config,
-                                       interpret=kernels.interpret)
+            indices = ops.paged_indexer_topk(queries, store, page_table, weights, topk=topk, q_pos=positions,
+                                             kv_len=kv_len, slot=slot, impl=kernels.indexer,
+                                             config=kernels.indexer_config, interpret=kernels.interpret)
             return (self.placement.share(indices, mine),)
         rows = (self.page_table, queries, weights, self.positions, kv_len)
         return self.placement.manual(fn, (self.index_keys,), rows, (self.full_index,), out_stores=0, out_rows=1)[0]
@@ -105,9 +114,12 @@ class GroupCacheView:
                                      out_stores=0, out_rows=1)[0]
 
     def fetch(self, indices: jnp.ndarray, num_layers: int) -> None:
-        """Bring the latent rows attention of layers 0 .. num_layers-1 will read; indices int32 [B, S, K]."""
-        self._mode = mode = fetch_mode(indices.shape[1], indices.shape[2], self.max_len)
+        """Bring the latent rows attention of layers 0 .. num_layers-1 will read (nothing in
+        "paged" mode: the kernels read them in place); indices int32 [B, S, K]."""
         placement = self.placement
+        self._mode = mode = fetch_mode(indices.shape[1], indices.shape[2], self.max_len, placement.split is None)
+        if mode == "paged":
+            return
 
         def fn(store, page_table, indices, first_layer):
             def owned(j):
@@ -128,8 +140,33 @@ class GroupCacheView:
                                out_stores=0, out_rows=min(num_layers, 2))
         self._fetched = [out[0]] + ([out[1][:, j] for j in range(num_layers - 1)] if num_layers > 1 else [])
 
+    def attend(self, j: int, q: jnp.ndarray, indices: jnp.ndarray, latent: jnp.ndarray, *, sm_scale: float,
+               v_dim: int, kernels: ops.KernelChoice) -> jnp.ndarray:
+        """Sparse MLA of layer j (after `fetch`): q [B, S, H, latent] absorbed queries, indices
+        int32 [B, S, K] the group's top-k, latent [B, S, latent] layer j's rows of the running
+        chunk (already written) -> o_lat [B, S, H, v_dim].
+
+        "paged": `ops.paged_sparse_mla` reads the rows from layer j's slot through the page
+        table; else `ops.sparse_mla` over the fetched rows (`attended_latent`)."""
+        if self._mode == "paged":
+            return self.attend_cached(j, q, indices, sm_scale=sm_scale, v_dim=v_dim, kernels=kernels)
+        kv, kv_indices = self.attended_latent(j, indices, latent)
+        return ops.sparse_mla(q, kv.astype(q.dtype), kv_indices, **_attention_kwargs(sm_scale, v_dim, kernels))[0]
+
+    def attend_cached(self, j: int, q: jnp.ndarray, indices: jnp.ndarray, *, sm_scale: float, v_dim: int,
+                      kernels: ops.KernelChoice) -> jnp.ndarray:
+        """Sparse MLA of layer j over cached rows only (indices int32 [B, S, K] name written
+        rows; e.g. the MTP layer's KVShare draft steps): q [B, S, H, latent] -> [B, S, H, v_dim].
+        Local layers: `ops.paged_sparse_mla` through the page table; LayerSplit: over the
+        owner's broadcast sequence (`read_latent`)."""
+        kw = _attention_kwargs(sm_scale, v_dim, kernels)
+        if self.placement.split is None:
+            return ops.paged_sparse_mla(q, self.latent, self.page_table, indices, slot=self.first_layer + j, **kw)[0]
+        return ops.sparse_mla(q, self.read_latent(j).astype(q.dtype), indices, **kw)[0]
+
     def attended_latent(self, j: int, indices: jnp.ndarray, latent: jnp.ndarray):
-        """-> (latent [B, T', latent], indices int32 [B, S, K] into it): what layer j attends.
+        """-> (latent [B, T', latent], indices int32 [B, S, K] into it): what layer j attends in
+        "rows" and "slice" modes.
 
         latent [B, S, latent]: layer j's rows of the running chunk, patched in locally."""
         fetched = self._fetched[j]
@@ -143,3 +180,8 @@ class GroupCacheView:
         attended = jnp.where(in_chunk[..., None], local, fetched)
         slots = jnp.arange(s, dtype=jnp.int32)[:, None] * k + jnp.arange(k, dtype=jnp.int32)[None, :]
         return attended.reshape(b, s * k, -1), jnp.where(indices >= 0, slots[None], -1)
+
+
+def _attention_kwargs(sm_scale: float, v_dim: int, kernels: ops.KernelChoice) -> dict:
+    return dict(sm_scale=sm_scale, v_dim=v_dim, impl=kernels.attention, config=kernels.attention_config,
+                interpret=kernels.interpret)

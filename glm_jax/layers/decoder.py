@@ -218,8 +218,9 @@ class IndexShareGroup(nnx.Module):
 
         The Full layer writes its latent rows and indexer keys and hands its indexer queries to
         the view, which selects the top-k where the keys live; then the latent rows every layer
-        will attend are fetched at once; each layer attends them with its own chunk rows
-        patched in, and writes those rows to its cache slot.
+        will attend are fetched at once (or, with the layers local, read by the kernel through
+        the page table); each layer writes its chunk rows to its cache slot and hands its
+        absorbed queries to the view, which runs the attention kernel.
         x [B, S, hidden]; positions int32 [B, S] (the view's)
         -> (x [B, S, hidden], the Full layer's indices int32 [B, S, topk])."""
         indices = None
@@ -232,9 +233,10 @@ class IndexShareGroup(nnx.Module):
                 indices = view.select(indexer.queries(q_resid, positions), indexer.head_weights(h),
                                       topk=self.cfg.index_topk, kernels=kernels)
                 view.fetch(indices, len(self.layers))
-            attended, attended_indices = view.attended_latent(j, indices, latent)
-            out = layer.self_attn.attend_absorbed(q_nope, q_rope, attended, attended_indices, kernels)
-            x = layer.finish(x, out)
+            attn = layer.self_attn
+            o_lat = view.attend(j, attn.absorbed_queries(q_nope, q_rope), indices, latent, sm_scale=attn.sm_scale,
+                                v_dim=self.cfg.kv_lora_rank, kernels=kernels)
+            x = layer.finish(x, attn.absorbed_output(o_lat, q_nope.dtype))
         return x, indices
 
     def forward_reusing_indices(self, x, positions, view, indices, kernels: ops.KernelChoice):
@@ -243,8 +245,10 @@ class IndexShareGroup(nnx.Module):
         cache (glm_jax.cache.GroupCacheView), indices int32 [B, S, topk] -> x [B, S, hidden]."""
         for j, layer in enumerate(self.layers):
             _, _, q_nope, q_rope, _ = layer.attention_inputs(x, positions)
-            out = layer.self_attn.attend_absorbed(q_nope, q_rope, view.read_latent(j), indices, kernels)
-            x = layer.finish(x, out)
+            attn = layer.self_attn
+            o_lat = view.attend_cached(j, attn.absorbed_queries(q_nope, q_rope), indices, sm_scale=attn.sm_scale,
+                                       v_dim=self.cfg.kv_lora_rank, kernels=kernels)
+            x = layer.finish(x, attn.absorbed_output(o_lat, q_nope.dtype))
         return x
 
 

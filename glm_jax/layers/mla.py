@@ -78,18 +78,29 @@ class MLAProjection(nnx.Module):
         """q_* [B, S, nh, *], latent [B, T, kv_lora + rope], indices int32 [B, S, K]
         -> attention output [B, S, hidden]; with return_target also the indexer KL's target
         float32 [B, S, K] (the head-mean probabilities at each slot, no gradient; `ops.sparse_mla`)."""
-        w_uk, w_uv = self._kv_b()
-        q_lat = jnp.einsum("bshn,chn->bshc", q_nope, w_uk.astype(q_nope.dtype),
-                           preferred_element_type=jnp.float32).astype(q_nope.dtype)
-        q_abs = jnp.concatenate([q_lat, q_rope], axis=-1)
+        q_abs = self.absorbed_queries(q_nope, q_rope)
         o_lat, _, *target = ops.sparse_mla(q_abs, latent.astype(q_abs.dtype), indices, sm_scale=self.sm_scale,
                                            v_dim=self.cfg.kv_lora_rank, return_target=return_target,
                                            impl=kernels.attention, config=kernels.attention_config,
                                            interpret=kernels.interpret)
-        o = jnp.einsum("bshc,chv->bshv", o_lat, w_uv.astype(o_lat.dtype),
-                       preferred_element_type=jnp.float32).astype(q_nope.dtype)
-        out = self.o_proj(o.reshape(o.shape[:2] + (-1,)))
+        out = self.absorbed_output(o_lat, q_nope.dtype)
         return (out, target[0]) if return_target else out
+
+    def absorbed_queries(self, q_nope, q_rope):
+        """q_nope [B, S, nh, nope], q_rope [B, S, nh, rope] -> the queries in the latent space
+        [B, S, nh, kv_lora + rope]: [q_nope W_UK ; q_rope]."""
+        w_uk, _ = self._kv_b()
+        q_lat = jnp.einsum("bshn,chn->bshc", q_nope, w_uk.astype(q_nope.dtype),
+                           preferred_element_type=jnp.float32).astype(q_nope.dtype)
+        return jnp.concatenate([q_lat, q_rope], axis=-1)
+
+    def absorbed_output(self, o_lat, dtype):
+        """Attention output in the latent space [B, S, nh, kv_lora] -> [B, S, hidden] in dtype
+        (through W_UV and o_proj)."""
+        _, w_uv = self._kv_b()
+        o = jnp.einsum("bshc,chv->bshv", o_lat, w_uv.astype(o_lat.dtype),
+                       preferred_element_type=jnp.float32).astype(dtype)
+        return self.o_proj(o.reshape(o.shape[:2] + (-1,)))
 
     # ------------------------------------------------------------------ dense, long sequences
     def attend_causal(self, q_nope, q_rope, latent, kv_len, mask=None, segments: SegmentTable | None = None):

@@ -13,7 +13,13 @@ latent width is cut into power-of-two column chunks ([0, v_dim) first, then [v_d
 576 = 512 + 64); the logits are summed over the chunks and the value accumulators are the
 chunks of [0, v_dim). When B*S programs are too few to fill the GPU (decode), the K slots
 are split over `num_splits` programs per query, each writing a partial (out, lse), merged
-by a log-sum-exp in XLA.
+by a log-sum-exp in XLA. The heads may also be cut into groups of `head_group` (one program
+per group, each re-reading the query's rows).
+
+Paged decode (`paged_sparse_mla`): the same forward kernel over a paged store [slots, pages,
+P, Dk]; each block's logical indices are translated to (page, offset) through the page table
+inside the kernel and the rows gathered from their pages, so no contiguous copy is made. By
+default it runs head groups rather than K splits (`default_head_group`).
 
 Indexer target (`return_target`). Once a program's loop has its lse, a second loop over the
 same K rows (just gathered by this program, so mostly served from L2) recomputes the logits
@@ -89,22 +95,47 @@ def _load_block(idx_ref, kv_ref, *, b, row, k0, block_k, num_keys, chunks):
     return valid, safe, rows
 
 
-def _fwd_kernel(q_ref, kv_ref, idx_ref, out_ref, lse_ref, *target_ref, seq_len, num_keys, sm_scale, block_k,
-                blocks_per_split, kchunks, vchunks, heads):
+def _load_paged_block(idx_ref, pt_ref, kv_ref, *, b, slot, row, k0, block_k, page_size, num_keys, chunks):
+    """The block's logical rows translated through the page table: row t of sequence b is
+    kv_ref[slot, pt_ref[b, t // P], t % P] (`pallas_kernels.paging`)."""
+    idx = idx_ref[row, pl.ds(k0, block_k)]
+    valid = (idx >= 0) & (idx < num_keys)
+    safe = jnp.where(valid, idx, 0)
+    pages = pt_ref[b, safe // page_size]                               # [bk]
+    offsets = safe % page_size
+    rows = [kv_ref[slot, pages, offsets, pl.ds(c0, cs)] for c0, cs in chunks]
+    return valid, safe, rows
+
+
+def _fwd_kernel(q_ref, kv_ref, idx_ref, *refs, seq_len, num_keys, sm_scale, block_k, blocks_per_split, kchunks,
+                vchunks, group, page_size, heads):
+    """One (query, K split, head group) program. Contiguous: refs = (out, lse[, target]) and kv
+    [B, T, Dk]; with target (one split, one group of all heads) a second pass over the rows
+    writes the indexer target. Paged (page_size set): refs = (page table [B, n], slot [1], out,
+    lse) and kv [slots, pages, P, Dk]."""
     row = pl.program_id(0)                  # b * S + s
     split = pl.program_id(1)
+    hs = pl.ds(pl.program_id(2) * group, group)
     b = row // seq_len
-    qs = [q_ref[row, :, pl.ds(c0, cs)] for c0, cs in kchunks]          # [Hp, cs] each
-    padded_heads = qs[0].shape[0]
+    if page_size is None:
+        out_ref, lse_ref, *target_ref = refs
+        load = functools.partial(_load_block, idx_ref, kv_ref, b=b, row=row, block_k=block_k,
+                                 num_keys=num_keys, chunks=kchunks)
+    else:
+        pt_ref, slot_ref, out_ref, lse_ref = refs
+        target_ref = []
+        load = functools.partial(_load_paged_block, idx_ref, pt_ref, kv_ref, b=b, slot=slot_ref[0], row=row,
+                                 block_k=block_k, page_size=page_size, num_keys=num_keys, chunks=kchunks)
+    qs = [q_ref[row, hs, pl.ds(c0, cs)] for c0, cs in kchunks]         # [group, cs] each
     nv = len(vchunks)
 
     def scores(k0):
-        valid, _, rows = _load_block(idx_ref, kv_ref, b=b, row=row, k0=k0, block_k=block_k,
-                                     num_keys=num_keys, chunks=kchunks)
+        valid, _, rows = load(k0=k0)
+        rows = [r.astype(qs[0].dtype) for r in rows]
         s = _dot_nt(qs[0], rows[0])
         for qc, rc in zip(qs[1:], rows[1:]):
             s += _dot_nt(qc, rc)
-        return valid, rows, s * sm_scale                                  # s [Hp, bk]
+        return valid, rows, s * sm_scale                                  # s [group, bk]
 
     def body(j, carry):
         m, l, accs = carry
@@ -119,21 +150,21 @@ def _fwd_kernel(q_ref, kv_ref, idx_ref, out_ref, lse_ref, *target_ref, seq_len, 
         accs = tuple(a * alpha[:, None] + _dot(pc, r) for a, r in zip(accs, rows[:nv]))
         return m_new, l, accs
 
-    init = (jnp.full((padded_heads,), -jnp.inf, jnp.float32), jnp.zeros((padded_heads,), jnp.float32),
-            tuple(jnp.zeros((padded_heads, cs), jnp.float32) for _, cs in vchunks))
+    init = (jnp.full((group,), -jnp.inf, jnp.float32), jnp.zeros((group,), jnp.float32),
+            tuple(jnp.zeros((group, cs), jnp.float32) for _, cs in vchunks))
     m, l, accs = lax.fori_loop(0, blocks_per_split, body, init)
     has_any = l > 0
     safe = jnp.where(has_any, l, 1.0)
     for (c0, cs), a in zip(vchunks, accs):
-        out_ref[row, split, :, pl.ds(c0, cs)] = (a / safe[:, None]).astype(out_ref.dtype)
+        out_ref[row, split, hs, pl.ds(c0, cs)] = (a / safe[:, None]).astype(out_ref.dtype)
     m = jnp.where(m == -jnp.inf, 0.0, m)
     lse = m + jnp.log(safe)
-    lse_ref[row, split, :] = jnp.where(has_any, lse, -jnp.inf)
+    lse_ref[row, split, hs] = jnp.where(has_any, lse, -jnp.inf)
     if not target_ref:
         return
     # the indexer target: a second pass over the same rows (just read, likely still in L2) now
     # that lse is known; the mean over the real heads of p = exp(s - lse) at each slot
-    real = (lax.broadcasted_iota(jnp.int32, (padded_heads,), 0) < heads) & has_any
+    real = (lax.broadcasted_iota(jnp.int32, (group,), 0) < heads) & has_any
 
     def target_body(j, carry):
         k0 = j * block_k
@@ -159,23 +190,31 @@ def _params(num_warps, num_stages):
     return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
-def _forward(q, kv, idx, *, sm_scale, v_dim, block_k, splits, num_warps, num_stages, interpret,
-             topk=None):
-    """q [B, S, H, Dk]; idx int32 [B*S, Kp] (Kp a multiple of block_k * splits) -> (out, lse),
-    and with `topk` (needs splits == 1) the indexer target float32 [B, S, topk] as well."""
+def _forward(q, kv, idx, *, sm_scale, v_dim, block_k, splits, num_warps, num_stages, interpret, head_group=None,
+             paged=None, topk=None):
+    """q [B, S, H, Dk]; idx int32 [B*S, Kp] (Kp a multiple of block_k * splits); head_group: heads
+    per program (a power of two >= 16, or None: all). Contiguous: kv [B, T, Dk]. paged =
+    (page_table int32 [B, n], slot int32 [1]): kv is a store [slots, pages, P, Dk] and idx
+    holds logical rows. -> (out, lse), and with `topk` (contiguous, one split, all heads in
+    one program) the indexer target float32 [B, S, topk] as well."""
     batch, seq_len, heads, dk = q.shape
     qp, hp = _pad_heads(q)
+    group = min(hp, head_group or hp)
     kchunks = pow2_chunks(0, v_dim) + pow2_chunks(v_dim, dk)
     vchunks = pow2_chunks(0, v_dim)
     rows_total = batch * seq_len
     kp = idx.shape[-1]
     blocks_per_split = kp // (block_k * splits)
     final = splits == 1
-    if topk is not None and not final:
-        raise ValueError("sparse_mla: the indexer target needs the whole lse in one program (num_splits=1)")
+    if topk is not None and (not final or group != hp or paged is not None):
+        raise ValueError("sparse_mla: the indexer target needs the whole lse of every head in one program "
+                         "(num_splits=1, head_group=None, a contiguous kv)")
+    page_size = None if paged is None else kv.shape[2]
+    num_keys = kv.shape[1] if paged is None else paged[0].shape[1] * page_size
     kernel = functools.partial(
-        _fwd_kernel, seq_len=seq_len, num_keys=kv.shape[1], sm_scale=sm_scale, block_k=block_k,
-        blocks_per_split=blocks_per_split, kchunks=kchunks, vchunks=vchunks, heads=heads)
+        _fwd_kernel, seq_len=seq_len, num_keys=num_keys, sm_scale=sm_scale, block_k=block_k,
+        blocks_per_split=blocks_per_split, kchunks=kchunks, vchunks=vchunks, group=group, page_size=page_size,
+        heads=heads)
     out_dtype = q.dtype if final else jnp.float32
     out_shape = [jax.ShapeDtypeStruct((rows_total, splits, hp, v_dim), out_dtype),
                  jax.ShapeDtypeStruct((rows_total, splits, hp), jnp.float32)]
@@ -183,12 +222,12 @@ def _forward(q, kv, idx, *, sm_scale, v_dim, block_k, splits, num_warps, num_sta
         out_shape.append(jax.ShapeDtypeStruct((rows_total, kp), jnp.float32))
     out, lse, *target = pl.pallas_call(
         kernel,
-        grid=(rows_total, splits),
+        grid=(rows_total, splits, hp // group),
         out_shape=out_shape,
         compiler_params=_params(num_warps, num_stages),
         interpret=interpret,
-        name="sparse_mla_fwd",
-    )(qp, kv, idx)
+        name="sparse_mla_fwd" if paged is None else "paged_sparse_mla_fwd",
+    )(qp, kv, idx, *(paged or ()))
     if not final:
         lse_all = lse
         lse = jax.nn.logsumexp(lse_all, axis=1, keepdims=True)
@@ -325,13 +364,13 @@ def _backward(q, kv, idx, dout, lse, delta, *, sm_scale, v_dim, block_k, num_war
 
 
 @functools.lru_cache(maxsize=None)
-def _op(sm_scale, v_dim, block_k, splits, num_warps, num_stages, bwd_block_k, bwd_num_stages,
+def _op(sm_scale, v_dim, block_k, splits, head_group, num_warps, num_stages, bwd_block_k, bwd_num_stages,
         bwd_head_group, dkv_mode, topk, interpret):
     """topk: the unpadded K when the op also returns the indexer target, else None."""
     def fwd(q, kv, idx):
         b, s, kp = idx.shape
         return _forward(q, kv, idx.reshape(b * s, kp), sm_scale=sm_scale, v_dim=v_dim,
-                        block_k=block_k, splits=splits, num_warps=num_warps,
+                        block_k=block_k, splits=splits, head_group=head_group, num_warps=num_warps,
                         num_stages=num_stages, interpret=interpret, topk=topk)
 
     if dkv_mode == "sorted":
@@ -342,6 +381,15 @@ def _op(sm_scale, v_dim, block_k, splits, num_warps, num_stages, bwd_block_k, bw
                             head_group=bwd_head_group, atomic=dkv_mode == "atomic",
                             interpret=interpret)
     return vjp.make_sparse_mla(fwd, bwd, bwd_adds_dkv=dkv_mode == "atomic")
+
+
+def default_head_group(num_queries: int, heads: int) -> int:
+    """Heads per forward program of the paged decode: the padded heads cut into as many groups
+    of >= 16 as bring the programs to about TARGET_PROGRAMS (every group re-reads its query's
+    rows, from L2 when the groups run together; no K-split partials to merge)."""
+    hp = max(16, _next_pow2(heads))
+    groups = max(1, min(hp // 16, TARGET_PROGRAMS // max(1, num_queries)))
+    return hp >> (groups.bit_length() - 1)
 
 
 def default_splits(num_queries: int, topk: int, block_k: int) -> int:
@@ -360,6 +408,9 @@ class SparseMLAGpuConfig:
       forward's at most K rounded up to a power of two >= 16).
     num_splits: programs per query in the forward (default: enough to fill the GPU,
       `default_splits`).
+    head_group: heads per forward program (a power of two >= 16). Default: all heads for
+      `sparse_mla`; for `paged_sparse_mla`, enough head groups to fill the GPU before the K
+      slots are split (`default_head_group`).
     num_warps, num_stages, bwd_num_stages: Triton settings.
     bwd_head_group: heads per backward program (a power of two).
     dkv_mode: "sorted" (the deterministic backward of `gpu_backward`; what "auto" takes),
@@ -369,6 +420,7 @@ class SparseMLAGpuConfig:
 
     block_k: int | None = None
     num_splits: int | None = None
+    head_group: int | None = None
     num_warps: int = 8
     num_stages: int = 2
     bwd_block_k: int | None = None
@@ -380,6 +432,23 @@ class SparseMLAGpuConfig:
         check_positive_fields(self)
         if self.dkv_mode not in DKV_MODES:
             raise ValueError(f"dkv_mode must be one of {DKV_MODES}, got {self.dkv_mode!r}")
+
+
+def _block_and_splits(c: SparseMLAGpuConfig, dtype, topk: int, programs_per_split: int) -> tuple[int, int]:
+    """The forward's rows per step (block_k) and K splits for queries of `topk` slots."""
+    shrink = max(1, jnp.dtype(dtype).itemsize // 2)
+    bk = int(c.block_k or min(DEFAULT_BLOCK_K // shrink, max(16, _next_pow2(topk))))
+    return bk, int(c.num_splits or default_splits(programs_per_split, topk, bk))
+
+
+def _pad_slots(indices, unit: int):
+    """int32 [B, S, K] -> [B, S, Kp], Kp the next multiple of unit, the new slots -1."""
+    topk = indices.shape[-1]
+    padded = -(-topk // unit) * unit
+    idx = jnp.asarray(indices, jnp.int32)
+    if padded != topk:
+        idx = jnp.pad(idx, ((0, 0), (0, 0), (0, padded - topk)), constant_values=-1)
+    return idx
 
 
 def sparse_mla(q: jax.Array, kv: jax.Array, indices: jax.Array, *, sm_scale: float, v_dim: int,
@@ -398,16 +467,36 @@ def sparse_mla(q: jax.Array, kv: jax.Array, indices: jax.Array, *, sm_scale: flo
     c = config
     batch, seq_len = q.shape[:2]
     topk = indices.shape[-1]
-    shrink = max(1, jnp.dtype(kv.dtype).itemsize // 2)
-    bk = int(c.block_k or min(DEFAULT_BLOCK_K // shrink, max(16, _next_pow2(topk))))
-    bbk = int(c.bwd_block_k or max(16, DEFAULT_BWD_BLOCK_K // shrink))
-    splits = 1 if return_target else int(c.num_splits or default_splits(batch * seq_len, topk, bk))
-    unit = math.lcm(bk * splits, bbk)
-    padded = -(-topk // unit) * unit
-    idx = jnp.asarray(indices, jnp.int32)
-    if padded != topk:
-        idx = jnp.pad(idx, ((0, 0), (0, 0), (0, padded - topk)), constant_values=-1)
+    bk, splits = _block_and_splits(c, kv.dtype, topk, batch * seq_len)
+    head_group = c.head_group
+    if return_target:
+        splits, head_group = 1, None
+    bbk = int(c.bwd_block_k or max(16, DEFAULT_BWD_BLOCK_K // max(1, jnp.dtype(kv.dtype).itemsize // 2)))
+    idx = _pad_slots(indices, math.lcm(bk * splits, bbk))
     dkv_mode = "sorted" if c.dkv_mode == "auto" else c.dkv_mode
-    op = _op(float(sm_scale), int(v_dim), bk, splits, c.num_warps, c.num_stages, bbk, c.bwd_num_stages,
-             c.bwd_head_group, dkv_mode, topk if return_target else None, bool(interpret))
+    op = _op(float(sm_scale), int(v_dim), bk, splits, head_group, c.num_warps, c.num_stages, bbk,
+             c.bwd_num_stages, c.bwd_head_group, dkv_mode, topk if return_target else None, bool(interpret))
     return op(q, kv, idx)
+
+
+def paged_sparse_mla(q: jax.Array, kv_pages: jax.Array, page_table: jax.Array, indices: jax.Array, *, slot,
+                     sm_scale: float, v_dim: int, config: SparseMLAGpuConfig = SparseMLAGpuConfig(),
+                     interpret: bool = False):
+    """The forward kernel reading a paged store: each block's logical rows are translated to
+    (page, offset) through the page table inside the kernel and gathered by pointer; no
+    copy of the rows is made. Contract of `pallas_kernels.paged_sparse_mla`.
+
+    q [B, S, H, Dk], kv_pages [slots, pages, P, Dk], page_table int32 [B, n], slot int32
+    scalar, indices int32 [B, S, K] (-1 or >= n * P = skip) -> (out [B, S, H, v_dim] in
+    q.dtype, lse f32 [B, S, H]). Forward only. Programs: one per (query, K split, head group)
+    (`default_head_group`, `default_splits`); the backward knobs of the config are unused."""
+    c = config
+    batch, seq_len, heads = q.shape[:3]
+    group = int(c.head_group or default_head_group(batch * seq_len, heads))
+    groups = max(1, max(16, _next_pow2(heads)) // group)
+    bk, splits = _block_and_splits(c, kv_pages.dtype, indices.shape[-1], batch * seq_len * groups)
+    idx = _pad_slots(indices, bk * splits)
+    slot = jnp.reshape(jnp.asarray(slot, jnp.int32), (1,))
+    return _forward(q, kv_pages, idx.reshape(batch * seq_len, -1), sm_scale=float(sm_scale), v_dim=int(v_dim),
+                    block_k=bk, splits=splits, num_warps=c.num_warps, num_stages=c.num_stages,
+                    interpret=bool(interpret), head_group=group, paged=(page_table, slot))

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels._common import NoConfig
+from pallas_kernels.paging import read_pages
 
 
 def indices_to_mask(indices: jax.Array, num_keys: int) -> jax.Array:
@@ -59,3 +60,14 @@ def sparse_mla(q: jax.Array, kv: jax.Array, indices: jax.Array, *, sm_scale: flo
     valid = (indices >= 0) & (indices < num_keys)
     target = jnp.where(valid, jnp.take_along_axis(head_mean, jnp.where(valid, indices, 0), axis=-1), 0.0)
     return out.astype(q.dtype), lse, lax.stop_gradient(target)
+
+
+def paged_sparse_mla(q: jax.Array, kv_pages: jax.Array, page_table: jax.Array, indices: jax.Array, *, slot,
+                     sm_scale: float, v_dim: int, config: NoConfig = NoConfig(), interpret: bool = False):
+    """The paged form's oracle: every logical row of slot `slot` read through the page table
+    (`paging.read_pages`, cast to q's dtype), then `sparse_mla`.
+
+    q [B, S, H, Dk], kv_pages [slots, pages, P, Dk], page_table int32 [B, n], indices int32
+    [B, S, K] logical rows (-1 or >= n * P = skip) -> (out [B, S, H, v_dim], lse f32 [B, S, H])."""
+    kv = read_pages(kv_pages, slot, page_table).astype(q.dtype)
+    return sparse_mla(q, kv, indices, sm_scale=sm_scale, v_dim=v_dim, config=config, interpret=interpret)

@@ -33,6 +33,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
@@ -83,6 +84,40 @@ def _block_k(topk: int, block_k: int | None, default: int = DEFAULT_BLOCK_K) -> 
     return min(default, -(-topk // 128) * 128)
 
 
+def _softmax_init(m_sc, l_sc, acc_sc):
+    m_sc[...] = jnp.full(m_sc.shape, -jnp.inf, jnp.float32)
+    l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
+    acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+
+
+def _softmax_update(q, rows, valid, m_sc, l_sc, acc_sc, *, sm_scale, v_dim):
+    """One block of the online softmax: q [H, Dk], rows [bk, Dk] gathered, valid bool [1, bk]
+    -> the block's logits float32 [H, bk] (-inf at invalid slots)."""
+    rows = rows.astype(q.dtype)
+    s = jnp.where(valid, tpu_rows.dot_nt(q, rows) * sm_scale, -jnp.inf)
+    m_prev = m_sc[...]                                                   # [H, 1]
+    m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    p = jnp.exp(s - m_use)
+    alpha = jnp.exp(m_prev - m_use)
+    l_sc[...] = alpha * l_sc[...] + jnp.sum(p, axis=1, keepdims=True)
+    acc_sc[...] = alpha * acc_sc[...] + tpu_rows.dot(p.astype(rows.dtype), rows[:, :v_dim])
+    m_sc[...] = m_new
+    return s
+
+
+def _softmax_finish(out_ref, lse_ref, m_sc, l_sc, acc_sc):
+    """Writes the output and lse [H, 1] (-inf for a query with no valid slot) and returns lse."""
+    l = l_sc[...]
+    has_any = l > 0
+    safe = jnp.where(has_any, l, 1.0)
+    out_ref[...] = (acc_sc[...] / safe).astype(out_ref.dtype)
+    m = jnp.where(m_sc[...] == -jnp.inf, 0.0, m_sc[...])
+    lse = jnp.where(has_any, m + jnp.log(safe), -jnp.inf)
+    lse_ref[...] = lse
+    return lse
+
+
 def _fwd_kernel(idx_smem, idx_vmem, q_ref, kv_hbm, out_ref, lse_ref, *refs, sm_scale, v_dim, block_k, num_keys,
                 with_target):
     """refs: (target_ref,) when with_target, then the scratch buffers: the row buffer and its DMA
@@ -95,39 +130,21 @@ def _fwd_kernel(idx_smem, idx_vmem, q_ref, kv_hbm, out_ref, lse_ref, *refs, sm_s
 
     @pl.when(kb == 0)
     def _():
-        m_sc[...] = jnp.full(m_sc.shape, -jnp.inf, jnp.float32)
-        l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
-        acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+        _softmax_init(m_sc, l_sc, acc_sc)
 
     slot = tpu_rows.prefetch_and_wait(idx_smem, kv_hbm, buf, sem, b=pl.program_id(0), kb=kb,
                                       nk=pl.num_programs(2), block_k=block_k, num_keys=num_keys)
-    rows = tpu_rows.rows_of(buf, slot)                                   # [bk, Dk]
     idx = idx_vmem[...]                                                  # [1, bk]
-    valid = (idx >= 0) & (idx < num_keys)
-    s = tpu_rows.dot_nt(q_ref[...], rows) * sm_scale                             # [H, bk]
-    s = jnp.where(valid, s, -jnp.inf)
+    s = _softmax_update(q_ref[...], tpu_rows.rows_of(buf, slot), (idx >= 0) & (idx < num_keys), m_sc, l_sc,
+                        acc_sc, sm_scale=sm_scale, v_dim=v_dim)
     if with_target:
         s_sc[kb] = s
-    m_prev = m_sc[...]                                                   # [H, 1]
-    m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    p = jnp.exp(s - m_use)
-    alpha = jnp.exp(m_prev - m_use)
-    l_sc[...] = alpha * l_sc[...] + jnp.sum(p, axis=1, keepdims=True)
-    acc_sc[...] = alpha * acc_sc[...] + tpu_rows.dot(p.astype(rows.dtype), rows[:, :v_dim])
-    m_sc[...] = m_new
 
     @pl.when(kb == pl.num_programs(2) - 1)
     def _():
-        l = l_sc[...]
-        has_any = l > 0
-        safe = jnp.where(has_any, l, 1.0)
-        out_ref[...] = (acc_sc[...] / safe).astype(out_ref.dtype)
-        m = jnp.where(m_sc[...] == -jnp.inf, 0.0, m_sc[...])
-        lse = jnp.where(has_any, m + jnp.log(safe), -jnp.inf)
-        lse_ref[...] = lse
+        lse = _softmax_finish(out_ref, lse_ref, m_sc, l_sc, acc_sc)
         if with_target:             # the mean over heads of p = exp(s - lse), from the kept logits
-            shift = jnp.where(has_any, lse, jnp.inf)
+            shift = jnp.where(lse == -jnp.inf, jnp.inf, lse)
             for j in range(s_sc.shape[0]):
                 p = jnp.exp(s_sc[j] - shift)                              # [H, bk]; 0 where invalid
                 target_ref[j:j + 1, :] = jnp.sum(p, axis=0, keepdims=True) * (1.0 / p.shape[0])
@@ -246,3 +263,95 @@ def sparse_mla(q: jax.Array, kv: jax.Array, indices: jax.Array, *, sm_scale: flo
         return _op(float(sm_scale), int(v_dim), bk, bwd, None, target_k, bool(interpret))(q, kv, idx)
     op = _op(float(sm_scale), int(v_dim), bk, bwd, tindex.chunk_rows, target_k, bool(interpret))
     return op(q, kv, idx, tindex.position, tindex.offsets)
+
+
+# ------------------------------------------------------------------------ paged decode forward
+
+def _paged_gather(slot_ref, idx_smem, pages_smem, kv_hbm, buf, sem, *, block, buf_slot, block_k, page_size,
+                  num_keys):
+    """Starts the DMAs of index block `block`: logical row t of this sequence is
+    kv_hbm[slot, pages[t // P], t % P] (a [1, Dk] row at a dynamic sublane offset of its page)."""
+
+    def start(j, carry):
+        r = idx_smem[block * block_k + j]
+        r = jnp.where((r >= 0) & (r < num_keys), r, 0)
+        src = kv_hbm.at[slot_ref[0], pages_smem[r // page_size], r % page_size]
+        pltpu.make_async_copy(src, buf.at[buf_slot, j], sem.at[buf_slot]).start()
+        return carry
+
+    lax.fori_loop(0, block_k, start, 0)
+
+
+def _paged_fwd_kernel(slot_ref, idx_smem, pages_smem, idx_vmem, q_ref, kv_hbm, out_ref, lse_ref, buf, sem, m_sc,
+                      l_sc, acc_sc, *, sm_scale, v_dim, block_k, page_size, num_keys):
+    kb = pl.program_id(2)
+    nk = pl.num_programs(2)
+    buf_slot = kb % 2
+    gather = functools.partial(_paged_gather, slot_ref, idx_smem, pages_smem, kv_hbm, buf, sem, block_k=block_k,
+                               page_size=page_size, num_keys=num_keys)
+
+    @pl.when(kb == 0)
+    def _():
+        _softmax_init(m_sc, l_sc, acc_sc)
+        gather(block=0, buf_slot=0)
+
+    @pl.when(kb + 1 < nk)
+    def _():
+        gather(block=kb + 1, buf_slot=1 - buf_slot)
+
+    def wait(j, carry):
+        pltpu.make_async_copy(kv_hbm.at[0, 0, 0], buf.at[buf_slot, j], sem.at[buf_slot]).wait()
+        return carry
+
+    lax.fori_loop(0, block_k, wait, 0)
+    idx = idx_vmem[...]                                                  # [1, bk]
+    _softmax_update(q_ref[...], tpu_rows.rows_of(buf, buf_slot), (idx >= 0) & (idx < num_keys), m_sc, l_sc,
+                    acc_sc, sm_scale=sm_scale, v_dim=v_dim)
+
+    @pl.when(kb == nk - 1)
+    def _():
+        _softmax_finish(out_ref, lse_ref, m_sc, l_sc, acc_sc)
+
+
+def paged_sparse_mla(q: jax.Array, kv_pages: jax.Array, page_table: jax.Array, indices: jax.Array, *, slot,
+                     sm_scale: float, v_dim: int, config: SparseMLATpuConfig = SparseMLATpuConfig(),
+                     interpret: bool = False):
+    """The forward kernel reading a paged store: each selected logical row is translated to
+    (page, offset) inside the kernel and copied by one DMA from the store in HBM (no copy of
+    the rows, no relayout of the store). Contract of `pallas_kernels.paged_sparse_mla`.
+
+    q [B, S, H, Dk], kv_pages [slots, pages, P, Dk], page_table int32 [B, n], slot int32
+    scalar (prefetched), indices int32 [B, S, K] (-1 or >= n * P = skip) -> (out [B, S, H,
+    v_dim] in q.dtype, lse f32 [B, S, H]). Forward only. The sequence's page table is an SMEM
+    block next to the query's indices (n int32 per sequence)."""
+    batch, seq_len, heads, dk = q.shape
+    page_size, n = kv_pages.shape[2], page_table.shape[1]
+    bk = _block_k(indices.shape[-1], config.block_k)
+    idx = _pad_indices(indices, bk)
+    topk = idx.shape[-1]
+    kernel = functools.partial(_paged_fwd_kernel, sm_scale=float(sm_scale), v_dim=int(v_dim), block_k=bk,
+                               page_size=page_size, num_keys=n * page_size)
+    per_query = lambda width: pl.BlockSpec((None, None, heads, width), lambda b, s, k, *_: (b, s, 0, 0))
+    out, lse = pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(batch, seq_len, topk // bk),
+            in_specs=[pl.BlockSpec((None, None, None, topk), lambda b, s, k, *_: (b, s, 0, 0),
+                                   memory_space=pltpu.SMEM),
+                      pl.BlockSpec((None, None, n), lambda b, s, k, *_: (b, 0, 0), memory_space=pltpu.SMEM),
+                      pl.BlockSpec((None, None, 1, bk), lambda b, s, k, *_: (b, s, 0, k)),
+                      per_query(dk),
+                      pl.BlockSpec(memory_space=pl.ANY)],
+            out_specs=[per_query(v_dim), per_query(1)],
+            scratch_shapes=tpu_rows.scratch(bk, dk, kv_pages.dtype) + [
+                pltpu.VMEM((heads, 1), jnp.float32), pltpu.VMEM((heads, 1), jnp.float32),
+                pltpu.VMEM((heads, v_dim), jnp.float32)]),
+        out_shape=[jax.ShapeDtypeStruct((batch, seq_len, heads, v_dim), q.dtype),
+                   jax.ShapeDtypeStruct((batch, seq_len, heads, 1), jnp.float32)],
+        compiler_params=_params(),
+        interpret=tpu_interpret(interpret),
+        name="paged_sparse_mla_fwd",
+    )(jnp.reshape(jnp.asarray(slot, jnp.int32), (1,)), idx.reshape(batch, seq_len, 1, topk),
+      page_table.reshape(batch, 1, n), idx.reshape(batch, seq_len, 1, topk), q, kv_pages[..., None, :])
+    return out, lse[..., 0]

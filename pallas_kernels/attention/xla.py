@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels._common import XlaConfig, choose_q_chunk, map_query_chunks
+from pallas_kernels.paging import gather_pages
 
 
 def _bytes_per_query(batch: int, num_heads: int, topk: int, dk: int, v_dim: int, itemsize: int) -> int:
@@ -28,6 +29,12 @@ def _attend_chunk(q, indices, kv, *, sm_scale, v_dim, return_target):
     num_keys = kv.shape[1]
     valid = (indices >= 0) & (indices < num_keys)
     rows = gather_rows(kv, jnp.where(valid, indices, 0))                 # [B, C, K, Dk]
+    return _attend_rows(q, rows, valid, sm_scale=sm_scale, v_dim=v_dim, return_target=return_target)
+
+
+def _attend_rows(q, rows, valid, *, sm_scale, v_dim, return_target=False):
+    """q [B, C, H, Dk], the selected rows [B, C, K, Dk], valid bool [B, C, K] -> (out, lse), and
+    with return_target the indexer target float32 [B, C, K] from the same probabilities."""
     logits = jnp.einsum("bchd,bckd->bchk", q, rows, preferred_element_type=jnp.float32) * sm_scale
     logits = jnp.where(valid[:, :, None, :], logits, -jnp.inf)
     m = lax.stop_gradient(jnp.max(logits, axis=-1))
@@ -69,3 +76,22 @@ def sparse_mla(q: jax.Array, kv: jax.Array, indices: jax.Array, *, sm_scale: flo
 
     return map_query_chunks(body, (q, jnp.asarray(indices, jnp.int32)), (0, -1), chunk, remat=True)
 
+
+def paged_sparse_mla(q: jax.Array, kv_pages: jax.Array, page_table: jax.Array, indices: jax.Array, *, slot,
+                     sm_scale: float, v_dim: int, config: XlaConfig = XlaConfig(), interpret: bool = False):
+    """`sparse_mla` over the rows the logical indices name through the page table, gathered
+    from the store (`paging.gather_pages`, cast to q's dtype) `config.q_chunk` queries at a time.
+
+    q [B, S, H, Dk], kv_pages [slots, pages, P, Dk], page_table int32 [B, n], indices int32
+    [B, S, K] (-1 or >= n * P = skip) -> (out [B, S, H, v_dim], lse f32 [B, S, H])."""
+    del interpret
+    batch, seq_len, num_heads, dk = q.shape
+    topk = indices.shape[-1]
+    per_query = _bytes_per_query(batch, num_heads, topk, dk, v_dim, jnp.dtype(kv_pages.dtype).itemsize)
+    chunk = choose_q_chunk(seq_len, per_query, config.q_chunk)
+
+    def body(q_c, idx_c):
+        rows, valid = gather_pages(kv_pages, slot, page_table, idx_c)
+        return _attend_rows(q_c, rows.astype(q.dtype), valid, sm_scale=sm_scale, v_dim=v_dim)
+
+    return map_query_chunks(body, (q, jnp.asarray(indices, jnp.int32)), (0, -1), chunk)

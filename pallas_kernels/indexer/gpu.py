@@ -55,8 +55,24 @@ def _params(num_warps: int, num_stages: int = 1):
 
 # ----------------------------------------------------------------------------------- scores
 
-def _score_kernel(q_ref, w_ref, pos_ref, start_ref, len_ref, k_ref, s_ref, *, block_q, heads, block_t,
-                  tiles, keys_major):
+def _key_tile(k_ref, paged_refs, *, b, t0, block_t, page_size):
+    """Keys [t0, t0 + block_t) of sequence b: a block of k_ref [B, T, D]; paged (page_size
+    set; paged_refs = (page table [B, n], slot [1]), k_ref [slots, pages, P, D]): one page's
+    block when P is a multiple of block_t, else a gather of the rows' (page, offset)."""
+    if page_size is None:
+        return k_ref[b, pl.ds(t0, block_t), :]
+    pt_ref, slot_ref = paged_refs
+    slot = slot_ref[0]
+    if page_size % block_t == 0:
+        return k_ref[slot, pt_ref[b, t0 // page_size], pl.ds(t0 % page_size, block_t), :]
+    t = t0 + lax.broadcasted_iota(jnp.int32, (block_t,), 0)
+    pages = pt_ref[b, jnp.minimum(t // page_size, pt_ref.shape[1] - 1)]
+    return k_ref[slot, pages, t % page_size, :]
+
+
+def _score_kernel(q_ref, w_ref, pos_ref, start_ref, len_ref, k_ref, *refs, block_q, heads, block_t,
+                  tiles, keys_major, page_size):
+    *paged_refs, s_ref = refs
     b, qb, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rows = pl.ds(qb * block_q * heads, block_q * heads)
     qs = pl.ds(qb * block_q, block_q)
@@ -76,7 +92,8 @@ def _score_kernel(q_ref, w_ref, pos_ref, start_ref, len_ref, k_ref, s_ref, *, bl
 
         @pl.when(needed)
         def _():
-            k = k_ref[b, pl.ds(t0, block_t), :]                 # [block_t, D]
+            k = _key_tile(k_ref, paged_refs, b=b, t0=t0, block_t=block_t,
+                          page_size=page_size).astype(q.dtype)                 # [block_t, D]
             if keys_major:
                 logits = lax.dot_general(k, q, (((1,), (1,)), ((), ())),
                                          preferred_element_type=jnp.float32)  # [block_t, M]
@@ -98,10 +115,10 @@ def _score_kernel(q_ref, w_ref, pos_ref, start_ref, len_ref, k_ref, s_ref, *, bl
     lax.fori_loop(0, tiles, tile, 0)
 
 
-def _layout(q, k, weights, q_pos, kv_start, block_q):
+def _layout(q, weights, q_pos, kv_start, block_q):
     """Pads heads / key width to powers of two >= 16 and queries to a multiple of block_q.
 
-    -> (q [B, Sp*Hp, Dp], k [B, T, Dp], w f32 [B, Sp*Hp], q_pos, kv_start int32 [B, Sp], Hp)."""
+    -> (q [B, Sp*Hp, Dp], w f32 [B, Sp*Hp], q_pos, kv_start int32 [B, Sp], Hp, Dp)."""
     batch, seq_len, heads, dim = q.shape
     hp = max(16 // block_q if block_q < 16 else 1, _next_pow2(heads))
     dp = max(16, _next_pow2(dim))
@@ -110,7 +127,7 @@ def _layout(q, k, weights, q_pos, kv_start, block_q):
     w = pad_axis(pad_axis(weights.astype(jnp.float32), 2, hp), 1, sp)
     pos = pad_axis(jnp.asarray(q_pos, jnp.int32), 1, sp, -1)
     start = pad_axis(start_or_zero(kv_start, q_pos), 1, sp, 0)
-    return q.reshape(batch, sp * hp, dp), pad_axis(k, 2, dp), w.reshape(batch, sp * hp), pos, start, hp
+    return q.reshape(batch, sp * hp, dp), w.reshape(batch, sp * hp), pos, start, hp, dp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,28 +188,57 @@ def scores(q, k, weights, *, q_pos, kv_len, kv_start=None, config: IndexerGpuCon
            interpret: bool = False):
     """q [B, S, H, D], k [B, T, D], weights f32 [B, S, H], q_pos int32 [B, S], kv_len int32 [B],
     kv_start int32 [B, S] or None -> scores f32 [B, S, T], -inf where masked."""
-    batch, seq_len, heads, _ = q.shape
     num_keys = k.shape[1]
-    tiling = config.tiling(seq_len, heads)
-    bq, block_t = tiling.block_q, tiling.block_t
-    qf, kf, w, pos, start, hp = _layout(q, k, weights, q_pos, kv_start, bq)
+    tiling = config.tiling(q.shape[1], q.shape[2])
+    tp = _padded_keys(num_keys, tiling.block_t, config.tiles_per_program)
+    dp = max(16, _next_pow2(k.shape[2]))
+    keys = (pad_axis(pad_axis(k, 2, dp), 1, tp),)
+    return _scores(q, weights, keys, num_keys, q_pos=q_pos, kv_len=kv_len, kv_start=kv_start, tiling=tiling,
+                   config=config, interpret=interpret, page_size=None)[..., :num_keys]
+
+
+def paged_scores(q, k_pages, page_table, slot, weights, *, q_pos, kv_len, kv_start=None,
+                 config: IndexerGpuConfig = IndexerGpuConfig(), interpret: bool = False):
+    """`scores` of the keys of a paged store, read through the page table inside the kernel
+    (no copy): k_pages [slots, pages, P, D] (D a power of two >= 16), page_table int32 [B, n],
+    slot int32 scalar -> f32 [B, S, n * P]."""
+    dim = k_pages.shape[-1]
+    if dim != max(16, _next_pow2(dim)):
+        raise ValueError(f"pallas_gpu paged indexer: the key width must be a power of two >= 16, got {dim}")
+    num_keys = page_table.shape[1] * k_pages.shape[2]
+    keys = (k_pages, page_table, jnp.reshape(jnp.asarray(slot, jnp.int32), (1,)))
+    return _scores(q, weights, keys, num_keys, q_pos=q_pos, kv_len=kv_len, kv_start=kv_start,
+                   tiling=config.tiling(q.shape[1], q.shape[2]), config=config, interpret=interpret,
+                   page_size=k_pages.shape[2])[..., :num_keys]
+
+
+def _padded_keys(num_keys: int, block_t: int, tiles_per_program: int) -> int:
     n_tiles = -(-num_keys // block_t)
-    tiles = max(1, min(config.tiles_per_program, n_tiles))
-    n_chunks = -(-n_tiles // tiles)
-    tp = n_chunks * tiles * block_t
-    kf = pad_axis(kf, 1, tp)
+    tiles = max(1, min(tiles_per_program, n_tiles))
+    return -(-n_tiles // tiles) * tiles * block_t
+
+
+def _scores(q, weights, keys: tuple, num_keys: int, *, q_pos, kv_len, kv_start, tiling: ScoreTiling, config,
+            interpret, page_size):
+    """The score kernel over keys (k [B, Tp, Dp] padded to whole programs, or the paged
+    (store, page table, slot)) -> f32 [B, S, Tp], Tp = num_keys rounded up to whole programs."""
+    batch, seq_len, heads, _ = q.shape
+    bq, block_t = tiling.block_q, tiling.block_t
+    qf, w, pos, start, hp, _ = _layout(q, weights, q_pos, kv_start, bq)
+    tp = _padded_keys(num_keys, block_t, config.tiles_per_program)
+    tiles = max(1, min(config.tiles_per_program, -(-num_keys // block_t)))
     sp = pos.shape[1]
     kernel = functools.partial(_score_kernel, block_q=bq, heads=hp, block_t=block_t, tiles=tiles,
-                               keys_major=tiling.keys_major)
+                               keys_major=tiling.keys_major, page_size=page_size)
     out = pl.pallas_call(
         kernel,
-        grid=(batch, sp // bq, n_chunks),
+        grid=(batch, sp // bq, tp // (tiles * block_t)),
         out_shape=jax.ShapeDtypeStruct((batch, sp, tp), jnp.float32),
         compiler_params=_params(tiling.num_warps, config.num_stages),
         interpret=interpret,
-        name="indexer_scores",
-    )(qf, w, pos, start, jnp.asarray(kv_len, jnp.int32), kf)
-    return out[:, :seq_len, :num_keys]
+        name="indexer_scores" if page_size is None else "paged_indexer_scores",
+    )(qf, w, pos, start, jnp.asarray(kv_len, jnp.int32), *keys)
+    return out[:, :seq_len]
 
 
 # ----------------------------------------------------------------------- count and compact
@@ -299,11 +345,31 @@ def indexer_topk(q, k, weights, *, topk, q_pos, kv_len, kv_start=None,
     """Contract of `pallas_kernels.indexer_topk`: scores kernel, then threshold selection, over
     chunks of `config.q_chunk` queries (`pallas_ops.topk`). Every chunk's scores are tiled as
     the whole prefill's."""
-    batch, seq_len, heads, _ = q.shape
-    tiling = config.tiling(seq_len, heads)
-    config = dataclasses.replace(config, **dataclasses.asdict(tiling))
-    chunk = pallas_ops.query_chunk(batch, seq_len, k.shape[1], tiling.block_q, config.q_chunk)
-    return pallas_ops.topk(q, k, weights, topk=topk, q_pos=q_pos, kv_len=kv_len, kv_start=kv_start,
-                           scores_fn=functools.partial(scores, config=config, interpret=interpret),
+    config = _whole_tiling(config, q.shape)
+    scores_fn = lambda q_c, w_c, **kw: scores(q_c, k, w_c, kv_len=kv_len, **kw)
+    return _topk(q, weights, scores_fn, k.shape[1], topk=topk, q_pos=q_pos, kv_start=kv_start, config=config,
+                 interpret=interpret)
+
+
+def paged_indexer_topk(q, k_pages, page_table, weights, *, topk, q_pos, kv_len, slot,
+                       config: IndexerGpuConfig = IndexerGpuConfig(), interpret: bool = False):
+    """Contract of `pallas_kernels.paged_indexer_topk`: `indexer_topk` with the paged score
+    kernel (`paged_scores`: key tiles read through the page table, no copy of the keys)."""
+    config = _whole_tiling(config, q.shape)
+    scores_fn = lambda q_c, w_c, **kw: paged_scores(q_c, k_pages, page_table, slot, w_c, kv_len=kv_len, **kw)
+    return _topk(q, weights, scores_fn, page_table.shape[1] * k_pages.shape[2], topk=topk, q_pos=q_pos,
+                 kv_start=None, config=config, interpret=interpret)
+
+
+def _whole_tiling(config: IndexerGpuConfig, q_shape) -> IndexerGpuConfig:
+    """The config with the score tiling of the whole [B, S, H, D] queries fixed (query chunks
+    are tiled as the whole)."""
+    return dataclasses.replace(config, **dataclasses.asdict(config.tiling(q_shape[1], q_shape[2])))
+
+
+def _topk(q, weights, scores_fn, num_keys: int, *, topk, q_pos, kv_start, config: IndexerGpuConfig, interpret):
+    chunk = pallas_ops.query_chunk(q.shape[0], q.shape[1], num_keys, config.block_q, config.q_chunk)
+    return pallas_ops.topk(q, weights, topk=topk, q_pos=q_pos, kv_start=kv_start, num_keys=num_keys,
+                           scores_fn=functools.partial(scores_fn, config=config, interpret=interpret),
                            select_fn=functools.partial(select_topk, config=config, interpret=interpret),
                            q_chunk=chunk)

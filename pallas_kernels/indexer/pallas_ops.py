@@ -6,6 +6,7 @@ A backend module supplies its kernels as plain functions:
 
     scores_fn(q [B, C, H, D], k [B, T, D], weights f32 [B, C, H], *, q_pos int32 [B, C],
               kv_len int32 [B], kv_start int32 [B, C], config, interpret) -> f32 [B, C, T]
+              (or its paged form over a store and page table, bound into `topk`'s scores_fn)
     select_fn(scores f32 [R, T] (-inf = masked), k) -> int32 [R, k]   (exact top-k per row)
 """
 
@@ -33,22 +34,21 @@ def query_chunk(batch: int, seq_len: int, num_keys: int, multiple: int, q_chunk:
     return min(seq_len, max(multiple, SCORE_BUDGET_BYTES // per_query // multiple * multiple))
 
 
-def topk(q: jax.Array, k: jax.Array, weights: jax.Array, *, topk: int, q_pos: jax.Array,
-         kv_len: jax.Array, kv_start: jax.Array | None, scores_fn: Callable, select_fn: Callable,
-         q_chunk: int) -> jax.Array:
-    """Contract of `pallas_kernels.indexer_topk` from a backend's kernels (module docstring;
-    scores_fn with its config and interpret bound), `q_chunk` queries at a time.
+def topk(q: jax.Array, weights: jax.Array, *, topk: int, q_pos: jax.Array, kv_start: jax.Array | None,
+         num_keys: int, scores_fn: Callable, select_fn: Callable, q_chunk: int) -> jax.Array:
+    """Contract of `pallas_kernels.indexer_topk` from a backend's kernels (module docstring),
+    `q_chunk` queries at a time. scores_fn(q_c, w_c, *, q_pos, kv_start) -> f32 [B, C, num_keys]
+    has the keys, kv_len, config and interpret bound (contiguous or paged keys alike).
 
-    q [B, S, H, D], k [B, T, D], weights f32 [B, S, H], q_pos int32 [B, S], kv_len int32 [B],
-    kv_start int32 [B, S] or None -> int32 [B, S, topk]."""
+    q [B, S, H, D], weights f32 [B, S, H], q_pos int32 [B, S], kv_start int32 [B, S] or None
+    -> int32 [B, S, topk]."""
     topk = check_topk(topk)
     batch, seq_len = q.shape[:2]
-    num_keys = k.shape[1]
     if num_keys == 0:
         return jnp.full((batch, seq_len, topk), -1, jnp.int32)
 
     def body(q_c, w_c, pos_c, start_c):
-        s = scores_fn(q_c, k, w_c, q_pos=pos_c, kv_len=kv_len, kv_start=start_c)
+        s = scores_fn(q_c, w_c, q_pos=pos_c, kv_start=start_c)
         rows = s.shape[0] * s.shape[1]
         idx = select_fn(s.reshape(rows, num_keys), min(topk, num_keys))
         return idx.reshape(s.shape[0], s.shape[1], -1)

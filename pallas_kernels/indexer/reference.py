@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels._common import NoConfig, check_topk, key_mask, normalize_zero, pad_topk
+from pallas_kernels.paging import read_pages
 
 
 def indexer_scores(q: jax.Array, k: jax.Array, weights: jax.Array, *, q_pos: jax.Array,
@@ -61,3 +62,16 @@ def indexer_topk(q: jax.Array, k: jax.Array, weights: jax.Array, *, topk: int, q
     score = indexer_scores(q, k, weights, q_pos=q_pos, kv_len=kv_len, kv_start=kv_start)
     valid = key_mask(q_pos, kv_len, k.shape[1], kv_start)
     return topk_from_scores(score, valid, topk)
+
+
+def paged_indexer_topk(q: jax.Array, k_pages: jax.Array, page_table: jax.Array, weights: jax.Array, *,
+                       topk: int, q_pos: jax.Array, kv_len: jax.Array, slot, config: NoConfig = NoConfig(),
+                       interpret: bool = False) -> jax.Array:
+    """`indexer_topk` of every key of slot `slot` read through the page table
+    (`paging.read_pages`, cast to q's dtype): the oracle of the paged form.
+
+    q [B, S, H, D], k_pages [slots, pages, P, D], page_table int32 [B, n], weights f32 [B, S, H],
+    q_pos int32 [B, S], kv_len int32 [B] -> int32 [B, S, topk]."""
+    keys = read_pages(k_pages, slot, page_table).astype(q.dtype)
+    return indexer_topk(q, keys, weights, topk=topk, q_pos=q_pos, kv_len=kv_len, config=config,
+                        interpret=interpret)

@@ -65,20 +65,39 @@ def _round_up(n: int, m: int) -> int:
 
 # ----------------------------------------------------------------------------------- scores
 
-def _score_kernel(first_ref, last_ref, len_ref, q_ref, w_ref, pos_ref, start_ref, k_ref, s_ref, *,
-                  block_q, heads, block_t, n_qblocks, precision):
-    b, qb, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+def _tile_of(key, block_t: int, page_size: int | None):
+    """The score tile holding key (int or int32 array): key // block_t, or for paged keys
+    (tiles of block_t inside pages of page_size, ceil(P / block_t) per page) page * tiles
+    per page + tile in the page. Monotone in key; key -1 is in tile -1."""
+    if page_size is None:
+        return key // block_t
+    return (key // page_size) * -(-page_size // block_t) + (key % page_size) // block_t
+
+
+def _score_kernel(first_ref, last_ref, len_ref, *refs, block_q, heads, block_t, n_qblocks, precision,
+                  page_size):
+    """Grid (b, query block, key tile), or for paged keys (b, query block, page j, tile i in
+    the page); refs: (q, w, pos, start, k, scores), after the paged scalars (page table, slot)."""
+    q_ref, w_ref, pos_ref, start_ref, k_ref, s_ref = refs[-6:]
+    b, qb = pl.program_id(0), pl.program_id(1)
+    lane = lax.broadcasted_iota(jnp.int32, (block_q, block_t), 1)
+    if page_size is None:
+        t = pl.program_id(2)
+        key, in_page = t * block_t + lane, True
+    else:
+        j, i = pl.program_id(2), pl.program_id(3)
+        t = j * pl.num_programs(3) + i
+        key, in_page = j * page_size + i * block_t + lane, i * block_t + lane < page_size
     block = b * n_qblocks + qb
     needed = (t >= first_ref[block]) & (t <= last_ref[block])
 
     @pl.when(needed)
     def _():
-        logits = lax.dot_general(q_ref[...], k_ref[...], (((1,), (1,)), ((), ())),
+        logits = lax.dot_general(q_ref[...], k_ref[...].astype(q_ref.dtype), (((1,), (1,)), ((), ())),
                                  precision=precision, preferred_element_type=jnp.float32)
         weighted = jnp.maximum(logits, 0.0) * w_ref[...]                 # [M, block_t]
         s = jnp.sum(weighted.reshape(block_q, heads, block_t), axis=1)  # [block_q, block_t]
-        key = t * block_t + lax.broadcasted_iota(jnp.int32, (block_q, block_t), 1)
-        valid = (key <= pos_ref[...]) & (key < len_ref[b]) & (key >= start_ref[...])
+        valid = in_page & (key <= pos_ref[...]) & (key < len_ref[b]) & (key >= start_ref[...])
         s_ref[...] = jnp.where(valid, jnp.where(s == 0.0, 0.0, s), -jnp.inf)
 
     @pl.when(~needed)
@@ -86,57 +105,121 @@ def _score_kernel(first_ref, last_ref, len_ref, q_ref, w_ref, pos_ref, start_ref
         s_ref[...] = jnp.full(s_ref.shape, -jnp.inf, jnp.float32)
 
 
-def scores(q, k, weights, *, q_pos, kv_len, kv_start=None, config: IndexerTpuConfig = IndexerTpuConfig(),
-           interpret: bool = False):
-    """q [B, S, H, D], k [B, T, D], weights f32 [B, S, H], q_pos int32 [B, S], kv_len int32 [B],
-    kv_start int32 [B, S] or None -> scores f32 [B, S, T], -inf where masked."""
+def _query_layout(q, weights, q_pos, kv_start, kv_len, block_t: int, page_size: int | None):
+    """Queries padded to whole blocks (heads to a multiple of 8) and the first / last key tile
+    each query block may see (`_tile_of`; for skipping and index clamping)
+    -> (q [B, Sp*Hp, D], w [B, Sp*Hp, 1], pos, start [B, Sp, 1], first, last int32 [B * blocks],
+        block_q, Hp)."""
     batch, seq_len, heads, dim = q.shape
-    block_t = config.block_t
-    num_keys = k.shape[1]
     bq = seq_len if seq_len <= BLOCK_Q else BLOCK_Q
     sp = _round_up(seq_len, bq)
     hp = _round_up(heads, 8)
-    tp = _round_up(max(num_keys, 1), block_t)
-    n_qb, n_t = sp // bq, tp // block_t
+    n_qb = sp // bq
     q = pad_axis(pad_axis(q, 2, hp), 1, sp).reshape(batch, sp * hp, dim)
     w = pad_axis(pad_axis(weights.astype(jnp.float32), 2, hp), 1, sp).reshape(batch, sp * hp, 1)
     pos = pad_axis(jnp.asarray(q_pos, jnp.int32), 1, sp, -1)
     start = pad_axis(start_or_zero(kv_start, q_pos), 1, sp, 0)
-    kv_len = jnp.asarray(kv_len, jnp.int32)
-    k = pad_axis(k, 1, tp)
-    # The first and last key tiles each query block may see, for skipping and index clamping.
     seen = jnp.minimum(pos.reshape(batch, n_qb, bq).max(axis=2) + 1, kv_len[:, None])
-    last = ((seen + block_t - 1) // block_t - 1).reshape(-1).astype(jnp.int32)
-    first = (start.reshape(batch, n_qb, bq).min(axis=2) // block_t).reshape(-1).astype(jnp.int32)
+    last = _tile_of(seen - 1, block_t, page_size).reshape(-1).astype(jnp.int32)
+    first = _tile_of(start.reshape(batch, n_qb, bq).min(axis=2), block_t, page_size).reshape(-1).astype(jnp.int32)
+    return q, w, pos[..., None], start[..., None], first, last, bq, hp
+
+
+def _score_call(kernel, grid, scalars, q, w, pos, start, k, k_spec, out_shape, out_spec, *, block_q, interpret):
+    """The score pallas_call: scalars prefetched, the query block's rows (block_q queries x
+    heads) of q, w, pos and start, the key tile k_spec -> out_shape in out_spec blocks."""
+    rows = q.shape[1] // pos.shape[1] * block_q
+    return pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=len(scalars),
+            grid=grid,
+            in_specs=[
+                pl.BlockSpec((None, rows, q.shape[-1]), lambda b, qb, *_: (b, qb, 0)),
+                pl.BlockSpec((None, rows, 1), lambda b, qb, *_: (b, qb, 0)),
+                pl.BlockSpec((None, block_q, 1), lambda b, qb, *_: (b, qb, 0)),
+                pl.BlockSpec((None, block_q, 1), lambda b, qb, *_: (b, qb, 0)),
+                k_spec,
+            ],
+            out_specs=out_spec,
+        ),
+        out_shape=out_shape,
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel") + ("arbitrary",) * (len(grid) - 2)),
+        interpret=tpu_interpret(interpret),
+        name="indexer_scores" if len(grid) == 3 else "paged_indexer_scores",
+    )(*scalars, q, w, pos, start, k)
+
+
+def scores(q, k, weights, *, q_pos, kv_len, kv_start=None, config: IndexerTpuConfig = IndexerTpuConfig(),
+           interpret: bool = False):
+    """q [B, S, H, D], k [B, T, D], weights f32 [B, S, H], q_pos int32 [B, S], kv_len int32 [B],
+    kv_start int32 [B, S] or None -> scores f32 [B, S, T], -inf where masked."""
+    batch, seq_len, _, dim = q.shape
+    block_t = config.block_t
+    num_keys = k.shape[1]
+    kv_len = jnp.asarray(kv_len, jnp.int32)
+    q, w, pos, start, first, last, bq, hp = _query_layout(q, weights, q_pos, kv_start, kv_len, block_t, None)
+    sp = pos.shape[1]
+    tp = _round_up(max(num_keys, 1), block_t)
+    n_qb, n_t = sp // bq, tp // block_t
+    k = pad_axis(k, 1, tp)
 
     def clamp(b, qb, t, first_ref, last_ref):
         block = b * n_qb + qb
         return jnp.clip(jnp.minimum(jnp.maximum(t, first_ref[block]), last_ref[block]), 0, n_t - 1)
 
-    precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
-    kernel = functools.partial(_score_kernel, block_q=bq, heads=hp, block_t=block_t,
-                               n_qblocks=n_qb, precision=precision)
-    out = pl.pallas_call(
-        kernel,
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=3,
-            grid=(batch, n_qb, n_t),
-            in_specs=[
-                pl.BlockSpec((None, bq * hp, dim), lambda b, qb, t, *_: (b, qb, 0)),
-                pl.BlockSpec((None, bq * hp, 1), lambda b, qb, t, *_: (b, qb, 0)),
-                pl.BlockSpec((None, bq, 1), lambda b, qb, t, *_: (b, qb, 0)),
-                pl.BlockSpec((None, bq, 1), lambda b, qb, t, *_: (b, qb, 0)),
-                pl.BlockSpec((None, block_t, dim),
-                             lambda b, qb, t, first, last, n: (b, clamp(b, qb, t, first, last), 0)),
-            ],
-            out_specs=pl.BlockSpec((None, bq, block_t), lambda b, qb, t, *_: (b, qb, t)),
-        ),
-        out_shape=jax.ShapeDtypeStruct((batch, sp, tp), jnp.float32),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
-        interpret=tpu_interpret(interpret),
-        name="indexer_scores",
-    )(first, last, kv_len, q, w, pos[..., None], start[..., None], k)
+    kernel = functools.partial(_score_kernel, block_q=bq, heads=hp, block_t=block_t, n_qblocks=n_qb,
+                               precision=_precision(q), page_size=None)
+    out = _score_call(
+        kernel, (batch, n_qb, n_t), (first, last, kv_len), q, w, pos, start, k,
+        pl.BlockSpec((None, block_t, dim), lambda b, qb, t, first, last, n: (b, clamp(b, qb, t, first, last), 0)),
+        jax.ShapeDtypeStruct((batch, sp, tp), jnp.float32),
+        pl.BlockSpec((None, bq, block_t), lambda b, qb, t, *_: (b, qb, t)), block_q=bq, interpret=interpret)
     return out[:, :seq_len, :num_keys]
+
+
+def paged_scores(q, k_pages, page_table, slot, weights, *, q_pos, kv_len, kv_start=None,
+                 config: IndexerTpuConfig = IndexerTpuConfig(), interpret: bool = False):
+    """`scores` of the keys of a paged store, fetched tile by tile through the page table (no
+    copy of the keys): k_pages [slots, pages, P, D], page_table int32 [B, n], slot int32 scalar
+    -> f32 [B, S, n * P].
+
+    The page table (flattened) and the slot are scalar-prefetched into SMEM and the key tile's
+    index map reads them: grid (b, query block, page j, tile i of block_t keys in the page; a
+    page of P <= block_t keys is one tile), clamped to the tiles the block may see like
+    `scores`. SMEM holds B * n page ids. The scores come out page-major ([B, n, S, P]; a
+    block's last two dims must be whole or (8, 128)-aligned) and are moved to [B, S, n * P]
+    in XLA (a bitcast for one query)."""
+    batch, seq_len, _, dim = q.shape
+    page_size, n = k_pages.shape[2], page_table.shape[1]
+    block_t = min(config.block_t, page_size)
+    per_page = -(-page_size // block_t)
+    kv_len = jnp.asarray(kv_len, jnp.int32)
+    q, w, pos, start, first, last, bq, hp = _query_layout(q, weights, q_pos, kv_start, kv_len, block_t, page_size)
+    sp = pos.shape[1]
+    n_qb = sp // bq
+
+    def key_block(b, qb, j, i, first_ref, last_ref, len_ref, pages_ref, slot_ref):
+        block = b * n_qb + qb
+        tile = jnp.clip(jnp.minimum(jnp.maximum(j * per_page + i, first_ref[block]), last_ref[block]),
+                        0, n * per_page - 1)
+        return slot_ref[0], pages_ref[b * n + tile // per_page], tile % per_page, 0
+
+    kernel = functools.partial(_score_kernel, block_q=bq, heads=hp, block_t=block_t, n_qblocks=n_qb,
+                               precision=_precision(q), page_size=page_size)
+    scalars = (first, last, kv_len, page_table.reshape(-1), jnp.reshape(jnp.asarray(slot, jnp.int32), (1,)))
+    out = _score_call(
+        kernel, (batch, n_qb, n, per_page), scalars, q, w, pos, start, k_pages,
+        pl.BlockSpec((None, None, block_t, dim), key_block),
+        jax.ShapeDtypeStruct((batch, n, sp, per_page * block_t), jnp.float32),
+        pl.BlockSpec((None, None, bq, block_t), lambda b, qb, j, i, *_: (b, j, qb, i)), block_q=bq,
+        interpret=interpret)
+    return jnp.moveaxis(out[:, :, :seq_len, :page_size], 1, 2).reshape(batch, seq_len, n * page_size)
+
+
+def _precision(q):
+    return lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
 
 
 # -------------------------------------------------------------------------------- counting
@@ -188,9 +271,23 @@ def indexer_topk(q, k, weights, *, topk, q_pos, kv_len, kv_start=None,
                  config: IndexerTpuConfig = IndexerTpuConfig(), interpret: bool = False):
     """Contract of `pallas_kernels.indexer_topk`: scores kernel, then threshold selection, over
     chunks of `config.q_chunk` queries (`pallas_ops.topk`)."""
-    batch, seq_len = q.shape[:2]
-    chunk = pallas_ops.query_chunk(batch, seq_len, k.shape[1], BLOCK_Q, config.q_chunk)
-    return pallas_ops.topk(q, k, weights, topk=topk, q_pos=q_pos, kv_len=kv_len, kv_start=kv_start,
-                           scores_fn=functools.partial(scores, config=config, interpret=interpret),
+    scores_fn = lambda q_c, w_c, **kw: scores(q_c, k, w_c, kv_len=kv_len, **kw)
+    return _topk(q, weights, scores_fn, k.shape[1], topk=topk, q_pos=q_pos, kv_start=kv_start, config=config,
+                 interpret=interpret)
+
+
+def paged_indexer_topk(q, k_pages, page_table, weights, *, topk, q_pos, kv_len, slot,
+                       config: IndexerTpuConfig = IndexerTpuConfig(), interpret: bool = False):
+    """Contract of `pallas_kernels.paged_indexer_topk`: `indexer_topk` with the paged score
+    kernel (`paged_scores`: key tiles fetched through the scalar-prefetched page table)."""
+    scores_fn = lambda q_c, w_c, **kw: paged_scores(q_c, k_pages, page_table, slot, w_c, kv_len=kv_len, **kw)
+    return _topk(q, weights, scores_fn, page_table.shape[1] * k_pages.shape[2], topk=topk, q_pos=q_pos,
+                 kv_start=None, config=config, interpret=interpret)
+
+
+def _topk(q, weights, scores_fn, num_keys: int, *, topk, q_pos, kv_start, config: IndexerTpuConfig, interpret):
+    chunk = pallas_ops.query_chunk(q.shape[0], q.shape[1], num_keys, BLOCK_Q, config.q_chunk)
+    return pallas_ops.topk(q, weights, topk=topk, q_pos=q_pos, kv_start=kv_start, num_keys=num_keys,
+                           scores_fn=functools.partial(scores_fn, config=config, interpret=interpret),
                            select_fn=functools.partial(select_topk, config=config, interpret=interpret),
                            q_chunk=chunk)

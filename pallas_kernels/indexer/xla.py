@@ -12,6 +12,7 @@ from jax import lax
 
 from pallas_kernels._common import (XlaConfig, check_topk, choose_q_chunk, key_mask, map_query_chunks,
                                     normalize_zero, pad_topk, start_or_zero)
+from pallas_kernels.paging import read_pages
 
 _INT32_MAX = jnp.iinfo(jnp.int32).max
 
@@ -108,3 +109,16 @@ def indexer_topk(q: jax.Array, k: jax.Array, weights: jax.Array, *, topk: int, q
     args = (q, weights, jnp.asarray(q_pos, jnp.int32), start_or_zero(kv_start, q_pos))
     out = map_query_chunks(body, args, (0, 0, -1, 0), chunk)
     return pad_topk(out, topk)
+
+
+def paged_indexer_topk(q: jax.Array, k_pages: jax.Array, page_table: jax.Array, weights: jax.Array, *,
+                       topk: int, q_pos: jax.Array, kv_len: jax.Array, slot, config: XlaConfig = XlaConfig(),
+                       interpret: bool = False) -> jax.Array:
+    """`indexer_topk` of every key of slot `slot` read through the page table
+    (`paging.read_pages`, cast to q's dtype): the baseline of the paged form (XLA gathers the pages into a copy).
+
+    q [B, S, H, D], k_pages [slots, pages, P, D], page_table int32 [B, n], weights f32 [B, S, H],
+    q_pos int32 [B, S], kv_len int32 [B] -> int32 [B, S, topk]."""
+    keys = read_pages(k_pages, slot, page_table).astype(q.dtype)
+    return indexer_topk(q, keys, weights, topk=topk, q_pos=q_pos, kv_len=kv_len, config=config,
+                        interpret=interpret)

@@ -1,0 +1,106 @@
+"""The paged decode kernels (`paged_indexer_topk`, `paged_sparse_mla`): their configs' knobs in
+interpret mode, and compilation for real chips. Their contract with the default configs is
+tested with every implementation's in test_kernel_contract.py.
+
+Knobs: TPU key tiles smaller than a page, with a partial last tile in each page; GPU key tiles
+inside one page (a scalar page id per tile); GPU sparse MLA with head groups and K splits. The
+TPU kernels are compiled ahead of time for v5p (needs libtpu) and the GPU kernels lowered to
+Triton for an H200 (no GPU needed), at GLM-5.2's decode shapes over a paged store.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+import pallas_kernels as pk
+from conftest import tpu_compile_mesh
+from kernel_contract import check_paged_sparse_mla, check_paged_topk, int_inputs, positions, sparse_inputs
+from pallas_kernels.attention import gpu as mla_gpu, tpu as mla_tpu
+from pallas_kernels.indexer import gpu as indexer_gpu, tpu as indexer_tpu
+
+TOPK_CASES = [  # (impl, page size, config)
+    ("pallas_tpu", 192, pk.IndexerTpuConfig(block_t=128)),                       # 2 tiles a page, the 2nd partial
+    ("pallas_gpu", 128, pk.IndexerGpuConfig(block_t=64, tiles_per_program=3)),   # tiles inside pages
+]
+
+
+@pytest.mark.parametrize("impl,page_size,config", TOPK_CASES)
+def test_paged_topk_configs(impl, page_size, config):
+    rng = np.random.default_rng(page_size)
+    q, k, w = int_inputs(rng, 2, 2, 500, 4, 16)
+    q_pos, kv_len = positions(rng, 2, 2, 500, "offset")
+    check_paged_topk(impl, q, k, w, page_size=page_size, topk=24, q_pos=q_pos, kv_len=kv_len, config=config)
+
+
+def test_paged_sparse_mla_gpu_head_groups_and_splits():
+    q, kv, idx = sparse_inputs(9, B=2, S=1, T=60, K=40, H=20, Dk=80)       # 20 heads: 32 padded, 2 groups
+    check_paged_sparse_mla("pallas_gpu", q, kv, idx, page_size=8, sm_scale=0.125, v_dim=64,
+                           config=pk.SparseMLAGpuConfig(block_k=16, num_splits=2, head_group=16))
+    assert mla_gpu.default_head_group(64, 64) == 16 and mla_gpu.default_head_group(128, 64) == 32
+    assert mla_gpu.default_head_group(4096, 64) == 64 and mla_gpu.default_head_group(1, 8) == 16
+
+
+# ----------------------------------------------------------------------------- compilation
+
+B, H, DK, V, K, PAGE, PAGES = 4, 64, 576, 512, 2048, 64, 128        # 8K rows a sequence
+
+
+def _mla_args(sharding=None):
+    kw = {} if sharding is None else {"sharding": sharding}
+    return (jax.ShapeDtypeStruct((B, 1, H, DK), jnp.bfloat16, **kw),
+            jax.ShapeDtypeStruct((3, B * PAGES + 1, PAGE, DK), jnp.bfloat16, **kw),
+            jax.ShapeDtypeStruct((B, PAGES), jnp.int32, **kw),
+            jax.ShapeDtypeStruct((B, 1, K), jnp.int32, **kw),
+            jax.ShapeDtypeStruct((), jnp.int32, **kw))
+
+
+def _topk_args(sharding=None):
+    kw = {} if sharding is None else {"sharding": sharding}
+    return (jax.ShapeDtypeStruct((B, 1, 32, 128), jnp.bfloat16, **kw),
+            jax.ShapeDtypeStruct((2, B * PAGES + 1, PAGE, 128), jnp.bfloat16, **kw),
+            jax.ShapeDtypeStruct((B, PAGES), jnp.int32, **kw),
+            jax.ShapeDtypeStruct((B, 1, 32), jnp.float32, **kw),
+            jax.ShapeDtypeStruct((B, 1), jnp.int32, **kw),
+            jax.ShapeDtypeStruct((B,), jnp.int32, **kw),
+            jax.ShapeDtypeStruct((), jnp.int32, **kw))
+
+
+def _mla_fn(module):
+    return lambda q, store, table, idx, slot: module.paged_sparse_mla(q, store, table, idx, slot=slot,
+                                                                      sm_scale=0.04, v_dim=V)
+
+
+def _topk_fn(module):
+    return lambda q, store, table, w, p, n, slot: module.paged_indexer_topk(q, store, table, w, topk=K, q_pos=p,
+                                                                            kv_len=n, slot=slot)
+
+
+def _scores_fn(module):
+    return lambda q, store, table, w, p, n, slot: module.paged_scores(q, store, table, slot, w, q_pos=p, kv_len=n)
+
+
+def test_tpu_paged_kernels_compile_ahead_of_time():
+    """The paged kernels (the selection after the scores is compiled in test_indexer_pallas.py)."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    mesh = tpu_compile_mesh("v5p:2x2x1")
+    for fn, args, name in ((_mla_fn(mla_tpu), _mla_args, "paged_sparse_mla_fwd"),
+                           (_scores_fn(indexer_tpu), _topk_args, "paged_indexer_scores")):
+        specs = args()
+        wrapped = jax.shard_map(fn, mesh=mesh, in_specs=(P(),) * len(specs), out_specs=P(), check_vma=False)
+        compiled = jax.jit(wrapped).lower(*args(NamedSharding(mesh, P()))).compile()
+        assert name in compiled.as_text() and compiled.memory_analysis() is not None
+
+
+def test_gpu_paged_kernels_lower_to_triton_for_h200():
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=jax.sharding.AbstractDevice(
+        device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
+    with jax.sharding.use_abstract_mesh(mesh):
+        # sparse MLA: one kernel; the indexer: scores, two counting passes, the compaction
+        for fn, args, calls in ((_mla_fn(mla_gpu), _mla_args(), 1), (_topk_fn(indexer_gpu), _topk_args(), 4)):
+            text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+            assert text.count("xla.gpu.triton") == calls
