@@ -112,6 +112,12 @@ def pad_axis(x: jax.Array, axis: int, size: int, value=0) -> jax.Array:
     return jnp.pad(x, widths, constant_values=value)
 
 
+def pad_slots(indices: jax.Array, unit: int) -> jax.Array:
+    """int32 [..., K] -> [..., Kp], Kp the next multiple of unit, the new slots -1."""
+    k = indices.shape[-1]
+    return pad_axis(jnp.asarray(indices, jnp.int32), indices.ndim - 1, -(-k // unit) * unit, -1)
+
+
 def key_mask(q_pos: jax.Array, kv_len: jax.Array, num_keys: int,
              kv_start: jax.Array | None = None) -> jax.Array:
     """q_pos int [B, S], kv_len int [B], kv_start int [B, S] or None (0) -> bool [B, S, T]:

@@ -49,7 +49,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._common import check_positive_fields
+from pallas_kernels._common import check_positive_fields, pad_slots
 from pallas_kernels.attention import gpu_backward, vjp
 
 #: Rows per loop step of the forward and the backward for 2-byte inputs (halved for 4-byte).
@@ -441,16 +441,6 @@ def _block_and_splits(c: SparseMLAGpuConfig, dtype, topk: int, programs_per_spli
     return bk, int(c.num_splits or default_splits(programs_per_split, topk, bk))
 
 
-def _pad_slots(indices, unit: int):
-    """int32 [B, S, K] -> [B, S, Kp], Kp the next multiple of unit, the new slots -1."""
-    topk = indices.shape[-1]
-    padded = -(-topk // unit) * unit
-    idx = jnp.asarray(indices, jnp.int32)
-    if padded != topk:
-        idx = jnp.pad(idx, ((0, 0), (0, 0), (0, padded - topk)), constant_values=-1)
-    return idx
-
-
 def sparse_mla(q: jax.Array, kv: jax.Array, indices: jax.Array, *, sm_scale: float, v_dim: int,
                return_target: bool = False, config: SparseMLAGpuConfig = SparseMLAGpuConfig(),
                interpret: bool = False):
@@ -472,7 +462,7 @@ def sparse_mla(q: jax.Array, kv: jax.Array, indices: jax.Array, *, sm_scale: flo
     if return_target:
         splits, head_group = 1, None
     bbk = int(c.bwd_block_k or max(16, DEFAULT_BWD_BLOCK_K // max(1, jnp.dtype(kv.dtype).itemsize // 2)))
-    idx = _pad_slots(indices, math.lcm(bk * splits, bbk))
+    idx = pad_slots(indices, math.lcm(bk * splits, bbk))
     dkv_mode = "sorted" if c.dkv_mode == "auto" else c.dkv_mode
     op = _op(float(sm_scale), int(v_dim), bk, splits, head_group, c.num_warps, c.num_stages, bbk,
              c.bwd_num_stages, c.bwd_head_group, dkv_mode, topk if return_target else None, bool(interpret))
@@ -495,7 +485,7 @@ def paged_sparse_mla(q: jax.Array, kv_pages: jax.Array, page_table: jax.Array, i
     group = int(c.head_group or default_head_group(batch * seq_len, heads))
     groups = max(1, max(16, _next_pow2(heads)) // group)
     bk, splits = _block_and_splits(c, kv_pages.dtype, indices.shape[-1], batch * seq_len * groups)
-    idx = _pad_slots(indices, bk * splits)
+    idx = pad_slots(indices, bk * splits)
     slot = jnp.reshape(jnp.asarray(slot, jnp.int32), (1,))
     return _forward(q, kv_pages, idx.reshape(batch * seq_len, -1), sm_scale=float(sm_scale), v_dim=int(v_dim),
                     block_k=bk, splits=splits, num_warps=c.num_warps, num_stages=c.num_stages,

@@ -301,12 +301,8 @@ def backward(q, kv, indices, dout, lse, delta, *, sm_scale, v_dim, tindex=None,
     contrib_dtype = jnp.float32 if wide else kv.dtype
     if block_k is None:
         block_k = DEFAULT_BLOCK_K // 2 if wide else DEFAULT_BLOCK_K
-    if tindex is None:
-        chunk = tr.default_chunk_rows(rows, topk, dk, jnp.dtype(contrib_dtype).itemsize, budget)
-        tindex = tr.transpose_index(indices, num_keys, chunk_rows=chunk)
-    if (tindex.topk, tindex.num_keys) != (topk, num_keys):
-        raise ValueError(f"tindex was built for K={tindex.topk}, T={tindex.num_keys}; "
-                         f"got K={topk}, T={num_keys}")
+    chunk = tr.default_chunk_rows(rows, topk, dk, jnp.dtype(contrib_dtype).itemsize, budget)
+    tindex = tr.checked_or_built(tindex, indices, num_keys, chunk)
     chunk, n = tindex.chunk_rows, tindex.num_chunks
     kp = -(-topk // block_k) * block_k
 

@@ -37,7 +37,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels._common import check_positive_fields, tpu_interpret
+from pallas_kernels._common import check_positive_fields, pad_slots, tpu_interpret
 from pallas_kernels.attention import tpu_backward, tpu_rows, transpose, vjp
 
 #: Rows gathered per grid step of the forward.
@@ -67,15 +67,6 @@ class SparseMLATpuConfig:
             if getattr(self, name) % 8:
                 raise ValueError(f"SparseMLATpuConfig.{name} must be a multiple of 8, "
                                  f"got {getattr(self, name)}")
-
-
-def _pad_indices(indices: jax.Array, block_k: int) -> jax.Array:
-    topk = indices.shape[-1]
-    padded = -(-topk // block_k) * block_k
-    idx = jnp.asarray(indices, jnp.int32)
-    if padded != topk:
-        idx = jnp.pad(idx, ((0, 0), (0, 0), (0, padded - topk)), constant_values=-1)
-    return idx
 
 
 def _block_k(topk: int, block_k: int | None, default: int = DEFAULT_BLOCK_K) -> int:
@@ -223,7 +214,7 @@ def _forward(q, kv, idx, *, sm_scale, v_dim, block_k, interpret, topk=None):
 
 
 def _padded_forward(q, kv, indices, *, block_k, **settings):
-    return _forward(q, kv, _pad_indices(indices, block_k), block_k=block_k, **settings)
+    return _forward(q, kv, pad_slots(indices, block_k), block_k=block_k, **settings)
 
 
 @functools.lru_cache(maxsize=None)
@@ -327,7 +318,7 @@ def paged_sparse_mla(q: jax.Array, kv_pages: jax.Array, page_table: jax.Array, i
     batch, seq_len, heads, dk = q.shape
     page_size, n = kv_pages.shape[2], page_table.shape[1]
     bk = _block_k(indices.shape[-1], config.block_k)
-    idx = _pad_indices(indices, bk)
+    idx = pad_slots(indices, bk)
     topk = idx.shape[-1]
     kernel = functools.partial(_paged_fwd_kernel, sm_scale=float(sm_scale), v_dim=int(v_dim), block_k=bk,
                                page_size=page_size, num_keys=n * page_size)

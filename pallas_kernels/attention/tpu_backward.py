@@ -314,12 +314,7 @@ def backward(q, kv, indices, dout, lse, delta, *, sm_scale, v_dim, tindex=None,
     num_keys = kv.shape[1]
     topk = indices.shape[-1]
     rows = batch * seq_len
-    if tindex is None:
-        chunk = default_chunk_rows(rows, topk, dk, budget)
-        tindex = tr.transpose_index(indices, num_keys, chunk_rows=chunk)
-    if (tindex.topk, tindex.num_keys) != (topk, num_keys):
-        raise ValueError(f"tindex was built for K={tindex.topk}, T={tindex.num_keys}; "
-                         f"got K={topk}, T={num_keys}")
+    tindex = tr.checked_or_built(tindex, indices, num_keys, default_chunk_rows(rows, topk, dk, budget))
     chunk, n = tindex.chunk_rows, tindex.num_chunks
     kp = -(-topk // block_k) * block_k
     per = chunk * topk                                   # pairs per chunk

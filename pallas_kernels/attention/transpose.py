@@ -94,3 +94,15 @@ def transpose_index(indices: jax.Array, num_keys: int, *, chunk_rows: int) -> Tr
     offsets = offsets - chunk * per
     return TransposedIndex(position=position.reshape(n, per), offsets=offsets,
                            chunk_rows=chunk_rows, topk=topk, num_keys=num_keys)
+
+
+def checked_or_built(tindex: TransposedIndex | None, indices: jax.Array, num_keys: int,
+                     chunk_rows: int) -> TransposedIndex:
+    """A backward's transposed index: `tindex` when given (refused if built for another K or T),
+    else built from indices int32 [B, S, K] with chunks of `chunk_rows` queries."""
+    if tindex is None:
+        return transpose_index(indices, num_keys, chunk_rows=chunk_rows)
+    if (tindex.topk, tindex.num_keys) != (indices.shape[-1], num_keys):
+        raise ValueError(f"tindex was built for K={tindex.topk}, T={tindex.num_keys}; "
+                         f"got K={indices.shape[-1]}, T={num_keys}")
+    return tindex
