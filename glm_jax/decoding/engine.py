@@ -384,3 +384,24 @@ def _merged(events: list[Event]) -> list[Event]:
         else:
             out[e.request_id] = Event(e.request_id, list(e.tokens), e.finished, e.error)
     return list(out.values())
+
+
+def serve_prompts(model, prompts: list[np.ndarray], *, max_batch: int, max_new_tokens: int,
+                  max_len: int | None = None, sampling: SamplingParams = GREEDY, seed: int = 0,
+                  stop_token: int | None = None, prefill_chunk: int = 256, page_size: int = 16,
+                  kernels: ops.KernelChoice = ops.KernelChoice(), mesh=None,
+                  collective: str = "permute") -> tuple[list[Result], ServingEngine]:
+    """Decode `prompts` (int32 [P_i] each) as concurrent requests, `max_batch` at a time, through
+    a ServingEngine whose pool holds every slot's longest sequence (no request waits for pages)
+    -> (one Result per prompt, the engine). Prompt i samples with seed + i."""
+    if max_batch < 1:
+        raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+    shards = 1 if mesh is None else mesh.shape.get("data", 1)
+    longest = max(len(p) for p in prompts) + max_new_tokens
+    per_shard = -(-max_batch // shards) * -(-longest // page_size) + 1
+    engine = ServingEngine(model, slots=max_batch, num_pages=shards * per_shard, page_size=page_size,
+                           max_context=max_len or model.cfg.max_position_embeddings, prefill_chunk=prefill_chunk,
+                           kernels=kernels, mesh=mesh, collective=collective)
+    requests = [Request(np.asarray(p, np.int32), max_new_tokens, sampling, stop_token, seed + i)
+                for i, p in enumerate(prompts)]
+    return engine.serve(requests), engine
