@@ -91,6 +91,7 @@ class StepTime:
     context: int          # longest sequence among the decoding slots before the step
     host_s: float         # the step's host work: wall time minus the time blocked on the device
     step_s: float         # the step's wall time (with overlap, about one device step)
+    rows: int = 0         # slots that drew a token in the step
 
 
 @dataclasses.dataclass(eq=False)
@@ -181,7 +182,7 @@ class ServingEngine(GeneratorBase):
         self._in_flight = launched
         if launched is not None:
             wall = time.perf_counter() - t0
-            self.step_times.append(StepTime(context, wall - self._waited, wall))
+            self.step_times.append(StepTime(context, wall - self._waited, wall, len(launched[1])))
         events, self._events = self._events, []
         return _merged(events)
 
