@@ -160,12 +160,15 @@ def _decode(args) -> int:
 
 def _decode_with_engine(args, model, tok, prompts, ids, params, stop, placement) -> int:
     """--max-batch N: every prompt a request of the serving engine, N decoding at a time."""
-    from glm_jax.decoding.engine import serve_prompts
+    from glm_jax.decoding.engine import Request, engine_for_prompts
 
     t0 = time.perf_counter()
-    results, engine = serve_prompts(model, ids, max_batch=args.max_batch, max_new_tokens=args.max_new_tokens,
-                                    max_len=args.max_len, sampling=params, seed=args.seed, stop_token=stop,
-                                    prefill_chunk=args.prefill_chunk, **placement)
+    with cli.user_errors():
+        engine = engine_for_prompts(model, ids, max_batch=args.max_batch, max_new_tokens=args.max_new_tokens,
+                                    max_len=args.max_len, prefill_chunk=args.prefill_chunk, **placement)
+    # Each prompt its own sampling stream (seed + i): its text does not depend on its batch companions.
+    results = engine.serve([Request(row, args.max_new_tokens, params, stop, args.seed + i)
+                            for i, row in enumerate(ids)])
     for i, r in enumerate(results):
         if r.error is not None:
             raise cli.UserError(f"prompt {i}: {r.error}")

@@ -189,14 +189,17 @@ class ServingEngine(GeneratorBase):
     def serve(self, requests: list[Request], *, sampling: SamplingParams | None = None, seed: int = 0,
               stop_token: int | None = None) -> list[Result]:
         """Run `requests` to the end -> one Result each, in order. `sampling` / `stop_token`, when
-        given, replace every request's own; `seed` is added to every request's seed."""
+        given, replace every request's own; `seed` is added to every request's seed. It steps
+        the engine until idle: events of requests submitted elsewhere are dropped."""
         ids = [self.submit(dataclasses.replace(
             r, sampling=r.sampling if sampling is None else sampling, seed=r.seed + seed,
             stop_token=r.stop_token if stop_token is None else stop_token)) for r in requests]
         results = {i: Result(tokens=[]) for i in ids}
         while self.has_work():
             for event in self.step():
-                result = results[event.request_id]
+                result = results.get(event.request_id)
+                if result is None:                  # a request submitted outside this call
+                    continue
                 if event.error is not None:
                     result.tokens, result.error = None, event.error
                 else:
@@ -387,22 +390,17 @@ def _merged(events: list[Event]) -> list[Event]:
     return list(out.values())
 
 
-def serve_prompts(model, prompts: list[np.ndarray], *, max_batch: int, max_new_tokens: int,
-                  max_len: int | None = None, sampling: SamplingParams = GREEDY, seed: int = 0,
-                  stop_token: int | None = None, prefill_chunk: int = 256, page_size: int = 16,
-                  kernels: ops.KernelChoice = ops.KernelChoice(), mesh=None,
-                  collective: str = "permute") -> tuple[list[Result], ServingEngine]:
-    """Decode `prompts` (int32 [P_i] each) as concurrent requests, `max_batch` at a time, through
-    a ServingEngine whose pool holds every slot's longest sequence (no request waits for pages)
-    -> (one Result per prompt, the engine). Prompt i samples with seed + i."""
+def engine_for_prompts(model, prompts: list[np.ndarray], *, max_batch: int, max_new_tokens: int,
+                       max_len: int | None = None, prefill_chunk: int = 256, page_size: int = 16,
+                       kernels: ops.KernelChoice = ops.KernelChoice(), mesh=None,
+                       collective: str = "permute") -> ServingEngine:
+    """A ServingEngine of `max_batch` slots for `prompts` (int32 [P_i] each) and max_new_tokens,
+    its pool big enough for every slot's longest sequence (no request waits for pages)."""
     if max_batch < 1:
         raise ValueError(f"max_batch must be >= 1, got {max_batch}")
     shards = 1 if mesh is None else mesh.shape.get("data", 1)
     longest = max(len(p) for p in prompts) + max_new_tokens
     per_shard = -(-max_batch // shards) * -(-longest // page_size) + 1
-    engine = ServingEngine(model, slots=max_batch, num_pages=shards * per_shard, page_size=page_size,
-                           max_context=max_len or model.cfg.max_position_embeddings, prefill_chunk=prefill_chunk,
-                           kernels=kernels, mesh=mesh, collective=collective)
-    requests = [Request(np.asarray(p, np.int32), max_new_tokens, sampling, stop_token, seed + i)
-                for i, p in enumerate(prompts)]
-    return engine.serve(requests), engine
+    return ServingEngine(model, slots=max_batch, num_pages=shards * per_shard, page_size=page_size,
+                         max_context=max_len or model.cfg.max_position_embeddings, prefill_chunk=prefill_chunk,
+                         kernels=kernels, mesh=mesh, collective=collective)
