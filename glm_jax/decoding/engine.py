@@ -133,7 +133,9 @@ class ServingEngine(GeneratorBase):
         self.width = self.pool.pages_for(max_context + prefill_chunk)
         cache = self.pool.create_cache(slots, self.width, self.split)
         self.cache = cache if mesh is None else shard_cache(cache, mesh)
-        self.slot_state = self.put_replicated(empty_slots(slots, self.cfg.vocab_size))
+        # Rows split over `data` as the programs return them (the same placement on every call).
+        self.slot_state = jax.tree.map(lambda x: self.put(np.asarray(x), ("batch",) + (None,) * (x.ndim - 1)),
+                                       empty_slots(slots, self.cfg.vocab_size))
         self.params = tuple(jax.tree.leaves(self.state))
         self.programs = engine_programs(self.graphdef, jax.tree.structure(self.state), kernels, shards)
         self.step_times: list[StepTime] = []
