@@ -107,7 +107,8 @@ def test_request_that_can_never_fit_fails_alone(model, reference):
     run = Driver(engine)
     run.run()
     errors = {e.request_id: e.error for _, e in run.log if e.error}
-    assert "exceeds the context of 120 tokens" in errors[too_long]
+    assert "exceeds the context of 120 tokens" in errors[too_long] and "17 pages" in errors[too_long]
+    assert "MiB of KV cache" in errors[too_long]
     assert "needs 13 pages" in errors[too_big] and "MiB" in errors[too_big] and "whole pool" in errors[too_big]
     assert "empty" in errors[empty] and "token ids must be in [0, 97)" in errors[bad_id]
     assert all(e.finished and not e.tokens for _, e in run.log if e.error)

@@ -98,12 +98,17 @@ class PagePool:
         """Pages one request can hold at most: a data shard's pages minus its scratch page."""
         return self.num_pages // self.data_shards - 1
 
+    def memory_for(self, tokens: int) -> str:
+        """What `tokens` rows take, in words: "N pages of P tokens for T tokens = X MiB of KV cache"."""
+        need = self.pages_for(tokens)
+        return (f"{need} pages of {self.page_size} tokens for {tokens} tokens = {_mib(need * self.bytes_per_page)} "
+                "of KV cache")
+
     def _shortage(self, request, tokens: int, shard: int | None) -> str:
         need = self.pages_for(tokens)
         free = self.usable_pages if shard is None else len(self.free[shard])
         what = "the whole pool" if need > self.usable_pages else "what is free now"
-        return (f"request {request!r} needs {need} pages of {self.page_size} tokens for {tokens} tokens = "
-                f"{_mib(need * self.bytes_per_page)} of KV cache, more than {what}: {free} free of "
+        return (f"request {request!r} needs {self.memory_for(tokens)}, more than {what}: {free} free of "
                 f"{self.usable_pages} usable pages ({_mib(free * self.bytes_per_page)} free); shorten the "
                 "request or give the pool more pages")
 

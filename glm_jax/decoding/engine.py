@@ -58,7 +58,7 @@ import numpy as np
 from glm_jax import ops
 from glm_jax.cache import CacheFullError, PagePool, shard_cache
 from glm_jax.decoding.engine_programs import empty_slots, engine_programs
-from glm_jax.decoding.generate import GeneratorBase
+from glm_jax.decoding.generate import ContextTooLongError, GeneratorBase
 from glm_jax.decoding.sampling import GREEDY, SamplingParams
 from glm_jax.multihost import to_host
 
@@ -221,8 +221,12 @@ class ServingEngine(GeneratorBase):
             raise ValueError(f"request {rid}: max_new_tokens must be an integer >= 1, got {request.max_new_tokens!r}")
         if not isinstance(request.sampling, SamplingParams):
             raise TypeError(f"request {rid}: sampling must be a SamplingParams, got {type(request.sampling).__name__}")
-        self.check_fits(len(prompt), int(request.max_new_tokens))
-        self.pool.check_fits_ever(rid, len(prompt) + int(request.max_new_tokens))
+        rows = len(prompt) + int(request.max_new_tokens)
+        try:
+            self.check_fits(len(prompt), int(request.max_new_tokens))
+        except ContextTooLongError as e:
+            raise ContextTooLongError(f"request {rid}: {e} (it would need {self.pool.memory_for(rows)})") from None
+        self.pool.check_fits_ever(rid, rows)
         return prompt.astype(np.int32)
 
     def _shard(self, slot: int) -> int:
