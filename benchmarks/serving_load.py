@@ -201,6 +201,8 @@ def main() -> None:
     ap.add_argument("--prefill-chunk", type=int, default=None, help="default 2048; smoke 64")
     ap.add_argument("--pool-contexts", type=float, default=2.0,
                     help="pool size in max-context sequences (at least 1: the longest request must fit)")
+    ap.add_argument("--patterns", nargs="+", default=["IndexShare", "all Full"], choices=["IndexShare", "all Full"],
+                    help="layer patterns to serve (default both)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", required=True, help="write the rows here (JSON)")
     args = ap.parse_args()
@@ -224,7 +226,8 @@ def main() -> None:
     from glm_jax.model import GLMModel
 
     print(f"device {jax.devices()[0].device_kind}; {requests} requests at {rate}/s, {new_tokens} new tokens each, "
-          f"{slots} slots, pages of {args.page_size}, prefill chunk {chunk}, pool {args.pool_contexts} x max context")
+          f"{slots} slots, pages of {args.page_size}, prefill chunk {chunk}, pool {args.pool_contexts} x max context; "
+          f"patterns {', '.join(f'{n} {PATTERNS[n]}' for n in args.patterns)}")
     print("| max context | pattern | server | tokens/s | ceiling tokens/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | "
           "host ms/step |")
     print("|---|---|---|---|---|---|---|---|")
@@ -232,8 +235,8 @@ def main() -> None:
     for context in contexts:
         arrivals = workload(np.random.default_rng([args.seed, context]), requests=requests, rate=rate,
                             context=context, new_tokens=new_tokens, vocab=model_config(PATTERNS["IndexShare"], smoke).vocab_size)
-        for pattern_name, pattern in PATTERNS.items():
-            model = GLMModel(model_config(pattern, smoke), rngs=nnx.Rngs(0))
+        for pattern_name in args.patterns:
+            model = GLMModel(model_config(PATTERNS[pattern_name], smoke), rngs=nnx.Rngs(0))
             pages = int(args.pool_contexts * context) // args.page_size + 2
             shape = dict(slots=slots, num_pages=pages, page_size=args.page_size, max_context=context,
                          prefill_chunk=chunk)
