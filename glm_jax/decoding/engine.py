@@ -122,6 +122,13 @@ class _Run:
 
 
 class ServingEngine(GeneratorBase):
+    """Continuous batching over a page pool (see the module docstring).
+
+    slots: sequences decoded together; num_pages x page_size: the pool (page 0 of each data
+    shard is scratch); max_context: the longest prompt + max_new_tokens of one request;
+    prefill_chunk: prompt tokens per prefill call; kernels / mesh / collective as for the
+    Generator (slots split over the mesh's `data` axis, pages too)."""
+
     def __init__(self, model, *, slots: int, num_pages: int, page_size: int, max_context: int,
                  prefill_chunk: int = 64, kernels: ops.KernelChoice = ops.KernelChoice(), mesh=None,
                  collective: str = "permute"):
