@@ -60,7 +60,9 @@ def loss_curve_chart(rows: list[dict]) -> Chart:
 
 
 def serving_load_chart(rows: list[dict]) -> Chart:
-    """Rows of benchmarks/serving_load.py --out -> throughput vs max context, per server and pattern."""
+    """Rows of benchmarks/serving_load.py --out -> throughput vs max context, per server and pattern
+    (rows of a server that failed are left out)."""
+    rows = [r for r in rows if "error" not in r]
     series = {f"{server}, {pattern}": _series(rows, "context", {"server": server, "pattern": pattern}, "throughput")
               for server in ("continuous", "static waves") for pattern in ("IndexShare", "all Full")}
     return Chart(series, "Serving under Poisson load, 8-layer GLM-5.2-attention model", "max context (tokens)",

@@ -22,7 +22,8 @@ Per run: throughput (new tokens / time from the first arrival to the last token)
 first token and inter-token latency (p50 / p99, as a client sees tokens arrive), host ms per
 decode step (median), and the ceiling: `slots` tokens per median full-batch decode step of the
 continuous run (n/a when no step had every slot decoding). Programs are compiled before the
-clock starts.
+clock starts. A server that fails at a context (e.g. out of device memory) gets a row with its
+error, and the run goes on.
 """
 
 from __future__ import annotations
@@ -233,25 +234,33 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     rows = []
     for context in contexts:
+        vocab = model_config(PATTERNS["IndexShare"], smoke).vocab_size
         arrivals = workload(np.random.default_rng([args.seed, context]), requests=requests, rate=rate,
-                            context=context, new_tokens=new_tokens, vocab=model_config(PATTERNS["IndexShare"], smoke).vocab_size)
+                            context=context, new_tokens=new_tokens, vocab=vocab)
         for pattern_name in args.patterns:
             model = GLMModel(model_config(PATTERNS[pattern_name], smoke), rngs=nnx.Rngs(0))
             pages = int(args.pool_contexts * context) // args.page_size + 2
             shape = dict(slots=slots, num_pages=pages, page_size=args.page_size, max_context=context,
                          prefill_chunk=chunk)
             warm = [dataclasses.replace(arrivals[0], at=0.0, new_tokens=2)]
-            engine, server = ServingEngine(model, **shape), WaveServer(model, **shape)
-            run_continuous(engine, warm), run_waves(server, warm)            # compile
-            for name, trace in (("continuous", run_continuous(engine, arrivals)),
-                                ("static waves", run_waves(server, arrivals))):
-                m = trace.metrics(slots)
-                rows.append(dict(context=context, pattern=pattern_name, server=name, preemptions=engine.preemptions
-                                 if name == "continuous" else 0, **m))
-                print(f"| {context} | {pattern_name} | {name} | {m['throughput']:.1f} | {_num(m['ceiling_tokens_s'])} | "
-                      f"{_num(m['ttft_p50_ms'])} / {_num(m['ttft_p99_ms'])} | {_num(m['itl_p50_ms'])} / "
-                      f"{_num(m['itl_p99_ms'])} | {m['host_ms_per_step']:.3f} |", flush=True)
-            del engine, server, model
+            servers = (("continuous", ServingEngine, run_continuous), ("static waves", WaveServer, run_waves))
+            for name, build, run in servers:         # one at a time: one pool in device memory
+                row = dict(context=context, pattern=pattern_name, server=name)
+                try:
+                    server = build(model, **shape)
+                    run(server, warm)                                          # compile
+                    row.update(run(server, arrivals).metrics(slots), preemptions=getattr(server, "preemptions", 0))
+                except jax.errors.JaxRuntimeError as e:                        # e.g. out of device memory
+                    row["error"] = str(e).splitlines()[0]
+                    print(f"| {context} | {pattern_name} | {name} | failed: {row['error']} | | | | |", flush=True)
+                else:
+                    print(f"| {context} | {pattern_name} | {name} | {row['throughput']:.1f} | "
+                          f"{_num(row['ceiling_tokens_s'])} | {_num(row['ttft_p50_ms'])} / "
+                          f"{_num(row['ttft_p99_ms'])} | {_num(row['itl_p50_ms'])} / {_num(row['itl_p99_ms'])} | "
+                          f"{row['host_ms_per_step']:.3f} |", flush=True)
+                server = None
+                rows.append(row)
+            del model
     with open(args.out, "w") as f:
         json.dump(dict(requests=requests, rate=rate, new_tokens=new_tokens, slots=slots, page_size=args.page_size,
                        prefill_chunk=chunk, smoke=smoke, device=jax.devices()[0].device_kind, rows=rows), f, indent=1)

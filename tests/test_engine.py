@@ -134,8 +134,8 @@ def test_per_request_sampling_does_not_depend_on_batch_companions(model):
     hot = Request(PROMPTS[0], 10, sampling=SamplingParams(temperature=1.5, top_k=20), seed=7)
     alone = new_engine(model).serve([hot])[0].tokens
     engine = new_engine(model)
-    together = engine.serve([Request(PROMPTS[1], 12), hot, Request(PROMPTS[2], 10, SamplingParams(0.7, top_p=0.5), seed=3),
-                             hot])
+    nucleus = Request(PROMPTS[2], 10, SamplingParams(0.7, top_p=0.5), seed=3)
+    together = engine.serve([Request(PROMPTS[1], 12), hot, nucleus, hot])
     assert together[1].tokens == together[3].tokens == alone
     other_seed = new_engine(model).serve([Request(PROMPTS[0], 10, hot.sampling, seed=8)])[0].tokens
     assert other_seed != alone
