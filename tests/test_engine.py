@@ -116,7 +116,7 @@ def test_request_that_can_never_fit_fails_alone(model, reference):
     assert_pool_full(engine)
 
 
-def test_cancel_frees_the_slot_and_pages(model, reference):
+def test_cancel_frees_the_slot_and_pages_whether_decoding_waiting_or_prefilling(model, reference):
     engine = new_engine(model)
     run = Driver(engine)
     ids = [engine.submit(Request(p, 30)) for p in PROMPTS]       # the fourth waits for a slot
@@ -124,8 +124,13 @@ def test_cancel_frees_the_slot_and_pages(model, reference):
     assert run.tokens(ids[1]) and not run.tokens(ids[3])
     engine.cancel(ids[1])                                        # decoding
     engine.cancel(ids[3])                                        # still waiting
+    run.run(1)
+    long = engine.submit(Request(PROMPTS[3], 4))                 # 4 prefill chunks
+    run.run(2)
+    assert long in engine.pool.held and not run.tokens(long)     # admitted, 2 of 4 chunks done
+    engine.cancel(long)                                          # mid-prefill
     run.run()
-    assert not [e for s, e in run.log if s >= 6 and e.request_id in (ids[1], ids[3])]
+    assert not [e for s, e in run.log if s >= 6 and e.request_id in (ids[1], ids[3], long)]
     assert run.tokens(ids[0]) == reference[0][:30] and run.tokens(ids[2]) == reference[2][:30]
     assert_pool_full(engine)
 
