@@ -1,6 +1,7 @@
 """Serving engine with continuous batching: staggered arrivals, a request joining mid-decode,
-chunked prefill beside decoding slots, preemption with requeue, requests that can never fit,
-cancel, per-request sampling streams, two programs for everything, flat host time per step.
+chunked prefill beside decoding slots, preemption with requeue, waiting for pages, requests that
+can never fit, cancel, per-request sampling streams, two programs for everything, flat host
+time per step.
 
 Every engine here has the same shapes (3 slots, 13 pages of 8 rows, table width 16, chunk 8),
 so the whole file compiles the two engine programs once. Greedy outputs are compared with one
@@ -94,6 +95,17 @@ def test_preemption_requeues_and_gives_identical_greedy_output(model, reference)
     run.run()
     assert engine.preemptions >= 1
     assert run.tokens(ids[0]) == reference[3] and run.tokens(ids[1]) == reference[2]
+    assert_pool_full(engine)
+
+
+def test_request_waits_for_pages_while_a_slot_is_free(model, reference):
+    engine = new_engine(model)
+    run = Driver(engine)
+    big = engine.submit(Request(np.arange(85), 5))               # 11 of the 12 pages from the start
+    small = engine.submit(Request(PROMPTS[0], 6))                # needs 2 pages: waits
+    run.run()
+    assert run.first_token_step(small) > max(s for s, e in run.log if e.request_id == big)
+    assert len(run.tokens(big)) == 5 and run.tokens(small) == reference[0][:6]
     assert_pool_full(engine)
 
 
