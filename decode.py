@@ -5,6 +5,8 @@
     python decode.py --hf-checkpoint GLM-5.2/ --prompt "Hello"      # a Hugging Face checkpoint directory
     python decode.py --hf-checkpoint DIR --prompt-ids 1,2,3          # token ids in and out, no tokenizer
     python decode.py --mesh data=1,layer=8             # KV cache LayerSplit over 8 devices
+    python decode.py --prompts-file p.jsonl --max-batch 4   # the prompts as concurrent requests of the
+                                                       # serving engine (continuous batching)
     python decode.py --mesh data=2,layer=4 --coordinator 10.0.0.1:1234 --num-processes 2 --process-id 0
                                                        # one of several processes (hosts); --distributed
                                                        # finds these by itself on a TPU pod or under SLURM
@@ -50,6 +52,9 @@ def parse_args(argv=None):
     ap.add_argument("--no-kv-share", action="store_true",
                     help="draft steps 2..K run their own indexer over target+draft KV (the baseline)")
     ap.add_argument("--prefill-chunk", type=int, default=256)
+    ap.add_argument("--max-batch", type=int, default=None, metavar="N",
+                    help="decode the prompts through the serving engine, N sequences at a time (continuous "
+                         "batching; plain decoding, each prompt its own sampling stream)")
     ap.add_argument("--quiet", action="store_true", help="print only the generated text")
     cli.add_mesh_flag(ap, "e.g. data=1,layer=8; layer > 1 splits the KV cache across devices by layer (LayerSplit)")
     ap.add_argument("--collective", default="permute", choices=("permute", "psum"),
@@ -95,6 +100,8 @@ def _decode(args) -> int:
         raise cli.UserError("--max-new-tokens must be > 0")
     if args.speculative < 0:
         raise cli.UserError("--speculative must be >= 0 (0 = plain decoding)")
+    if args.max_batch is not None and args.max_batch < 1:
+        raise cli.UserError(f"--max-batch must be >= 1, got {args.max_batch}")
     try:
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p)
     except SamplingError as e:
@@ -120,6 +127,8 @@ def _decode(args) -> int:
             gen.check_fits(len(row), args.max_new_tokens)
 
     stop = _stop_token(model.cfg, tok, eos_id)
+    if args.max_batch is not None:
+        return _decode_with_engine(args, model, tok, prompts, ids, params, stop, placement)
     speculative = isinstance(gen, SpeculativeGenerator)
     if not args.quiet:
         mode = f"speculative, K={gen.num_draft}, KVShare {'on' if gen.kv_share else 'off'}" if speculative \
@@ -143,13 +152,45 @@ def _decode(args) -> int:
             if batch > 1:
                 print(f"\n===== prompt {i} =====")
             print(prompt + tok.decode(new), flush=True)
-    if args.output:     # None on every process but the first
-        with open(args.output, "w") as f:
-            for prompt, new in zip(prompts, completions):
-                f.write(json.dumps({"prompt": prompt, "completion": tok.decode(new)}) + "\n")
+    _write_output(args.output, prompts, completions, tok)
     if not args.quiet:
         _print_stats(gen, completions, time.perf_counter() - t0)
     return 0
+
+
+def _decode_with_engine(args, model, tok, prompts, ids, params, stop, placement) -> int:
+    """--max-batch N: every prompt a request of the serving engine, N decoding at a time."""
+    from glm_jax.decoding.engine import Request, engine_for_prompts
+
+    t0 = time.perf_counter()
+    with cli.user_errors():
+        engine = engine_for_prompts(model, ids, max_batch=args.max_batch, max_new_tokens=args.max_new_tokens,
+                                    max_len=args.max_len, prefill_chunk=args.prefill_chunk, **placement)
+    # Each prompt its own sampling stream (seed + i): its text does not depend on its batch companions.
+    results = engine.serve([Request(row, args.max_new_tokens, params, stop, args.seed + i)
+                            for i, row in enumerate(ids)])
+    for i, r in enumerate(results):
+        if r.error is not None:
+            raise cli.UserError(f"prompt {i}: {r.error}")
+    completions = [r.tokens for r in results]
+    for i, (prompt, new) in enumerate(zip(prompts, completions)):
+        if len(prompts) > 1:
+            print(f"\n===== prompt {i} =====")
+        print(prompt + tok.decode(new), flush=True)
+    _write_output(args.output, prompts, completions, tok)
+    if not args.quiet:
+        n, elapsed = sum(map(len, completions)), time.perf_counter() - t0
+        print(f"\n[{len(ids)} prompt(s) through the serving engine, {args.max_batch} at a time: {n} new tokens in "
+              f"{elapsed:.2f}s = {n / max(elapsed, 1e-9):.1f} tokens/s (includes compilation)]", file=sys.stderr)
+    return 0
+
+
+def _write_output(path, prompts, completions, tok) -> None:
+    """{prompt, completion} JSON lines to `path` (None on every process but the first: nothing)."""
+    if path:
+        with open(path, "w") as f:
+            for prompt, new in zip(prompts, completions):
+                f.write(json.dumps({"prompt": prompt, "completion": tok.decode(new)}) + "\n")
 
 
 class _TokenIds:

@@ -4,6 +4,7 @@
     PYTHONPATH=. python3 benchmarks/plot.py indexer docs/data/indexer_topk_h200.json docs/img/indexer_topk_h200.svg
     PYTHONPATH=. python3 benchmarks/plot.py long_context docs/data/long_context_h200.json docs/img/long_context_h200.svg
     PYTHONPATH=. python3 benchmarks/plot.py loss_curve first.jsonl resumed.jsonl docs/img/loss.svg
+    PYTHONPATH=. python3 benchmarks/plot.py serving_load serving_load.json serving_load.svg
 
 A `.json` input is a benchmark's --json output (its "rows"); `.jsonl` inputs are train.py
 metrics files, one series each (named by the file), for the loss curve. The output format
@@ -58,7 +59,18 @@ def loss_curve_chart(rows: list[dict]) -> Chart:
     return Chart(series, "small-128k, 131072-token sequences (H200)", "step", "LM loss", log=False)
 
 
-CHARTS = {"indexer": indexer_chart, "long_context": long_context_chart, "loss_curve": loss_curve_chart}
+def serving_load_chart(rows: list[dict]) -> Chart:
+    """Rows of benchmarks/serving_load.py --out -> throughput vs max context, per server and pattern
+    (rows of a server that failed are left out)."""
+    rows = [r for r in rows if "error" not in r]
+    series = {f"{server}, {pattern}": _series(rows, "context", {"server": server, "pattern": pattern}, "throughput")
+              for server in ("continuous", "static waves") for pattern in ("IndexShare", "all Full")}
+    return Chart(series, "Serving under Poisson load, 8-layer GLM-5.2-attention model", "max context (tokens)",
+                 "tokens/s")
+
+
+CHARTS = {"indexer": indexer_chart, "long_context": long_context_chart, "loss_curve": loss_curve_chart,
+          "serving_load": serving_load_chart}
 
 
 def _context_label(x: float, _pos=None) -> str:

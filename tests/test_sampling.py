@@ -47,6 +47,23 @@ def test_temperature_zero_is_greedy_and_one_program_serves_every_setting():
     assert fn._cache_size() == 1
 
 
+def test_per_row_settings_and_keys_equal_each_row_alone_in_one_program():
+    logits = jax.random.normal(jax.random.key(3), (3, 50))
+    keys = jax.vmap(jax.random.key)(jnp.arange(3))
+    fn = jax.jit(lambda logits, keys, params: sample_tokens(logits, keys, params))   # its own program cache
+    mixes = [[SamplingParams(), SamplingParams(temperature=1.0, top_k=4), SamplingParams(temperature=0.7, top_p=0.5)],
+             [SamplingParams(temperature=2.0, min_p=0.1), SamplingParams(), SamplingParams(temperature=1.0)]]
+    for mix in mixes:
+        rows = fn(logits, keys, jax.tree.map(jnp.asarray, SamplingParams.stack(mix)))
+        alone = [int(fn(logits[b:b + 1], keys[b:b + 1], p.as_arrays())[0]) for b, p in enumerate(mix)]
+        assert rows.tolist() == alone
+    assert fn._cache_size() == 2                   # one program per shape, whatever the settings
+    stacked = SamplingParams.stack(mixes[0])
+    assert stacked.top_k.tolist() == [0, 4, 0] and stacked.temperature.dtype == np.float32
+    with pytest.raises(ValueError, match="at least one"):
+        SamplingParams.stack([])
+
+
 @pytest.mark.parametrize("field, value, message", [
     ("temperature", -1.0, "temperature must be >= 0 (0 = greedy), got -1.0"),
     ("top_p", 2.0, "top_p must be in (0, 1] (1 = off), got 2.0"),

@@ -1,0 +1,270 @@
+"""Serving under load: Poisson arrivals, mixed prompt lengths, continuous batching against
+static waves, IndexShare against every layer Full, at several max-context values.
+
+    PYTHONPATH=. python3 benchmarks/serving_load.py --out docs/data/serving_load_h200.json    # on a GPU
+    PYTHONPATH=. python3 benchmarks/serving_load.py --smoke --out /tmp/serving_load.json       # tiny, CPU
+    PYTHONPATH=. python3 benchmarks/plot.py serving_load /tmp/serving_load.json /tmp/serving_load.svg
+
+The model is benchmarks/long_context.py's 8-layer model with GLM-5.2's attention (random
+weights; `--smoke` shrinks it), once with the IndexShare pattern and once all Full. For each
+max context a workload is drawn once: `--requests` arrivals at `--rate` per second (Poisson),
+prompt lengths log-uniform from 16 to max context - new tokens, `--new-tokens` each (greedy,
+no stop token). It is replayed in real time against two servers with the same slots and page
+pool:
+
+* continuous: `ServingEngine.step()` in a loop (requests join and leave at every step, chunked
+  prefill beside decoding, one step of host/device overlap);
+* static waves (the baseline, the engine before continuous batching): take up to `slots`
+  waiting requests that fit the pool with prompt + new tokens up front, prefill them together,
+  decode one blocking step at a time until all of them finish; arrivals wait for the next wave.
+
+Per run: throughput (new tokens / time from the first arrival to the last token), time to
+first token and inter-token latency (p50 / p99, as a client sees tokens arrive), host ms per
+decode step (median), and the ceiling: `slots` tokens per median full-batch decode step of the
+continuous run (n/a when no step had every slot decoding). Programs are compiled before the
+clock starts. A server that fails at a context (e.g. out of device memory) gets a row with its
+error, and the run goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from collections import deque
+
+
+@dataclasses.dataclass
+class Arrival:
+    at: float                 # seconds after the start
+    prompt: object            # int32 numpy [P]
+    new_tokens: int
+
+
+@dataclasses.dataclass
+class Trace:
+    """What one replay produced: per request its arrival and its token arrival times."""
+
+    arrivals: list[float]
+    token_times: list[list[float]]
+    host_s: list[float]       # host seconds per decode step
+    step_s: list[float]       # wall seconds of the decode steps where every slot decoded
+
+    def metrics(self, slots: int) -> dict:
+        import numpy as np
+
+        tokens = sum(map(len, self.token_times))
+        end = max(t[-1] for t in self.token_times if t)
+        ttft = [t[0] - a for a, t in zip(self.arrivals, self.token_times) if t]
+        itl = [b - a for t in self.token_times for a, b in zip(t, t[1:])]
+        pct = lambda xs, q: 1e3 * float(np.percentile(xs, q)) if xs else float("nan")  # noqa: E731
+        return dict(tokens=tokens, throughput=tokens / (end - min(self.arrivals)),
+                    ttft_p50_ms=pct(ttft, 50), ttft_p99_ms=pct(ttft, 99), itl_p50_ms=pct(itl, 50),
+                    itl_p99_ms=pct(itl, 99), host_ms_per_step=1e3 * float(np.median(self.host_s)),
+                    ceiling_tokens_s=slots / float(np.median(self.step_s)) if self.step_s else float("nan"))
+
+
+def workload(rng, *, requests: int, rate: float, context: int, new_tokens: int, vocab: int) -> list[Arrival]:
+    import numpy as np
+
+    gaps = rng.exponential(1.0 / rate, requests)
+    top = context - new_tokens
+    lengths = np.exp(rng.uniform(np.log(16), np.log(top), requests)).astype(int)
+    return [Arrival(float(at), rng.integers(1, vocab, n).astype(np.int32), new_tokens)
+            for at, n in zip(np.cumsum(gaps) - gaps[0], lengths)]
+
+
+def replay(arrivals: list[Arrival], submit, step, busy) -> None:
+    """Feed arrivals in real time: submit(index, arrival) once due, step() while busy(), sleep when idle."""
+    pending = deque(enumerate(arrivals))
+    t0 = time.perf_counter()
+    while pending or busy():
+        now = time.perf_counter() - t0
+        while pending and pending[0][1].at <= now:
+            submit(*pending.popleft())
+        if busy():
+            step(t0)
+        elif pending:
+            time.sleep(max(0.0, pending[0][1].at - (time.perf_counter() - t0)))
+
+
+def run_continuous(engine, arrivals: list[Arrival]) -> Trace:
+    from glm_jax.decoding.engine import Request
+
+    times: list[list[float]] = [[] for _ in arrivals]
+    index: dict[int, int] = {}
+    engine.step_times.clear()
+
+    def submit(i, a):
+        index[engine.submit(Request(a.prompt, a.new_tokens))] = i
+
+    def step(t0):
+        for event in engine.step():
+            if event.error:
+                raise RuntimeError(event.error)
+            times[index[event.request_id]] += [time.perf_counter() - t0] * len(event.tokens)
+
+    replay(arrivals, submit, step, engine.has_work)
+    full = [t.step_s for t in engine.step_times if t.rows == engine.batch]
+    return Trace([a.at for a in arrivals], times, [t.host_s for t in engine.step_times], full)
+
+
+class WaveServer:
+    """The baseline: the serving engine as it was before continuous batching (static waves)."""
+
+    def __init__(self, model, *, slots: int, num_pages: int, page_size: int, max_context: int, prefill_chunk: int):
+        from glm_jax import ops
+        from glm_jax.cache import PagePool
+        from glm_jax.decoding.generate import GeneratorBase
+
+        self.gen = GeneratorBase(model, batch=slots, max_len=max_context, prefill_chunk=prefill_chunk,
+                                 kernels=ops.KernelChoice())
+        self.pool = PagePool(model.cfg, num_pages=num_pages, page_size=page_size)
+        self.width = self.pool.pages_for(max_context + prefill_chunk)
+        self.cache = self.pool.create_cache(slots, self.width)
+        self.queue: deque = deque()
+        self.host_s: list[float] = []
+
+    def busy(self) -> bool:
+        return bool(self.queue)
+
+    def wave(self, on_tokens) -> None:
+        """Admit a wave from the queue, run it to the end; on_tokens({index: token}) after each step."""
+        import jax.numpy as jnp
+        import numpy as np
+
+        from glm_jax.decoding.generate import decode_block
+        from glm_jax.decoding.sampling import GREEDY
+
+        wave = []
+        while self.queue and len(wave) < self.gen.batch:
+            i, a = self.queue[0]
+            if self.pool.free_pages() < self.pool.pages_for(len(a.prompt) + a.new_tokens):
+                break
+            self.queue.popleft()
+            self.pool.allocate(i, len(a.prompt) + a.new_tokens)
+            wave.append((i, a))
+        ids = [i for i, _ in wave] + [None] * (self.gen.batch - len(wave))
+        lengths = np.array([len(a.prompt) for _, a in wave] + [0] * (self.gen.batch - len(wave)), np.int32)
+        padded = np.zeros((self.gen.batch, int(lengths.max())), np.int32)
+        for b, (_, a) in enumerate(wave):
+            padded[b, :len(a.prompt)] = a.prompt
+        cache = dataclasses.replace(self.cache, lengths=jnp.zeros((self.gen.batch,), jnp.int32),
+                                    page_table=jnp.asarray(self.pool.page_table(ids, self.width)))
+        logits, cache = self.gen._prefill(cache, padded, lengths)
+        key, sampling = self.gen.sampling_args(0, GREEDY)
+        left = [a.new_tokens for _, a in wave]
+        while any(left):
+            t0 = time.perf_counter()
+            tokens, logits, cache, key = decode_block(self.gen.graphdef, self.gen.state, cache, logits, key,
+                                                      sampling, self.gen.kernels, 1)
+            self.host_s.append(time.perf_counter() - t0)
+            tokens = np.asarray(tokens)[:, 0]
+            on_tokens({i: int(tokens[b]) for b, (i, _) in enumerate(wave) if left[b]})
+            left = [max(n - 1, 0) for n in left]
+        self.cache = cache
+        for i, _ in wave:
+            self.pool.release(i)
+
+
+def run_waves(server: WaveServer, arrivals: list[Arrival]) -> Trace:
+    times: list[list[float]] = [[] for _ in arrivals]
+    server.host_s.clear()
+
+    def step(t0):
+        def on_tokens(emitted):
+            now = time.perf_counter() - t0
+            for i in emitted:
+                times[i].append(now)
+        server.wave(on_tokens)
+
+    replay(arrivals, lambda i, a: server.queue.append((i, a)), step, server.busy)
+    return Trace([a.at for a in arrivals], times, server.host_s, [])
+
+
+def _num(x: float) -> str:
+    return "n/a" if x != x else f"{x:.1f}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--smoke", action="store_true", help="tiny model, few requests, small contexts (CPU)")
+    ap.add_argument("--contexts", type=int, nargs="+", default=None,
+                    help="max-context values (default 32768 131072 1048576; smoke 256)")
+    ap.add_argument("--requests", type=int, default=None, help="requests per run (default 64; smoke 6)")
+    ap.add_argument("--rate", type=float, default=None, help="arrivals per second (default 4; smoke 20)")
+    ap.add_argument("--new-tokens", type=int, default=None, help="new tokens per request (default 128; smoke 8)")
+    ap.add_argument("--slots", type=int, default=None, help="batch slots (default 8; smoke 3)")
+    ap.add_argument("--page-size", type=int, default=64)
+    ap.add_argument("--prefill-chunk", type=int, default=None, help="default 2048; smoke 64")
+    ap.add_argument("--pool-contexts", type=float, default=2.0,
+                    help="pool size in max-context sequences (at least 1: the longest request must fit)")
+    ap.add_argument("--patterns", nargs="+", default=["IndexShare", "all Full"], choices=["IndexShare", "all Full"],
+                    help="layer patterns to serve (default both)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", required=True, help="write the rows here (JSON)")
+    args = ap.parse_args()
+    smoke = args.smoke
+    if smoke:
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    pick = lambda value, full, tiny: value if value is not None else (tiny if smoke else full)  # noqa: E731
+    contexts = pick(args.contexts, [32768, 131072, 1048576], [256])
+    requests, rate = pick(args.requests, 64, 6), pick(args.rate, 4.0, 20.0)
+    new_tokens, slots = pick(args.new_tokens, 128, 8), pick(args.slots, 8, 3)
+    chunk = pick(args.prefill_chunk, 2048, 64)
+    if args.pool_contexts < 1:
+        sys.exit("--pool-contexts must be >= 1: the longest request must fit the pool")
+
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from benchmarks.long_context import PATTERNS, model_config
+    from glm_jax.decoding.engine import ServingEngine
+    from glm_jax.model import GLMModel
+
+    print(f"device {jax.devices()[0].device_kind}; {requests} requests at {rate}/s, {new_tokens} new tokens each, "
+          f"{slots} slots, pages of {args.page_size}, prefill chunk {chunk}, pool {args.pool_contexts} x max context; "
+          f"patterns {', '.join(f'{n} {PATTERNS[n]}' for n in args.patterns)}")
+    print("| max context | pattern | server | tokens/s | ceiling tokens/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | "
+          "host ms/step |")
+    print("|---|---|---|---|---|---|---|---|")
+    rows = []
+    for context in contexts:
+        vocab = model_config(PATTERNS["IndexShare"], smoke).vocab_size
+        arrivals = workload(np.random.default_rng([args.seed, context]), requests=requests, rate=rate,
+                            context=context, new_tokens=new_tokens, vocab=vocab)
+        for pattern_name in args.patterns:
+            model = GLMModel(model_config(PATTERNS[pattern_name], smoke), rngs=nnx.Rngs(0))
+            pages = int(args.pool_contexts * context) // args.page_size + 2
+            shape = dict(slots=slots, num_pages=pages, page_size=args.page_size, max_context=context,
+                         prefill_chunk=chunk)
+            warm = [dataclasses.replace(arrivals[0], at=0.0, new_tokens=2)]
+            servers = (("continuous", ServingEngine, run_continuous), ("static waves", WaveServer, run_waves))
+            for name, build, run in servers:         # one at a time: one pool in device memory
+                row = dict(context=context, pattern=pattern_name, server=name)
+                try:
+                    server = build(model, **shape)
+                    run(server, warm)                                          # compile
+                    row.update(run(server, arrivals).metrics(slots), preemptions=getattr(server, "preemptions", 0))
+                except jax.errors.JaxRuntimeError as e:                        # e.g. out of device memory
+                    row["error"] = str(e).splitlines()[0]
+                    print(f"| {context} | {pattern_name} | {name} | failed: {row['error']} | | | | |", flush=True)
+                else:
+                    print(f"| {context} | {pattern_name} | {name} | {row['throughput']:.1f} | "
+                          f"{_num(row['ceiling_tokens_s'])} | {_num(row['ttft_p50_ms'])} / "
+                          f"{_num(row['ttft_p99_ms'])} | {_num(row['itl_p50_ms'])} / {_num(row['itl_p99_ms'])} | "
+                          f"{row['host_ms_per_step']:.3f} |", flush=True)
+                server = None
+                rows.append(row)
+            del model
+    with open(args.out, "w") as f:
+        json.dump(dict(requests=requests, rate=rate, new_tokens=new_tokens, slots=slots, page_size=args.page_size,
+                       prefill_chunk=chunk, smoke=smoke, device=jax.devices()[0].device_kind, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
