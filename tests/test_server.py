@@ -1,0 +1,240 @@
+"""The HTTP front end (glm_jax.serving): OpenAI-style /v1/completions over a real uvicorn server
+on localhost, driven with httpx.
+
+The protocol layer runs over `FakeEngine` (the ServingEngine API, scripted tokens, no model);
+the real engine with a micro model checks concurrent greedy requests against decoding each
+alone, streaming against non-streaming, errors while other requests complete, and a
+`decode.py --serve` process draining on SIGTERM."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+import uvicorn
+
+from conftest import ROOT
+from glm_jax.data.tokenizer import load_tokenizer
+from glm_jax.serving.app import make_app
+from glm_jax.serving.protocol import APIError, parse_completion
+from glm_jax.serving.text import Detokenizer, TextStream
+
+TOKENIZER = load_tokenizer(ROOT / "checkpoints" / "default")
+MULTIBYTE = "héllo 日本 🎉 ok"
+
+
+@contextlib.contextmanager
+def running(app):
+    """`app` served by uvicorn on a free localhost port, in a thread -> its base URL."""
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def sse_chunks(response: httpx.Response) -> list:
+    """The JSON chunks of a server-sent event stream, checking that it ends with [DONE]."""
+    data = [line[len("data: "):] for line in response.iter_lines() if line]
+    assert data[-1] == "[DONE]"
+    return [json.loads(d) for d in data[:-1]]
+
+
+# ---------------------------------------------------------------------- text and protocol
+def test_detokenizer_never_splits_a_character():
+    ids = TOKENIZER.encode(MULTIBYTE).ids
+    detok = Detokenizer(TOKENIZER)
+    pieces = [detok.push([t]) for t in ids] + [detok.flush()]
+    assert "".join(pieces) == MULTIBYTE
+    assert not any("\ufffd" in p for p in pieces)
+    assert "" in pieces                          # some token ended inside a character and was held back
+
+
+@pytest.mark.parametrize("stop, want", [(("日本",), "héllo "), (("ok", "🎉"), "héllo 日本 "),
+                                        (("llo 日本 🎉 ok!",), MULTIBYTE)])
+def test_text_stream_ends_before_the_first_stop_string(stop, want):
+    stream = TextStream(TOKENIZER, stop)
+    pieces = [stream.push([t]) for t in TOKENIZER.encode(MULTIBYTE).ids] + [stream.flush()]
+    assert "".join(pieces) == want
+    assert stream.stopped == (want != MULTIBYTE)
+
+
+def parse(**fields):
+    return parse_completion(json.dumps(fields).encode(), TOKENIZER, model_name="micro", max_context=32)
+
+
+@pytest.mark.parametrize("fields, param, words", [
+    ({"prompt": "a", "temperature": "hot"}, "temperature", "must be a number"),
+    ({"prompt": "a", "top_p": 1.5}, "top_p", "in (0, 1]"),
+    ({"prompt": "a", "top_k": 2.5}, "top_k", "must be an integer"),
+    ({"prompt": "a", "max_tokens": 0}, "max_tokens", ">= 1"),
+    ({"prompt": "a", "max_tokens": 40}, "max_tokens", "exceeds this server's context of 32"),
+    ({"prompt": list(range(32))}, "prompt", "leaves no room"),
+    ({"prompt": ["a", "b"]}, "prompt", "one prompt per request"),
+    ({"prompt": [5000]}, "prompt", "in [0, 4096)"),
+    ({"prompt": ""}, "prompt", "empty"),
+    ({"prompt": "a", "stop": ["x", 3]}, "stop", "non-empty string"),
+    ({"prompt": "a", "n": 2}, "n", "not supported"),
+    ({"prompt": "a", "stream_options": {"include_usage": True}}, "stream_options", "only allowed with stream"),
+    ({"prompt": "a", "bogus": 1}, "bogus", "unknown field"),
+])
+def test_bad_fields_are_named(fields, param, words):
+    with pytest.raises(APIError, match=None) as e:
+        parse(**fields)
+    assert (e.value.status, e.value.param) == (400, param) and words in e.value.message
+
+
+def test_request_fields_and_defaults():
+    req = parse(prompt=[[1, 2, 3]], max_tokens=None, temperature=0, top_k=5, seed=7, stop="\n", stream=True,
+                stream_options={"include_usage": True})
+    assert req.prompt.tolist() == [1, 2, 3] and req.max_tokens == 29
+    assert (req.sampling.temperature, req.sampling.top_k, req.seed, req.stop) == (0, 5, 7, ("\n",))
+    assert req.stream and req.include_usage
+    default = parse(prompt="a", model="micro")
+    assert default.max_tokens == 16 and default.sampling.temperature == 1 and default.stop == ()
+    with pytest.raises(APIError) as e:
+        parse(prompt="a", model="gpt-4")
+    assert e.value.status == 404 and e.value.code == "model_not_found"
+
+
+# ---------------------------------------------------------------------- the app over a fake engine
+@dataclasses.dataclass
+class Event:
+    request_id: int
+    tokens: list[int]
+    finished: bool
+    error: str | None = None
+
+
+class FakeEngine:
+    """The ServingEngine API, no model: each step gives every active request the next token of
+    `script` (cycling); a prompt longer than `limit` tokens fails alone; `step_s` slows steps."""
+
+    def __init__(self, script: list[int], *, limit: int = 16, step_s: float = 0.0):
+        self.script, self.limit, self.step_s = script, limit, step_s
+        self.active: dict[int, list] = {}           # id -> [request, tokens given]
+        self.refused: list[int] = []
+        self.cancelled: list[int] = []
+        self.requests: list = []
+
+    def submit(self, request) -> int:
+        self.requests.append(request)
+        request_id = len(self.requests) - 1
+        if len(request.prompt) > self.limit:
+            self.refused.append(request_id)
+        else:
+            self.active[request_id] = [request, 0]
+        return request_id
+
+    def cancel(self, request_id: int) -> None:
+        self.active.pop(request_id)
+        self.cancelled.append(request_id)
+
+    def has_work(self) -> bool:
+        return bool(self.active or self.refused)
+
+    def step(self) -> list[Event]:
+        time.sleep(self.step_s)
+        events = [Event(i, [], True, error=f"prompt longer than {self.limit} tokens") for i in self.refused]
+        self.refused = []
+        for request_id, entry in list(self.active.items()):
+            request, given = entry
+            entry[1] += 1
+            token = self.script[given % len(self.script)]
+            done = entry[1] >= request.max_new_tokens or token == request.stop_token
+            events.append(Event(request_id, [] if token == request.stop_token else [token], done))
+            if done:
+                del self.active[request_id]
+        return events
+
+
+@pytest.fixture
+def fake():
+    """-> (engine, base URL) of an app over a FakeEngine that emits MULTIBYTE's tokens, then the stop token."""
+    engine = FakeEngine(TOKENIZER.encode(MULTIBYTE).ids + [0])
+    with running(make_app(engine, TOKENIZER, model_name="micro", max_context=64, stop_token=0)) as url:
+        yield engine, url
+
+
+def test_fake_completion_stream_and_stop_reasons(fake):
+    engine, url = fake
+    n = len(TOKENIZER.encode(MULTIBYTE).ids)
+    whole = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 40, "temperature": 0}).json()
+    assert whole["object"] == "text_completion" and whole["model"] == "micro"
+    assert whole["choices"] == [{"index": 0, "text": MULTIBYTE, "finish_reason": "stop", "logprobs": None}]
+    assert whole["usage"] == {"prompt_tokens": 1, "completion_tokens": n, "total_tokens": n + 1}
+    assert engine.requests[0].stop_token == 0 and engine.requests[0].max_new_tokens == 40
+
+    short = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 3}).json()
+    assert short["choices"][0]["finish_reason"] == "length" and short["usage"]["completion_tokens"] == 3
+
+    with httpx.stream("POST", f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 40, "stream": True,
+                                                             "stream_options": {"include_usage": True}}) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        chunks = sse_chunks(r)
+    texts = [c["choices"][0]["text"] for c in chunks[:-1]]
+    assert "".join(texts) == MULTIBYTE and not any("\ufffd" in t for t in texts)
+    assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]] == [None] * (len(texts) - 1) + ["stop"]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == n
+
+    stopped = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 40, "stop": ["🎉"]}).json()
+    assert stopped["choices"][0]["text"] == "héllo 日本 " and stopped["choices"][0]["finish_reason"] == "stop"
+
+
+def test_fake_errors_are_openai_json(fake):
+    engine, url = fake
+    bad = httpx.post(f"{url}/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert bad.status_code == 400 and "not valid JSON" in bad.json()["error"]["message"]
+    refused = httpx.post(f"{url}/v1/completions", json={"prompt": list(range(20)), "stream": True})
+    assert refused.status_code == 400
+    assert refused.json()["error"] == {"message": "prompt longer than 16 tokens", "type": "invalid_request_error",
+                                       "param": None, "code": "request_refused"}
+    missing = httpx.get(f"{url}/v1/nothing")
+    assert missing.status_code == 404 and missing.json()["error"]["message"] == "Not Found"
+    assert httpx.get(f"{url}/v1/models").json()["data"][0]["id"] == "micro"
+    assert httpx.get(f"{url}/health").json() == {"status": "ok", "in_flight": 0}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_client_disconnect_cancels_the_request(stream):
+    engine = FakeEngine([5], step_s=0.01)
+    app = make_app(engine, TOKENIZER, model_name="micro", max_context=4096)
+    with running(app) as url:
+        body = {"prompt": "hi", "max_tokens": 4000, "stream": stream}
+        if stream:
+            with httpx.stream("POST", f"{url}/v1/completions", json=body) as r:
+                lines = r.iter_lines()
+                assert next(lines).startswith("data: ")             # streaming; then the client goes
+        else:
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(f"{url}/v1/completions", json=body, timeout=0.5)
+        deadline = time.monotonic() + 5
+        while not engine.cancelled and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert engine.cancelled == [0] and not engine.active
+        assert app.state.engine_loop.in_flight == 0
+
+
+def test_engine_failure_fails_requests_with_503():
+    class Broken(FakeEngine):
+        def step(self):
+            raise RuntimeError("device lost")
+
+    with running(make_app(Broken([1]), TOKENIZER, model_name="micro", max_context=64)) as url:
+        first = httpx.post(f"{url}/v1/completions", json={"prompt": "hi"})
+        assert first.status_code == 503 and "device lost" in first.json()["error"]["message"]
+        assert httpx.post(f"{url}/v1/completions", json={"prompt": "hi"}).status_code == 503
+        assert httpx.get(f"{url}/health").json()["status"] == "failed"
