@@ -8,9 +8,14 @@ alone, streaming against non-streaming, errors while other requests complete, an
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import json
+import re
+import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -18,10 +23,17 @@ import httpx
 import numpy as np
 import pytest
 import uvicorn
+from flax import nnx
 
-from conftest import ROOT
+from conftest import ROOT, micro_config
+from glm_jax.checkpoint import save_model_dir
 from glm_jax.data.tokenizer import load_tokenizer
+from glm_jax.decoding.engine import ServingEngine
+from glm_jax.decoding.generate import Generator
+from glm_jax.model import GLMModel
+from glm_jax.ops import KernelChoice
 from glm_jax.serving.app import make_app
+from glm_jax.serving.launch import build_engine
 from glm_jax.serving.protocol import APIError, parse_completion
 from glm_jax.serving.text import Detokenizer, TextStream
 
@@ -238,3 +250,113 @@ def test_engine_failure_fails_requests_with_503():
         assert first.status_code == 503 and "device lost" in first.json()["error"]["message"]
         assert httpx.post(f"{url}/v1/completions", json={"prompt": "hi"}).status_code == 503
         assert httpx.get(f"{url}/health").json()["status"] == "failed"
+
+
+# ---------------------------------------------------------------------- the real engine
+REAL_ENGINE = pytest.mark.skipif(not hasattr(ServingEngine, "submit"),
+                                 reason="needs ServingEngine.submit/step/cancel/has_work (continuous batching, "
+                                        "branch engine), not in glm_jax/decoding/engine.py yet")
+#: The server's settings: the in-process server and the decode.py --serve process share them,
+#: so the process finds the programs in the compilation cache.
+SERVE = dict(slots=2, page_size=8, max_context=64, prefill_chunk=8)
+PROMPTS = ["def add(a, b):", "import os\n", "class Stack:\n    def push(self, x):"]
+
+
+def micro_model():
+    return GLMModel(micro_config(vocab_size=TOKENIZER.get_vocab_size(), max_position_embeddings=64),
+                    rngs=nnx.Rngs(0))
+
+
+@pytest.fixture(scope="module")
+def real():
+    """-> (model, base URL) of the server over the real engine with a micro model."""
+    model = micro_model()
+    engine = build_engine(model, **SERVE, kernels=KernelChoice())
+    app = make_app(engine, TOKENIZER, model_name="micro", max_context=SERVE["max_context"])
+    with running(app) as url:
+        yield model, url
+
+
+def alone(model, prompt: str, max_tokens: int) -> str:
+    """The greedy completion of `prompt` by the plain Generator, one prompt at a time."""
+    gen = Generator(model, batch=1, max_len=SERVE["max_context"], prefill_chunk=SERVE["prefill_chunk"],
+                    block_size=max_tokens)
+    ids = np.asarray(TOKENIZER.encode(prompt).ids, np.int32)
+    return TOKENIZER.decode(next(gen.generate([ids], max_new_tokens=max_tokens))[0].tolist())
+
+
+async def post_all(url: str, bodies: list[dict]) -> list[httpx.Response]:
+    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+        return await asyncio.gather(*(client.post("/v1/completions", json=b) for b in bodies))
+
+
+@REAL_ENGINE
+def test_concurrent_greedy_requests_equal_decoding_each_alone(real):
+    model, url = real
+    over_long = {"prompt": list(range(1, 70)), "max_tokens": 4}
+    responses = asyncio.run(post_all(url, [{"prompt": p, "max_tokens": 6, "temperature": 0} for p in PROMPTS]
+                                     + [over_long]))
+    *served, refused = responses
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt"
+    for prompt, response in zip(PROMPTS, served):
+        body = response.json()
+        assert response.status_code == 200 and body["usage"]["completion_tokens"] == 6
+        assert body["choices"][0]["text"] == alone(model, prompt, 6)
+        assert body["choices"][0]["finish_reason"] == "length"
+
+
+@REAL_ENGINE
+def test_stream_equals_whole_response_and_bad_bodies_get_400(real):
+    _, url = real
+    body = {"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0.8, "top_k": 20, "seed": 3}
+    whole = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()["choices"][0]
+    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=120) as r:
+        chunks = sse_chunks(r)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole["text"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == whole["finish_reason"] == "length"
+    malformed = httpx.post(f"{url}/v1/completions", content=b'{"prompt": "a",', timeout=10)
+    assert malformed.status_code == 400 and "not valid JSON" in malformed.json()["error"]["message"]
+    wrong = httpx.post(f"{url}/v1/completions", json={"prompt": "a", "min_p": 2}, timeout=10).json()["error"]
+    assert wrong["param"] == "min_p" and wrong["type"] == "invalid_request_error"
+
+
+@REAL_ENGINE
+def test_sigterm_drains_the_request_in_flight_and_refuses_new_ones(tmp_path):
+    save_model_dir(tmp_path / "micro", micro_model(), tokenizer_file=ROOT / "checkpoints" / "default" / "tokenizer.json")
+    flags = ["--slots", SERVE["slots"], "--page-size", SERVE["page_size"], "--max-len", SERVE["max_context"],
+             "--prefill-chunk", SERVE["prefill_chunk"]]
+    proc = subprocess.Popen([sys.executable, str(ROOT / "decode.py"), "--serve", "--port", "0", "--checkpoint",
+                             str(tmp_path / "micro"), *map(str, flags)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    output = []
+    try:
+        for line in proc.stdout:                  # until the banner names the URL
+            output.append(line)
+            if found := re.search(r"at (http://\S+)/v1/completions", line):
+                url = found[1]
+                break
+        else:
+            pytest.fail("decode.py --serve did not start:\n" + "".join(output))
+        assert "example: curl " in proc.stdout.readline()
+        in_flight = {}
+        thread = threading.Thread(target=lambda: in_flight.update(response=httpx.post(
+            f"{url}/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 48, "temperature": 0}, timeout=120)))
+        thread.start()
+        while httpx.get(f"{url}/health").json()["in_flight"] == 0:
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        while (health := httpx.get(f"{url}/health")).status_code == 200:
+            time.sleep(0.01)
+        assert health.json() == {"status": "draining", "in_flight": 1}
+        refused = httpx.post(f"{url}/v1/completions", json={"prompt": "a"})
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
+        thread.join()
+        assert in_flight["response"].status_code == 200
+        assert in_flight["response"].json()["usage"]["completion_tokens"] == 48
+        assert proc.wait(timeout=60) == 0
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"{url}/health")
+    finally:
+        proc.kill()
+        output.append(proc.communicate()[0])
+    assert "draining: new requests get 503" in "".join(output)
