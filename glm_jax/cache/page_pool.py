@@ -8,6 +8,7 @@ page, so the pool's memory per device shrinks with the `layer` axis while page i
 
     pool = PagePool(cfg, num_pages=64, page_size=16, data_shards=1)
     pages = pool.allocate("req-1", tokens=300)      # CacheFullError if it cannot fit
+    more = pool.grow("req-1", tokens=330)           # the pages added as the sequence grows
     pool.release("req-1")                           # its pages go back to the free list
     table = pool.page_table(["req-1", None], width=20)   # int32 [B, width]
 
@@ -67,31 +68,50 @@ class PagePool:
         return len(self.free[shard])
 
     def allocate(self, request, tokens: int, shard: int = 0) -> list[int]:
-        """Pages for `tokens` rows of `request`; raises CacheFullError naming the memory needed."""
+        """Pages for `tokens` rows of a request that holds none; raises CacheFullError naming the memory."""
         if request in self.held:
             raise ValueError(f"request {request!r} already holds pages; release it first")
-        need = self.pages_for(tokens)
-        usable = self.num_pages // self.data_shards - 1
+        return self.grow(request, tokens, shard)
+
+    def grow(self, request, tokens: int, shard: int = 0) -> list[int]:
+        """Pages so that `request` holds enough for `tokens` rows (allocation on demand, as a
+        sequence grows) -> the pages added (often none). CacheFullError, naming the memory
+        needed, when the free list of `shard` is short."""
+        held = self.held.get(request, [])
+        need = self.pages_for(tokens) - len(held)
+        if need <= 0:
+            return []
         if need > len(self.free[shard]):
-            what = "the whole pool" if need > usable else "what is free now"
-            raise CacheFullError(
-                f"request {request!r} needs {need} pages of {self.page_size} tokens for {tokens} tokens = "
-                f"{_mib(need * self.bytes_per_page)} of KV cache, more than {what}: "
-                f"{len(self.free[shard])} free of {usable} usable pages "
-                f"({_mib(len(self.free[shard]) * self.bytes_per_page)} free); shorten the request or "
-                "give the pool more pages")
+            raise CacheFullError(self._shortage(request, tokens, shard))
         pages = [self.free[shard].pop() for _ in range(need)]
-        self.held[request] = pages
+        self.held[request] = held + pages
         return pages
 
-    def fits_ever(self, tokens: int) -> bool:
-        return self.pages_for(tokens) <= self.num_pages // self.data_shards - 1
+    def check_fits_ever(self, request, tokens: int) -> None:
+        """CacheFullError, naming the memory, if `tokens` rows need more pages than a whole
+        shard of the pool (the request could never run, however long it waits)."""
+        if self.pages_for(tokens) > self.usable_pages:
+            raise CacheFullError(self._shortage(request, tokens, None))
+
+    @property
+    def usable_pages(self) -> int:
+        """Pages one request can hold at most: a data shard's pages minus its scratch page."""
+        return self.num_pages // self.data_shards - 1
+
+    def _shortage(self, request, tokens: int, shard: int | None) -> str:
+        need = self.pages_for(tokens)
+        free = self.usable_pages if shard is None else len(self.free[shard])
+        what = "the whole pool" if need > self.usable_pages else "what is free now"
+        return (f"request {request!r} needs {need} pages of {self.page_size} tokens for {tokens} tokens = "
+                f"{_mib(need * self.bytes_per_page)} of KV cache, more than {what}: {free} free of "
+                f"{self.usable_pages} usable pages ({_mib(free * self.bytes_per_page)} free); shorten the "
+                "request or give the pool more pages")
 
     def release(self, request) -> None:
-        """Return the request's pages to the free list (they are reused by later requests)."""
-        pages = self.held.pop(request)
-        shard = pages[0] // (self.num_pages // self.data_shards) if pages else 0
-        self.free[shard].extend(reversed(pages))
+        """Return the request's pages (if it holds any) to the free list; later requests reuse them."""
+        pages = self.held.pop(request, [])
+        if pages:
+            self.free[pages[0] // (self.num_pages // self.data_shards)].extend(reversed(pages))
 
     def page_table(self, requests: list, width: int) -> np.ndarray:
         """int32 [len(requests), width]: each request's pages, then its shard's scratch page;

@@ -1,16 +1,49 @@
-"""A serving engine: requests of different lengths share a fixed number of batch slots and a
-pool of cache pages; chunked prefill, then decode steps that are one jitted call each.
+"""A serving engine with continuous batching: requests join and leave at every decode step,
+sharing a fixed number of batch slots and a pool of cache pages.
 
     engine = ServingEngine(model, slots=4, num_pages=64, page_size=16, max_context=512)
-    results = engine.serve([Request(prompt_ids, max_new_tokens=32), ...])
-    results[i].tokens / results[i].error;  engine.step_times: host time per decode step
+    rid = engine.submit(Request(prompt_ids, max_new_tokens=32, sampling=SamplingParams(0.7), seed=1))
+    while engine.has_work():
+        for event in engine.step(): ...        # Event(request_id, tokens since the last event, finished, error)
+    engine.cancel(rid)                         # frees its slot and pages at the next step
+    results = engine.serve([Request(...), ...])   # the same loop, collected per request
 
-Requests are admitted in waves of up to `slots`: each gets pages for prompt + max_new_tokens
-rows from the pool (`glm_jax.cache.page_pool`); one that could never fit gets `error` (the memory
-it needs) and the others run; one that does not fit now waits until earlier requests finish
-and release their pages, which later requests reuse. A decode step is one jitted call on
-fixed shapes (slots x page-table width, the whole pool) with the cache donated, so neither
-the host work nor the compiled program changes as contexts grow.
+One `step()`:
+1. drops cancelled requests (their slot and pages are free at once);
+2. admits waiting requests, oldest first, into free slots while the pool has pages for the
+   prompt and its first token; a request that does not fit now waits (nothing behind it
+   overtakes it);
+3. runs one prefill chunk (`prefill_chunk` tokens) of the oldest request still prefilling, one
+   per data shard; a request whose last chunk ran joins the decoding slots in this same step;
+4. dispatches one decode step for every decoding slot;
+5. reads back the tokens of the decode step dispatched by the previous `step()` and turns them
+   into events; finished requests free their slot and pages.
+
+Two programs, alternated. Prefill chunks and decode steps are separate jitted calls
+(`engine_programs`): a "mixed" program would have to give every slot room for a whole chunk,
+doing C times the work of a decode step on each step, or have one shape per mix of chunk and
+decode rows. Alternating keeps exactly two compiled programs of fixed shape (slots x table
+width; prefill rows x chunk) for any mix of requests and contexts, and a long prompt delays the
+others' next token by one chunk per step, never by its whole prefill.
+
+Pages on demand. A request gets pages for its prompt when it is admitted and one more page
+each time its sequence crosses into a new page; all of them go back as soon as it finishes or
+is cancelled. When a decoding request needs a page and none is free, the engine first waits for
+the step in flight (finished requests may free pages), then preempts the youngest request in
+that data shard (it may be the one asking): its pages are freed and it goes back to the head of
+the queue with its emitted tokens appended to its prompt, so it is recomputed later and
+continues its output and its sampling stream where it stopped. A request that could never run
+(prompt + max_new_tokens over max_context, or more pages than the whole pool) fails alone: an
+Event with `error` naming the memory it needs, while the others go on.
+
+Host/device overlap. Sampled tokens stay on the device: each slot's logits live in the slot
+state and the next decode step draws from them. Step n+1 is dispatched before step n's tokens
+are read, so the host's scheduling of n+1 overlaps the device's work on n. A stop token is
+noticed one step late; the token the slot drew in that extra step is discarded (max_new_tokens
+is known ahead, so it costs no extra step). Per request, token i is drawn with the key
+fold_in(key(seed), i), so a request's output does not depend on its batch companions or on
+preemption. `step_times` holds a StepTime per decode step: host time is the step's wall time
+minus the time blocked waiting for the device.
 """
 
 from __future__ import annotations
@@ -23,30 +56,68 @@ import jax
 import numpy as np
 
 from glm_jax import ops
-from glm_jax.decoding.generate import ContextTooLongError, GeneratorBase, decode_block
-from glm_jax.decoding.sampling import GREEDY, SamplingParams
-from glm_jax.multihost import global_array, to_host
 from glm_jax.cache import CacheFullError, PagePool, shard_cache
+from glm_jax.decoding.engine_programs import empty_slots, engine_programs
+from glm_jax.decoding.generate import GeneratorBase
+from glm_jax.decoding.sampling import GREEDY, SamplingParams
+from glm_jax.multihost import to_host
 
 
 @dataclasses.dataclass
 class Request:
-    prompt: np.ndarray                 # int32 [P]
+    prompt: np.ndarray                  # int32 [P]
     max_new_tokens: int
+    sampling: SamplingParams = GREEDY   # per request
+    stop_token: int | None = None
+    seed: int = 0                       # the request's sampling stream: same seed -> same tokens
+
+
+@dataclasses.dataclass
+class Event:
+    request_id: int
+    tokens: list[int]                   # tokens emitted since the last event for this request
+    finished: bool
+    error: str | None = None            # set (and finished=True) when the request failed alone
 
 
 @dataclasses.dataclass
 class Result:
-    tokens: list[int] | None = None    # new tokens (up to max_new_tokens, cut at the stop token)
+    tokens: list[int] | None = None     # new tokens (up to max_new_tokens, cut at the stop token)
     error: str | None = None
-    pages: list[int] = dataclasses.field(default_factory=list)   # the pool pages it used
 
 
 @dataclasses.dataclass(frozen=True)
 class StepTime:
-    context: int          # longest sequence in the batch before the step
-    host_s: float         # until the jitted call returned (host work: dispatch, no device wait)
-    step_s: float         # until the new tokens were on the host
+    context: int          # longest sequence among the decoding slots before the step
+    host_s: float         # the step's host work: wall time minus the time blocked on the device
+    step_s: float         # the step's wall time (with overlap, about one device step)
+
+
+@dataclasses.dataclass(eq=False)
+class _Run:
+    """One request inside the engine (host bookkeeping)."""
+
+    id: int
+    request: Request
+    context: np.ndarray                  # int32 [T]: what to prefill (prompt + tokens emitted before a preemption)
+    emitted: list[int] = dataclasses.field(default_factory=list)   # tokens read back so far
+    slot: int | None = None
+    order: int = 0                       # admission number: the highest is the youngest
+    prefilled: int = 0                   # context tokens in the cache
+    length: int = 0                      # cache rows once the dispatched steps have run
+    drawn: int = 0                       # tokens drawn, counting steps in flight
+    synced_pages: int = 0                # pages the device's page-table row holds
+    stopped: bool = False                # drew its stop token (seen on read-back)
+    gone: bool = False                   # finished or cancelled: tokens still in flight are dropped
+
+    @property
+    def decoding(self) -> bool:
+        return self.slot is not None and self.prefilled == len(self.context)
+
+    @property
+    def draws(self) -> bool:
+        """Takes part in the next decode step."""
+        return self.decoding and not self.stopped and self.drawn < self.request.max_new_tokens
 
 
 class ServingEngine(GeneratorBase):
@@ -61,77 +132,253 @@ class ServingEngine(GeneratorBase):
         self.width = self.pool.pages_for(max_context + prefill_chunk)
         cache = self.pool.create_cache(slots, self.width, self.split)
         self.cache = cache if mesh is None else shard_cache(cache, mesh)
+        self.slot_state = self.put_replicated(empty_slots(slots, self.cfg.vocab_size))
+        self.params = tuple(jax.tree.leaves(self.state))
+        self.programs = engine_programs(self.graphdef, jax.tree.structure(self.state), kernels, shards)
         self.step_times: list[StepTime] = []
+        self._slots: list[_Run | None] = [None] * slots
+        self._waiting: deque[_Run] = deque()
+        self._runs: dict[int, _Run] = {}            # every request not yet finished
+        self._events: list[Event] = []              # this step's events (errors from submit wait here)
+        self._cancelled: set[int] = set()
+        self._in_flight = None                      # (tokens int32 [B] on the device, [(slot, run)])
+        self._control = None                        # (int32 [B, 3] numpy, the same on the device)
+        self._next_id = 0
+        self._admissions = 0
+        self._waited = 0.0
 
-    def _admit(self, pending: deque, results: list) -> list[tuple[int, Request]]:
-        """Take requests for the next wave, in order, while slots and pages last."""
-        wave: list[tuple[int, Request]] = []
-        while pending and len(wave) < self.batch:
-            i, req = pending[0]
-            need = len(req.prompt) + req.max_new_tokens
-            try:
-                self.check_fits(len(req.prompt), req.max_new_tokens)
-                if not self.pool.fits_ever(need):
-                    self.pool.allocate(i, need, self._shard(len(wave)))   # raises, naming the memory
-                if self.pool.free_pages(self._shard(len(wave))) < self.pool.pages_for(need):
-                    break                                                   # wait for pages to free
-                pages = self.pool.allocate(i, need, self._shard(len(wave)))
-            except (ValueError, ContextTooLongError, CacheFullError) as e:
-                pending.popleft()
-                results[i] = Result(error=str(e))
-                continue
-            pending.popleft()
-            results[i] = Result(pages=pages)
-            wave.append((i, req))
-        return wave
+    # ------------------------------------------------------------------ the public API
+    def submit(self, request: Request) -> int:
+        """Queue a request -> its id. Never raises for a bad request: its error arrives as an Event."""
+        rid, self._next_id = self._next_id, self._next_id + 1
+        try:
+            prompt = self._checked_prompt(rid, request)
+        except (ValueError, TypeError, CacheFullError) as e:
+            self._events.append(Event(rid, [], True, str(e)))
+            return rid
+        run = _Run(rid, request, prompt)
+        self._runs[rid] = run
+        self._waiting.append(run)
+        return rid
 
-    def _shard(self, row: int) -> int:
-        return row * self.pool.data_shards // self.batch
+    def cancel(self, request_id: int) -> None:
+        """Drop a request at the next step: its slot and pages are freed, no further events."""
+        self._cancelled.add(request_id)
 
-    def serve(self, requests: list[Request], *, sampling: SamplingParams = GREEDY, seed: int = 0,
+    def has_work(self) -> bool:
+        return bool(self._runs or self._in_flight or self._events or self._cancelled)
+
+    def step(self) -> list[Event]:
+        """One scheduling step (see the module docstring) -> the events it produced."""
+        t0 = time.perf_counter()
+        self._waited = 0.0
+        self._drop_cancelled()
+        self._admit()
+        self._prefill_chunk()
+        launched, context = self._dispatch_decode()
+        self._drain()
+        self._in_flight = launched
+        if launched is not None:
+            wall = time.perf_counter() - t0
+            self.step_times.append(StepTime(context, wall - self._waited, wall))
+        events, self._events = self._events, []
+        return _merged(events)
+
+    def serve(self, requests: list[Request], *, sampling: SamplingParams | None = None, seed: int = 0,
               stop_token: int | None = None) -> list[Result]:
-        results: list[Result | None] = [None] * len(requests)
-        pending = deque(enumerate(requests))
-        key = jax.random.key(seed)
-        while pending:
-            wave = self._admit(pending, results)
-            if not wave:
-                continue
-            key, sub = jax.random.split(key)
-            rows = self._run_wave(wave, self.put(sub), jax.tree.map(self.put, sampling.as_arrays()), stop_token)
-            for (i, req), new in zip(wave, rows):
-                results[i].tokens = new
-                self.pool.release(i)
-        return results
+        """Run `requests` to the end -> one Result each, in order. `sampling` / `stop_token`, when
+        given, replace every request's own; `seed` is added to every request's seed."""
+        ids = [self.submit(dataclasses.replace(
+            r, sampling=r.sampling if sampling is None else sampling, seed=r.seed + seed,
+            stop_token=r.stop_token if stop_token is None else stop_token)) for r in requests]
+        results = {i: Result(tokens=[]) for i in ids}
+        while self.has_work():
+            for event in self.step():
+                result = results[event.request_id]
+                if event.error is not None:
+                    result.tokens, result.error = None, event.error
+                else:
+                    result.tokens += event.tokens
+        return [results[i] for i in ids]
 
-    def _run_wave(self, wave, key, sampling: SamplingParams, stop_token) -> list[list[int]]:
-        ids = [i for i, _ in wave] + [None] * (self.batch - len(wave))
-        prompts = [r.prompt for _, r in wave] + [np.zeros((0,), np.int32)] * (self.batch - len(wave))
-        lengths = np.array([len(p) for p in prompts], np.int32)
-        padded = np.zeros((self.batch, int(lengths.max())), np.int32)
-        for b, p in enumerate(prompts):
-            padded[b, :len(p)] = p
-        cache = dataclasses.replace(
-            self.cache, lengths=global_array(np.zeros((self.batch,), np.int32), self.cache.lengths.sharding),
-            page_table=global_array(self.pool.page_table(ids, self.width), self.cache.page_table.sharding))
-        logits, cache = self._prefill(cache, padded, lengths)
-        budget = np.array([r.max_new_tokens for _, r in wave] + [0] * (self.batch - len(wave)))
-        out = [[] for _ in range(self.batch)]
-        done = budget == 0
-        context = int(lengths.max())
-        while not done.all():
-            t0 = time.perf_counter()
-            tokens, logits, cache, key = decode_block(self.graphdef, self.state, cache, logits, key, sampling,
-                                                      self.kernels, 1)
-            t1 = time.perf_counter()
-            tokens = to_host(tokens)[:, 0]
-            self.step_times.append(StepTime(context, t1 - t0, time.perf_counter() - t0))
-            context += 1
-            for b in np.flatnonzero(~done):
-                if tokens[b] == stop_token:
-                    done[b] = True
+    # ------------------------------------------------------------------ scheduling
+    def _checked_prompt(self, rid: int, request: Request) -> np.ndarray:
+        prompt = np.asarray(request.prompt)
+        if prompt.ndim != 1 or (prompt.size and not np.issubdtype(prompt.dtype, np.integer)):
+            raise ValueError(f"request {rid}: the prompt must be a 1-D sequence of token ids, got shape "
+                             f"{prompt.shape} of {prompt.dtype}")
+        if prompt.size and (prompt.min() < 0 or prompt.max() >= self.cfg.vocab_size):
+            raise ValueError(f"request {rid}: token ids must be in [0, {self.cfg.vocab_size}), got "
+                             f"{int(prompt.min())}..{int(prompt.max())}")
+        if not isinstance(request.max_new_tokens, (int, np.integer)) or request.max_new_tokens < 1:
+            raise ValueError(f"request {rid}: max_new_tokens must be an integer >= 1, got {request.max_new_tokens!r}")
+        if not isinstance(request.sampling, SamplingParams):
+            raise TypeError(f"request {rid}: sampling must be a SamplingParams, got {type(request.sampling).__name__}")
+        self.check_fits(len(prompt), int(request.max_new_tokens))
+        self.pool.check_fits_ever(rid, len(prompt) + int(request.max_new_tokens))
+        return prompt.astype(np.int32)
+
+    def _shard(self, slot: int) -> int:
+        return slot * self.pool.data_shards // self.batch
+
+    def _drop_cancelled(self) -> None:
+        for rid in sorted(self._cancelled):
+            run = self._runs.get(rid)
+            if run is None:
+                continue
+            if run.slot is None:
+                self._waiting.remove(run)
+            self._retire(run)
+        self._cancelled.clear()
+
+    def _retire(self, run: _Run) -> None:
+        """The request is finished or cancelled: free its slot and pages now (device work already
+        dispatched on them runs before anything dispatched later)."""
+        run.gone = True
+        self.pool.release(run.id)
+        if run.slot is not None:
+            self._slots[run.slot] = None
+            run.slot = None
+        del self._runs[run.id]
+
+    def _admit(self) -> None:
+        """Waiting requests into free slots, oldest first, while the pool has pages for each one's
+        context and first token."""
+        while self._waiting:
+            run = self._waiting[0]
+            rows = len(run.context) + 1
+            free = [b for b, r in enumerate(self._slots) if r is None
+                    and self.pool.free_pages(self._shard(b)) >= self.pool.pages_for(rows)]
+            if not free:
+                return
+            slot = max(free, key=lambda b: self.pool.free_pages(self._shard(b)))
+            self._waiting.popleft()
+            self.pool.grow(run.id, rows, self._shard(slot))
+            self._admissions += 1
+            run.slot, run.order, run.prefilled, run.length = slot, self._admissions, 0, 0
+            run.drawn, run.stopped = len(run.emitted), False
+            self._slots[slot] = run
+
+    def _prefill_chunk(self) -> None:
+        """One chunk for the oldest prefilling request of each data shard (one jitted call)."""
+        shards = self.pool.data_shards
+        chosen: list[_Run | None] = [None] * shards
+        for run in self._slots:
+            if run is not None and not run.decoding:
+                s = self._shard(run.slot)
+                if chosen[s] is None or run.order < chosen[s].order:
+                    chosen[s] = run
+        if not any(chosen):
+            return
+        c = self.prefill_chunk
+        rows = np.full((shards,), self.batch, np.int32)
+        starts, num_valid, drawn = (np.zeros((shards,), np.int32) for _ in range(3))
+        seeds = np.zeros((shards,), np.uint32)
+        tokens = np.zeros((shards, c), np.int32)
+        for s, run in enumerate(chosen):
+            if run is None:
+                continue
+            piece = run.context[run.prefilled:run.prefilled + c]
+            tokens[s, :len(piece)] = piece
+            rows[s], starts[s], num_valid[s] = run.slot, run.prefilled, len(piece)
+            seeds[s], drawn[s] = run.request.seed % 2**32, run.drawn
+            run.prefilled += len(piece)
+            run.length = run.prefilled
+            run.synced_pages = len(self.pool.held.get(run.id, []))
+        tables = self.pool.page_table([None if r is None else r.id for r in chosen], self.width)
+        sampling = SamplingParams.stack([GREEDY if r is None else r.request.sampling for r in chosen])
+        batch, row = ("batch", None), ("batch",)
+        self.cache, self.slot_state = self.programs.prefill(
+            self.params, self.cache, self.slot_state, self.put(rows, row), self.put(tables, batch),
+            self.put(starts, row), self.put(tokens, batch), self.put(num_valid, row), self.put(seeds, row),
+            self.put(drawn, row), jax.tree.map(lambda x: self.put(x, row), sampling))
+
+    def _dispatch_decode(self):
+        """Dispatch one decode step for every drawing slot -> ((tokens on the device, [(slot, run)]),
+        longest context before the step), or (None, 0) when no slot draws."""
+        self._grow_pages()
+        runs = [(b, r) for b, r in enumerate(self._slots) if r is not None and r.draws]
+        if not runs:
+            return None, 0
+        control = np.zeros((self.batch, 3), np.int32)
+        control[:, 1] = self.width                       # no new page
+        context = 0
+        for b, run in runs:
+            held = self.pool.held[run.id]
+            control[b, 0] = 1
+            if len(held) > run.synced_pages:
+                control[b, 1:] = run.synced_pages, held[run.synced_pages]
+                run.synced_pages += 1
+            context = max(context, run.length)
+            run.length += 1
+            run.drawn += 1
+        if self._control is None or not np.array_equal(self._control[0], control):
+            self._control = control, self.put(control, ("batch", None))
+        tokens, self.cache, self.slot_state = self.programs.decode(self.params, self.cache, self.slot_state,
+                                                                   self._control[1])
+        return (tokens, runs), context
+
+    def _grow_pages(self) -> None:
+        """Give every drawing slot the page its next row lands in; when the pool is short, wait for
+        the step in flight, then preempt the youngest request of that data shard."""
+        while True:
+            short = [r for r in self._slots if r is not None and r.draws
+                     and self.pool.pages_for(r.length + 1) > len(self.pool.held[r.id])]
+            if not short:
+                return
+            run = min(short, key=lambda r: r.order)
+            shard = self._shard(run.slot)
+            try:
+                self.pool.grow(run.id, run.length + 1, shard)
+            except CacheFullError:
+                if self._in_flight is not None:
+                    self._drain()
                     continue
-                out[b].append(int(tokens[b]))
-                done[b] = len(out[b]) >= budget[b]
-        self.cache = cache
-        return out[:len(wave)]
+                self._preempt(max((r for r in self._slots if r is not None and self._shard(r.slot) == shard),
+                                  key=lambda r: r.order))
+
+    def _preempt(self, run: _Run) -> None:
+        """Free the request's slot and pages and queue it first, to be recomputed from its prompt
+        and the tokens it emitted (no step is in flight here)."""
+        self.pool.release(run.id)
+        self._slots[run.slot] = None
+        run.slot = None
+        run.context = np.concatenate([np.asarray(run.request.prompt, np.int32), np.asarray(run.emitted, np.int32)])
+        self._waiting.appendleft(run)
+
+    def _drain(self) -> None:
+        """Read back the tokens of the step in flight and turn them into events."""
+        if self._in_flight is None:
+            return
+        tokens, runs = self._in_flight
+        self._in_flight = None
+        t0 = time.perf_counter()
+        tokens.block_until_ready()
+        self._waited += time.perf_counter() - t0
+        tokens = to_host(tokens)
+        for b, run in runs:
+            if run.gone or run.stopped:
+                continue
+            token = int(tokens[b])
+            if token == run.request.stop_token:
+                run.stopped = True
+                self._events.append(Event(run.id, [], True))
+                self._retire(run)
+                continue
+            run.emitted.append(token)
+            done = len(run.emitted) >= run.request.max_new_tokens
+            self._events.append(Event(run.id, [token], done))
+            if done:
+                self._retire(run)
+
+
+def _merged(events: list[Event]) -> list[Event]:
+    """One event per request: tokens concatenated in order, finished / error from the last."""
+    out: dict[int, Event] = {}
+    for e in events:
+        if e.request_id in out:
+            prev = out[e.request_id]
+            out[e.request_id] = Event(e.request_id, prev.tokens + e.tokens, e.finished, e.error)
+        else:
+            out[e.request_id] = Event(e.request_id, list(e.tokens), e.finished, e.error)
+    return list(out.values())
