@@ -28,8 +28,7 @@ from flax import nnx
 from conftest import ROOT, micro_config
 from glm_jax.checkpoint import save_model_dir
 from glm_jax.data.tokenizer import load_tokenizer
-from glm_jax.decoding.engine import ServingEngine
-from glm_jax.decoding.generate import Generator
+from glm_jax.decoding.engine import Request, ServingEngine
 from glm_jax.model import GLMModel
 from glm_jax.ops import KernelChoice
 from glm_jax.serving.app import make_app
@@ -269,20 +268,14 @@ def micro_model():
 
 @pytest.fixture(scope="module")
 def real():
-    """-> (model, base URL) of the server over the real engine with a micro model."""
-    model = micro_model()
-    engine = build_engine(model, **SERVE, kernels=KernelChoice())
+    """-> (greedy completions of PROMPTS, each decoded alone by the engine before the server
+    starts, the base URL of the server over that engine with a micro model)."""
+    engine = build_engine(micro_model(), **SERVE, kernels=KernelChoice())
+    alone = [TOKENIZER.decode(engine.serve([Request(np.asarray(TOKENIZER.encode(p).ids), 6)])[0].tokens)
+             for p in PROMPTS]
     app = make_app(engine, TOKENIZER, model_name="micro", max_context=SERVE["max_context"])
     with running(app) as url:
-        yield model, url
-
-
-def alone(model, prompt: str, max_tokens: int) -> str:
-    """The greedy completion of `prompt` by the plain Generator, one prompt at a time."""
-    gen = Generator(model, batch=1, max_len=SERVE["max_context"], prefill_chunk=SERVE["prefill_chunk"],
-                    block_size=max_tokens)
-    ids = np.asarray(TOKENIZER.encode(prompt).ids, np.int32)
-    return TOKENIZER.decode(next(gen.generate([ids], max_new_tokens=max_tokens))[0].tolist())
+        yield alone, url
 
 
 async def post_all(url: str, bodies: list[dict]) -> list[httpx.Response]:
@@ -292,16 +285,16 @@ async def post_all(url: str, bodies: list[dict]) -> list[httpx.Response]:
 
 @REAL_ENGINE
 def test_concurrent_greedy_requests_equal_decoding_each_alone(real):
-    model, url = real
+    alone, url = real
     over_long = {"prompt": list(range(1, 70)), "max_tokens": 4}
     responses = asyncio.run(post_all(url, [{"prompt": p, "max_tokens": 6, "temperature": 0} for p in PROMPTS]
                                      + [over_long]))
     *served, refused = responses
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt"
-    for prompt, response in zip(PROMPTS, served):
+    for want, response in zip(alone, served):
         body = response.json()
         assert response.status_code == 200 and body["usage"]["completion_tokens"] == 6
-        assert body["choices"][0]["text"] == alone(model, prompt, 6)
+        assert body["choices"][0]["text"] == want
         assert body["choices"][0]["finish_reason"] == "length"
 
 
@@ -340,7 +333,7 @@ def test_sigterm_drains_the_request_in_flight_and_refuses_new_ones(tmp_path):
         assert "example: curl " in proc.stdout.readline()
         in_flight = {}
         thread = threading.Thread(target=lambda: in_flight.update(response=httpx.post(
-            f"{url}/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 48, "temperature": 0}, timeout=120)))
+            f"{url}/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0}, timeout=120)))
         thread.start()
         while httpx.get(f"{url}/health").json()["in_flight"] == 0:
             time.sleep(0.01)
@@ -352,7 +345,7 @@ def test_sigterm_drains_the_request_in_flight_and_refuses_new_ones(tmp_path):
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
         thread.join()
         assert in_flight["response"].status_code == 200
-        assert in_flight["response"].json()["usage"]["completion_tokens"] == 48
+        assert in_flight["response"].json()["usage"]["completion_tokens"] == 8
         assert proc.wait(timeout=60) == 0
         with pytest.raises(httpx.ConnectError):
             httpx.get(f"{url}/health")

@@ -51,15 +51,14 @@ def serve_from_args(args) -> int:
                  about=f"{model.cfg.name} from {source.path}, {args.slots} slots, context {max_context} tokens")
 
 
-def build_engine(model, *, slots: int, page_size: int, max_context: int, **placement):
-    """A ServingEngine whose pool holds every slot at the full context at once."""
-    from glm_jax.cache import PagePool
+def build_engine(model, *, slots: int, page_size: int, max_context: int, prefill_chunk: int, **placement):
+    """A ServingEngine whose pool holds every slot at the full context at once (so no request
+    is ever preempted for pages)."""
     from glm_jax.decoding.engine import ServingEngine
 
-    per_slot = PagePool(model.cfg, num_pages=1, page_size=page_size).pages_for(
-        max_context + placement["prefill_chunk"])
+    per_slot = -(-(max_context + prefill_chunk) // page_size)      # the engine's page-table width
     return ServingEngine(model, slots=slots, num_pages=slots * per_slot + 1, page_size=page_size,
-                         max_context=max_context, **placement)
+                         max_context=max_context, prefill_chunk=prefill_chunk, **placement)
 
 
 def end_of_text_token(cfg, tokenizer) -> int | None:
