@@ -112,7 +112,7 @@ def _prompt_ids(prompt, tokenizer) -> np.ndarray:
         if bad:
             raise APIError(400, f"prompt token ids must be in [0, {vocab}), got {bad[0]}", param="prompt")
         ids = prompt
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+    elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
         raise APIError(400, f"one prompt per request, got {len(prompt)}", param="prompt")
     else:
         raise APIError(400, "prompt must be a string, a list of one string, or a list of token ids",
