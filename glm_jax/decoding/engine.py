@@ -136,6 +136,7 @@ class ServingEngine(GeneratorBase):
         self.params = tuple(jax.tree.leaves(self.state))
         self.programs = engine_programs(self.graphdef, jax.tree.structure(self.state), kernels, shards)
         self.step_times: list[StepTime] = []
+        self.preemptions = 0                        # requests preempted so far (recomputed later)
         self._slots: list[_Run | None] = [None] * slots
         self._waiting: deque[_Run] = deque()
         self._runs: dict[int, _Run] = {}            # every request not yet finished
@@ -340,6 +341,7 @@ class ServingEngine(GeneratorBase):
     def _preempt(self, run: _Run) -> None:
         """Free the request's slot and pages and queue it first, to be recomputed from its prompt
         and the tokens it emitted (no step is in flight here)."""
+        self.preemptions += 1
         self.pool.release(run.id)
         self._slots[run.slot] = None
         run.slot = None

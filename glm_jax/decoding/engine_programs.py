@@ -52,7 +52,8 @@ class SlotState:
 
 def empty_slots(batch: int, vocab: int) -> SlotState:
     return SlotState(jnp.zeros((batch, vocab), jnp.float32), jnp.zeros((batch,), jnp.uint32),
-                     jnp.zeros((batch,), jnp.int32), SamplingParams.stack([SamplingParams()] * batch))
+                     jnp.zeros((batch,), jnp.int32),
+                     jax.tree.map(jnp.asarray, SamplingParams.stack([SamplingParams()] * batch)))
 
 
 def row_keys(seeds: jnp.ndarray, drawn: jnp.ndarray) -> jax.Array:

@@ -1,0 +1,160 @@
+"""Serving engine with continuous batching: staggered arrivals, a request joining mid-decode,
+chunked prefill beside decoding slots, preemption with requeue, requests that can never fit,
+cancel, per-request sampling streams, two programs for everything, flat host time per step.
+
+Every engine here has the same shapes (3 slots, 13 pages of 8 rows, table width 16, chunk 8),
+so the whole file compiles the two engine programs once. Greedy outputs are compared with one
+batched run of the plain Generator (a greedy output of n tokens is a prefix of a longer one)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import micro_config
+from glm_jax.decoding.engine import Request, ServingEngine
+from glm_jax.decoding.generate import Generator
+from glm_jax.decoding.sampling import SamplingParams
+from glm_jax.model import GLMModel
+
+PROMPTS = [np.arange(3, 12), np.arange(20, 25), np.arange(40, 53), np.arange(60, 90) % 97]
+LONGEST = 40                      # new tokens of the reference run
+
+
+@pytest.fixture(scope="module")
+def model():
+    return GLMModel(micro_config(max_position_embeddings=256), rngs=nnx.Rngs(0))
+
+
+@pytest.fixture(scope="module")
+def reference(model) -> list[list[int]]:
+    """Each prompt's greedy continuation of LONGEST tokens from the plain Generator."""
+    gen = Generator(model, batch=len(PROMPTS), max_len=120, prefill_chunk=8, block_size=8)
+    out = np.concatenate(list(gen.generate(PROMPTS, max_new_tokens=LONGEST)), axis=1)
+    return [row[:LONGEST].tolist() for row in out]
+
+
+def new_engine(model) -> ServingEngine:
+    """12 usable pages = 96 cache rows, max_context 120 (so a request can pass the context check
+    and still need more pages than the pool has)."""
+    return ServingEngine(model, slots=3, num_pages=13, page_size=8, max_context=120, prefill_chunk=8)
+
+
+class Driver:
+    """Steps an engine and logs (step number, event)."""
+
+    def __init__(self, engine: ServingEngine):
+        self.engine, self.log, self.steps = engine, [], 0
+
+    def run(self, steps: int | None = None) -> None:
+        """Step `steps` times, or until the engine is idle."""
+        for _ in range(steps or 10**6):
+            if not self.engine.has_work():
+                return
+            self.log += [(self.steps, e) for e in self.engine.step()]
+            self.steps += 1
+
+    def tokens(self, rid: int) -> list[int]:
+        return [t for _, e in self.log if e.request_id == rid for t in e.tokens]
+
+    def first_token_step(self, rid: int) -> int:
+        return min(s for s, e in self.log if e.request_id == rid and e.tokens)
+
+
+def assert_pool_full(engine: ServingEngine) -> None:
+    assert not engine.pool.held and engine.pool.free_pages() == engine.pool.usable_pages
+
+
+def test_staggered_arrivals_equal_each_request_decoded_alone(model, reference):
+    engine = new_engine(model)
+    run = Driver(engine)
+    a = engine.submit(Request(PROMPTS[0], 12))
+    b = engine.submit(Request(PROMPTS[1], 6))
+    run.run(4)
+    c = engine.submit(Request(PROMPTS[2], 8))             # joins while a and b decode
+    run.run(3)
+    d = engine.submit(Request(PROMPTS[3], 5))             # 30 tokens: 4 prefill chunks
+    submitted_d = run.steps
+    run.run()
+    for rid, i, n in ((a, 0, 12), (b, 1, 6), (c, 2, 8), (d, 3, 5)):
+        assert run.tokens(rid) == reference[i][:n], rid
+    assert run.first_token_step(c) < max(s for s, e in run.log if e.request_id == a)   # a still decoding
+    # d's chunks ran between decode steps of the others: tokens of a and c arrived meanwhile
+    assert {e.request_id for s, e in run.log if submitted_d <= s < run.first_token_step(d) and e.tokens} >= {a, c}
+    assert [e.finished for _, e in run.log if e.request_id == a] == [False] * 11 + [True]
+    assert_pool_full(engine)
+
+
+def test_preemption_requeues_and_gives_identical_greedy_output(model, reference):
+    engine = new_engine(model)
+    # 30 + 40 rows (9 pages) and 13 + 40 rows (7 pages) do not fit 12 pages together.
+    ids = [engine.submit(Request(PROMPTS[3], 40)), engine.submit(Request(PROMPTS[2], 40))]
+    run = Driver(engine)
+    run.run()
+    assert engine.preemptions >= 1
+    assert run.tokens(ids[0]) == reference[3] and run.tokens(ids[1]) == reference[2]
+    assert_pool_full(engine)
+
+
+def test_request_that_can_never_fit_fails_alone(model, reference):
+    engine = new_engine(model)
+    ok = engine.submit(Request(PROMPTS[0], 6))
+    too_long = engine.submit(Request(np.arange(100) % 97, 30))     # 130 > max_context 120
+    too_big = engine.submit(Request(np.arange(90), 10))            # 100 rows = 13 pages > 12
+    empty = engine.submit(Request(np.zeros((0,), np.int32), 4))
+    bad_id = engine.submit(Request(np.array([5, 97]), 4))
+    run = Driver(engine)
+    run.run()
+    errors = {e.request_id: e.error for _, e in run.log if e.error}
+    assert "exceeds the context of 120 tokens" in errors[too_long]
+    assert "needs 13 pages" in errors[too_big] and "MiB" in errors[too_big] and "whole pool" in errors[too_big]
+    assert "empty" in errors[empty] and "token ids must be in [0, 97)" in errors[bad_id]
+    assert all(e.finished and not e.tokens for _, e in run.log if e.error)
+    assert run.tokens(ok) == reference[0][:6]
+    assert_pool_full(engine)
+
+
+def test_cancel_frees_the_slot_and_pages(model, reference):
+    engine = new_engine(model)
+    run = Driver(engine)
+    ids = [engine.submit(Request(p, 30)) for p in PROMPTS]       # the fourth waits for a slot
+    run.run(6)
+    assert run.tokens(ids[1]) and not run.tokens(ids[3])
+    engine.cancel(ids[1])                                        # decoding
+    engine.cancel(ids[3])                                        # still waiting
+    run.run()
+    assert not [e for s, e in run.log if s >= 6 and e.request_id in (ids[1], ids[3])]
+    assert run.tokens(ids[0]) == reference[0][:30] and run.tokens(ids[2]) == reference[2][:30]
+    assert_pool_full(engine)
+
+
+def test_per_request_sampling_does_not_depend_on_batch_companions(model):
+    hot = Request(PROMPTS[0], 10, sampling=SamplingParams(temperature=1.5, top_k=20), seed=7)
+    alone = new_engine(model).serve([hot])[0].tokens
+    engine = new_engine(model)
+    together = engine.serve([Request(PROMPTS[1], 12), hot, Request(PROMPTS[2], 10, SamplingParams(0.7, top_p=0.5), seed=3),
+                             hot])
+    assert together[1].tokens == together[3].tokens == alone
+    other_seed = new_engine(model).serve([Request(PROMPTS[0], 10, hot.sampling, seed=8)])[0].tokens
+    assert other_seed != alone
+    assert_pool_full(engine)
+
+
+def test_stop_token_ends_a_request_and_the_extra_token_is_dropped(model, reference):
+    stop = reference[0][3]
+    engine = new_engine(model)
+    out = engine.serve([Request(PROMPTS[0], 20, stop_token=stop), Request(PROMPTS[1], 8)])
+    assert out[0].tokens == reference[0][:reference[0].index(stop)] and out[1].tokens == reference[1][:8]
+    assert_pool_full(engine)
+
+
+def test_two_programs_serve_every_mix_and_host_time_is_flat(model):
+    engine = new_engine(model)
+    engine.serve([Request(np.arange(1, 9), 88)])          # 8 + 88 = 96 rows: the whole pool
+    assert engine.programs.decode._cache_size() == 1 and engine.programs.prefill._cache_size() == 1
+    times = engine.step_times
+    early = np.median([t.host_s for t in times[5:25]])
+    late = np.median([t.host_s for t in times[-20:]])
+    assert times[-1].context >= 90
+    assert late < 3 * early + 1e-3, (early, late)
