@@ -46,10 +46,11 @@ def make_app(engine, tokenizer, *, model_name: str, max_context: int, stop_token
         await asyncio.to_thread(engine_loop.close)
 
     async def completions(http: HTTPRequest):
-        if not engine_loop.accepting:
+        body = await http.body()
+        if not engine_loop.accepting:      # checked after the last await before the submission
             raise APIError(503, "the server is shutting down and takes no new requests", type="server_error",
                            code="shutting_down")
-        req = parse_completion(await http.body(), tokenizer, model_name=model_name, max_context=max_context)
+        req = parse_completion(body, tokenizer, model_name=model_name, max_context=max_context)
         completion = _Completion(engine_loop, req, tokenizer, stop_token, model_name)
         response = None
         try:
