@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import json
 import re
 import signal
@@ -28,7 +27,7 @@ from flax import nnx
 from conftest import ROOT, micro_config
 from glm_jax.checkpoint import save_model_dir
 from glm_jax.data.tokenizer import load_tokenizer
-from glm_jax.decoding.engine import Request, ServingEngine
+from glm_jax.decoding.engine import Event, Request
 from glm_jax.model import GLMModel
 from glm_jax.ops import KernelChoice
 from glm_jax.serving.app import make_app
@@ -123,14 +122,6 @@ def test_request_fields_and_defaults():
 
 
 # ---------------------------------------------------------------------- the app over a fake engine
-@dataclasses.dataclass
-class Event:
-    request_id: int
-    tokens: list[int]
-    finished: bool
-    error: str | None = None
-
-
 class FakeEngine:
     """The ServingEngine API, no model: each step gives every active request the next token of
     `script` (cycling); a prompt longer than `limit` tokens fails alone; `step_s` slows steps."""
@@ -253,9 +244,6 @@ def test_engine_failure_fails_requests_with_503():
 
 
 # ---------------------------------------------------------------------- the real engine
-REAL_ENGINE = pytest.mark.skipif(not hasattr(ServingEngine, "submit"),
-                                 reason="needs ServingEngine.submit/step/cancel/has_work (continuous batching, "
-                                        "branch engine), not in glm_jax/decoding/engine.py yet")
 #: The server's settings: the in-process server and the decode.py --serve process share them,
 #: so the process finds the programs in the compilation cache.
 SERVE = dict(slots=2, page_size=8, max_context=64, prefill_chunk=8)
@@ -284,7 +272,6 @@ async def post_all(url: str, bodies: list[dict]) -> list[httpx.Response]:
         return await asyncio.gather(*(client.post("/v1/completions", json=b) for b in bodies))
 
 
-@REAL_ENGINE
 def test_concurrent_greedy_requests_equal_decoding_each_alone(real):
     alone, url = real
     over_long = {"prompt": list(range(1, 70)), "max_tokens": 4}
@@ -299,7 +286,6 @@ def test_concurrent_greedy_requests_equal_decoding_each_alone(real):
         assert body["choices"][0]["finish_reason"] == "length"
 
 
-@REAL_ENGINE
 def test_stream_equals_whole_response_and_bad_bodies_get_400(real):
     _, url = real
     body = {"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0.8, "top_k": 20, "seed": 3}
@@ -314,7 +300,6 @@ def test_stream_equals_whole_response_and_bad_bodies_get_400(real):
     assert wrong["param"] == "min_p" and wrong["type"] == "invalid_request_error"
 
 
-@REAL_ENGINE
 def test_sigterm_drains_the_request_in_flight_and_refuses_new_ones(tmp_path):
     save_model_dir(tmp_path / "micro", micro_model(), tokenizer_file=TOKENIZER_FILE)
     flags = ["--slots", SERVE["slots"], "--page-size", SERVE["page_size"], "--max-len", SERVE["max_context"],
