@@ -24,6 +24,7 @@ import pytest
 import uvicorn
 from flax import nnx
 
+import decode
 from conftest import ROOT, micro_config
 from glm_jax.checkpoint import save_model_dir
 from glm_jax.data.tokenizer import load_tokenizer
@@ -341,3 +342,8 @@ def test_sigterm_drains_the_request_in_flight_and_refuses_new_ones(tmp_path):
         proc.kill()
         output.append(proc.communicate()[0])
     assert "draining: new requests get 503" in "".join(output)
+
+
+def test_serve_flags_out_of_range_are_one_line_errors(capsys):
+    assert decode.main(["--serve", "--slots", "0"]) == 2
+    assert capsys.readouterr().err == "error: --slots and --page-size must be >= 1\n"
