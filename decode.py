@@ -11,6 +11,7 @@
                                                        # one of several processes (hosts); --distributed
                                                        # finds these by itself on a TPU pod or under SLURM
     python decode.py --config configs/glm-5.2.yaml --topology v5p:4x4x4 --max-context 1048576 --compile-only
+    python decode.py --serve --port 8000               # OpenAI-style /v1/completions over HTTP (docs/serving.md)
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from glm_jax import cli
+from glm_jax.serving.launch import add_server_flags, serve_from_args
 
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parent / "checkpoints" / "default"
 DEFAULT_PROMPT = "import os\n\n\ndef read_lines(path):\n"
@@ -67,6 +69,7 @@ def parse_args(argv=None):
     ap.add_argument("--batch", type=int, default=1, help="sequences per step for --compile-only")
     cli.add_kernel_flags(ap)
     cli.add_distributed_flags(ap, "--output")
+    add_server_flags(ap)
     return ap.parse_args(argv)
 
 
@@ -76,6 +79,8 @@ def main(argv=None) -> int:
     if args.compile_only:
         return _compile_only(args)
     cli.join_processes(args)      # before the first jax computation
+    if args.serve:
+        return serve_from_args(args)
     from glm_jax.multihost import is_main_process, stdout_of_main_process_only
 
     with stdout_of_main_process_only():

@@ -1,0 +1,12 @@
+"""An OpenAI-compatible HTTP front end (/v1/completions) for the serving engine.
+
+    protocol     request bodies -> CompletionRequest or APIError; the response bodies
+    text         incremental detokenization and stop strings
+    engine_loop  the engine on its own thread; a Ticket per request for the event loop
+    app          make_app: the Starlette routes over an EngineLoop
+    server       uvicorn with a draining shutdown (SIGTERM)
+    launch       decode.py --serve: flags, model, tokenizer, engine
+
+Only `app` and `server` need the serve extra (Starlette, uvicorn); importing this package or
+`launch` does not.
+"""

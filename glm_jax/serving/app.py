@@ -1,0 +1,218 @@
+"""The Starlette app: POST /v1/completions (OpenAI Completions, streamed or not), GET /v1/models,
+GET /health, over an `EngineLoop`.
+
+    app = make_app(engine, tokenizer, model_name="tiny", max_context=1024, stop_token=0)
+    uvicorn.run(app)            # or glm_jax.serving.launch.serve(...) for the draining shutdown
+
+Errors are OpenAI's `{"error": {"message", "type", "param", "code"}}`: a bad request 400 (an
+error the engine reports for one request too, while the others go on), another model 404, a
+server that drains or whose engine failed 503. A client that disconnects has its request
+cancelled in the engine. A stream waits for the request's first engine event before it sends
+the headers, so a request the engine refuses still gets a 400.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from glm_jax.decoding.engine import Request
+from glm_jax.serving.engine_loop import EngineFailure, EngineLoop, Ticket
+from glm_jax.serving.protocol import APIError, CompletionRequest, completion_body, parse_completion, usage
+from glm_jax.serving.text import TextStream
+
+
+def make_app(engine, tokenizer, *, model_name: str, max_context: int, stop_token: int | None = None) -> Starlette:
+    """engine: a ServingEngine (submit / cancel / step / has_work); tokenizer: a `tokenizers`
+    Tokenizer; max_context: the most tokens (prompt + completion) one request may use;
+    stop_token: the end-of-text token id that ends a completion (finish_reason "stop")."""
+    engine_loop = EngineLoop(engine)
+    created = int(time.time())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        engine_loop.start()
+        yield
+        engine_loop.stop_accepting()
+        await asyncio.to_thread(engine_loop.close)
+
+    async def completions(http: HTTPRequest):
+        body = await http.body()
+        if not engine_loop.accepting:      # checked after the last await before the submission
+            raise APIError(503, "the server is shutting down and takes no new requests", type="server_error",
+                           code="shutting_down")
+        req = parse_completion(body, tokenizer, model_name=model_name, max_context=max_context)
+        completion = _Completion(engine_loop, req, tokenizer, stop_token, model_name)
+        response = None
+        try:
+            async with _client_gone_cancels(http):
+                if not req.stream:
+                    return JSONResponse(await completion.whole())
+                first = await completion.next_chunk()      # before the headers: an error is still a 400
+            response = _TicketStream(completion.stream(first), completion.close)
+            return response
+        except _ClientGone:
+            return Response(status_code=499)              # nobody reads it: the client closed the request
+        finally:
+            if response is None:
+                completion.close()
+
+    async def models(_):
+        return JSONResponse({"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
+                                                         "owned_by": "glm-jax", "max_model_len": max_context}]})
+
+    async def health(_):
+        if engine_loop.failure is not None:
+            return JSONResponse({"status": "failed", "error": str(engine_loop.failure)}, status_code=503)
+        if not engine_loop.accepting:
+            return JSONResponse({"status": "draining", "in_flight": engine_loop.in_flight}, status_code=503)
+        return JSONResponse({"status": "ok", "in_flight": engine_loop.in_flight})
+
+    app = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]),
+                            Route("/v1/models", models, methods=["GET"]),
+                            Route("/health", health, methods=["GET"])],
+                    exception_handlers={APIError: _api_error, HTTPException: _http_error,
+                                        EngineFailure: _engine_failure, Exception: _internal_error},
+                    lifespan=lifespan)
+    app.state.engine_loop = engine_loop
+    return app
+
+
+class _Completion:
+    """One request's way through the engine: its ticket, its text so far, its token count."""
+
+    def __init__(self, engine_loop: EngineLoop, req: CompletionRequest, tokenizer, stop_token, model_name: str):
+        self.engine_loop, self.req, self.model_name = engine_loop, req, model_name
+        self.id = f"cmpl-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.text = TextStream(tokenizer, req.stop)
+        self.completion_tokens = 0
+        self.ticket: Ticket = engine_loop.submit(Request(prompt=req.prompt, max_new_tokens=req.max_tokens,
+                                                         sampling=req.sampling, stop_token=stop_token, seed=req.seed))
+
+    async def next_chunk(self) -> tuple[str, str | None]:
+        """-> (new text, finish_reason: None until the last chunk, then "length" or "stop")."""
+        event = await self.ticket.next_event()
+        if event.error is not None:
+            raise APIError(400, event.error, code="request_refused")
+        self.completion_tokens += len(event.tokens)
+        text = self.text.push(event.tokens)
+        if self.text.stopped:
+            return text, "stop"
+        if event.finished:
+            return text + self.text.flush(), "length" if self.completion_tokens >= self.req.max_tokens else "stop"
+        return text, None
+
+    async def whole(self) -> dict:
+        pieces, finish_reason = [], None
+        while finish_reason is None:
+            text, finish_reason = await self.next_chunk()
+            pieces.append(text)
+        return completion_body(self.id, self.created, self.model_name, "".join(pieces), finish_reason,
+                               usage=self._usage())
+
+    async def stream(self, first: tuple[str, str | None]):
+        """Server-sent events: a chunk per engine event that brought text, the last one with the
+        finish_reason, the usage chunk if asked for, then [DONE]. An error mid-stream is sent
+        as an error event."""
+        extra = {"usage": None} if self.req.include_usage else {}
+        text, finish_reason = first
+        try:
+            while True:
+                if text or finish_reason:
+                    yield _sse(completion_body(self.id, self.created, self.model_name, text, finish_reason, **extra))
+                if finish_reason:
+                    break
+                text, finish_reason = await self.next_chunk()
+        except (APIError, EngineFailure) as e:
+            yield _sse(_error_of(e).body())
+        else:
+            if self.req.include_usage:
+                yield _sse({"id": self.id, "object": "text_completion", "created": self.created,
+                            "model": self.model_name, "choices": [], "usage": self._usage()})
+        yield "data: [DONE]\n\n"
+
+    def _usage(self) -> dict:
+        return usage(len(self.req.prompt), self.completion_tokens)
+
+    def close(self) -> None:
+        self.engine_loop.finish(self.ticket)
+
+
+class _TicketStream(StreamingResponse):
+    """An SSE response that, however it ends (done, client gone, error), closes its request."""
+
+    def __init__(self, content, on_close):
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+class _ClientGone(Exception):
+    """The client disconnected before its response was sent."""
+
+
+@contextlib.asynccontextmanager
+async def _client_gone_cancels(http: HTTPRequest):
+    """Within: the client disconnecting cancels the work, which ends in _ClientGone. The request
+    body must have been read before."""
+    task = asyncio.current_task()
+    gone = False
+
+    async def watch():
+        nonlocal gone
+        while (await http.receive())["type"] != "http.disconnect":
+            pass
+        gone = True
+        task.cancel()
+
+    watcher = asyncio.create_task(watch())
+    try:
+        yield
+    except asyncio.CancelledError:
+        if gone and task.uncancel() == 0:
+            raise _ClientGone() from None
+        raise
+    finally:
+        watcher.cancel()
+
+
+def _sse(body: dict) -> str:
+    return f"data: {json.dumps(body)}\n\n"
+
+
+def _error_of(e: Exception) -> APIError:
+    if isinstance(e, EngineFailure):
+        return APIError(503, str(e), type="server_error", code="engine_failed")
+    return e
+
+
+async def _api_error(_, e: APIError):
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+async def _engine_failure(_, e: EngineFailure):
+    return await _api_error(_, _error_of(e))
+
+
+async def _http_error(_, e: HTTPException):
+    return JSONResponse(APIError(e.status_code, e.detail, code=str(e.status_code)).body(),
+                        status_code=e.status_code, headers=e.headers)
+
+
+async def _internal_error(_, e: Exception):
+    return await _api_error(_, APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error"))

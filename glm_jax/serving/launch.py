@@ -1,0 +1,71 @@
+"""`decode.py --serve`: the model, tokenizer and engine from decode.py's flags, handed to
+`glm_jax.serving.server.serve` (uvicorn with a draining shutdown)."""
+
+from __future__ import annotations
+
+import argparse
+
+from glm_jax import cli
+
+
+def add_server_flags(ap: argparse.ArgumentParser) -> None:
+    group = ap.add_argument_group("HTTP server", "--serve answers OpenAI-style /v1/completions requests "
+                                  "(docs/serving.md, HTTP endpoint) instead of decoding --prompt")
+    group.add_argument("--serve", action="store_true", help="run the HTTP server")
+    group.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    group.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free one)")
+    group.add_argument("--slots", type=int, default=4, help="requests the engine decodes together")
+    group.add_argument("--page-size", type=int, default=16, help="cache rows per page of the engine's pool")
+
+
+def serve_from_args(args) -> int:
+    """Build what decode.py's flags name and serve it until a signal; -> the exit code."""
+    import jax
+
+    from glm_jax.checkpoint import load_model
+    from glm_jax.config import load_config
+    from glm_jax.data.tokenizer import load_tokenizer
+    from glm_jax.sharding import make_mesh
+
+    try:
+        from glm_jax.serving.app import make_app
+        from glm_jax.serving.server import serve
+    except ImportError as e:
+        raise cli.UserError(f"--serve needs the serve extra ({e}); install it with pip install -e '.[serve]'") from None
+
+    if jax.process_count() > 1:
+        raise cli.UserError("--serve runs in one process; leave out the multi-process flags")
+    if args.slots < 1 or args.page_size < 1:
+        raise cli.UserError("--slots and --page-size must be >= 1")
+    source = cli.model_source(args)
+    with cli.user_errors():
+        model = load_model(source, config=load_config(args.config) if args.config else None)
+        tokenizer = load_tokenizer(source.path)
+        max_context = args.max_len or model.cfg.max_position_embeddings
+        engine = build_engine(model, slots=args.slots, page_size=args.page_size, max_context=max_context,
+                              prefill_chunk=args.prefill_chunk, kernels=cli.kernel_choice(args),
+                              mesh=make_mesh(args.mesh) if args.mesh else None, collective=args.collective)
+    app = make_app(engine, tokenizer, model_name=model.cfg.name, max_context=max_context,
+                   stop_token=end_of_text_token(model.cfg, tokenizer))
+    return serve(app, host=args.host, port=args.port,
+                 about=f"{model.cfg.name} from {source.path}, {args.slots} slots, context {max_context} tokens")
+
+
+def build_engine(model, *, slots: int, page_size: int, max_context: int, prefill_chunk: int, **placement):
+    """A ServingEngine whose pool holds every slot at the full context at once (so no request
+    is ever preempted for pages)."""
+    from glm_jax.decoding.engine import ServingEngine
+
+    per_slot = -(-(max_context + prefill_chunk) // page_size)      # the engine's page-table width
+    return ServingEngine(model, slots=slots, num_pages=slots * per_slot + 1, page_size=page_size,
+                         max_context=max_context, prefill_chunk=prefill_chunk, **placement)
+
+
+def end_of_text_token(cfg, tokenizer) -> int | None:
+    """The config's eos_token_id (the first of a list) if set, else the tokenizer's end-of-text."""
+    from glm_jax.data.tokenizer import eos_id
+
+    eos = cfg.eos_token_id
+    if isinstance(eos, (tuple, list)):
+        eos = eos[0] if eos else None
+    return eos_id(tokenizer) if eos is None else eos
