@@ -56,7 +56,8 @@ def parse_args(argv=None):
     ap.add_argument("--prefill-chunk", type=int, default=256)
     ap.add_argument("--max-batch", type=int, default=None, metavar="N",
                     help="decode the prompts through the serving engine, N sequences at a time (continuous "
-                         "batching; plain decoding, each prompt its own sampling stream)")
+                         "batching; plain decoding, each prompt its own sampling stream); with --serve, the "
+                         "requests decoded together (default 4)")
     ap.add_argument("--quiet", action="store_true", help="print only the generated text")
     cli.add_mesh_flag(ap, "e.g. data=1,layer=8; layer > 1 splits the KV cache across devices by layer (LayerSplit)")
     ap.add_argument("--collective", default="permute", choices=("permute", "psum"),

@@ -303,7 +303,7 @@ def test_stream_equals_whole_response_and_bad_bodies_get_400(real):
 
 def test_sigterm_drains_the_request_in_flight_and_refuses_new_ones(tmp_path):
     save_model_dir(tmp_path / "micro", micro_model(), tokenizer_file=TOKENIZER_FILE)
-    flags = ["--slots", SERVE["slots"], "--page-size", SERVE["page_size"], "--max-len", SERVE["max_context"],
+    flags = ["--max-batch", SERVE["slots"], "--page-size", SERVE["page_size"], "--max-len", SERVE["max_context"],
              "--prefill-chunk", SERVE["prefill_chunk"]]
     proc = subprocess.Popen([sys.executable, str(ROOT / "decode.py"), "--serve", "--port", "0", "--checkpoint",
                              str(tmp_path / "micro"), *map(str, flags)],
@@ -345,5 +345,5 @@ def test_sigterm_drains_the_request_in_flight_and_refuses_new_ones(tmp_path):
 
 
 def test_serve_flags_out_of_range_are_one_line_errors(capsys):
-    assert decode.main(["--serve", "--slots", "0"]) == 2
-    assert capsys.readouterr().err == "error: --slots and --page-size must be >= 1\n"
+    assert decode.main(["--serve", "--max-batch", "0"]) == 2
+    assert capsys.readouterr().err == "error: --max-batch and --page-size must be >= 1\n"

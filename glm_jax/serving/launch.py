@@ -8,13 +8,16 @@ import argparse
 from glm_jax import cli
 
 
+#: Requests the server decodes together unless --max-batch says otherwise.
+DEFAULT_SLOTS = 4
+
+
 def add_server_flags(ap: argparse.ArgumentParser) -> None:
     group = ap.add_argument_group("HTTP server", "--serve answers OpenAI-style /v1/completions requests "
                                   "(docs/serving.md, HTTP endpoint) instead of decoding --prompt")
     group.add_argument("--serve", action="store_true", help="run the HTTP server")
     group.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     group.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free one)")
-    group.add_argument("--slots", type=int, default=4, help="requests the engine decodes together")
     group.add_argument("--page-size", type=int, default=16, help="cache rows per page of the engine's pool")
 
 
@@ -35,20 +38,21 @@ def serve_from_args(args) -> int:
 
     if jax.process_count() > 1:
         raise cli.UserError("--serve runs in one process; leave out the multi-process flags")
-    if args.slots < 1 or args.page_size < 1:
-        raise cli.UserError("--slots and --page-size must be >= 1")
+    slots = DEFAULT_SLOTS if args.max_batch is None else args.max_batch
+    if slots < 1 or args.page_size < 1:
+        raise cli.UserError("--max-batch and --page-size must be >= 1")
     source = cli.model_source(args)
     with cli.user_errors():
         model = load_model(source, config=load_config(args.config) if args.config else None)
         tokenizer = load_tokenizer(source.path)
         max_context = args.max_len or model.cfg.max_position_embeddings
-        engine = build_engine(model, slots=args.slots, page_size=args.page_size, max_context=max_context,
+        engine = build_engine(model, slots=slots, page_size=args.page_size, max_context=max_context,
                               prefill_chunk=args.prefill_chunk, kernels=cli.kernel_choice(args),
                               mesh=make_mesh(args.mesh) if args.mesh else None, collective=args.collective)
     app = make_app(engine, tokenizer, model_name=model.cfg.name, max_context=max_context,
                    stop_token=end_of_text_token(model.cfg, tokenizer))
     return serve(app, host=args.host, port=args.port,
-                 about=f"{model.cfg.name} from {source.path}, {args.slots} slots, context {max_context} tokens")
+                 about=f"{model.cfg.name} from {source.path}, {slots} slots, context {max_context} tokens")
 
 
 def build_engine(model, *, slots: int, page_size: int, max_context: int, prefill_chunk: int, **placement):
