@@ -9,11 +9,17 @@
                                                        # one of several processes (hosts); --distributed
                                                        # finds these by itself on a TPU pod or under SLURM
     python decode.py --config configs/glm-5.2.yaml --topology v5p:4x4x4 --max-context 1048576 --compile-only
+
+Output: the prompt, then its completion. On a terminal the prompt is dimmed; piped (or with
+NO_COLOR set) a line `----- completion -----` follows the prompt, so the completion is everything
+after the first "\n----- completion -----\n" (glm_jax/decoding/display.py). --prompt-ids prints
+the ids only, unmarked; --output writes {prompt, completion} JSON lines.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -83,6 +89,7 @@ def _decode(args) -> int:
     from glm_jax.checkpoint import load_model
     from glm_jax.config import load_config
     from glm_jax.data.tokenizer import eos_id, load_tokenizer
+    from glm_jax.decoding import display
     from glm_jax.decoding.generate import Generator
     from glm_jax.decoding.sampling import SamplingError, SamplingParams
     from glm_jax.decoding.speculative import SpeculativeGenerator
@@ -130,9 +137,12 @@ def _decode(args) -> int:
               f"{mode} decoding{where}", file=sys.stderr)
     sampling = dict(max_new_tokens=args.max_new_tokens, sampling=params,
                     seed=args.seed, stop_token=stop, progress=None if args.quiet else _Progress())
+    # token ids in, token ids out (machine-readable): no marker; text: the prompt is marked
+    show = (lambda p: p) if args.prompt_ids else functools.partial(display.prompt_text,
+                                                                   style=display.styled(sys.stdout))
     t0 = time.perf_counter()
     if batch == 1 and not speculative:
-        completions = [_stream(gen, tok, prompts[0], ids[0], stop, sampling)]
+        completions = [_stream(gen, tok, show(prompts[0]), ids[0], stop, sampling)]
     else:
         if speculative:
             out = gen.generate(ids, **sampling)
@@ -142,7 +152,7 @@ def _decode(args) -> int:
         for i, (prompt, new) in enumerate(zip(prompts, completions)):
             if batch > 1:
                 print(f"\n===== prompt {i} =====")
-            print(prompt + tok.decode(new), flush=True)
+            print(show(prompt) + tok.decode(new), flush=True)
     if args.output:     # None on every process but the first
         with open(args.output, "w") as f:
             for prompt, new in zip(prompts, completions):
@@ -268,9 +278,9 @@ def _cut(tokens: list[int], stop: int | None) -> list[int]:
     return out
 
 
-def _stream(gen, tok, prompt, ids, stop, sampling) -> list[int]:
+def _stream(gen, tok, shown_prompt, ids, stop, sampling) -> list[int]:
     """Plain decoding of one prompt, printing text as each block of tokens arrives."""
-    print(prompt, end="", flush=True)
+    print(shown_prompt, end="", flush=True)
     new: list[int] = []
     printed = ""
     for block in gen.generate(ids, **sampling):

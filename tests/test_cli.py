@@ -17,7 +17,7 @@ import train
 from glm_jax import cli, ops
 from glm_jax.checkpoint import ModelSource, load_model
 from glm_jax.config import load_config, save_config
-from glm_jax.decoding import generate
+from glm_jax.decoding import display, generate
 from glm_jax.sharding import ShardingError
 from glm_jax.training import run
 from conftest import ROOT, micro_config
@@ -52,7 +52,7 @@ def test_decode_prints_text_and_speed(trained_run, capsys):
     out, _ = trained_run
     assert decode.main(["--checkpoint", str(out), "--prompt", "def f(x):", "--max-new-tokens", "8"]) == 0
     captured = capsys.readouterr()
-    assert captured.out.startswith("def f(x):")
+    assert captured.out.startswith(f"def f(x):\n{display.COMPLETION_MARK}\n")    # piped: the marker line
     assert "tokens/s" in captured.err
     assert "compiling and running the prefill" in captured.err and "prefill done; decoding" in captured.err
 
