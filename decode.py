@@ -326,22 +326,19 @@ class _Progress:
 
 
 def _print_stats(gen, completions, elapsed) -> None:
+    from glm_jax.decoding import display
     from glm_jax.decoding.speculative import SpeculativeGenerator
 
     n = sum(map(len, completions))
+    s = gen.stats
     if isinstance(gen, SpeculativeGenerator):
-        s = gen.stats
-        rates = " ".join(f"{r:.2f}" for r in s.acceptance_rate)
-        print(f"\n[prefill in {s.prefill_s:.2f}s; {n} new tokens in {s.decode_s:.2f}s = "
-              f"{n / max(s.decode_s, 1e-9):.1f} tokens/s (includes compilation); acceptance length "
-              f"{s.acceptance_length:.2f} over {s.verify_steps} verify steps; acceptance rate per draft "
-              f"position: {rates}]", file=sys.stderr)
+        print(f"\n[prefill in {s.prefill_s:.2f}s; {n} new tokens in {s.compile_s + s.decode_s:.2f}s with "
+              f"compilation]", file=sys.stderr)
     else:
-        s = gen.stats
         decode_s = s.get("decode_s", elapsed)
         print(f"\n[prefill {s['prompt_tokens']} tokens in {s['prefill_s']:.2f}s; {n} new tokens in "
-              f"{decode_s:.2f}s = {n / max(decode_s, 1e-9):.1f} tokens/s (first block includes compilation)]",
-              file=sys.stderr)
+              f"{decode_s:.2f}s with compilation]", file=sys.stderr)
+    print(display.steady_state_line(gen), file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -48,13 +48,20 @@ def test_training_lowers_the_loss_and_writes_checkpoints(trained_run):
     assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.isdigit()) == ["12", "6"]
 
 
-def test_decode_prints_text_and_speed(trained_run, capsys):
+@pytest.mark.parametrize("flags", [["--speculative", "3", "--max-new-tokens", "8"],
+                                   ["--speculative", "0", "--max-new-tokens", "20"]], ids=["speculative", "plain"])
+def test_decode_prints_text_and_speed(trained_run, capsys, flags):
     out, _ = trained_run
-    assert decode.main(["--checkpoint", str(out), "--prompt", "def f(x):", "--max-new-tokens", "8"]) == 0
+    assert decode.main(["--checkpoint", str(out), "--prompt", "def f(x):", *flags]) == 0
     captured = capsys.readouterr()
     assert captured.out.startswith(f"def f(x):\n{display.COMPLETION_MARK}\n")    # piped: the marker line
-    assert "tokens/s" in captured.err
     assert "compiling and running the prefill" in captured.err and "prefill done; decoding" in captured.err
+    steady = re.search(r"^steady state: (\d+\.\d) tokens/s .*", captured.err, re.MULTILINE)
+    assert steady and float(steady.group(1)) > 0
+    acceptance = re.search(r"acceptance length (\d+\.\d\d) over (\d+) verify steps", steady.group(0))
+    assert (acceptance is not None) == (flags[1] != "0")
+    if acceptance:
+        assert 1.0 <= float(acceptance.group(1)) <= 4.0 and int(acceptance.group(2)) > 0
 
 
 def test_prompt_longer_than_context_is_refused(trained_run, capsys):

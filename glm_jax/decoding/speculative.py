@@ -42,8 +42,11 @@ class SpecStats:
     accepted: int = 0                     # accepted drafts, summed
     accepted_at: np.ndarray | None = None  # [K]: how often draft position j was accepted
     new_tokens: int = 0
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
+    prefill_s: float = 0.0                # the prefill, with the compilation of its first chunk
+    compile_s: float = 0.0                # compiling the decode program (0 when already compiled)
+    decode_s: float = 0.0                 # running the compiled decode program: no compilation
+    steps_per_sequence: np.ndarray | None = None      # int [B]: verify steps of each sequence
+    accepted_per_sequence: np.ndarray | None = None   # int [B]: accepted drafts of each sequence
 
     @property
     def acceptance_length(self) -> float:
@@ -53,6 +56,11 @@ class SpecStats:
     @property
     def acceptance_rate(self) -> np.ndarray:
         return self.accepted_at / max(self.verify_steps, 1)
+
+    @property
+    def acceptance_lengths(self) -> np.ndarray:
+        """float [B]: each sequence's acceptance length."""
+        return 1.0 + self.accepted_per_sequence / np.maximum(self.steps_per_sequence, 1)
 
 
 def _sample(key, probs):
@@ -204,13 +212,29 @@ class SpeculativeGenerator(GeneratorBase):
         t1 = time.perf_counter()
         key, sampling = self.sampling_args(seed, sampling)
         eos = self.put(np.int32(-1 if stop_token is None else stop_token))
-        out, count, steps, accepted, accepted_at, _, _ = _speculate(
-            self.graphdef, self.state, cache, mtp_cache, logits, hidden, key, sampling, eos,
-            kernels=self.kernels, num_draft=k, kv_share=self.kv_share, max_new=max_new_tokens)
+        args = (self.state, cache, mtp_cache, logits, hidden, key, sampling, eos)
+        leaves, treedef = jax.tree.flatten(args)
+        program = _compiled_speculate(self.graphdef, treedef, tuple(map(_spec_of, leaves)), kernels=self.kernels,
+                                      num_draft=k, kv_share=self.kv_share, max_new=max_new_tokens)
+        t2 = time.perf_counter()
+        out, count, steps, accepted, accepted_at, _, _ = program(*args)
         out, steps, accepted, accepted_at = map(to_host, (out, steps, accepted, accepted_at))
         out = out[:, :max_new_tokens]
-        t2 = time.perf_counter()
+        t3 = time.perf_counter()
         self.stats = SpecStats(verify_steps=int(np.sum(steps)), accepted=int(np.sum(accepted)),
                                accepted_at=accepted_at, new_tokens=int(np.sum(out >= 0)),
-                               prefill_s=t1 - t0, decode_s=t2 - t1)
+                               prefill_s=t1 - t0, compile_s=t2 - t1, decode_s=t3 - t2,
+                               steps_per_sequence=steps, accepted_per_sequence=accepted)
         return out
+
+
+def _spec_of(x) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled_speculate(graphdef, treedef, specs: tuple, **static):
+    """`_speculate` compiled ahead of its call, for arguments of these shapes, dtypes and shardings
+    (the leaves `specs` of the pytree `treedef`) and its static arguments; so the decode time
+    measured around the call excludes compilation, and generators of one model share programs."""
+    return _speculate.lower(graphdef, *jax.tree.unflatten(treedef, specs), **static).compile()
