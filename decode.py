@@ -51,8 +51,10 @@ def parse_args(argv=None):
     ap.add_argument("--min-p", type=float, default=0.0,
                     help="keep tokens at least this fraction as likely as the most likely one (0 = off)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--speculative", type=int, default=3, metavar="K",
-                    help="draft K tokens per step with the MTP layer (0 = plain decoding; default 3)")
+    ap.add_argument("--speculative", type=int, default=None, metavar="K",
+                    help="draft K tokens per step with the MTP layer (0 = plain decoding; default: K where it "
+                         "measured faster than plain decoding for this backend and batch, else plain; "
+                         "glm_jax/decoding/policy.py)")
     ap.add_argument("--no-kv-share", action="store_true",
                     help="draft steps 2..K run their own indexer over target+draft KV (the baseline)")
     ap.add_argument("--prefill-chunk", type=int, default=256)
@@ -100,7 +102,7 @@ def _decode(args) -> int:
 
     if args.max_new_tokens <= 0:
         raise cli.UserError("--max-new-tokens must be > 0")
-    if args.speculative < 0:
+    if args.speculative is not None and args.speculative < 0:
         raise cli.UserError("--speculative must be >= 0 (0 = plain decoding)")
     try:
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p)
@@ -117,8 +119,9 @@ def _decode(args) -> int:
         if mesh is not None:
             check_host_memory(mesh, sum(x.nbytes for x in jax.tree.leaves(nnx.state(model))))
         placement = dict(mesh=mesh, collective=args.collective, kernels=cli.kernel_choice(args))
-        if args.speculative and model.mtp is not None:
-            gen = SpeculativeGenerator(model, batch=batch, max_len=args.max_len, num_draft=args.speculative,
+        choice = _speculation(args.speculative, model, batch)
+        if choice.num_draft:
+            gen = SpeculativeGenerator(model, batch=batch, max_len=args.max_len, num_draft=choice.num_draft,
                                        kv_share=not args.no_kv_share, prefill_chunk=args.prefill_chunk,
                                        **placement)
         else:
@@ -135,6 +138,7 @@ def _decode(args) -> int:
             if args.mesh else ""
         print(f"model {model.cfg.name} from {source.path}; {batch} prompt(s), {sum(map(len, ids))} tokens; "
               f"{mode} decoding{where}", file=sys.stderr)
+        print(choice.reason, file=sys.stderr)
     sampling = dict(max_new_tokens=args.max_new_tokens, sampling=params,
                     seed=args.seed, stop_token=stop, progress=None if args.quiet else _Progress())
     # token ids in, token ids out (machine-readable): no marker; text: the prompt is marked
@@ -160,6 +164,20 @@ def _decode(args) -> int:
     if not args.quiet:
         _print_stats(gen, completions, time.perf_counter() - t0)
     return 0
+
+
+def _speculation(requested: int | None, model, batch: int):
+    """--speculative K if given, else the measured policy for this backend and batch -> policy.Choice."""
+    import jax
+
+    from glm_jax.decoding.policy import Choice, choose
+
+    if model.mtp is None:
+        return Choice(0, "plain decoding: the model has no MTP layer to draft with")
+    if requested is not None:
+        return Choice(requested, f"{'plain' if requested == 0 else 'speculative'} decoding: "
+                                 f"--speculative {requested}")
+    return choose(jax.default_backend(), batch)
 
 
 class _TokenIds:
