@@ -10,7 +10,8 @@ Each iteration:
      no indexer and read only KV computed from target hidden states; without it every step
      writes its KV and runs the MTP indexer over a cache that mixes target and draft KV.
   2. verify: one target forward over [t_n, d_1..d_K] (K+1 positions) -> p_0..p_K.
-  3. accept: `rejection_sample` (exact; greedy when temperature == 0).
+  3. accept: `rejection_sample` (exact; greedy when temperature == 0), or the base rule
+     `match_sample` (verification="match"; exact too, accepts less often when sampling).
   4. draft extend: the MTP layer runs over the K+1 verified positions with the target's hidden
      states and the emitted tokens, refreshing its cache; the row of the last accepted position
      is the next iteration's draft step 1.
@@ -31,7 +32,7 @@ from flax import nnx
 from glm_jax import ops
 from glm_jax.cache import KVCache, create_mtp_cache
 from glm_jax.decoding.generate import GeneratorBase, round_up
-from glm_jax.decoding.rejection import rejection_sample
+from glm_jax.decoding.rejection import VERIFICATION_RULES, match_sample, rejection_sample
 from glm_jax.decoding.sampling import GREEDY, SamplingParams, sampling_probs
 from glm_jax.multihost import to_host
 
@@ -104,10 +105,11 @@ def _prefill_chunk(graphdef, state, tokens, next_tokens, num_valid, num_valid_mt
             cache, mtp_cache)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "kernels", "num_draft", "kv_share", "max_new"),
+@functools.partial(jax.jit, static_argnames=("graphdef", "kernels", "num_draft", "kv_share", "max_new",
+                                             "verification"),
                    donate_argnames=("cache", "mtp_cache"))
 def _speculate(graphdef, state, cache, mtp_cache, logits, hidden, key, sampling: SamplingParams, eos,
-               *, kernels, num_draft, kv_share, max_new):
+               *, kernels, num_draft, kv_share, max_new, verification="rejection"):
     """Everything after the prefill: first token, draft step 1, then the while_loop.
 
     logits [B, V] / hidden [B, hidden]: the target's outputs at the last prompt position.
@@ -132,7 +134,9 @@ def _speculate(graphdef, state, cache, mtp_cache, logits, hidden, key, sampling:
         n = c["cache"].lengths
         verify_in = jnp.concatenate([c["pending"][:, None], d_tokens], axis=1)
         v_logits, v_hidden, cache = model.forward_cached(verify_in, c["cache"], kernels=kernels)
-        emitted, accepted = rejection_sample(sampling_probs(v_logits, sampling), d_probs, d_tokens, k_verify)
+        p = sampling_probs(v_logits, sampling)
+        emitted, accepted = (rejection_sample(p, d_probs, d_tokens, k_verify) if verification == "rejection"
+                             else match_sample(p, d_tokens, k_verify))
         cache = dataclasses.replace(cache, lengths=n + accepted + 1)
         q, g, mtp_cache, idx = model.mtp_forward_cached(jnp.maximum(emitted, 0), v_hidden, c["mtp_cache"],
                                                         kernels=kernels)
@@ -168,15 +172,17 @@ class SpeculativeGenerator(GeneratorBase):
     """Speculative decoding with the model's MTP layer as the draft model."""
 
     def __init__(self, model, *, batch: int = 1, max_len: int | None = None, num_draft: int = 3,
-                 kv_share: bool = True, prefill_chunk: int = 256,
+                 kv_share: bool = True, verification: str = "rejection", prefill_chunk: int = 256,
                  kernels: ops.KernelChoice = ops.KernelChoice(), mesh=None, collective: str = "permute"):
         if model.mtp is None:
             raise ValueError("speculative decoding needs the model's MTP layer (num_nextn_predict_layers: 1)")
         if num_draft < 1:
             raise ValueError(f"num_draft must be >= 1, got {num_draft}")
+        if verification not in VERIFICATION_RULES:
+            raise ValueError(f"verification must be one of {VERIFICATION_RULES}, got {verification!r}")
         super().__init__(model, batch=batch, max_len=max_len, prefill_chunk=prefill_chunk, kernels=kernels,
                          mesh=mesh, collective=collective)
-        self.num_draft, self.kv_share = num_draft, kv_share
+        self.num_draft, self.kv_share, self.verification = num_draft, kv_share, verification
         self.stats = SpecStats()
 
     def generate(self, prompt_ids, *, max_new_tokens: int, sampling: SamplingParams = GREEDY,
@@ -215,7 +221,8 @@ class SpeculativeGenerator(GeneratorBase):
         args = (self.state, cache, mtp_cache, logits, hidden, key, sampling, eos)
         leaves, treedef = jax.tree.flatten(args)
         program = _compiled_speculate(self.graphdef, treedef, tuple(map(_spec_of, leaves)), kernels=self.kernels,
-                                      num_draft=k, kv_share=self.kv_share, max_new=max_new_tokens)
+                                      num_draft=k, kv_share=self.kv_share, max_new=max_new_tokens,
+                                      verification=self.verification)
         t2 = time.perf_counter()
         out, count, steps, accepted, accepted_at, _, _ = program(*args)
         out, steps, accepted, accepted_at = map(to_host, (out, steps, accepted, accepted_at))
