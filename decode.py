@@ -12,11 +12,17 @@
                                                        # finds these by itself on a TPU pod or under SLURM
     python decode.py --config configs/glm-5.2.yaml --topology v5p:4x4x4 --max-context 1048576 --compile-only
     python decode.py --serve --port 8000               # OpenAI-style /v1/completions over HTTP (docs/serving.md)
+
+Output: the prompt, then its completion. On a terminal the prompt is dimmed; piped (or with
+NO_COLOR set) a line `----- completion -----` follows the prompt, so the completion is everything
+after the first "\n----- completion -----\n" (glm_jax/decoding/display.py). --prompt-ids prints
+the ids only, unmarked; --output writes {prompt, completion} JSON lines.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -49,8 +55,10 @@ def parse_args(argv=None):
     ap.add_argument("--min-p", type=float, default=0.0,
                     help="keep tokens at least this fraction as likely as the most likely one (0 = off)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--speculative", type=int, default=3, metavar="K",
-                    help="draft K tokens per step with the MTP layer (0 = plain decoding; default 3)")
+    ap.add_argument("--speculative", type=int, default=None, metavar="K",
+                    help="draft K tokens per step with the MTP layer (0 = plain decoding; default: K where it "
+                         "measured faster than plain decoding for this backend and batch, else plain; "
+                         "glm_jax/decoding/policy.py)")
     ap.add_argument("--no-kv-share", action="store_true",
                     help="draft steps 2..K run their own indexer over target+draft KV (the baseline)")
     ap.add_argument("--prefill-chunk", type=int, default=256)
@@ -104,7 +112,7 @@ def _decode(args) -> int:
 
     if args.max_new_tokens <= 0:
         raise cli.UserError("--max-new-tokens must be > 0")
-    if args.speculative < 0:
+    if args.speculative is not None and args.speculative < 0:
         raise cli.UserError("--speculative must be >= 0 (0 = plain decoding)")
     if args.max_batch is not None and args.max_batch < 1:
         raise cli.UserError(f"--max-batch must be >= 1, got {args.max_batch}")
@@ -123,8 +131,9 @@ def _decode(args) -> int:
         if mesh is not None:
             check_host_memory(mesh, sum(x.nbytes for x in jax.tree.leaves(nnx.state(model))))
         placement = dict(mesh=mesh, collective=args.collective, kernels=cli.kernel_choice(args))
-        if args.speculative and model.mtp is not None:
-            gen = SpeculativeGenerator(model, batch=batch, max_len=args.max_len, num_draft=args.speculative,
+        choice = _speculation(args.speculative, model, batch)
+        if choice.num_draft:
+            gen = SpeculativeGenerator(model, batch=batch, max_len=args.max_len, num_draft=choice.num_draft,
                                        kv_share=not args.no_kv_share, prefill_chunk=args.prefill_chunk,
                                        **placement)
         else:
@@ -143,11 +152,13 @@ def _decode(args) -> int:
             if args.mesh else ""
         print(f"model {model.cfg.name} from {source.path}; {batch} prompt(s), {sum(map(len, ids))} tokens; "
               f"{mode} decoding{where}", file=sys.stderr)
+        print(choice.reason, file=sys.stderr)
     sampling = dict(max_new_tokens=args.max_new_tokens, sampling=params,
                     seed=args.seed, stop_token=stop, progress=None if args.quiet else _Progress())
+    show = _prompt_shown(args)
     t0 = time.perf_counter()
     if batch == 1 and not speculative:
-        completions = [_stream(gen, tok, prompts[0], ids[0], stop, sampling)]
+        completions = [_stream(gen, tok, show(prompts[0]), ids[0], stop, sampling)]
     else:
         if speculative:
             out = gen.generate(ids, **sampling)
@@ -157,11 +168,21 @@ def _decode(args) -> int:
         for i, (prompt, new) in enumerate(zip(prompts, completions)):
             if batch > 1:
                 print(f"\n===== prompt {i} =====")
-            print(prompt + tok.decode(new), flush=True)
+            print(show(prompt) + tok.decode(new), flush=True)
     _write_output(args.output, prompts, completions, tok)
     if not args.quiet:
         _print_stats(gen, completions, time.perf_counter() - t0)
     return 0
+
+
+def _prompt_shown(args):
+    """How a prompt is printed before its completion: token ids in, token ids out
+    (machine-readable) unmarked; text with its end marked (`display.prompt_text`)."""
+    from glm_jax.decoding import display
+
+    if args.prompt_ids:
+        return lambda p: p
+    return functools.partial(display.prompt_text, style=display.styled(sys.stdout))
 
 
 def _decode_with_engine(args, model, tok, prompts, ids, params, stop, placement) -> int:
@@ -179,10 +200,11 @@ def _decode_with_engine(args, model, tok, prompts, ids, params, stop, placement)
         if r.error is not None:
             raise cli.UserError(f"prompt {i}: {r.error}")
     completions = [r.tokens for r in results]
+    show = _prompt_shown(args)
     for i, (prompt, new) in enumerate(zip(prompts, completions)):
         if len(prompts) > 1:
             print(f"\n===== prompt {i} =====")
-        print(prompt + tok.decode(new), flush=True)
+        print(show(prompt) + tok.decode(new), flush=True)
     _write_output(args.output, prompts, completions, tok)
     if not args.quiet:
         n, elapsed = sum(map(len, completions)), time.perf_counter() - t0
@@ -197,6 +219,20 @@ def _write_output(path, prompts, completions, tok) -> None:
         with open(path, "w") as f:
             for prompt, new in zip(prompts, completions):
                 f.write(json.dumps({"prompt": prompt, "completion": tok.decode(new)}) + "\n")
+
+
+def _speculation(requested: int | None, model, batch: int):
+    """--speculative K if given, else the measured policy for this backend and batch -> policy.Choice."""
+    import jax
+
+    from glm_jax.decoding.policy import Choice, choose
+
+    if model.mtp is None:
+        return Choice(0, "plain decoding: the model has no MTP layer to draft with")
+    if requested is not None:
+        return Choice(requested, f"{'plain' if requested == 0 else 'speculative'} decoding: "
+                                 f"--speculative {requested}")
+    return choose(jax.default_backend(), batch)
 
 
 class _TokenIds:
@@ -315,9 +351,9 @@ def _cut(tokens: list[int], stop: int | None) -> list[int]:
     return out
 
 
-def _stream(gen, tok, prompt, ids, stop, sampling) -> list[int]:
+def _stream(gen, tok, shown_prompt, ids, stop, sampling) -> list[int]:
     """Plain decoding of one prompt, printing text as each block of tokens arrives."""
-    print(prompt, end="", flush=True)
+    print(shown_prompt, end="", flush=True)
     new: list[int] = []
     printed = ""
     for block in gen.generate(ids, **sampling):
@@ -363,22 +399,19 @@ class _Progress:
 
 
 def _print_stats(gen, completions, elapsed) -> None:
+    from glm_jax.decoding import display
     from glm_jax.decoding.speculative import SpeculativeGenerator
 
     n = sum(map(len, completions))
+    s = gen.stats
     if isinstance(gen, SpeculativeGenerator):
-        s = gen.stats
-        rates = " ".join(f"{r:.2f}" for r in s.acceptance_rate)
-        print(f"\n[prefill in {s.prefill_s:.2f}s; {n} new tokens in {s.decode_s:.2f}s = "
-              f"{n / max(s.decode_s, 1e-9):.1f} tokens/s (includes compilation); acceptance length "
-              f"{s.acceptance_length:.2f} over {s.verify_steps} verify steps; acceptance rate per draft "
-              f"position: {rates}]", file=sys.stderr)
+        print(f"\n[prefill in {s.prefill_s:.2f}s; {n} new tokens in {s.compile_s + s.decode_s:.2f}s with "
+              f"compilation]", file=sys.stderr)
     else:
-        s = gen.stats
         decode_s = s.get("decode_s", elapsed)
         print(f"\n[prefill {s['prompt_tokens']} tokens in {s['prefill_s']:.2f}s; {n} new tokens in "
-              f"{decode_s:.2f}s = {n / max(decode_s, 1e-9):.1f} tokens/s (first block includes compilation)]",
-              file=sys.stderr)
+              f"{decode_s:.2f}s with compilation]", file=sys.stderr)
+    print(display.steady_state_line(gen), file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -52,6 +52,8 @@ def parse_args(argv=None):
     ap.add_argument("--data", nargs="+", default=None, metavar="PATH",
                     help="training text: .txt (a file is a document), .jsonl ({\"text\": ...} per line), "
                          ".array_record files or directories of them (default: the Python standard library)")
+    ap.add_argument("--heldout-data", nargs="+", default=None, metavar="PATH",
+                    help="validation text, same formats as --data (default: 5%% of the --data documents)")
     ap.add_argument("--max-files", type=int, default=None, help="use only the first N training documents")
     ap.add_argument("--data-shards", type=int, default=None, metavar="N",
                     help="build each batch from N data shards (shard i packs documents i, i+N, ...), each "

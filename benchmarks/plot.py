@@ -5,6 +5,7 @@
     PYTHONPATH=. python3 benchmarks/plot.py long_context docs/data/long_context_h200.json docs/img/long_context_h200.svg
     PYTHONPATH=. python3 benchmarks/plot.py loss_curve first.jsonl resumed.jsonl docs/img/loss.svg
     PYTHONPATH=. python3 benchmarks/plot.py serving_load serving_load.json serving_load.svg
+    PYTHONPATH=. python3 benchmarks/plot.py mtp_ablation docs/data/mtp_ablation_cpu_smoke.json docs/img/mtp_ablation_cpu_smoke.svg
 
 A `.json` input is a benchmark's --json output (its "rows"); `.jsonl` inputs are train.py
 metrics files, one series each (named by the file), for the loss curve. The output format
@@ -69,8 +70,24 @@ def serving_load_chart(rows: list[dict]) -> Chart:
                  "tokens/s")
 
 
+
+def mtp_ablation_chart(rows: list[dict]) -> Chart:
+    """Rows of benchmarks/mtp_ablation.py --json -> acceptance length per ablation row (1-4 = a-d):
+    ours (mean over prompts, and its quartiles) at each temperature, and the published row."""
+    position = {r: i + 1 for i, r in enumerate("abcd")}
+    series = {}
+    for t in sorted({r["temperature"] for r in rows}):
+        for key, what in (("mean", "mean"), ("q25", "25th percentile"), ("q75", "75th percentile")):
+            series[f"ours, T={t}, {what}"] = sorted((position[r["row"]], r[key]) for r in rows
+                                                    if r["temperature"] == t)
+    series["published (GLM-5.2)"] = sorted({(position[r["row"]], r["published"]) for r in rows})
+    return Chart(series, "MTP ablation: acceptance length over 7 draft steps",
+                 "ablation row (1 = a ... 4 = d)", "acceptance length", log=False)
+
+
+
 CHARTS = {"indexer": indexer_chart, "long_context": long_context_chart, "loss_curve": loss_curve_chart,
-          "serving_load": serving_load_chart}
+          "mtp_ablation": mtp_ablation_chart, "serving_load": serving_load_chart}
 
 
 def _context_label(x: float, _pos=None) -> str:

@@ -1,11 +1,16 @@
 """Plain vs MTP speculative decoding of a trained model: tokens/s, acceptance length, speedup.
 
     python benchmarks/speculative.py --checkpoint checkpoints/default --batch 1 16 --draft 3 7
+    python benchmarks/speculative.py --batch 1 4 16 --draft 1 2 3 --temperature 0.7 --repeat 5 \
+        --json docs/data/speculative_cpu.json        # the data of glm_jax/decoding/policy.py
 
-Each configuration is run twice with the same inputs; the second (compiled) run is timed.
-Prompts are the first lines of held-out standard-library files, so the text is code the model
-did not train on. Greedy by default (speculative output is checked to equal plain output);
-`--temperature T` samples instead, `--kv-share-ablation` adds runs with KVShare off.
+Each configuration runs once to compile, then `--repeat` timed rounds; a round times plain
+decoding and every speculative configuration one after the other, so load that comes and goes
+on a shared machine hits them alike. Printed: the median tokens/s of the rounds and the median
+of the per-round speedups. Prompts are the first lines of held-out standard-library files, so
+the text is code the model did not train on. Greedy by default (speculative output is checked
+to equal plain output); `--temperature T` samples instead, `--kv-share-ablation` adds runs with
+KVShare off. `--json FILE` writes the rows (every round's tokens/s too).
 
 The physical limit printed beside plain decoding: a decode step must read every weight and the
 KV it attends, so tokens/s <= batch x copy bandwidth / (weight bytes + KV bytes read per step),
@@ -15,6 +20,7 @@ with the device's copy bandwidth measured in the same run.
 from __future__ import annotations
 
 import argparse
+import json
 import time
 
 import jax
@@ -69,11 +75,11 @@ def bytes_per_step(model, batch: int, context: int) -> int:
     return weights + batch * kv
 
 
-def timed(fn):
-    fn()                                   # compile
+def timed(fn) -> float:
+    """Seconds of one call of fn()."""
     t = time.perf_counter()
-    out = fn()
-    return out, time.perf_counter() - t
+    fn()
+    return time.perf_counter() - t
 
 
 def main() -> None:
@@ -84,45 +90,69 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--repeat", type=int, default=1, help="timed rounds (medians are printed)")
     ap.add_argument("--kv-share-ablation", action="store_true", help="also run with KVShare off")
+    ap.add_argument("--json", default=None, help="also write the rows here")
     args = ap.parse_args()
     model = load_model_dir(args.checkpoint)
     tok = load_tokenizer(args.checkpoint)
     max_len = args.prompt_len + args.new_tokens + 64
     bandwidth = copy_bandwidth()
     mode = "greedy" if args.temperature == 0 else f"temperature {args.temperature}"
-    print(f"device {jax.devices()[0].device_kind}; copy bandwidth {bandwidth / 1e9:.1f} GB/s; model "
-          f"{model.cfg.name}; prompt {args.prompt_len} tokens; {args.new_tokens} new tokens per sequence; {mode}")
+    device = jax.devices()[0].device_kind
+    print(f"device {device}; copy bandwidth {bandwidth / 1e9:.1f} GB/s; model {model.cfg.name}; prompt "
+          f"{args.prompt_len} tokens; {args.new_tokens} new tokens per sequence; {mode}; median of "
+          f"{args.repeat} round(s)")
     print("| batch | decoding | tokens/s | acceptance length | accept rate per draft position | speedup |")
     print("|---|---|---|---|---|---|")
+    rows = []
+    sampling = dict(max_new_tokens=args.new_tokens, sampling=SamplingParams(temperature=args.temperature))
     for batch in args.batch:
         ids = prompts(tok, batch, args.prompt_len)
         plain = Generator(model, batch=batch, max_len=max_len, prefill_chunk=64, block_size=16)
-
-        sampling = dict(max_new_tokens=args.new_tokens, sampling=SamplingParams(temperature=args.temperature))
 
         def run_plain():
             out = np.concatenate(list(plain.generate(ids, **sampling)), axis=1)
             return out[:, :args.new_tokens]
 
-        ref, t_plain = timed(run_plain)
-        plain_rate = batch * args.new_tokens / (t_plain - plain.stats["prefill_s"])
-        limit = batch * bandwidth / bytes_per_step(model, batch, args.prompt_len + args.new_tokens)
-        print(f"| {batch} | plain | {plain_rate:.1f} | 1.00 | - | 1.00x |", flush=True)
-        print(f"| {batch} | limit: copy bandwidth / bytes read per step | {limit:.0f} | | | |", flush=True)
+        ref = run_plain()                                      # compiles
+        specs = {}
         for k in args.draft:
             for kv_share in (True, False) if args.kv_share_ablation else (True,):
                 spec = SpeculativeGenerator(model, batch=batch, max_len=max_len, num_draft=k, prefill_chunk=64,
                                             kv_share=kv_share)
-                out, _ = timed(lambda: spec.generate(ids, **sampling))
+                out = spec.generate(ids, **sampling)           # compiles
                 if args.temperature == 0:
                     assert np.array_equal(out, ref), "greedy speculative decoding must equal greedy plain decoding"
-                s = spec.stats
-                rate = batch * args.new_tokens / s.decode_s
-                rates = " ".join(f"{r:.2f}" for r in s.acceptance_rate)
-                name = f"speculative K={k}" + ("" if kv_share else ", KVShare off")
-                print(f"| {batch} | {name} | {rate:.1f} | {s.acceptance_length:.2f} | {rates} | "
-                      f"{rate / plain_rate:.2f}x |", flush=True)
+                specs[(k, kv_share)] = spec
+        plain_rates, spec_rates = [], {c: [] for c in specs}
+        for _ in range(args.repeat):
+            plain_rates.append(batch * args.new_tokens / (timed(run_plain) - plain.stats["prefill_s"]))
+            for c, spec in specs.items():
+                spec.generate(ids, **sampling)
+                spec_rates[c].append(batch * args.new_tokens / spec.stats.decode_s)
+        plain_rate = float(np.median(plain_rates))
+        limit = batch * bandwidth / bytes_per_step(model, batch, args.prompt_len + args.new_tokens)
+        print(f"| {batch} | plain | {plain_rate:.1f} | 1.00 | - | 1.00x |", flush=True)
+        print(f"| {batch} | limit: copy bandwidth / bytes read per step | {limit:.0f} | | | |", flush=True)
+        rows.append(dict(batch=batch, decoding="plain", draft=0, tokens_per_s=plain_rate, rounds=plain_rates,
+                         speedup=1.0, limit_tokens_per_s=limit))
+        for (k, kv_share), spec in specs.items():
+            s = spec.stats
+            rate = float(np.median(spec_rates[(k, kv_share)]))
+            speedup = float(np.median(np.asarray(spec_rates[(k, kv_share)]) / np.asarray(plain_rates)))
+            rates = " ".join(f"{r:.2f}" for r in s.acceptance_rate)
+            name = f"speculative K={k}" + ("" if kv_share else ", KVShare off")
+            print(f"| {batch} | {name} | {rate:.1f} | {s.acceptance_length:.2f} | {rates} | {speedup:.2f}x |",
+                  flush=True)
+            rows.append(dict(batch=batch, decoding=name, draft=k, kv_share=kv_share, tokens_per_s=rate,
+                             rounds=spec_rates[(k, kv_share)], acceptance_length=s.acceptance_length,
+                             speedup=speedup))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=device, backend=jax.default_backend(), checkpoint=args.checkpoint,
+                           prompt_len=args.prompt_len, new_tokens=args.new_tokens, temperature=args.temperature,
+                           repeat=args.repeat, rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import train
 from glm_jax import cli, ops
 from glm_jax.checkpoint import ModelSource, load_model
 from glm_jax.config import load_config, save_config
-from glm_jax.decoding import generate
+from glm_jax.decoding import display, generate, policy
 from glm_jax.sharding import ShardingError
 from glm_jax.training import run
 from conftest import ROOT, micro_config
@@ -48,13 +48,21 @@ def test_training_lowers_the_loss_and_writes_checkpoints(trained_run):
     assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.isdigit()) == ["12", "6"]
 
 
-def test_decode_prints_text_and_speed(trained_run, capsys):
+@pytest.mark.parametrize("flags", [["--speculative", "3"], []], ids=["speculative", "policy"])
+def test_decode_prints_text_and_speed(trained_run, capsys, flags):
     out, _ = trained_run
-    assert decode.main(["--checkpoint", str(out), "--prompt", "def f(x):", "--max-new-tokens", "8"]) == 0
+    assert decode.main(["--checkpoint", str(out), "--prompt", "def f(x):", "--max-new-tokens", "20", *flags]) == 0
     captured = capsys.readouterr()
-    assert captured.out.startswith("def f(x):")
-    assert "tokens/s" in captured.err
+    assert captured.out.startswith(f"def f(x):\n{display.COMPLETION_MARK}\n")    # piped: the marker line
     assert "compiling and running the prefill" in captured.err and "prefill done; decoding" in captured.err
+    choice = policy.choose(jax.default_backend(), 1) if not flags else policy.Choice(3, "--speculative 3")
+    assert choice.reason in captured.err
+    steady = re.search(r"^steady state: (\d+\.\d) tokens/s .*", captured.err, re.MULTILINE)
+    assert steady and float(steady.group(1)) > 0
+    acceptance = re.search(r"acceptance length (\d+\.\d\d) over (\d+) verify steps", steady.group(0))
+    assert (acceptance is not None) == (choice.num_draft > 0)
+    if acceptance:
+        assert 1.0 <= float(acceptance.group(1)) <= choice.num_draft + 1 and int(acceptance.group(2)) > 0
 
 
 def test_prompt_longer_than_context_is_refused(trained_run, capsys):

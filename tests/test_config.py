@@ -113,3 +113,10 @@ def test_differences_compare_the_schedule_not_its_spelling():
     by_pattern = by_rule.replace(index_topk_pattern=by_rule.pattern)
     assert by_rule.differences(by_pattern) == []
     assert by_rule.differences(by_rule.replace(index_topk_freq=2, index_skip_topk_offset=1)) != []
+
+
+def test_next_default_model_config_is_glm52_shaped_and_fits_100_mb():
+    cfg = load_config(ROOT / "configs" / "default-py.yaml")
+    assert cfg.pattern == "FSSSFSSSFSSS" and cfg.num_nextn_predict_layers == 1 and cfg.n_routed_experts > 0
+    assert cfg.max_position_embeddings >= 4096 and cfg.dtype == "bfloat16"
+    assert 2 * count_params(abstract_model(cfg)) <= 100e6       # bf16 bytes

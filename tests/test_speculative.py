@@ -11,6 +11,7 @@ from flax import nnx
 from glm_jax import ops
 from glm_jax.cache import create_cache, create_mtp_cache
 from glm_jax.decoding import GREEDY, rejection_sample
+from glm_jax.decoding.rejection import match_sample
 from glm_jax.decoding.generate import Generator
 from glm_jax.decoding.speculative import SpeculativeGenerator, draft
 from glm_jax.model import GLMModel
@@ -30,8 +31,8 @@ def _random_dist(key, shape, zero_fraction):
     return w / jnp.sum(w, -1, keepdims=True)
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_emitted_tokens_follow_the_target(seed):
+@pytest.mark.parametrize("rule,seed", [("rejection", 0), ("rejection", 1), ("rejection", 2), ("match", 0)])
+def test_emitted_tokens_follow_the_target(rule, seed):
     k, v = 2, 6
     kp, kq, kd, ks = jax.random.split(jax.random.key(seed), 4)
     p = _random_dist(kp, (1, k + 1, v), 0.3)      # zeros where q may be positive ...
@@ -41,7 +42,7 @@ def test_emitted_tokens_follow_the_target(seed):
 
     def one(dkey, key):
         drafts = jax.random.categorical(dkey, jnp.log(q[0]), axis=-1).astype(jnp.int32)[None]
-        return rejection_sample(p, q, drafts, key)
+        return rejection_sample(p, q, drafts, key) if rule == "rejection" else match_sample(p, drafts, key)
 
     tokens, accepted = jax.vmap(one)(dkeys, keys)
     tokens, accepted = np.asarray(tokens)[:, 0], np.asarray(accepted)[:, 0]
@@ -53,8 +54,8 @@ def test_emitted_tokens_follow_the_target(seed):
         freq = np.bincount(seen, minlength=v) / seen.size
         tv = 0.5 * np.abs(freq - np.asarray(p[0, pos])).sum()
         assert tv < TV_TOL, (pos, tv, freq, np.asarray(p[0, pos]))
-    # acceptance of the first draft = sum min(p, q)
-    want = float(jnp.sum(jnp.minimum(p[0, 0], q[0, 0])))
+    # acceptance of the first draft: sum min(p, q) (rejection sampling), sum p q (the base rule)
+    want = float(jnp.sum(jnp.minimum(p[0, 0], q[0, 0]) if rule == "rejection" else p[0, 0] * q[0, 0]))
     assert abs(np.mean(accepted >= 1) - want) < 0.015
 
 
@@ -79,7 +80,11 @@ def test_greedy_speculative_equals_greedy_plain(kv_share):
                                 .generate(prompts, max_new_tokens=15)), axis=1)[:, :15]
     spec = SpeculativeGenerator(model, batch=2, max_len=64, num_draft=3, prefill_chunk=8, kv_share=kv_share)
     np.testing.assert_array_equal(spec.generate(prompts, max_new_tokens=15), plain)
-    assert spec.stats.verify_steps > 0
+    s = spec.stats
+    assert s.verify_steps == s.steps_per_sequence.sum() > 0 and s.accepted == s.accepted_per_sequence.sum()
+    assert s.acceptance_lengths.shape == (2,) and np.all((1 <= s.acceptance_lengths) & (s.acceptance_lengths <= 4))
+    with pytest.raises(ValueError, match="verification must be one of"):
+        SpeculativeGenerator(model, batch=2, max_len=64, verification="greedy")
 
 
 def test_kv_share_draft_runs_no_indexer_and_reads_only_target_kv(monkeypatch):

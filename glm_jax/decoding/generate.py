@@ -91,20 +91,22 @@ class GeneratorBase:
     def new_cache(self, batch: int, cache_len: int, dtype=None) -> KVCache:
         """An empty target cache, LayerSplit and placed on the mesh when there is one."""
         cache = create_cache(self.cfg, batch, cache_len, dtype, split=self.split)
-        return cache if self.mesh is None else shard_cache(cache, self.mesh)
+        return committed(cache) if self.mesh is None else shard_cache(cache, self.mesh)
 
     def put(self, x, names: tuple[str | None, ...] | None = None):
         """A host value as a device array; on a mesh a global array, split by the logical `names`
         of its dims (None: replicated). Every process passes the same value."""
         if self.mesh is None:
-            return jnp.asarray(x)
+            return committed(jnp.asarray(x))
         if names is None:
             return global_array(x, replicated(self.mesh))
         return global_array(x, logical_sharding(self.mesh, names, np.shape(x), "input"))
 
     def put_replicated(self, tree):
         """A pytree of arrays (e.g. the MTP cache) whole on every device of the mesh."""
-        return tree if self.mesh is None else place(tree, jax.tree.map(lambda _: replicated(self.mesh), tree))
+        if self.mesh is None:
+            return committed(tree)
+        return place(tree, jax.tree.map(lambda _: replicated(self.mesh), tree))
 
     def sampling_args(self, seed: int, sampling: SamplingParams):
         """(key, sampling as arrays) on the device; the same key on every process."""
@@ -169,6 +171,8 @@ class Generator(GeneratorBase):
                          mesh=mesh, collective=collective)
         self.block_size = block_size
         self.cache_dtype = cache_dtype
+        # prompt_tokens, prefill_s, new_tokens (per sequence), decode_s and first_block_s /
+        # first_block_tokens: the first decode block, which compiles the decode program
         self.stats: dict[str, float] = {}
 
     def generate(self, prompt_ids: np.ndarray, *, max_new_tokens: int, sampling: SamplingParams = GREEDY,
@@ -198,12 +202,22 @@ class Generator(GeneratorBase):
                 self.graphdef, self.state, cache, logits, key, sampling, self.kernels, steps)
             tokens = to_host(tokens)[:, : max_new_tokens - produced]
             produced += tokens.shape[1]
-            self.stats.update(new_tokens=produced, decode_s=time.perf_counter() - t1)
+            now = time.perf_counter()
+            if "first_block_s" not in self.stats:       # it compiled the decode program
+                self.stats.update(first_block_s=now - t1, first_block_tokens=produced)
+            self.stats.update(new_tokens=produced, decode_s=now - t1)
             yield tokens
             if stop_token is not None:
                 stopped |= (tokens == stop_token).any(axis=1)
                 if stopped.all():
                     break
+
+
+def committed(tree):
+    """Arrays committed to the default device, as the outputs of jitted calls are: a jitted
+    program first called with uncommitted arguments (jnp.asarray) compiles a second time when
+    its own outputs come back as arguments."""
+    return jax.device_put(tree, jax.devices()[0])
 
 
 def round_up(n: int, m: int) -> int:

@@ -10,7 +10,8 @@ Each iteration:
      no indexer and read only KV computed from target hidden states; without it every step
      writes its KV and runs the MTP indexer over a cache that mixes target and draft KV.
   2. verify: one target forward over [t_n, d_1..d_K] (K+1 positions) -> p_0..p_K.
-  3. accept: `rejection_sample` (exact; greedy when temperature == 0).
+  3. accept: `rejection_sample` (exact; greedy when temperature == 0), or the base rule
+     `match_sample` (verification="match"; exact too, accepts less often when sampling).
   4. draft extend: the MTP layer runs over the K+1 verified positions with the target's hidden
      states and the emitted tokens, refreshing its cache; the row of the last accepted position
      is the next iteration's draft step 1.
@@ -31,7 +32,7 @@ from flax import nnx
 from glm_jax import ops
 from glm_jax.cache import KVCache, create_mtp_cache
 from glm_jax.decoding.generate import GeneratorBase, round_up
-from glm_jax.decoding.rejection import rejection_sample
+from glm_jax.decoding.rejection import VERIFICATION_RULES, match_sample, rejection_sample
 from glm_jax.decoding.sampling import GREEDY, SamplingParams, sampling_probs
 from glm_jax.multihost import to_host
 
@@ -42,8 +43,11 @@ class SpecStats:
     accepted: int = 0                     # accepted drafts, summed
     accepted_at: np.ndarray | None = None  # [K]: how often draft position j was accepted
     new_tokens: int = 0
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
+    prefill_s: float = 0.0                # the prefill, with the compilation of its first chunk
+    compile_s: float = 0.0                # compiling the decode program (0 when already compiled)
+    decode_s: float = 0.0                 # running the compiled decode program: no compilation
+    steps_per_sequence: np.ndarray | None = None      # int [B]: verify steps of each sequence
+    accepted_per_sequence: np.ndarray | None = None   # int [B]: accepted drafts of each sequence
 
     @property
     def acceptance_length(self) -> float:
@@ -53,6 +57,11 @@ class SpecStats:
     @property
     def acceptance_rate(self) -> np.ndarray:
         return self.accepted_at / max(self.verify_steps, 1)
+
+    @property
+    def acceptance_lengths(self) -> np.ndarray:
+        """float [B]: each sequence's acceptance length."""
+        return 1.0 + self.accepted_per_sequence / np.maximum(self.steps_per_sequence, 1)
 
 
 def _sample(key, probs):
@@ -96,10 +105,11 @@ def _prefill_chunk(graphdef, state, tokens, next_tokens, num_valid, num_valid_mt
             cache, mtp_cache)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "kernels", "num_draft", "kv_share", "max_new"),
+@functools.partial(jax.jit, static_argnames=("graphdef", "kernels", "num_draft", "kv_share", "max_new",
+                                             "verification"),
                    donate_argnames=("cache", "mtp_cache"))
 def _speculate(graphdef, state, cache, mtp_cache, logits, hidden, key, sampling: SamplingParams, eos,
-               *, kernels, num_draft, kv_share, max_new):
+               *, kernels, num_draft, kv_share, max_new, verification="rejection"):
     """Everything after the prefill: first token, draft step 1, then the while_loop.
 
     logits [B, V] / hidden [B, hidden]: the target's outputs at the last prompt position.
@@ -124,7 +134,9 @@ def _speculate(graphdef, state, cache, mtp_cache, logits, hidden, key, sampling:
         n = c["cache"].lengths
         verify_in = jnp.concatenate([c["pending"][:, None], d_tokens], axis=1)
         v_logits, v_hidden, cache = model.forward_cached(verify_in, c["cache"], kernels=kernels)
-        emitted, accepted = rejection_sample(sampling_probs(v_logits, sampling), d_probs, d_tokens, k_verify)
+        p = sampling_probs(v_logits, sampling)
+        emitted, accepted = (rejection_sample(p, d_probs, d_tokens, k_verify) if verification == "rejection"
+                             else match_sample(p, d_tokens, k_verify))
         cache = dataclasses.replace(cache, lengths=n + accepted + 1)
         q, g, mtp_cache, idx = model.mtp_forward_cached(jnp.maximum(emitted, 0), v_hidden, c["mtp_cache"],
                                                         kernels=kernels)
@@ -160,15 +172,17 @@ class SpeculativeGenerator(GeneratorBase):
     """Speculative decoding with the model's MTP layer as the draft model."""
 
     def __init__(self, model, *, batch: int = 1, max_len: int | None = None, num_draft: int = 3,
-                 kv_share: bool = True, prefill_chunk: int = 256,
+                 kv_share: bool = True, verification: str = "rejection", prefill_chunk: int = 256,
                  kernels: ops.KernelChoice = ops.KernelChoice(), mesh=None, collective: str = "permute"):
         if model.mtp is None:
             raise ValueError("speculative decoding needs the model's MTP layer (num_nextn_predict_layers: 1)")
         if num_draft < 1:
             raise ValueError(f"num_draft must be >= 1, got {num_draft}")
+        if verification not in VERIFICATION_RULES:
+            raise ValueError(f"verification must be one of {VERIFICATION_RULES}, got {verification!r}")
         super().__init__(model, batch=batch, max_len=max_len, prefill_chunk=prefill_chunk, kernels=kernels,
                          mesh=mesh, collective=collective)
-        self.num_draft, self.kv_share = num_draft, kv_share
+        self.num_draft, self.kv_share, self.verification = num_draft, kv_share, verification
         self.stats = SpecStats()
 
     def generate(self, prompt_ids, *, max_new_tokens: int, sampling: SamplingParams = GREEDY,
@@ -204,13 +218,30 @@ class SpeculativeGenerator(GeneratorBase):
         t1 = time.perf_counter()
         key, sampling = self.sampling_args(seed, sampling)
         eos = self.put(np.int32(-1 if stop_token is None else stop_token))
-        out, count, steps, accepted, accepted_at, _, _ = _speculate(
-            self.graphdef, self.state, cache, mtp_cache, logits, hidden, key, sampling, eos,
-            kernels=self.kernels, num_draft=k, kv_share=self.kv_share, max_new=max_new_tokens)
+        args = (self.state, cache, mtp_cache, logits, hidden, key, sampling, eos)
+        leaves, treedef = jax.tree.flatten(args)
+        program = _compiled_speculate(self.graphdef, treedef, tuple(map(_spec_of, leaves)), kernels=self.kernels,
+                                      num_draft=k, kv_share=self.kv_share, max_new=max_new_tokens,
+                                      verification=self.verification)
+        t2 = time.perf_counter()
+        out, count, steps, accepted, accepted_at, _, _ = program(*args)
         out, steps, accepted, accepted_at = map(to_host, (out, steps, accepted, accepted_at))
         out = out[:, :max_new_tokens]
-        t2 = time.perf_counter()
+        t3 = time.perf_counter()
         self.stats = SpecStats(verify_steps=int(np.sum(steps)), accepted=int(np.sum(accepted)),
                                accepted_at=accepted_at, new_tokens=int(np.sum(out >= 0)),
-                               prefill_s=t1 - t0, decode_s=t2 - t1)
+                               prefill_s=t1 - t0, compile_s=t2 - t1, decode_s=t3 - t2,
+                               steps_per_sequence=steps, accepted_per_sequence=accepted)
         return out
+
+
+def _spec_of(x) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled_speculate(graphdef, treedef, specs: tuple, **static):
+    """`_speculate` compiled ahead of its call, for arguments of these shapes, dtypes and shardings
+    (the leaves `specs` of the pytree `treedef`) and its static arguments; so the decode time
+    measured around the call excludes compilation, and generators of one model share programs."""
+    return _speculate.lower(graphdef, *jax.tree.unflatten(treedef, specs), **static).compile()

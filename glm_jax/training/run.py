@@ -93,11 +93,12 @@ def setup(args) -> Run:
     # before the corpus work: a checkpoint that does not fit fails at once
     model = load_model(source, config=cfg) if source else None
     documents = sources.open_documents(args.data) if args.data else None
+    heldout_documents = sources.open_documents(args.heldout_data) if args.heldout_data else None
 
     out.mkdir(parents=True, exist_ok=True)
     if multihost.is_main_process():
         _write_run_files(args, cfg, out, source)
-    tok, train_docs, heldout_tokens = prepare_data(args, cfg, out, documents)
+    tok, train_docs, heldout_tokens = prepare_data(args, cfg, out, documents, heldout_documents)
     encode = pipeline.token_encoder(tok)
 
     if model is None:
@@ -135,11 +136,16 @@ def setup(args) -> Run:
                mngr=mngr, start=start, form=form, kernels=kernels, weights=weights)
 
 
-def prepare_data(args, cfg, out: Path, documents=None):
+def prepare_data(args, cfg, out: Path, documents=None, heldout_documents=None):
     """Tokenizer (trained once, then reused), the training documents and the held-out tokens.
 
-    documents: the --data source (default: the standard library's files, split by file)."""
-    if documents is not None:
+    documents: the --data source (default: the standard library's files, split by file);
+    heldout_documents: the --heldout-data source (default: a split of documents)."""
+    if heldout_documents is not None:
+        if documents is None:
+            raise ValueError("--heldout-data needs --data (the training documents it is held out from)")
+        train_docs, heldout_docs = documents, heldout_documents
+    elif documents is not None:
         train_docs, heldout_docs = sources.split_documents(documents, seed=args.seed)
     else:
         train_files, heldout_files = corpus.split_files(corpus.stdlib_source_files(), seed=args.seed)
