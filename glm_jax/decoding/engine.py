@@ -58,7 +58,7 @@ import numpy as np
 from glm_jax import ops
 from glm_jax.cache import CacheFullError, PagePool, shard_cache
 from glm_jax.decoding.engine_programs import empty_slots, engine_programs
-from glm_jax.decoding.generate import ContextTooLongError, GeneratorBase
+from glm_jax.decoding.generate import ContextTooLongError, GeneratorBase, committed
 from glm_jax.decoding.sampling import GREEDY, SamplingParams
 from glm_jax.multihost import to_host
 
@@ -139,7 +139,7 @@ class ServingEngine(GeneratorBase):
         # Room in every row's table for its longest context plus the padding of a prefill chunk.
         self.width = self.pool.pages_for(max_context + prefill_chunk)
         cache = self.pool.create_cache(slots, self.width, self.split)
-        self.cache = cache if mesh is None else shard_cache(cache, mesh)
+        self.cache = committed(cache) if mesh is None else shard_cache(cache, mesh)   # as the programs return it
         # Rows split over `data` as the programs return them (the same placement on every call).
         self.slot_state = jax.tree.map(lambda x: self.put(np.asarray(x), ("batch",) + (None,) * (x.ndim - 1)),
                                        empty_slots(slots, self.cfg.vocab_size))
