@@ -103,23 +103,22 @@ def test_info_prints_counts(capsys):
     assert "2.73x" in text
 
 
-@pytest.mark.parametrize("form,dense_steps", [("expanded", "2"), ("absorbed", "0")])
-def test_resume_continues_bit_exactly(tmp_path, form, dense_steps):
-    """Losses after --resume equal those of an uninterrupted run, bit for bit (also in the
-    absorbed form long sequences train with: sparse stage, chunked selected-set indexer KL)."""
-    _assert_resume_is_exact(tmp_path, ["--dense-steps", dense_steps, "--attention-form", form,
-                                       "--max-files", "4"])
-
-
-def test_resume_with_data_files_continues_bit_exactly(tmp_path):
-    """--data (plain text and JSON lines): packed batches and the grain iterator's position resume exactly."""
-    data = tmp_path / "data"
-    data.mkdir()
-    for i in range(3):
-        (data / f"doc{i}.txt").write_text(f"def f{i}(x):\n    return x * {i}\n" * (i + 2))
-    (data / "more.jsonl").write_text("".join(json.dumps({"text": f"import os\nclass A{i}:\n    pass\n" * (i % 3 + 1)})
-                                             + "\n" for i in range(12)))
-    _assert_resume_is_exact(tmp_path, ["--dense-steps", "2", "--data", str(data)])
+@pytest.mark.parametrize("form,dense_steps,data_files", [("expanded", "2", True), ("absorbed", "0", False)])
+def test_resume_continues_bit_exactly(tmp_path, form, dense_steps, data_files):
+    """Losses after --resume equal those of an uninterrupted run, bit for bit: through the dense
+    warm-up into the sparse stage reading --data files (plain text and JSON lines: packed batches
+    and the grain iterator's position resume exactly), and in the absorbed form long sequences
+    train with (sparse stage, the selected-set indexer KL) on the built-in corpus."""
+    source = ["--max-files", "4"]
+    if data_files:
+        data = tmp_path / "data"
+        data.mkdir()
+        for i in range(3):
+            (data / f"doc{i}.txt").write_text(f"def f{i}(x):\n    return x * {i}\n" * (i + 2))
+        (data / "more.jsonl").write_text("".join(json.dumps({"text": f"import os\nclass A{i}:\n    pass\n" * (i % 3 + 1)})
+                                                 + "\n" for i in range(12)))
+        source = ["--data", str(data)]
+    _assert_resume_is_exact(tmp_path, ["--dense-steps", dense_steps, "--attention-form", form, *source])
 
 
 def _assert_resume_is_exact(tmp_path, extra: list[str]) -> None:
