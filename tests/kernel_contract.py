@@ -220,6 +220,18 @@ def vjp_grads(fn, q, kv, idx, dout):
     return pull((dout.astype(out.dtype), dlse))
 
 
+def check_bf16_grads_repeatable(grad, want) -> None:
+    """grad() -> (dq, dkv) in bfloat16, each within 1% (in norm) of want = the float32 reference's
+    (dq, dkv), and a second call gives the same bits."""
+    dq, dkv = grad()
+    assert dq.dtype == jnp.bfloat16 and dkv.dtype == jnp.bfloat16
+    for got, ref in zip((dq, dkv), want, strict=True):
+        got = np.asarray(got, np.float32)
+        assert np.linalg.norm(got - ref) <= 1e-2 * np.linalg.norm(ref)
+    for first, second in zip((dq, dkv), grad(), strict=True):
+        np.testing.assert_array_equal(np.asarray(first, np.float32), np.asarray(second, np.float32))
+
+
 def duplicated_rows(indices, num_keys) -> np.ndarray:
     """bool [B, S]: rows that list a valid index twice (how duplicates count is unspecified)."""
     idx = np.sort(np.where((np.asarray(indices) >= 0) & (np.asarray(indices) < num_keys), indices, -1), axis=-1)
