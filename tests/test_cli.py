@@ -185,16 +185,6 @@ def test_dense_warmup_in_the_absorbed_form_is_refused(tmp_path, capsys):
     assert "--dense-steps 0" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("backend,seq_len,want", [("gpu", 131072, "auto"), ("tpu", 131072, "xla"),
-                                                  ("tpu", 4096, "auto"), ("cpu", 131072, "auto")])
-def test_long_training_attention_kernel_by_backend(monkeypatch, backend, seq_len, want):
-    """Long absorbed-form training keeps the Pallas kernel on a GPU (its backward adds dkv
-    in the kernel) and takes the chunked XLA impl on a TPU (its kernel writes per-slot rows)."""
-    monkeypatch.setattr(run.jax, "default_backend", lambda: backend)
-    assert run.sparse_attention_impl("auto", "absorbed", seq_len) == want
-    assert run.sparse_attention_impl("pallas_gpu", "absorbed", seq_len) == "pallas_gpu"
-
-
 def test_decode_threads_the_kernel_flags_into_the_generator(trained_run, monkeypatch):
     out, _ = trained_run
     seen = []

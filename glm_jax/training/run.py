@@ -128,7 +128,7 @@ def setup(args) -> Run:
                                                         read=shards_read)
             print(f"resume: continuing from step {start}")
 
-    kernels = cli.kernel_choice(args, attention=sparse_attention_impl(args.attention_impl, form, args.seq_len))
+    kernels = cli.kernel_choice(args)
     weights = LossWeights(indexer=args.indexer_weight, mtp=args.mtp_weight, mtp_depth=args.mtp_depth,
                           kv_share=not args.no_mtp_kv_share, tv=args.tv_weight)
     return Run(args=args, cfg=cfg, out=out, model=model, graphdef=graphdef, params=params, rest=rest,
@@ -188,15 +188,6 @@ def _check_stages(args, form: str) -> None:
             f"form (--seq-len {args.seq_len}) does not build; warm the indexer up at a shorter "
             f"--seq-len (<= {EXPANDED_MAX_LEN}, or --attention-form expanded) and continue with "
             f"--dense-steps 0, or pass --indexer-weight 0 for dense steps without the indexer loss")
-
-
-def sparse_attention_impl(impl: str, form: str, seq_len: int) -> str:
-    """--attention-impl for the run: auto is the chunked xla impl for absorbed-form training of
-    sequences over 8192 tokens on a TPU (the TPU kernel's backward keeps one 576-wide row per
-    query and selected key), else the backend's own."""
-    if impl == "auto" and form == "absorbed" and seq_len > 8192 and jax.default_backend() == "tpu":
-        return "xla"
-    return impl
 
 
 def _mesh(args) -> Mesh | None:
