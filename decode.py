@@ -131,6 +131,10 @@ def _decode(args) -> int:
         if mesh is not None:
             check_host_memory(mesh, sum(x.nbytes for x in jax.tree.leaves(nnx.state(model))))
         placement = dict(mesh=mesh, collective=args.collective, kernels=cli.kernel_choice(args))
+    stop = _stop_token(model.cfg, tok, eos_id)
+    if args.max_batch is not None:
+        return _decode_with_engine(args, model, tok, prompts, ids, params, stop, placement)
+    with cli.user_errors():
         choice = _speculation(args.speculative, model, batch)
         if choice.num_draft:
             gen = SpeculativeGenerator(model, batch=batch, max_len=args.max_len, num_draft=choice.num_draft,
@@ -141,9 +145,6 @@ def _decode(args) -> int:
         for row in ids:
             gen.check_fits(len(row), args.max_new_tokens)
 
-    stop = _stop_token(model.cfg, tok, eos_id)
-    if args.max_batch is not None:
-        return _decode_with_engine(args, model, tok, prompts, ids, params, stop, placement)
     speculative = isinstance(gen, SpeculativeGenerator)
     if not args.quiet:
         mode = f"speculative, K={gen.num_draft}, KVShare {'on' if gen.kv_share else 'off'}" if speculative \

@@ -404,16 +404,22 @@ def _merged(events: list[Event]) -> list[Event]:
 
 
 def engine_for_prompts(model, prompts: list[np.ndarray], *, max_batch: int, max_new_tokens: int,
-                       max_len: int | None = None, prefill_chunk: int = 256, page_size: int = 16,
-                       kernels: ops.KernelChoice = ops.KernelChoice(), mesh=None,
-                       collective: str = "permute") -> ServingEngine:
-    """A ServingEngine of `max_batch` slots for `prompts` (int32 [P_i] each) and max_new_tokens,
-    its pool big enough for every slot's longest sequence (no request waits for pages)."""
-    if max_batch < 1:
-        raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+                       max_len: int | None = None, **settings) -> ServingEngine:
+    """A ServingEngine of `max_batch` slots for `prompts` (int32 [P_i] each) and max_new_tokens
+    (`engine_with_room` for the longest of them); settings: those of `engine_with_room`."""
+    return engine_with_room(model, slots=max_batch, longest=max(len(p) for p in prompts) + max_new_tokens,
+                            max_context=max_len or model.cfg.max_position_embeddings, **settings)
+
+
+def engine_with_room(model, *, slots: int, longest: int, max_context: int, prefill_chunk: int = 256,
+                     page_size: int = 16, kernels: ops.KernelChoice = ops.KernelChoice(), mesh=None,
+                     collective: str = "permute") -> ServingEngine:
+    """A ServingEngine of `slots` slots whose pool holds every slot at `longest` tokens at once
+    (per data shard), so no request waits for pages or is preempted."""
+    if slots < 1:
+        raise ValueError(f"max_batch must be >= 1, got {slots}")
     shards = 1 if mesh is None else mesh.shape.get("data", 1)
-    longest = max(len(p) for p in prompts) + max_new_tokens
-    per_shard = -(-max_batch // shards) * -(-longest // page_size) + 1
-    return ServingEngine(model, slots=max_batch, num_pages=shards * per_shard, page_size=page_size,
-                         max_context=max_len or model.cfg.max_position_embeddings, prefill_chunk=prefill_chunk,
-                         kernels=kernels, mesh=mesh, collective=collective)
+    per_shard = -(-slots // shards) * -(-longest // page_size) + 1
+    return ServingEngine(model, slots=slots, num_pages=shards * per_shard, page_size=page_size,
+                         max_context=max_context, prefill_chunk=prefill_chunk, kernels=kernels, mesh=mesh,
+                         collective=collective)

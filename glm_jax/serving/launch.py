@@ -58,11 +58,10 @@ def serve_from_args(args) -> int:
 def build_engine(model, *, slots: int, page_size: int, max_context: int, prefill_chunk: int, **placement):
     """A ServingEngine whose pool holds every slot at the full context at once (so no request
     is ever preempted for pages)."""
-    from glm_jax.decoding.engine import ServingEngine
+    from glm_jax.decoding.engine import engine_with_room
 
-    per_slot = -(-(max_context + prefill_chunk) // page_size)      # the engine's page-table width
-    return ServingEngine(model, slots=slots, num_pages=slots * per_slot + 1, page_size=page_size,
-                         max_context=max_context, prefill_chunk=prefill_chunk, **placement)
+    return engine_with_room(model, slots=slots, longest=max_context + prefill_chunk, max_context=max_context,
+                            prefill_chunk=prefill_chunk, page_size=page_size, **placement)
 
 
 def end_of_text_token(cfg, tokenizer) -> int | None:
