@@ -33,7 +33,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
@@ -123,7 +122,8 @@ def _fwd_kernel(idx_smem, idx_vmem, q_ref, kv_hbm, out_ref, lse_ref, *refs, sm_s
     def _():
         _softmax_init(m_sc, l_sc, acc_sc)
 
-    slot = tpu_rows.prefetch_and_wait(idx_smem, kv_hbm, buf, sem, b=pl.program_id(0), kb=kb,
+    b = pl.program_id(0)
+    slot = tpu_rows.prefetch_and_wait(idx_smem, lambda r: kv_hbm.at[b, r], buf, sem, kb=kb,
                                       nk=pl.num_programs(2), block_k=block_k, num_keys=num_keys)
     idx = idx_vmem[...]                                                  # [1, bk]
     s = _softmax_update(q_ref[...], tpu_rows.rows_of(buf, slot), (idx >= 0) & (idx < num_keys), m_sc, l_sc,
@@ -258,48 +258,23 @@ def sparse_mla(q: jax.Array, kv: jax.Array, indices: jax.Array, *, sm_scale: flo
 
 # ------------------------------------------------------------------------ paged decode forward
 
-def _paged_gather(slot_ref, idx_smem, pages_smem, kv_hbm, buf, sem, *, block, buf_slot, block_k, page_size,
-                  num_keys):
-    """Starts the DMAs of index block `block`: logical row t of this sequence is
-    kv_hbm[slot, pages[t // P], t % P] (a [1, Dk] row at a dynamic sublane offset of its page)."""
-
-    def start(j, carry):
-        r = idx_smem[block * block_k + j]
-        r = jnp.where((r >= 0) & (r < num_keys), r, 0)
-        src = kv_hbm.at[slot_ref[0], pages_smem[r // page_size], r % page_size]
-        pltpu.make_async_copy(src, buf.at[buf_slot, j], sem.at[buf_slot]).start()
-        return carry
-
-    lax.fori_loop(0, block_k, start, 0)
-
-
 def _paged_fwd_kernel(slot_ref, idx_smem, pages_smem, idx_vmem, q_ref, kv_hbm, out_ref, lse_ref, buf, sem, m_sc,
                       l_sc, acc_sc, *, sm_scale, v_dim, block_k, page_size, num_keys):
     kb = pl.program_id(2)
-    nk = pl.num_programs(2)
-    buf_slot = kb % 2
-    gather = functools.partial(_paged_gather, slot_ref, idx_smem, pages_smem, kv_hbm, buf, sem, block_k=block_k,
-                               page_size=page_size, num_keys=num_keys)
 
     @pl.when(kb == 0)
     def _():
         _softmax_init(m_sc, l_sc, acc_sc)
-        gather(block=0, buf_slot=0)
 
-    @pl.when(kb + 1 < nk)
-    def _():
-        gather(block=kb + 1, buf_slot=1 - buf_slot)
-
-    def wait(j, carry):
-        pltpu.make_async_copy(kv_hbm.at[0, 0, 0], buf.at[buf_slot, j], sem.at[buf_slot]).wait()
-        return carry
-
-    lax.fori_loop(0, block_k, wait, 0)
+    # logical row t of this sequence is kv_hbm[slot, pages[t // P], t % P] (a [1, Dk] row of its page)
+    source = lambda r: kv_hbm.at[slot_ref[0], pages_smem[r // page_size], r % page_size]
+    buf_slot = tpu_rows.prefetch_and_wait(idx_smem, source, buf, sem, kb=kb, nk=pl.num_programs(2),
+                                          block_k=block_k, num_keys=num_keys)
     idx = idx_vmem[...]                                                  # [1, bk]
     _softmax_update(q_ref[...], tpu_rows.rows_of(buf, buf_slot), (idx >= 0) & (idx < num_keys), m_sc, l_sc,
                     acc_sc, sm_scale=sm_scale, v_dim=v_dim)
 
-    @pl.when(kb == nk - 1)
+    @pl.when(kb == pl.num_programs(2) - 1)
     def _():
         _softmax_finish(out_ref, lse_ref, m_sc, l_sc, acc_sc)
 

@@ -121,7 +121,7 @@ def _pairs_kernel(idx_smem, pos_smem, idx_vmem, q_ref, do_ref, lse_ref, delta_re
     def _():
         dq_sc[...] = jnp.zeros(dq_sc.shape, jnp.float32)
 
-    slot = tpu_rows.prefetch_and_wait(idx_smem, kv_hbm, buf, sem, b=0, kb=kb, nk=nk,
+    slot = tpu_rows.prefetch_and_wait(idx_smem, lambda r: kv_hbm.at[0, r], buf, sem, kb=kb, nk=nk,
                                       block_k=block_k, num_keys=num_keys)
     rows = tpu_rows.rows_of(buf, slot)                                   # [bk, Dk]
     dtype = rows.dtype

@@ -25,32 +25,34 @@ def scratch(block_k, dk, kv_dtype):
     return [pltpu.VMEM((2, block_k, 1, dk), kv_dtype), pltpu.SemaphoreType.DMA((2,))]
 
 
-def _gather(idx_smem, kv_hbm, buf, sem, *, b, block, slot, block_k, num_keys):
-    """Starts the DMAs of the rows of index block `block` into buf[slot]."""
+def _gather(idx_smem, source, buf, sem, *, block, slot, block_k, num_keys):
+    """Starts the DMAs of the rows of index block `block` into buf[slot]; source(r): the HBM
+    row (a ref view) of row r, invalid indices reading row 0."""
 
     def start(j, carry):
         r = idx_smem[block * block_k + j]
         r = jnp.where((r >= 0) & (r < num_keys), r, 0)
-        pltpu.make_async_copy(kv_hbm.at[b, r], buf.at[slot, j], sem.at[slot]).start()
+        pltpu.make_async_copy(source(r), buf.at[slot, j], sem.at[slot]).start()
         return carry
 
     lax.fori_loop(0, block_k, start, 0)
 
 
-def _wait(kv_hbm, buf, sem, *, slot, block_k):
+def _wait(source, buf, sem, *, slot, block_k):
     def wait(j, carry):
-        pltpu.make_async_copy(kv_hbm.at[0, 0], buf.at[slot, j], sem.at[slot]).wait()
+        pltpu.make_async_copy(source(0), buf.at[slot, j], sem.at[slot]).wait()
         return carry
 
     lax.fori_loop(0, block_k, wait, 0)
 
 
-def prefetch_and_wait(idx_smem, kv_hbm, buf, sem, *, b, kb, nk, block_k, num_keys):
-    """Double buffering over the K axis of the grid (step kb of nk) for the rows of sequence b
-    whose indices are idx_smem [nk * block_k]; -> the slot of buf holding block kb's rows."""
+def prefetch_and_wait(idx_smem, source, buf, sem, *, kb, nk, block_k, num_keys):
+    """Double buffering over the K axis of the grid (step kb of nk) for the rows whose indices
+    are idx_smem [nk * block_k]; source(r) -> the HBM row of row r (kv.at[b, r] for a contiguous
+    [B, T, 1, Dk] cache, the page table's translation for a paged store); -> the slot of buf
+    holding block kb's rows."""
     slot = kb % 2
-    gather = functools.partial(_gather, idx_smem, kv_hbm, buf, sem, b=b, block_k=block_k,
-                               num_keys=num_keys)
+    gather = functools.partial(_gather, idx_smem, source, buf, sem, block_k=block_k, num_keys=num_keys)
 
     @pl.when(kb == 0)
     def _():
@@ -60,7 +62,7 @@ def prefetch_and_wait(idx_smem, kv_hbm, buf, sem, *, b, kb, nk, block_k, num_key
     def _():
         gather(block=kb + 1, slot=1 - slot)
 
-    _wait(kv_hbm, buf, sem, slot=slot, block_k=block_k)
+    _wait(source, buf, sem, slot=slot, block_k=block_k)
     return slot
 
 
