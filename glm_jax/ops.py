@@ -21,7 +21,8 @@ import pallas_kernels
 from pallas_kernels import impl_choices
 from glm_jax.sharding import context_size, split_queries
 
-__all__ = ["KernelChoice", "impl_choices", "indexer_scores", "indexer_topk", "sparse_mla", "indexer_cross_entropy",
+__all__ = ["KernelChoice", "impl_choices", "indexer_scores", "indexer_topk", "sparse_mla", "sparse_mla_backward_index",
+           "indexer_cross_entropy",
            "causal_attention", "paged_indexer_topk", "paged_sparse_mla"]
 
 
@@ -56,11 +57,25 @@ def indexer_topk(q, k, weights, *, q_pos, kv_len, kv_start=None, **static):
                          dict(q=q, weights=weights, q_pos=q_pos, kv_start=kv_start), dict(k=k, kv_len=kv_len))
 
 
-def sparse_mla(q, kv, indices, **static):
+def sparse_mla(q, kv, indices, *, tindex=None, **static):
     """q [B, S, H, Dk], kv [B, T, Dk], indices [B, S, K] -> (out [B, S, H, v_dim], lse [B, S, H]
-    [, target [B, S, K]]) (`pallas_kernels.sparse_mla`)."""
-    return split_queries(functools.partial(pallas_kernels.sparse_mla, **static),
+    [, target [B, S, K]]) (`pallas_kernels.sparse_mla`); tindex from `sparse_mla_backward_index`."""
+    if tindex is not None and context_size() > 1:
+        raise ValueError("ops.sparse_mla: a prebuilt tindex covers every query; under context "
+                         "parallelism each shard builds its own (sparse_mla_backward_index gives None)")
+    return split_queries(functools.partial(pallas_kernels.sparse_mla, tindex=tindex, **static),
                          dict(q=q, indices=indices), dict(kv=kv))
+
+
+def sparse_mla_backward_index(indices, num_keys, *, dk, dtype, kernels: KernelChoice):
+    """indices int32 [B, S, K] -> the index `sparse_mla`'s backward sorts by
+    (`pallas_kernels.sparse_mla_backward_index`), built once for the layers sharing indices;
+    None where the implementation takes none, and under context parallelism (each query shard's
+    backward builds its own)."""
+    if context_size() > 1:
+        return None
+    return pallas_kernels.sparse_mla_backward_index(indices, num_keys, dk=dk, dtype=dtype, impl=kernels.attention,
+                                                    config=kernels.attention_config, interpret=kernels.interpret)
 
 
 def indexer_cross_entropy(q, k, weights, indices, target, **static):

@@ -5,8 +5,9 @@ static):
 
     indexer_scores(q, k, weights, *, q_pos, kv_len, kv_start, ...)        -> float32 [B, S, T]
     indexer_topk(q, k, weights, *, topk, q_pos, kv_len, kv_start, ...)    -> int32 [B, S, topk]
-    sparse_mla(q, kv, indices, *, sm_scale, v_dim, ...)         -> (out [B, S, H, v_dim], lse [B, S, H]
+    sparse_mla(q, kv, indices, *, sm_scale, v_dim, tindex, ...) -> (out [B, S, H, v_dim], lse [B, S, H]
                                                                    [, target [B, S, K]])
+    sparse_mla_backward_index(indices, num_keys, *, dk, dtype, ...)  -> its backward's index or None
     indexer_cross_entropy(q, k, weights, indices, target, ...)            -> float32 [B, S]
     causal_attention(q, k, v, *, scale, kv_len, mask, segments, ...)      -> [B, S, N, d]
 
@@ -56,6 +57,7 @@ from pallas_kernels.indexer_kl.gpu import IndexerKLGpuConfig
 from pallas_kernels.registry import REGISTRY, impl_choices, resolve_impl
 
 __all__ = ["REGISTRY", "impl_choices", "resolve_impl", "indexer_scores", "indexer_topk", "sparse_mla",
+           "sparse_mla_backward_index",
            "indexer_cross_entropy", "causal_attention", "paged_indexer_topk", "paged_sparse_mla", "NoConfig",
            "XlaConfig", "IndexerGpuConfig", "IndexerTpuConfig", "IndexerKLGpuConfig", "SparseMLAGpuConfig",
            "SparseMLATpuConfig"]
@@ -116,7 +118,8 @@ def indexer_topk(q: jax.Array, k: jax.Array, weights: jax.Array, *, topk: int, q
 
 
 def sparse_mla(q: jax.Array, kv: jax.Array, indices: jax.Array, *, sm_scale: float, v_dim: int,
-               return_target: bool = False, impl: str = "auto", config=None, interpret: bool = False):
+               return_target: bool = False, impl: str = "auto", config=None, interpret: bool = False,
+               tindex=None):
     """Sparse multi-query attention over one shared latent head, restricted to selected rows.
 
     Args:
@@ -128,6 +131,9 @@ def sparse_mla(q: jax.Array, kv: jax.Array, indices: jax.Array, *, sm_scale: flo
       v_dim: value width (static), <= Dk.
       return_target: also return the indexer's training target (static).
       impl, config, interpret: see the package docstring.
+      tindex: the backward's transposed index, `sparse_mla_backward_index(indices, ...)` built
+        once for every layer that shares these indices (an IndexShare group); None: built in
+        this call's backward where the implementation uses one.
 
     Returns:
       out: [B, S, H, v_dim] in q.dtype, softmax(sm_scale * q . kv[sel]) @ kv[sel, :v_dim].
@@ -142,8 +148,38 @@ def sparse_mla(q: jax.Array, kv: jax.Array, indices: jax.Array, *, sm_scale: flo
     entry, config = registry.select("sparse_mla", impl, config, interpret)
     if not 0 < v_dim <= kv.shape[-1]:
         raise ValueError(f"pallas_kernels.sparse_mla: v_dim={v_dim} must be in [1, {kv.shape[-1]}]")
+    extra = {}
+    if tindex is not None:
+        if entry.backward_index is None:
+            raise ValueError(f"pallas_kernels.sparse_mla: impl={impl!r} takes no tindex "
+                             "(sparse_mla_backward_index returns None for it)")
+        extra["tindex"] = tindex
     return entry.fn(q, kv, indices, sm_scale=sm_scale, v_dim=v_dim, return_target=bool(return_target),
-                    config=config, interpret=interpret)
+                    config=config, interpret=interpret, **extra)
+
+
+def sparse_mla_backward_index(indices: jax.Array, num_keys: int, *, dk: int, dtype, impl: str = "auto",
+                              config=None, interpret: bool = False):
+    """The index `sparse_mla`'s backward sorts its key gradients by, built once for several calls.
+
+    Layers that attend with the same indices (an IndexShare group) pass the result as
+    `sparse_mla(..., tindex=)`, so the sort of B*S*K (row, slot) pairs runs once, not per layer.
+
+    Args:
+      indices: int32 [B, S, K], as given to sparse_mla.
+      num_keys: T, the kv rows sparse_mla will see.
+      dk, dtype: the width and dtype of those kv rows.
+      impl, config, interpret: those sparse_mla will be called with.
+
+    Returns:
+      A `attention.transpose.TransposedIndex`, or None where the implementation's backward takes
+      none (reference, xla, pallas_gpu outside dkv_mode "sorted"): pass None on to sparse_mla.
+    """
+    entry, config = registry.select("sparse_mla", impl, config, interpret)
+    if entry.backward_index is None:
+        return None
+    return entry.backward_index(jnp.asarray(indices, jnp.int32), int(num_keys), dk=int(dk), dtype=dtype,
+                                config=config)
 
 
 def indexer_cross_entropy(q: jax.Array, k: jax.Array, weights: jax.Array, indices: jax.Array,

@@ -33,12 +33,16 @@ class Implementation:
     config: its tuning knobs, a frozen dataclass whose fields all have defaults.
     platform: the jax backend ("tpu", "gpu") on which "auto" picks it; None: a portable one.
     interpretable: whether it runs on a CPU (plain jnp, or Pallas with interpret=True); a
-      vendor library (cuDNN) runs only on its platform."""
+      vendor library (cuDNN) runs only on its platform.
+    backward_index: (sparse_mla) builds the transposed index its backward takes,
+      fn(indices, num_keys, *, dk, dtype, config) -> TransposedIndex or None, so that layers
+      sharing indices build it once (`fn`'s `tindex=`); None: the implementation takes none."""
 
     fn: Callable
     config: type
     platform: str | None = None
     interpretable: bool = True
+    backward_index: Callable | None = None
 
 
 def _pallas_scores(scores_fn: Callable) -> Callable:
@@ -62,8 +66,10 @@ REGISTRY: dict[str, dict[str, Implementation]] = {
     "sparse_mla": {
         "reference": Implementation(attention.reference.sparse_mla, NoConfig),
         "xla": Implementation(attention.xla.sparse_mla, XlaConfig),
-        "pallas_tpu": Implementation(attention.tpu.sparse_mla, attention.tpu.SparseMLATpuConfig, "tpu"),
-        "pallas_gpu": Implementation(attention.gpu.sparse_mla, attention.gpu.SparseMLAGpuConfig, "gpu"),
+        "pallas_tpu": Implementation(attention.tpu.sparse_mla, attention.tpu.SparseMLATpuConfig, "tpu",
+                                     backward_index=attention.tpu.backward_index),
+        "pallas_gpu": Implementation(attention.gpu.sparse_mla, attention.gpu.SparseMLAGpuConfig, "gpu",
+                                     backward_index=attention.gpu.backward_index),
     },
     "indexer_cross_entropy": {
         "reference": Implementation(indexer_kl.reference.indexer_cross_entropy, NoConfig),

@@ -188,3 +188,36 @@ def test_remat_keeps_the_loss_and_gradients(stage, form):
     assert float(remat) == pytest.approx(float(plain), rel=1e-6)
     for a, b in zip(jax.tree.leaves(g_plain), jax.tree.leaves(g_remat), strict=True):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+
+
+def _sorts(jaxpr) -> int:
+    """Sort ops in a jaxpr and the jaxprs nested in its equations."""
+    count = 0
+    for eqn in jaxpr.eqns:
+        count += eqn.primitive.name == "sort"
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else (value,):
+                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                    count += _sorts(sub.jaxpr)
+                elif isinstance(sub, jax.extend.core.Jaxpr):
+                    count += _sorts(sub)
+    return count
+
+
+def test_sparse_attention_backward_index_is_sorted_once_per_group():
+    """The Pallas sparse-MLA backward's transposed index is built by each IndexShare group's Full
+    layer and reused by its Shared layers: one sort per group (2 in the stack, 1 in MTP), not one
+    per layer (6), beyond the sorts of the XLA path (which takes no index)."""
+    cfg = micro_config()                        # FSSFS: groups of 3 and 2 layers, one MTP layer
+    graphdef, params, rest = nnx.split(GLMModel(cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)
+    tokens = jax.random.randint(jax.random.key(5), (2, 13), 0, cfg.vocab_size)
+
+    def sorts(attention):
+        def loss(params):
+            model = nnx.merge(graphdef, params, rest)
+            kernels = ops.KernelChoice(attention=attention, interpret=attention != "xla")
+            return loss_terms(model, tokens[:, :-1], tokens[:, 1:], stage="sparse", weights=LossWeights(indexer=1.0),
+                              kernels=kernels, form="absorbed")[0]
+        return _sorts(jax.make_jaxpr(jax.grad(loss))(params).jaxpr)
+
+    assert sorts("pallas_gpu") - sorts("xla") == 3

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from kernel_contract import backward_inputs, check_bf16_grads_repeatable, vjp_grads
+import pallas_kernels as pk
 from pallas_kernels.attention import gpu_backward as gb
 from pallas_kernels.attention import reference
 from pallas_kernels.attention import transpose as tr
@@ -80,11 +81,17 @@ def test_transposed_index_lists_every_pair_in_order():
 
 
 def test_prebuilt_index_serves_several_layers():
-    """One transposed index (an IndexShare group's) reused for two layers' backward."""
+    """One transposed index (an IndexShare group's), built through the public API, reused for
+    two layers' backward; refused by an implementation that takes none."""
     q, kv, idx, dout = _inputs(11, 1, 4, 20)
-    ti = tr.transpose_index(idx, T, chunk_rows=2)
-    fn = lambda q, kv, i: gb.sparse_mla(q, kv, i, sm_scale=SCALE, v_dim=DV, interpret=True,
-                                        tindex=ti, block_k=16)
+    cfg = pk.SparseMLAGpuConfig(block_k=16)
+    ti = pk.sparse_mla_backward_index(idx, T, dk=q.shape[-1], dtype=kv.dtype, impl="pallas_gpu", config=cfg,
+                                      interpret=True)
+    assert pk.sparse_mla_backward_index(idx, T, dk=q.shape[-1], dtype=kv.dtype, impl="xla") is None
+    with pytest.raises(ValueError, match="takes no tindex"):
+        pk.sparse_mla(q, kv, idx, sm_scale=SCALE, v_dim=DV, impl="xla", tindex=ti)
+    fn = lambda q, kv, i: pk.sparse_mla(q, kv, i, sm_scale=SCALE, v_dim=DV, impl="pallas_gpu", config=cfg,
+                                        interpret=True, tindex=ti)[:2]
     for layer in range(2):
         qq, kk = q * (1 + layer), kv - layer
         got = _vjp(fn, qq, kk, idx, dout)

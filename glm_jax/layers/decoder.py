@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -126,18 +126,22 @@ def indexer_kl(target: jnp.ndarray, logits: jnp.ndarray, mask: jnp.ndarray) -> j
 
 
 _TOPK_NAME = "indexer_topk"
-#: Remat policy of a layer: keep the top-k indices (integers, costly to select again).
+#: Remat policy of a layer: keep the top-k indices and their sorted backward index (integers,
+#: costly to select or sort again).
 _SAVE_TOPK = jax.checkpoint_policies.save_only_these_names(_TOPK_NAME)
 
 
 class _IndexerOutputs(NamedTuple):
     """What a group's Full layer computes for all of its layers (None where unused):
     indices int32 [B, S, topk] (sparse mode), index_logits float32 [B, S, T] (expanded-form
-    indexer loss), index_inputs (indexer queries, keys, head weights; absorbed-form loss)."""
+    indexer loss), index_inputs (indexer queries, keys, head weights; absorbed-form loss),
+    tindex (absorbed sparse mode: the attention backward's index of `indices`, sorted once per
+    group; None where the kernel takes none)."""
 
     indices: jax.Array | None = None
     index_logits: jax.Array | None = None
     index_inputs: tuple | None = None
+    tindex: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -290,6 +294,9 @@ def _layer_forward(layer: DecoderLayer, x, found: _IndexerOutputs, *, j: int, sh
             index_inputs = (layer.indexer.queries(qd, positions), keys, layer.indexer.head_weights(hd))
         found = _IndexerOutputs(indices, index_logits, index_inputs)
     latent = gather_keys(latent)
+    if j == 0 and settings.mode == "sparse" and settings.form == "absorbed":
+        tindex = layer.self_attn.backward_index(found.indices, rows.length, q_nope.dtype, settings.kernels)
+        found = found._replace(tindex=jax.tree.map(lambda a: checkpoint_name(a, _TOPK_NAME), tindex))
     kl, target = jnp.zeros((), jnp.float32), None
     if settings.form == "expanded":
         mask = rows.causal()
@@ -305,7 +312,8 @@ def _layer_forward(layer: DecoderLayer, x, found: _IndexerOutputs, *, j: int, sh
                                             segments=segments)
     elif found.index_inputs is not None:
         out, target = layer.self_attn.attend_absorbed(q_nope, q_rope, latent, found.indices, settings.kernels,
-                                                      return_target=True)
+                                                      return_target=True, tindex=found.tindex)
     else:
-        out = layer.self_attn.attend_absorbed(q_nope, q_rope, latent, found.indices, settings.kernels)
+        out = layer.self_attn.attend_absorbed(q_nope, q_rope, latent, found.indices, settings.kernels,
+                                              tindex=found.tindex)
     return layer.finish(x, out), kl, target, latent, found

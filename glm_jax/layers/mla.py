@@ -74,17 +74,25 @@ class MLAProjection(nnx.Module):
 
     # ------------------------------------------------------------------ absorbed form
     def attend_absorbed(self, q_nope, q_rope, latent, indices, kernels: ops.KernelChoice, *,
-                        return_target: bool = False):
+                        return_target: bool = False, tindex=None):
         """q_* [B, S, nh, *], latent [B, T, kv_lora + rope], indices int32 [B, S, K]
         -> attention output [B, S, hidden]; with return_target also the indexer KL's target
-        float32 [B, S, K] (the head-mean probabilities at each slot, no gradient; `ops.sparse_mla`)."""
+        float32 [B, S, K] (the head-mean probabilities at each slot, no gradient; `ops.sparse_mla`).
+        tindex: the backward's index of these indices (`backward_index`), shared by a group."""
         q_abs = self.absorbed_queries(q_nope, q_rope)
         o_lat, _, *target = ops.sparse_mla(q_abs, latent.astype(q_abs.dtype), indices, sm_scale=self.sm_scale,
                                            v_dim=self.cfg.kv_lora_rank, return_target=return_target,
                                            impl=kernels.attention, config=kernels.attention_config,
-                                           interpret=kernels.interpret)
+                                           interpret=kernels.interpret, tindex=tindex)
         out = self.absorbed_output(o_lat, q_nope.dtype)
         return (out, target[0]) if return_target else out
+
+    def backward_index(self, indices, num_keys: int, dtype, kernels: ops.KernelChoice):
+        """indices int32 [B, S, K] over num_keys latent rows -> the sparse attention backward's
+        index (`ops.sparse_mla_backward_index`) for latent rows in dtype, or None."""
+        c = self.cfg
+        return ops.sparse_mla_backward_index(indices, num_keys, dk=c.kv_lora_rank + c.qk_rope_head_dim,
+                                             dtype=dtype, kernels=kernels)
 
     def absorbed_queries(self, q_nope, q_rope):
         """q_nope [B, S, nh, nope], q_rope [B, S, nh, rope] -> the queries in the latent space

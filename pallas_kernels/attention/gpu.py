@@ -50,7 +50,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import check_positive_fields, pad_slots
-from pallas_kernels.attention import gpu_backward, vjp
+from pallas_kernels.attention import gpu_backward, transpose, vjp
 
 #: Rows per loop step of the forward and the backward for 2-byte inputs (halved for 4-byte).
 #: Sized for Hopper's 227 KiB of shared memory at 64 heads x 576: the forward keeps q
@@ -365,9 +365,13 @@ def _backward(q, kv, idx, dout, lse, delta, *, sm_scale, v_dim, block_k, num_war
 
 @functools.lru_cache(maxsize=None)
 def _op(sm_scale, v_dim, block_k, splits, head_group, num_warps, num_stages, bwd_block_k, bwd_num_stages,
-        bwd_head_group, dkv_mode, topk, interpret):
-    """topk: the unpadded K when the op also returns the indexer target, else None."""
+        bwd_head_group, dkv_mode, topk, chunk_rows, interpret):
+    """topk: the unpadded K when the op also returns the indexer target, else None. "sorted":
+    the op takes unpadded indices and a transposed index built with chunk_rows
+    (`make_indexed_sparse_mla`); the others take indices padded for both kernels."""
     def fwd(q, kv, idx):
+        if dkv_mode == "sorted":
+            idx = pad_slots(idx, block_k * splits)
         b, s, kp = idx.shape
         return _forward(q, kv, idx.reshape(b * s, kp), sm_scale=sm_scale, v_dim=v_dim,
                         block_k=block_k, splits=splits, head_group=head_group, num_warps=num_warps,
@@ -375,7 +379,7 @@ def _op(sm_scale, v_dim, block_k, splits, head_group, num_warps, num_stages, bwd
 
     if dkv_mode == "sorted":
         bwd = functools.partial(gpu_backward.backward, sm_scale=sm_scale, v_dim=v_dim, interpret=interpret)
-        return vjp.make_sparse_mla(fwd, bwd, bwd_adds_dkv=True)
+        return vjp.make_indexed_sparse_mla(fwd, bwd, chunk_rows=chunk_rows)
     bwd = functools.partial(_backward, sm_scale=sm_scale, v_dim=v_dim, block_k=bwd_block_k,
                             num_warps=num_warps, num_stages=bwd_num_stages,
                             head_group=bwd_head_group, atomic=dkv_mode == "atomic",
@@ -441,9 +445,23 @@ def _block_and_splits(c: SparseMLAGpuConfig, dtype, topk: int, programs_per_spli
     return bk, int(c.num_splits or default_splits(programs_per_split, topk, bk))
 
 
+def _dkv_mode(c: SparseMLAGpuConfig) -> str:
+    return "sorted" if c.dkv_mode == "auto" else c.dkv_mode
+
+
+def backward_index(indices: jax.Array, num_keys: int, *, dk: int, dtype,
+                   config: SparseMLAGpuConfig = SparseMLAGpuConfig()) -> transpose.TransposedIndex | None:
+    """The transposed index the "sorted" backward takes for indices int32 [B, S, K] over
+    num_keys rows of width dk in `dtype` (`gpu_backward.backward_index`), to build once per
+    IndexShare group; None for the other dkv modes, which take none."""
+    if _dkv_mode(config) != "sorted":
+        return None
+    return gpu_backward.backward_index(indices, num_keys, dk=dk, dtype=dtype)
+
+
 def sparse_mla(q: jax.Array, kv: jax.Array, indices: jax.Array, *, sm_scale: float, v_dim: int,
                return_target: bool = False, config: SparseMLAGpuConfig = SparseMLAGpuConfig(),
-               interpret: bool = False):
+               interpret: bool = False, tindex: transpose.TransposedIndex | None = None):
     """Sparse MLA forward/backward with Pallas Triton kernels; contract of
     `pallas_kernels.sparse_mla`.
 
@@ -451,6 +469,8 @@ def sparse_mla(q: jax.Array, kv: jax.Array, indices: jax.Array, *, sm_scale: flo
     -> (out [B, S, H, v_dim] in q.dtype, lse float32 [B, S, H]); with return_target also the
     indexer target float32 [B, S, K], written by the forward kernel in a second pass over the
     rows (one program per query: num_splits is 1 then).
+    tindex: the "sorted" backward's transposed index (`backward_index`), built once and shared
+    by the layers of an IndexShare group; None: built for this call.
     Compiled for a GPU, every power-of-two column chunk of Dk must be >= 16 wide, and the
     backward's q, dout and row block must fit in shared memory (bf16 at 64 x 576 does;
     float32 at 64 heads does not)."""
@@ -462,11 +482,18 @@ def sparse_mla(q: jax.Array, kv: jax.Array, indices: jax.Array, *, sm_scale: flo
     if return_target:
         splits, head_group = 1, None
     bbk = int(c.bwd_block_k or max(16, DEFAULT_BWD_BLOCK_K // max(1, jnp.dtype(kv.dtype).itemsize // 2)))
-    idx = pad_slots(indices, math.lcm(bk * splits, bbk))
-    dkv_mode = "sorted" if c.dkv_mode == "auto" else c.dkv_mode
-    op = _op(float(sm_scale), int(v_dim), bk, splits, head_group, c.num_warps, c.num_stages, bbk,
-             c.bwd_num_stages, c.bwd_head_group, dkv_mode, topk if return_target else None, bool(interpret))
-    return op(q, kv, idx)
+    dkv_mode = _dkv_mode(c)
+    settings = (float(sm_scale), int(v_dim), bk, splits, head_group, c.num_warps, c.num_stages, bbk,
+                c.bwd_num_stages, c.bwd_head_group, dkv_mode, topk if return_target else None)
+    if dkv_mode == "sorted":
+        idx = jnp.asarray(indices, jnp.int32)
+        if tindex is None:
+            tindex = backward_index(idx, kv.shape[1], dk=q.shape[-1], dtype=kv.dtype, config=c)
+        op = _op(*settings, tindex.chunk_rows, bool(interpret))
+        return op(q, kv, idx, tindex.position, tindex.offsets)
+    if tindex is not None:
+        raise ValueError(f"sparse_mla: tindex is taken by dkv_mode='sorted' only, not {dkv_mode!r}")
+    return _op(*settings, None, bool(interpret))(q, kv, pad_slots(indices, math.lcm(bk * splits, bbk)))
 
 
 def paged_sparse_mla(q: jax.Array, kv_pages: jax.Array, page_table: jax.Array, indices: jax.Array, *, slot,

@@ -75,6 +75,22 @@ DEFAULT_BUDGET = 4 * 2**30
 FUSED_DQ_MAX_HEADS = 32
 
 
+def default_chunk_rows(rows: int, topk: int, dk: int, dtype, budget: int = DEFAULT_BUDGET) -> int:
+    """Queries per chunk so that one chunk's pair gradients (kv's dtype, float32 for 4-byte kv)
+    fit `budget` bytes."""
+    itemsize = jnp.dtype(dtype).itemsize
+    return tr.default_chunk_rows(rows, topk, dk, 4 if itemsize >= 4 else itemsize, budget)
+
+
+def backward_index(indices: jax.Array, num_keys: int, *, dk: int, dtype, budget: int = DEFAULT_BUDGET
+                   ) -> tr.TransposedIndex:
+    """The transposed index `backward` takes for indices int32 [B, S, K] over num_keys latent rows
+    of width dk in `dtype`: build it once and pass it to every layer that shares the indices."""
+    batch, seq_len, topk = indices.shape
+    chunk = default_chunk_rows(batch * seq_len, topk, dk, dtype, budget)
+    return tr.transpose_index(indices, num_keys, chunk_rows=chunk)
+
+
 def pow2_chunks(start: int, stop: int, most: int = 1 << 30) -> list[tuple[int, int]]:
     """[start, stop) cut into power-of-two (offset, size) chunks of at most `most`, largest first."""
     out = []
@@ -301,8 +317,7 @@ def backward(q, kv, indices, dout, lse, delta, *, sm_scale, v_dim, tindex=None,
     contrib_dtype = jnp.float32 if wide else kv.dtype
     if block_k is None:
         block_k = DEFAULT_BLOCK_K // 2 if wide else DEFAULT_BLOCK_K
-    chunk = tr.default_chunk_rows(rows, topk, dk, jnp.dtype(contrib_dtype).itemsize, budget)
-    tindex = tr.checked_or_built(tindex, indices, num_keys, chunk)
+    tindex = tr.checked_or_built(tindex, indices, num_keys, default_chunk_rows(rows, topk, dk, kv.dtype, budget))
     chunk, n = tindex.chunk_rows, tindex.num_chunks
     kp = -(-topk // block_k) * block_k
 
@@ -378,11 +393,8 @@ def sparse_mla(q, kv, indices, *, sm_scale, v_dim, tindex=None, interpret=False,
     lse float32 [B, S, H]). tindex: a prebuilt `transpose.transpose_index(indices, T, ...)`
     (shared by the layers of an IndexShare group); built here from `budget` when None.
     bwd_cfg: `backward`'s kernel settings (block_k, col_block, fuse_dq, num_warps, ...)."""
-    batch, seq_len, _, dk = q.shape
     if tindex is None:
-        itemsize = 4 if jnp.dtype(kv.dtype).itemsize >= 4 else jnp.dtype(kv.dtype).itemsize
-        chunk = tr.default_chunk_rows(batch * seq_len, indices.shape[-1], dk, itemsize, budget)
-        tindex = tr.transpose_index(indices, kv.shape[1], chunk_rows=chunk)
+        tindex = backward_index(indices, kv.shape[1], dk=q.shape[-1], dtype=kv.dtype, budget=budget)
     op = _op(float(sm_scale), int(v_dim), int(fwd_block_k), int(fwd_warps), int(fwd_stages),
              tuple(sorted(bwd_cfg.items())), tindex.chunk_rows, bool(interpret))
     return op(q, kv, jnp.asarray(indices, jnp.int32), tindex.position, tindex.offsets)

@@ -231,6 +231,17 @@ def _op(sm_scale, v_dim, block_k, bwd_settings, chunk_rows, topk, interpret):
     return vjp.make_indexed_sparse_mla(fwd, bwd, chunk_rows=chunk_rows)
 
 
+def backward_index(indices: jax.Array, num_keys: int, *, dk: int, dtype,
+                   config: SparseMLATpuConfig = SparseMLATpuConfig()) -> transpose.TransposedIndex:
+    """The transposed index the backward takes for indices int32 [B, S, K] over num_keys rows
+    of width dk (chunks of `config.bwd_budget` bytes of pair gradients), to build once per
+    IndexShare group. dtype: kv's (unused: the TPU kernel's pair gradients are float32)."""
+    del dtype
+    batch, seq_len, topk = indices.shape
+    chunk = tpu_backward.default_chunk_rows(batch * seq_len, topk, dk, config.bwd_budget)
+    return transpose.transpose_index(indices, num_keys, chunk_rows=chunk)
+
+
 def sparse_mla(q: jax.Array, kv: jax.Array, indices: jax.Array, *, sm_scale: float, v_dim: int,
                return_target: bool = False, config: SparseMLATpuConfig = SparseMLATpuConfig(),
                interpret: bool = False, tindex: transpose.TransposedIndex | None = None):
@@ -239,9 +250,9 @@ def sparse_mla(q: jax.Array, kv: jax.Array, indices: jax.Array, *, sm_scale: flo
     q [B, S, H, Dk], kv [B, T, Dk], indices int32 [B, S, K] (-1 = skip)
     -> (out [B, S, H, v_dim] in q.dtype, lse float32 [B, S, H]); with return_target also the
     indexer target float32 [B, S, K], from the logits the forward kernel keeps in VMEM.
-    tindex: the backward's transposed index, `transpose.transpose_index(indices, T, chunk_rows=
-    tpu_backward.default_chunk_rows(...))` built once and shared by the layers of an IndexShare
-    group; None: built in each backward (chunks of `config.bwd_budget` bytes).
+    tindex: the backward's transposed index (`backward_index`), built once and shared by the
+    layers of an IndexShare group; None: built in each backward (chunks of `config.bwd_budget`
+    bytes).
     Compiled for a TPU, H should be a multiple of 8 and Dk, v_dim multiples of 128."""
     topk = indices.shape[-1]
     bk = _block_k(topk, config.block_k)
