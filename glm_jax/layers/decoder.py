@@ -263,7 +263,7 @@ def _rematerialised(forward):
     def run(layer, x, found):
         graphdef, state = nnx.split(layer)
         pure = lambda state, x, found: forward(nnx.merge(graphdef, state), x, found)
-        return jax.checkpoint(pure, prevent_cse=False, policy=_SAVE_TOPK)(state, x, found)
+        return jax.checkpoint(pure, policy=_SAVE_TOPK)(state, x, found)
 
     return run
 

@@ -105,6 +105,14 @@ def _score_kernel(first_ref, last_ref, len_ref, *refs, block_q, heads, block_t, 
         s_ref[...] = jnp.full(s_ref.shape, -jnp.inf, jnp.float32)
 
 
+def _per_block(op, x, n_blocks: int, block: int):
+    """x int32 [B, n_blocks * block] -> [B, n_blocks]: op (maximum / minimum) over each block, as
+    elementwise ops on its `block` strided slices. A reduce here (a [B, n_blocks, block] array with
+    the short block axis reduced) fails to compile for two-core TPU chips (v5p) at 16K queries."""
+    x = x.reshape(x.shape[0], n_blocks, block)
+    return functools.reduce(op, [x[..., i] for i in range(block)])
+
+
 def _query_layout(q, weights, q_pos, kv_start, kv_len, block_t: int, page_size: int | None):
     """Queries padded to whole blocks (heads to a multiple of 8) and the first / last key tile
     each query block may see (`_tile_of`; for skipping and index clamping)
@@ -119,9 +127,9 @@ def _query_layout(q, weights, q_pos, kv_start, kv_len, block_t: int, page_size: 
     w = pad_axis(pad_axis(weights.astype(jnp.float32), 2, hp), 1, sp).reshape(batch, sp * hp, 1)
     pos = pad_axis(jnp.asarray(q_pos, jnp.int32), 1, sp, -1)
     start = pad_axis(start_or_zero(kv_start, q_pos), 1, sp, 0)
-    seen = jnp.minimum(pos.reshape(batch, n_qb, bq).max(axis=2) + 1, kv_len[:, None])
+    seen = jnp.minimum(_per_block(jnp.maximum, pos, n_qb, bq) + 1, kv_len[:, None])
     last = _tile_of(seen - 1, block_t, page_size).reshape(-1).astype(jnp.int32)
-    first = _tile_of(start.reshape(batch, n_qb, bq).min(axis=2), block_t, page_size).reshape(-1).astype(jnp.int32)
+    first = _tile_of(_per_block(jnp.minimum, start, n_qb, bq), block_t, page_size).reshape(-1).astype(jnp.int32)
     return q, w, pos[..., None], start[..., None], first, last, bq, hp
 
 
