@@ -15,9 +15,9 @@ lax.scan, so its figures cover one chunk of the backward. Speed is not measured 
 
 --paged: the paged decode forward (`paged_sparse_mla`) and the paged indexer's top-k
 (`paged_indexer_topk`) at decode (one query per sequence, 64 heads, top-2048) over a store of
-several layer slots of 64-row pages, beside the store's own bytes: temporaries near the store's
-size are a copy of it made before the kernel; the XLA impls compiled the same way are the
-baseline.
+several layer slots of 64-row pages, pinned row-major as the decode step keeps the cache
+(`glm_jax.aot`), beside the store's own bytes: temporaries near the store's size are a copy of
+it made before the kernel; the XLA impls compiled the same way are the baseline.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.layout import Format, Layout
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import pallas_kernels as pk
@@ -111,15 +112,18 @@ PAGED = dict(batch=8, heads=64, pages_per_sequence=512, page_size=64, slots=4, i
 
 def paged_inputs(mesh, *, batch, heads, pages_per_sequence, page_size, slots, index_heads, index_dim):
     """ShapeDtypeStructs on the mesh: (sparse MLA args, indexer args) of one decode step over
-    stores [slots, batch * pages_per_sequence + 1, page_size, D] bf16 (a scratch page added)."""
+    stores [slots, batch * pages_per_sequence + 1, page_size, D] bf16 (a scratch page added),
+    pinned row-major."""
     sh = NamedSharding(mesh, P())
     spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sh)
     pages = batch * pages_per_sequence + 1
+    store = lambda width: jax.ShapeDtypeStruct((slots, pages, page_size, width), jnp.bfloat16,
+                                               sharding=Format(Layout(major_to_minor=(0, 1, 2, 3)), sh))
     table = spec((batch, pages_per_sequence), jnp.int32)
-    mla = (spec((batch, 1, heads, DK), jnp.bfloat16), spec((slots, pages, page_size, DK), jnp.bfloat16), table,
+    mla = (spec((batch, 1, heads, DK), jnp.bfloat16), store(DK), table,
            spec((batch, 1, TOPK), jnp.int32), spec((), jnp.int32))
     indexer = (spec((batch, 1, index_heads, index_dim), jnp.bfloat16),
-               spec((slots, pages, page_size, index_dim), jnp.bfloat16), table,
+               store(index_dim), table,
                spec((batch, 1, index_heads), jnp.float32), spec((batch, 1), jnp.int32), spec((batch,), jnp.int32),
                spec((), jnp.int32))
     return mla, indexer
