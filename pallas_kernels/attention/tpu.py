@@ -33,6 +33,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
@@ -278,9 +279,11 @@ def _paged_fwd_kernel(slot_ref, idx_smem, pages_smem, idx_vmem, q_ref, kv_hbm, o
         _softmax_init(m_sc, l_sc, acc_sc)
 
     # logical row t of this sequence is kv_hbm[slot, pages[t // P], t % P]; the DMA copies the packed
-    # word holding it (P is a whole number of words, so t % n is the row's place in its word)
+    # word holding it (P is a whole number of words, so t % n is the row's place in its word); r >= 0
+    # here, so truncating division (no sign fix-up)
     n = tpu_rows.packing(kv_hbm.dtype)
-    source = lambda r: tpu_rows.packed_source(kv_hbm.at[slot_ref[0], pages_smem[r // page_size]], r % page_size, n)
+    source = lambda r: tpu_rows.packed_source(kv_hbm.at[slot_ref[0], pages_smem[lax.div(r, page_size)]],
+                                              lax.rem(r, page_size), n)
     buf_slot = tpu_rows.prefetch_and_wait(idx_smem, source, buf, sem, kb=kb, nk=pl.num_programs(2), block_k=block_k,
                                           num_keys=num_keys, dest=tpu_rows.packed_dest(n))
     idx = idx_vmem[...]                                                  # [1, bk]

@@ -47,8 +47,9 @@ def packed_scratch(block_k, dk, kv_dtype):
 
 
 def packed_source(page, offset, n):
-    """page [P, Dk] (an HBM ref view) -> the n rows of the packed word holding row `offset`."""
-    return page.at[pl.ds(pl.multiple_of(offset - offset % n, n), n)]
+    """page [P, Dk] (an HBM ref view), offset >= 0 -> the n rows of the packed word holding row
+    `offset` (n a power of two)."""
+    return page.at[pl.ds(pl.multiple_of(offset & -n, n), n)]
 
 
 def packed_dest(n):
@@ -58,15 +59,15 @@ def packed_dest(n):
 
 def unpack_rows(words, rows):
     """words [n * bk, Dk] (a `packed_scratch` slot: row j's packed word at rows n*j ..), rows
-    int32 [1, bk] the gathered row numbers (only rows % n is read; row % n is the row's place
-    in its word when pages hold whole words) -> [bk, Dk] the gathered rows."""
+    int32 [1, bk] the gathered row numbers (only their low bits are read: row % n is the row's
+    place in its word when pages hold whole words) -> [bk, Dk] the gathered rows."""
     n = packing(words.dtype)
     if n == 1:
         return words
     bits = 32 // n
     packed = pltpu.bitcast(words, jnp.uint32)          # [bk, Dk]; row n*j + i in bits [i*bits, (i+1)*bits)
     bk = packed.shape[0]
-    shift = jnp.broadcast_to((rows % n) * bits, (8, bk)).T[:, :1]            # [bk, 1]: the lane vector as a column
+    shift = jnp.broadcast_to((rows & (n - 1)) * bits, (8, bk)).T[:, :1]      # [bk, 1]: the lane vector as a column
     unsigned = {8: jnp.uint8, 16: jnp.uint16}[bits]
     return lax.bitcast_convert_type((packed >> shift.astype(jnp.uint32)).astype(unsigned), words.dtype)
 
