@@ -4,6 +4,7 @@ and cost analysis per chip, without a TPU (needs libtpu).
 
     PYTHONPATH=. python3 benchmarks/sparse_mla_tpu_aot.py                  # v5p, v6e, tpu7x
     PYTHONPATH=. python3 benchmarks/sparse_mla_tpu_aot.py --seq-len 256 --topology v5p:2x2x1
+    PYTHONPATH=. python3 benchmarks/sparse_mla_tpu_aot.py --paged          # the paged decode kernels
 
 Shape: B=1, S queries, 16 heads, Dk 576, v 512, T = 8192 keys, top-2048, bf16; the gradient of
 sum(out) in q and kv, with the transposed index prebuilt (an input, as an IndexShare group
@@ -11,6 +12,12 @@ shares it; its sort is compiled apart). Prints per topology: compile seconds, ar
 outputs and temporaries (bytes), XLA's flops and bytes accessed, and this design's own count.
 XLA's cost analysis counts the body of a loop once: the backward's query chunks run in a
 lax.scan, so its figures cover one chunk of the backward. Speed is not measured (no TPU).
+
+--paged: the paged decode forward (`paged_sparse_mla`) and the paged indexer's top-k
+(`paged_indexer_topk`) at decode (one query per sequence, 64 heads, top-2048) over a store of
+several layer slots of 64-row pages, pinned row-major as the decode step keeps the cache
+(`glm_jax.aot`), beside the store's own bytes: temporaries near the store's size are a copy of
+it made before the kernel; the XLA impls compiled the same way are the baseline.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.layout import Format, Layout
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import pallas_kernels as pk
@@ -99,13 +107,67 @@ def report(topology, seq_len, budget):
               f"{flops / 1e9:.0f} | {nbytes / 2**30:.2f} |")
 
 
+PAGED = dict(batch=8, heads=64, pages_per_sequence=512, page_size=64, slots=4, index_heads=32, index_dim=128)
+
+
+def paged_inputs(mesh, *, batch, heads, pages_per_sequence, page_size, slots, index_heads, index_dim):
+    """ShapeDtypeStructs on the mesh: (sparse MLA args, indexer args) of one decode step over
+    stores [slots, batch * pages_per_sequence + 1, page_size, D] bf16 (a scratch page added),
+    pinned row-major."""
+    sh = NamedSharding(mesh, P())
+    spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sh)
+    pages = batch * pages_per_sequence + 1
+    store = lambda width: jax.ShapeDtypeStruct((slots, pages, page_size, width), jnp.bfloat16,
+                                               sharding=Format(Layout(major_to_minor=(0, 1, 2, 3)), sh))
+    table = spec((batch, pages_per_sequence), jnp.int32)
+    mla = (spec((batch, 1, heads, DK), jnp.bfloat16), store(DK), table,
+           spec((batch, 1, TOPK), jnp.int32), spec((), jnp.int32))
+    indexer = (spec((batch, 1, index_heads, index_dim), jnp.bfloat16),
+               store(index_dim), table,
+               spec((batch, 1, index_heads), jnp.float32), spec((batch, 1), jnp.int32), spec((batch,), jnp.int32),
+               spec((), jnp.int32))
+    return mla, indexer
+
+
+def compile_paged(mesh, op, args, impl):
+    """paged_sparse_mla (args: q, store, table, indices, slot) or paged_indexer_topk (args: q,
+    store, table, weights, q_pos, kv_len, slot) of `impl`, compiled on a one-device mesh."""
+    if op == "paged_sparse_mla":
+        fn = lambda q, store, table, idx, slot: pk.paged_sparse_mla(
+            q, store, table, idx, slot=slot, sm_scale=SCALE, v_dim=DV, impl=impl)
+    else:
+        fn = lambda q, store, table, w, pos, n, slot: pk.paged_indexer_topk(
+            q, store, table, w, topk=TOPK, q_pos=pos, kv_len=n, slot=slot, impl=impl)
+    wrapped = jax.shard_map(fn, mesh=mesh, in_specs=(P(),) * len(args), out_specs=P(), check_vma=False)
+    return jax.jit(wrapped).lower(*args).compile()
+
+
+def report_paged(topology):
+    from glm_jax.aot import topology_devices
+
+    mesh = Mesh(np.array(topology_devices(topology))[:1], ("x",))
+    for op, args in zip(("paged_sparse_mla", "paged_indexer_topk"), paged_inputs(mesh, **PAGED)):
+        store = args[1].size * args[1].dtype.itemsize
+        for impl in ("pallas_tpu", "xla"):
+            m = compile_paged(mesh, op, args, impl).memory_analysis()
+            print(f"| {topology} | {op} | {impl} | {store / 2**20:.0f} | {m.temp_size_in_bytes / 2**20:.1f} |")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--topology", nargs="*", default=list(TOPOLOGIES))
     parser.add_argument("--budget", type=int, default=tpu_backward.DEFAULT_BUDGET,
                         help="bytes of one query chunk's pair gradients (SparseMLATpuConfig.bwd_budget)")
+    parser.add_argument("--paged", action="store_true", help="the paged decode kernels instead (module docstring)")
     a = parser.parse_args()
+    if a.paged:
+        print(f"decode: {PAGED}, Dk={DK} v={DV} K={TOPK} bf16")
+        print("| topology | op | impl | store MiB | temporaries MiB |")
+        print("|---|---|---|---|---|")
+        for topology in a.topology:
+            report_paged(topology)
+        return
     chunk = tpu_backward.default_chunk_rows(a.seq_len, TOPK, DK, a.budget)
     flops, nbytes = design_count(a.seq_len, HEADS, DK, DV, TOPK, KEYS, a.budget)
     print(f"B=1 S={a.seq_len} H={HEADS} Dk={DK} v={DV} T={KEYS} K={TOPK} bf16; query chunk {chunk}; "

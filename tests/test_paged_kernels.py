@@ -4,11 +4,16 @@ tested with every implementation's in test_kernel_contract.py.
 
 Knobs: TPU key tiles smaller than a page, with a partial last tile in each page; GPU key tiles
 inside one page (a scalar page id per tile); GPU sparse MLA with head groups and K splits. The
-TPU kernels are compiled ahead of time for v5p (needs libtpu) and the GPU kernels lowered to
-Triton for an H200 (no GPU needed), at GLM-5.2's decode shapes over a paged store.
+TPU sparse MLA over stores of packed words (bf16, fp8: the selected row taken out of its word)
+and over a page size that splits a word (the XLA fallback). The TPU kernels are compiled ahead
+of time for v5p, v6e and tpu7x (needs libtpu) and read the store in place (no copy of it in the
+compiled program), and the GPU kernels lowered to Triton for an H200 (no GPU needed), at
+GLM-5.2's decode shapes over a paged store.
 """
 
 from __future__ import annotations
+
+import re
 
 import numpy as np
 import pytest
@@ -44,15 +49,26 @@ def test_paged_sparse_mla_gpu_head_groups_and_splits():
     assert mla_gpu.default_head_group(4096, 64) == 64 and mla_gpu.default_head_group(1, 8) == 16
 
 
+@pytest.mark.parametrize("dtype,page_size", [(jnp.bfloat16, 16), (jnp.float8_e4m3fn, 16), (jnp.bfloat16, 15)])
+def test_tpu_paged_sparse_mla_packed_stores(dtype, page_size):
+    """Rows 2 (bf16) or 4 (fp8) to a 32-bit word: each selected row is cut out of the word its
+    DMA copied, at every place in the word; float32 queries, so the rows are compared exactly
+    as stored. A page of 15 bf16 rows splits a word: the XLA fallback, same answer."""
+    q, kv, idx = sparse_inputs(31, B=2, S=2, T=50, K=24, H=4, Dk=80)
+    check_paged_sparse_mla("pallas_tpu", q, kv.astype(dtype), idx, page_size=page_size, sm_scale=0.125, v_dim=64)
+    assert {int(t) % 4 for t in np.asarray(idx).ravel() if t >= 0} == {0, 1, 2, 3}
+
+
 # ----------------------------------------------------------------------------- compilation
 
 B, H, DK, V, K, PAGE, PAGES = 4, 64, 576, 512, 2048, 64, 128        # 8K rows a sequence
+POOL = 8 * B * PAGES + 1      # a pool's pages (room for 8x these sequences): stores of 906 and 134 MB
 
 
 def _mla_args(sharding=None):
     kw = {} if sharding is None else {"sharding": sharding}
     return (jax.ShapeDtypeStruct((B, 1, H, DK), jnp.bfloat16, **kw),
-            jax.ShapeDtypeStruct((3, B * PAGES + 1, PAGE, DK), jnp.bfloat16, **kw),
+            jax.ShapeDtypeStruct((3, POOL, PAGE, DK), jnp.bfloat16, **kw),
             jax.ShapeDtypeStruct((B, PAGES), jnp.int32, **kw),
             jax.ShapeDtypeStruct((B, 1, K), jnp.int32, **kw),
             jax.ShapeDtypeStruct((), jnp.int32, **kw))
@@ -61,7 +77,7 @@ def _mla_args(sharding=None):
 def _topk_args(sharding=None):
     kw = {} if sharding is None else {"sharding": sharding}
     return (jax.ShapeDtypeStruct((B, 1, 32, 128), jnp.bfloat16, **kw),
-            jax.ShapeDtypeStruct((2, B * PAGES + 1, PAGE, 128), jnp.bfloat16, **kw),
+            jax.ShapeDtypeStruct((2, POOL, PAGE, 128), jnp.bfloat16, **kw),
             jax.ShapeDtypeStruct((B, PAGES), jnp.int32, **kw),
             jax.ShapeDtypeStruct((B, 1, 32), jnp.float32, **kw),
             jax.ShapeDtypeStruct((B, 1), jnp.int32, **kw),
@@ -83,17 +99,44 @@ def _scores_fn(module):
     return lambda q, store, table, w, p, n, slot: module.paged_scores(q, store, table, slot, w, q_pos=p, kv_len=n)
 
 
-def test_tpu_paged_kernels_compile_ahead_of_time():
-    """The paged kernels (the selection after the scores is compiled in test_indexer_pallas.py)."""
+_INSTRUCTION = re.compile(r"=\s*(.*?)\s(copy|copy-start|transpose)\(")
+_ARRAY = re.compile(r"\[([\d,]+)\]")
+
+
+def _store_sized_copies(hlo_text: str, elements: int) -> list[str]:
+    """The copy / transpose instructions of a compiled module whose result holds an array of at
+    least `elements` elements (a relayout of the store)."""
+    found = []
+    for line in hlo_text.splitlines():
+        m = _INSTRUCTION.search(line)
+        if m and any(np.prod([int(d) for d in a.split(",")]) >= elements for a in _ARRAY.findall(m.group(1))):
+            found.append(line.strip()[:200])
+    return found
+
+
+@pytest.mark.parametrize("topology", ["v5p:2x2x1", "v6e:2x2", "tpu7x:2x2x1"])
+def test_tpu_paged_kernels_read_the_store_in_place(topology):
+    """The paged kernels compiled ahead of time in a plain jit, as `glm_jax.aot` compiles the
+    decode step (the selection after the scores is compiled in test_indexer_pallas.py), read
+    the store, pinned row-major as the decode step keeps the cache, in that layout: no copy or
+    transpose of it in the compiled program and temporaries under 10% of its bytes (a [.., P,
+    1, Dk] view of the latent store used to cost a relayout copy, temporaries 2.2x the store)."""
+    from jax.experimental.layout import Format, Layout
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    mesh = tpu_compile_mesh("v5p:2x2x1")
+    mesh = tpu_compile_mesh(topology)
+    replicated = NamedSharding(mesh, P())
     for fn, args, name in ((_mla_fn(mla_tpu), _mla_args, "paged_sparse_mla_fwd"),
                            (_scores_fn(indexer_tpu), _topk_args, "paged_indexer_scores")):
-        specs = args()
-        wrapped = jax.shard_map(fn, mesh=mesh, in_specs=(P(),) * len(specs), out_specs=P(), check_vma=False)
-        compiled = jax.jit(wrapped).lower(*args(NamedSharding(mesh, P()))).compile()
-        assert name in compiled.as_text() and compiled.memory_analysis() is not None
+        specs = list(args(replicated))
+        store = specs[1]
+        specs[1] = jax.ShapeDtypeStruct(store.shape, store.dtype,
+                                        sharding=Format(Layout(major_to_minor=(0, 1, 2, 3)), replicated))
+        compiled = jax.jit(fn).lower(*specs).compile()
+        text = compiled.as_text()
+        assert name in text
+        assert not _store_sized_copies(text, store.size), _store_sized_copies(text, store.size)
+        assert compiled.memory_analysis().temp_size_in_bytes < 0.1 * store.size * store.dtype.itemsize
 
 
 def test_gpu_paged_kernels_lower_to_triton_for_h200():

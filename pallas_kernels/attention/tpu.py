@@ -33,11 +33,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels._common import check_positive_fields, pad_slots, tpu_interpret
-from pallas_kernels.attention import tpu_backward, tpu_rows, transpose, vjp
+from pallas_kernels.attention import tpu_backward, tpu_rows, transpose, vjp, xla
 
 #: Rows gathered per grid step of the forward.
 DEFAULT_BLOCK_K = 256
@@ -277,13 +278,17 @@ def _paged_fwd_kernel(slot_ref, idx_smem, pages_smem, idx_vmem, q_ref, kv_hbm, o
     def _():
         _softmax_init(m_sc, l_sc, acc_sc)
 
-    # logical row t of this sequence is kv_hbm[slot, pages[t // P], t % P] (a [1, Dk] row of its page)
-    source = lambda r: kv_hbm.at[slot_ref[0], pages_smem[r // page_size], r % page_size]
-    buf_slot = tpu_rows.prefetch_and_wait(idx_smem, source, buf, sem, kb=kb, nk=pl.num_programs(2),
-                                          block_k=block_k, num_keys=num_keys)
+    # logical row t of this sequence is kv_hbm[slot, pages[t // P], t % P]; the DMA copies the packed
+    # word holding it (P is a whole number of words, so t % n is the row's place in its word); r >= 0
+    # here, so truncating division (no sign fix-up)
+    n = tpu_rows.packing(kv_hbm.dtype)
+    source = lambda r: tpu_rows.packed_source(kv_hbm.at[slot_ref[0], pages_smem[lax.div(r, page_size)]],
+                                              lax.rem(r, page_size), n)
+    buf_slot = tpu_rows.prefetch_and_wait(idx_smem, source, buf, sem, kb=kb, nk=pl.num_programs(2), block_k=block_k,
+                                          num_keys=num_keys, dest=tpu_rows.packed_dest(n))
     idx = idx_vmem[...]                                                  # [1, bk]
-    _softmax_update(q_ref[...], tpu_rows.rows_of(buf, buf_slot), (idx >= 0) & (idx < num_keys), m_sc, l_sc,
-                    acc_sc, sm_scale=sm_scale, v_dim=v_dim)
+    _softmax_update(q_ref[...], tpu_rows.unpack_rows(buf[buf_slot], idx), (idx >= 0) & (idx < num_keys), m_sc,
+                    l_sc, acc_sc, sm_scale=sm_scale, v_dim=v_dim)
 
     @pl.when(kb == pl.num_programs(2) - 1)
     def _():
@@ -293,16 +298,20 @@ def _paged_fwd_kernel(slot_ref, idx_smem, pages_smem, idx_vmem, q_ref, kv_hbm, o
 def paged_sparse_mla(q: jax.Array, kv_pages: jax.Array, page_table: jax.Array, indices: jax.Array, *, slot,
                      sm_scale: float, v_dim: int, config: SparseMLATpuConfig = SparseMLATpuConfig(),
                      interpret: bool = False):
-    """The forward kernel reading a paged store: each selected logical row is translated to
-    (page, offset) inside the kernel and copied by one DMA from the store in HBM (no copy of
+    """The forward kernel reading a paged store in place: each selected logical row is
+    translated to (page, offset) inside the kernel and its packed word (`tpu_rows.packing` rows:
+    2 in bf16) copied by one DMA from the store in HBM, in the store's own layout (no copy of
     the rows, no relayout of the store). Contract of `pallas_kernels.paged_sparse_mla`.
 
     q [B, S, H, Dk], kv_pages [slots, pages, P, Dk], page_table int32 [B, n], slot int32
     scalar (prefetched), indices int32 [B, S, K] (-1 or >= n * P = skip) -> (out [B, S, H,
     v_dim] in q.dtype, lse f32 [B, S, H]). Forward only. The sequence's page table is an SMEM
-    block next to the query's indices (n int32 per sequence)."""
+    block next to the query's indices (n int32 per sequence). A page size that splits a
+    packed word (an odd P in bf16) runs the XLA implementation instead (`xla.paged_sparse_mla`)."""
     batch, seq_len, heads, dk = q.shape
     page_size, n = kv_pages.shape[2], page_table.shape[1]
+    if page_size % tpu_rows.packing(kv_pages.dtype):
+        return xla.paged_sparse_mla(q, kv_pages, page_table, indices, slot=slot, sm_scale=sm_scale, v_dim=v_dim)
     bk = _block_k(indices.shape[-1], config.block_k)
     idx = pad_slots(indices, bk)
     topk = idx.shape[-1]
@@ -321,7 +330,7 @@ def paged_sparse_mla(q: jax.Array, kv_pages: jax.Array, page_table: jax.Array, i
                       per_query(dk),
                       pl.BlockSpec(memory_space=pl.ANY)],
             out_specs=[per_query(v_dim), per_query(1)],
-            scratch_shapes=tpu_rows.scratch(bk, dk, kv_pages.dtype) + [
+            scratch_shapes=tpu_rows.packed_scratch(bk, dk, kv_pages.dtype) + [
                 pltpu.VMEM((heads, 1), jnp.float32), pltpu.VMEM((heads, 1), jnp.float32),
                 pltpu.VMEM((heads, v_dim), jnp.float32)]),
         out_shape=[jax.ShapeDtypeStruct((batch, seq_len, heads, v_dim), q.dtype),
@@ -330,5 +339,5 @@ def paged_sparse_mla(q: jax.Array, kv_pages: jax.Array, page_table: jax.Array, i
         interpret=tpu_interpret(interpret),
         name="paged_sparse_mla_fwd",
     )(jnp.reshape(jnp.asarray(slot, jnp.int32), (1,)), idx.reshape(batch, seq_len, 1, topk),
-      page_table.reshape(batch, 1, n), idx.reshape(batch, seq_len, 1, topk), q, kv_pages[..., None, :])
+      page_table.reshape(batch, 1, n), idx.reshape(batch, seq_len, 1, topk), q, kv_pages)
     return out, lse[..., 0]

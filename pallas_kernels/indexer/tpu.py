@@ -212,7 +212,8 @@ def paged_scores(q, k_pages, page_table, slot, weights, *, q_pos, kv_len, kv_sta
         block = b * n_qb + qb
         tile = jnp.clip(jnp.minimum(jnp.maximum(j * per_page + i, first_ref[block]), last_ref[block]),
                         0, n * per_page - 1)
-        return slot_ref[0], pages_ref[b * n + tile // per_page], tile % per_page, 0
+        # tile >= 0: truncating division, which needs no sign fix-up
+        return slot_ref[0], pages_ref[b * n + lax.div(tile, per_page)], lax.rem(tile, per_page), 0
 
     kernel = functools.partial(_score_kernel, block_q=bq, heads=hp, block_t=block_t, n_qblocks=n_qb,
                                precision=_precision(q), page_size=page_size)
