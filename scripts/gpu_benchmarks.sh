@@ -9,7 +9,7 @@
 #                 and backward, the indexer KL old and grouped); the 128K
 #                 sparse step's memory plan (compiled, not run)
 # training-64k    a sparse and a dense train step at 64K tokens              3-6 min
-# training-128k   the same at 128K (the sparse step may not fit: reported)    3-6 min
+# training-128k   the same at 128K (the sparse step may not fit: reported)    4-7 min
 # kernels         paged sparse MLA and paged indexer top-k decode against     2-4 min
 #                 the gather path, beside the copy bandwidth
 # prefill         one 200K-token prompt, IndexShare against all Full          2-4 min
