@@ -148,8 +148,8 @@ for group in "${groups[@]}"; do
         training-parts)
             run sparse_train_parts_64k 330 "--seq-len 128 --smoke" "$py" benchmarks/sparse_train_parts.py \
                 --seq-len 65536 --impls pallas_gpu --json "$stage/sparse_train_parts_64k.json"
-            run train_memory_128k 180 "--config configs/tiny.yaml --seq-len 256" "$py" benchmarks/train_memory.py \
-                --seq-len 131072 --stages sparse
+            run train_memory_128k 180 "--config configs/tiny.yaml --seq-len 256" "${mem95[@]}" "$py" \
+                benchmarks/train_memory.py --seq-len 131072 --stages sparse
             ;;
         training-64k)
             run train_long_64k 540 "--smoke" "${mem95[@]}" "$py" benchmarks/train_long.py --seq-len 65536 \
