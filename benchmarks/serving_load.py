@@ -23,7 +23,8 @@ first token and inter-token latency (p50 / p99, as a client sees tokens arrive),
 decode step (median), and the ceiling: `slots` tokens per median full-batch decode step of the
 continuous run (n/a when no step had every slot decoding). Programs are compiled before the
 clock starts. A server that fails at a context (e.g. out of device memory) gets a row with its
-error, and the run goes on.
+error, and the run goes on. --out is rewritten after every row, so a run cut short keeps the
+rows it measured.
 """
 
 from __future__ import annotations
@@ -233,6 +234,13 @@ def main() -> None:
           "host ms/step |")
     print("|---|---|---|---|---|---|---|---|")
     rows = []
+
+    def save():             # after every row, so a run cut short keeps what it measured
+        with open(args.out, "w") as f:
+            json.dump(dict(requests=requests, rate=rate, new_tokens=new_tokens, slots=slots, page_size=args.page_size,
+                           prefill_chunk=chunk, smoke=smoke, device=jax.devices()[0].device_kind, rows=rows), f,
+                      indent=1)
+
     for context in contexts:
         vocab = model_config(PATTERNS["IndexShare"], smoke).vocab_size
         arrivals = workload(np.random.default_rng([args.seed, context]), requests=requests, rate=rate,
@@ -260,10 +268,8 @@ def main() -> None:
                           f"{row['host_ms_per_step']:.3f} |", flush=True)
                 server = None
                 rows.append(row)
+                save()
             del model
-    with open(args.out, "w") as f:
-        json.dump(dict(requests=requests, rate=rate, new_tokens=new_tokens, slots=slots, page_size=args.page_size,
-                       prefill_chunk=chunk, smoke=smoke, device=jax.devices()[0].device_kind, rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":

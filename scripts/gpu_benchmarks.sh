@@ -1,61 +1,200 @@
 #!/usr/bin/env bash
 # The GPU measurements that docs/training.md, docs/serving.md and docs/kernels-*.md cite as not
-# measured yet, in groups; each writes its printed table (NAME.txt) and JSON under OUT_DIR.
+# measured yet, in groups sized for one command of at most 9.5 minutes each.
 #
-#   bash scripts/gpu_benchmarks.sh OUT_DIR training kernels prefill serving
+#   bash scripts/gpu_benchmarks.sh [--smoke] [--budget SECONDS] OUT_DIR GROUP...
 #
-# training  sparse-training parts at 64K (grouped indexer KL, attention target, backward), the
-#           128K sparse step's memory plan, sparse against dense train steps at 64K and 128K
-# kernels   the paged decode kernels (sparse MLA, indexer top-k) against the gather path and the
-#           copy bandwidth
-# prefill   one 200K-token prompt, IndexShare against all Full
-# serving   host time per engine step; the load benchmark (continuous engine against static
-#           waves, IndexShare against all Full, contexts up to 1M)
-set -euo pipefail
-if [ $# -lt 2 ]; then
-    sed -n '2,14p' "$0"
-    exit 2
-fi
-out=$1
-shift
-cd "$(dirname "$0")/.."
-mkdir -p "$out"
-export PYTHONPATH=.
-py=${PYTHON:-python3}
+# GROUP          what it measures                                          estimate on one H200
+# training-parts  sparse-training parts at 64K (top-k, sparse MLA forward     4-7 min
+#                 and backward, the indexer KL old and grouped); the 128K
+#                 sparse step's memory plan (compiled, not run)
+# training-64k    a sparse and a dense train step at 64K tokens              3-6 min
+# training-128k   the same at 128K (the sparse step may not fit: reported)    4-7 min
+# kernels         paged sparse MLA and paged indexer top-k decode against     2-4 min
+#                 the gather path, beside the copy bandwidth
+# prefill         one 200K-token prompt, IndexShare against all Full          2-4 min
+# serving         host time per engine step (16K context, 12,000 tokens);    5-8 min
+#                 the load benchmark at 32K
+# serving-128k    the load benchmark at 128K                                  4-7 min
+# serving-1m      the load benchmark at 1M, IndexShare only                   4-10 min
+# serving-1m-full the same with every layer Full                              6-18 min
+# Aliases (several commands' time: run their groups one command at a time):
+# training = training-parts training-64k training-128k;
+# serving-all = serving serving-128k serving-1m serving-1m-full.
+# The estimates are not measurements; docs/training.md ("Running the pending GPU
+# measurements") says how each was derived.
+#
+# Each benchmark runs under `timeout` (its own limit, and never past --budget, default 560 s
+# from the start, so the command ends inside a 10-minute limit); a benchmark that fails or
+# times out is reported and the next one runs. Its printed table (NAME.txt) and JSON go to
+# runs/gpu_benchmarks/ARCHIVE/, and after every benchmark they are packed into
+# OUT_DIR/ARCHIVE.tar.gz (ARCHIVE: gpu_benchmarks-GROUPS), with summary.txt (status and seconds
+# of each) and environment.txt (device, versions). Exit status 1 if any benchmark failed,
+# timed out or was skipped for lack of time. --smoke runs every benchmark of the groups at tiny
+# sizes on the CPU (each one's --smoke or small flags; no budget unless given).
+# PYTHON (default python3) is the interpreter; RUNS_DIR (default runs) holds the work.
+set -uo pipefail
 
-run() {
-    local name=$1
-    shift
-    echo "== $name: $py $*"
-    "$py" "$@" 2>&1 | tee "$out/$name.txt"
+usage() {
+    awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"
+    exit 2
 }
 
-for group in "$@"; do
+smoke=0
+budget=""
+while [ $# -gt 0 ]; do
+    case $1 in
+        --smoke) smoke=1; shift ;;
+        --budget)
+            [[ ${2:-} =~ ^[0-9]+$ ]] || { echo "--budget needs a number of seconds" >&2; exit 2; }
+            budget=$2; shift 2 ;;
+        -h|--help) usage ;;
+        -*) echo "unknown option '$1'" >&2; usage ;;
+        *) break ;;
+    esac
+done
+[ $# -ge 2 ] || usage
+out=$1
+shift
+
+expand() {
+    case $1 in
+        training) echo training-parts training-64k training-128k ;;
+        serving-all) echo serving serving-128k serving-1m serving-1m-full ;;
+        training-parts|training-64k|training-128k|kernels|prefill|serving|serving-128k|serving-1m|serving-1m-full)
+            echo "$1" ;;
+        *) return 1 ;;
+    esac
+}
+groups=()
+for g in "$@"; do
+    names=$(expand "$g") || { echo "unknown group '$g' (see --help)" >&2; exit 2; }
+    groups+=($names)
+done
+
+cd "$(dirname "$0")/.."
+export PYTHONPATH=. PYTHONUNBUFFERED=1
+py=${PYTHON:-python3}
+if [ $smoke = 1 ]; then
+    export JAX_PLATFORMS=cpu
+    suffix=-smoke
+else
+    export JAX_PLATFORMS=${JAX_PLATFORMS:-cuda}     # fail, rather than measure a CPU, without a GPU
+    suffix=""
+    budget=${budget:-560}
+fi
+archive=gpu_benchmarks-$(IFS=_; echo "${groups[*]}")$suffix
+stage=${RUNS_DIR:-runs}/gpu_benchmarks/$archive
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+rm -rf "$stage"
+mkdir -p "$stage"
+start=$SECONDS
+reserve=10              # seconds kept back for packing the archive
+failures=0
+pack() {
+    tar -czf "$out/$archive.tar.gz.tmp" -C "$(dirname "$stage")" "$archive" && \
+        mv "$out/$archive.tar.gz.tmp" "$out/$archive.tar.gz"
+}
+note() {
+    printf '%-28s %-22s %5d s\n' "$1" "$2" "$3" | tee -a "$stage/summary.txt"
+}
+
+# run NAME LIMIT_S SMOKE_ARGS CMD...: CMD (with SMOKE_ARGS appended under --smoke; argparse
+# keeps the last value of a repeated flag) under timeout, its output in NAME.txt.
+run() {
+    local name=$1 limit=$2 smoke_args=$3
+    shift 3
+    local cmd=("$@")
+    [ $smoke = 1 ] && cmd+=($smoke_args)
+    if [ -n "$budget" ] && [ "$budget" != 0 ]; then
+        local left=$((budget - (SECONDS - start) - reserve))
+        [ $left -lt $limit ] && limit=$left
+    fi
+    if [ $limit -lt 1 ]; then
+        note "$name" "skipped (no time left)" 0
+        failures=$((failures + 1))
+        return
+    fi
+    echo "== $name (limit ${limit}s): ${cmd[*]}"
+    local t=$SECONDS
+    timeout --signal=TERM --kill-after=15 "$limit" "${cmd[@]}" 2>&1 | tee "$stage/$name.txt"
+    local status=${PIPESTATUS[0]}
+    if [ "$status" = 0 ]; then
+        note "$name" ok $((SECONDS - t))
+    elif [ "$status" = 124 ] || [ "$status" = 137 ]; then
+        note "$name" "timed out" $((SECONDS - t))
+        failures=$((failures + 1))
+    else
+        note "$name" "failed (exit $status)" $((SECONDS - t))
+        failures=$((failures + 1))
+    fi
+    pack
+}
+
+{
+    echo "date: $(date -u +%FT%TZ)"
+    echo "groups: ${groups[*]}; smoke: $smoke; budget: ${budget:-none} s"
+    echo "commit: $(git rev-parse HEAD 2>/dev/null || echo 'unknown (no .git)')"
+    echo "host: $(uname -srm); $(nproc) cores"
+    timeout 120 "$py" -c 'import sys, jax; print("python", sys.version.split()[0], "jax", jax.__version__,
+                                                 "devices", jax.devices())' 2>&1 | tail -3
+    command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+} > "$stage/environment.txt"
+: > "$stage/summary.txt"
+mem95=(env XLA_PYTHON_CLIENT_MEM_FRACTION=0.95)   # the training steps need the card's memory
+for group in "${groups[@]}"; do
     case $group in
-        training)
-            run sparse_train_parts_64k benchmarks/sparse_train_parts.py --seq-len 65536 \
-                --json "$out/sparse_train_parts_64k.json"
-            run train_memory_128k benchmarks/train_memory.py --seq-len 131072 --stages sparse
-            run train_long_64k benchmarks/train_long.py --seq-len 65536 --stages sparse dense \
-                --sparse-impls pallas_gpu --json "$out/train_long_64k.json"
-            run train_long_128k benchmarks/train_long.py --seq-len 131072 --stages sparse dense \
-                --sparse-impls pallas_gpu --json "$out/train_long_128k.json"
+        training-parts)
+            run sparse_train_parts_64k 330 "--seq-len 128 --smoke" "$py" benchmarks/sparse_train_parts.py \
+                --seq-len 65536 --impls pallas_gpu --json "$stage/sparse_train_parts_64k.json"
+            run train_memory_128k 180 "--config configs/tiny.yaml --seq-len 256" "${mem95[@]}" "$py" \
+                benchmarks/train_memory.py --seq-len 131072 --stages sparse
+            ;;
+        training-64k)
+            run train_long_64k 540 "--smoke" "${mem95[@]}" "$py" benchmarks/train_long.py --seq-len 65536 \
+                --stages sparse dense --sparse-impls pallas_gpu --json "$stage/train_long_64k.json"
+            ;;
+        training-128k)
+            run train_long_128k 540 "--smoke" "${mem95[@]}" "$py" benchmarks/train_long.py --seq-len 131072 \
+                --stages sparse dense --sparse-impls pallas_gpu --json "$stage/train_long_128k.json"
             ;;
         kernels)
-            run sparse_mla_paged benchmarks/sparse_mla.py --paged-only --json "$out/sparse_mla_paged.json"
-            run indexer_topk_paged benchmarks/indexer_topk.py --paged-only --json "$out/indexer_topk_paged.json"
+            run sparse_mla_paged 240 "--smoke" "$py" benchmarks/sparse_mla.py --paged-only \
+                --json "$stage/sparse_mla_paged.json"
+            run indexer_topk_paged 240 "--smoke" "$py" benchmarks/indexer_topk.py --paged-only \
+                --json "$stage/indexer_topk_paged.json"
             ;;
         prefill)
-            run long_prefill_200k benchmarks/long_context.py --prefill 200000 --json "$out/long_prefill_200k.json"
+            run long_prefill_200k 420 "--smoke --prefill 512 --prefill-chunk 128" "$py" benchmarks/long_context.py \
+                --prefill 200000 --json "$stage/long_prefill_200k.json"
             ;;
         serving)
-            run engine_steps benchmarks/engine_steps.py --config configs/small-128k.yaml --max-context 16384 \
+            run engine_steps 180 "--config configs/tiny.yaml --max-context 256 --new-tokens 64" \
+                "$py" benchmarks/engine_steps.py --config configs/small-128k.yaml --max-context 16384 \
                 --new-tokens 12000
-            run serving_load benchmarks/serving_load.py --out "$out/serving_load.json"
+            run serving_load_32k 360 "--smoke --contexts 256" "$py" benchmarks/serving_load.py --contexts 32768 \
+                --out "$stage/serving_load_32k.json"
             ;;
-        *)
-            echo "unknown group '$group' (training, kernels, prefill, serving)" >&2
-            exit 2
+        serving-128k)
+            run serving_load_128k 540 "--smoke --contexts 256" "$py" benchmarks/serving_load.py --contexts 131072 \
+                --out "$stage/serving_load_128k.json"
+            ;;
+        serving-1m)
+            run serving_load_1m 540 "--smoke --contexts 256" "$py" benchmarks/serving_load.py --contexts 1048576 \
+                --patterns IndexShare --out "$stage/serving_load_1m.json"
+            ;;
+        serving-1m-full)
+            run serving_load_1m_full 540 "--smoke --contexts 256" "$py" benchmarks/serving_load.py \
+                --contexts 1048576 --patterns "all Full" --out "$stage/serving_load_1m_full.json"
             ;;
     esac
 done
+pack
+echo
+echo "summary ($((SECONDS - start)) s; archive $out/$archive.tar.gz):"
+cat "$stage/summary.txt"
+if [ $failures -gt 0 ]; then
+    echo "$failures benchmark(s) failed, timed out or were skipped" >&2
+    exit 1
+fi
