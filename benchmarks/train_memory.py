@@ -49,7 +49,7 @@ class DoesNotFit(Exception):
 
 def _hbm_oom(error: Exception) -> DoesNotFit | None:
     """The TPU compiler's out-of-memory refusal as DoesNotFit, or None for any other error."""
-    found = re.search(r"HLO temporaries \(([\d.]+G)\) exceeds available HBM \(([\d.]+G)\)", str(error))
+    found = re.search(r"HLO temporaries \(([\d.]+[KMGT])\) exceeds available HBM \(([\d.]+[KMGT])\)", str(error))
     return None if found is None else DoesNotFit(found[1], found[2])
 
 
