@@ -337,6 +337,7 @@ class ServingEngine(GeneratorBase):
             self._control = control, self.put(control, ("batch", None))
         tokens, self.cache, self.slot_state = self.programs.decode(self.params, self.cache, self.slot_state,
                                                                    self._control[1])
+        tokens.copy_to_host_async()                      # read back by the next step without a transfer wait
         return (tokens, runs), context
 
     def _grow_pages(self) -> None:
