@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+from collections import Counter
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -39,6 +41,25 @@ def micro_config(**changes) -> GLMConfig:
         n_routed_experts=4, num_experts_per_tok=2, index_n_heads=2, index_head_dim=16,
         index_topk=4, index_topk_pattern="FSSFS", max_position_embeddings=64, dtype="float32")
     return base.replace(**changes)
+
+
+@contextlib.contextmanager
+def counting_compiles():
+    """Yields a Counter of compilations per jitted function name ('jit(name)') made inside the
+    block; a program taken from the persistent compilation cache counts too."""
+    import jax
+
+    counts = Counter()
+
+    def count(event: str, _secs: float, **info) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            counts[info.get("fun_name")] += 1
+
+    jax.monitoring.register_event_duration_secs_listener(count)
+    try:
+        yield counts
+    finally:
+        jax.monitoring.unregister_event_duration_listener(count)
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from conftest import micro_config  # noqa: E402
+from conftest import counting_compiles, micro_config  # noqa: E402
 from glm_jax.cache import LayerSplit, create_cache, shard_cache  # noqa: E402
 from glm_jax.decoding.generate import Generator  # noqa: E402
 from glm_jax.model import GLMModel  # noqa: E402
@@ -55,21 +55,34 @@ def split_equals_unsplit() -> dict:
 PROMPTS = [np.arange(3, 12), np.arange(20, 25), np.arange(40, 53)]
 
 
-def generator_tokens() -> dict:
+def generator_tokens() -> tuple[dict, dict]:
     """Greedy tokens: contiguous Generator on one device and on data=1,layer=8; the paged
-    engine on data=2,layer=4 (pool pages split by data shard)."""
-    from glm_jax.decoding.engine import Request, ServingEngine
-
+    engine on data=2,layer=4 (pool pages split by data shard). -> (tokens, `engine_on_mesh`'s report)."""
     model = GLMModel(micro_config(n_routed_experts=8), rngs=nnx.Rngs(0))   # experts over 8 devices
     result = {}
     for spec in (None, "data=1,layer=8"):
         gen = Generator(model, batch=3, max_len=48, prefill_chunk=4, block_size=4,
                         mesh=None if spec is None else make_mesh(spec))
         result[str(spec)] = np.concatenate(list(gen.generate(PROMPTS, max_new_tokens=8)), axis=1).tolist()
+    result["engine data=2,layer=4"], report = engine_on_mesh(model)
+    return result, report
+
+
+def engine_on_mesh(model) -> tuple[list, dict]:
+    """The engine's greedy tokens on data=2,layer=4 (3 requests, 2 slots: prefill and decode each
+    run many times), the compilations of its two programs during the run, and the shardings of
+    its cache and slot state before and after (each PartitionSpec as a list)."""
+    from glm_jax.decoding.engine import Request, ServingEngine
+
+    def specs(engine) -> list[list]:
+        return [list(x.sharding.spec) for x in jax.tree.leaves((engine.cache, engine.slot_state))]
+
     engine = ServingEngine(model, slots=2, num_pages=12, page_size=8, max_context=48, prefill_chunk=8,
                            mesh=make_mesh("data=2,layer=4"))
-    result["engine data=2,layer=4"] = [r.tokens for r in engine.serve([Request(p, 8) for p in PROMPTS])]
-    return result
+    before = specs(engine)
+    with counting_compiles() as compiles:
+        tokens = [r.tokens for r in engine.serve([Request(p, 8) for p in PROMPTS])]
+    return tokens, {"compiles": dict(compiles), "specs_before": before, "specs_after": specs(engine)}
 
 
 def cache_bytes_per_device() -> dict:
@@ -109,7 +122,8 @@ def hlo_overlap() -> dict | None:
 
 
 if __name__ == "__main__":
+    tokens, engine_report = generator_tokens()
     print(json.dumps({"devices": len(jax.devices()), "split_equals_unsplit": split_equals_unsplit(),
-                      "generator_tokens": generator_tokens(),
+                      "generator_tokens": tokens, "engine_on_mesh": engine_report,
                       "cache_bytes": cache_bytes_per_device(),
                       "indivisible_error": indivisible_mesh_error(), "hlo_overlap": hlo_overlap()}))

@@ -59,6 +59,15 @@ def test_layer_split_generator_and_paged_engine_same_greedy_tokens(checks):
     assert all(len(t) == 8 for t in tokens["None"])
 
 
+def test_paged_engine_on_a_mesh_compiles_each_program_once(checks):
+    """Its cache and slot state come back from every call with the shardings they went in with
+    (spelling included: jit keys its dispatch on it), so no program compiles a second time."""
+    report = checks["engine_on_mesh"]
+    assert [report["compiles"].get(f"jit({name})") for name in ("prefill", "decode")] == [1, 1], report["compiles"]
+    assert report["specs_after"] == report["specs_before"]
+    assert ["layer", "data", None, None] in report["specs_before"]
+
+
 def test_per_device_cache_bytes_shrink_as_one_over_n(checks):
     b = {int(n): r for n, r in checks["cache_bytes"].items()}
     for n in (2, 4):

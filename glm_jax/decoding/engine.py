@@ -57,10 +57,11 @@ import numpy as np
 
 from glm_jax import ops
 from glm_jax.cache import CacheFullError, PagePool, shard_cache
-from glm_jax.decoding.engine_programs import empty_slots, engine_programs
+from glm_jax.decoding.engine_programs import Placement, empty_slots, engine_programs, serving_params
 from glm_jax.decoding.generate import ContextTooLongError, GeneratorBase, committed
 from glm_jax.decoding.sampling import GREEDY, SamplingParams
 from glm_jax.multihost import to_host
+from glm_jax.sharding import logical_sharding
 
 
 @dataclasses.dataclass
@@ -143,8 +144,10 @@ class ServingEngine(GeneratorBase):
         # Rows split over `data` as the programs return them (the same placement on every call).
         self.slot_state = jax.tree.map(lambda x: self.put(np.asarray(x), ("batch",) + (None,) * (x.ndim - 1)),
                                        empty_slots(slots, self.cfg.vocab_size))
-        self.params = tuple(jax.tree.leaves(self.state))
-        self.programs = engine_programs(self.graphdef, jax.tree.structure(self.state), kernels, shards)
+        self.params, layout = serving_params(self.state)
+        placement = None if mesh is None else Placement.of(
+            self.cache, self.slot_state, logical_sharding(mesh, ("batch",), (slots,), "tokens"))
+        self.programs = engine_programs(self.graphdef, layout, kernels, shards, placement)
         self.step_times: list[StepTime] = []
         self.preemptions = 0                        # requests preempted so far (recomputed later)
         self._slots: list[_Run | None] = [None] * slots
@@ -334,6 +337,7 @@ class ServingEngine(GeneratorBase):
             self._control = control, self.put(control, ("batch", None))
         tokens, self.cache, self.slot_state = self.programs.decode(self.params, self.cache, self.slot_state,
                                                                    self._control[1])
+        tokens.copy_to_host_async()                      # read back by the next step without a transfer wait
         return (tokens, runs), context
 
     def _grow_pages(self) -> None:

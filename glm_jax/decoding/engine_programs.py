@@ -1,6 +1,7 @@
 """The serving engine's device side: the per-slot state and the two compiled programs.
 
-    programs = engine_programs(graphdef, treedef, kernels, data_shards)
+    params, layout = serving_params(state)
+    programs = engine_programs(graphdef, layout, kernels, data_shards, placement)
     cache, slots = programs.prefill(params, cache, slots, rows, tables, starts, tokens, num_valid,
                                     seeds, drawn, sampling)
     tokens, cache, slots = programs.decode(params, cache, slots, control)
@@ -19,9 +20,17 @@ for every mix of requests and context lengths. The cache and the slot state are 
   and writes only its shard's scratch page and does not advance; a slot whose sequence
   crosses into a new page gets it at that column (column W: none).
 
-The parameters arrive as a flat tuple of arrays and the graph definition is closed over:
-hashing an nnx GraphDef as a static argument and flattening an nnx State on every call cost
-most of a decode step's host time.
+What a call costs the host grows with the arrays passed: every call flattens its arguments and
+checks each array's signature. So the parameters arrive as one flat tuple of arrays with the
+graph definition closed over (hashing an nnx GraphDef as a static argument and flattening an
+nnx State on every call cost most of a decode step's host time), and without the MTP layer's
+arrays, which serving never reads (`serving_params`; inside the programs the MTP layer holds
+shape-only placeholders).
+
+On a mesh the programs return the cache and the slot state with exactly the shardings they
+were given (`Placement`, pinned as out_shardings): jit keys its dispatch on how a sharding is
+spelled, and left to itself it returns `P('layer', 'data')` for `P('layer', 'data', None, None)`,
+so a program's second call would miss the entry of its first.
 """
 
 from __future__ import annotations
@@ -66,19 +75,70 @@ class EnginePrograms(NamedTuple):
     decode: Callable
 
 
+class ParamLayout(NamedTuple):
+    """Where the serving parameters sit among the model state's leaves (hashable)."""
+
+    treedef: jax.tree_util.PyTreeDef        # of the whole nnx State
+    skipped: tuple                          # ((leaf index, jax.ShapeDtypeStruct), ...): leaves not passed
+
+    def state(self, params: tuple):
+        """The nnx State from the passed leaves, placeholders at the skipped ones."""
+        passed = iter(params)
+        skipped = dict(self.skipped)
+        leaves = [skipped[i] if i in skipped else next(passed) for i in range(self.treedef.num_leaves)]
+        return jax.tree.unflatten(self.treedef, leaves)
+
+
+def serving_params(state) -> tuple[tuple, ParamLayout]:
+    """The model state's arrays the serving programs read, as a flat tuple (every leaf but the
+    MTP layer's), and their layout."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(state)
+    unused = {i for i, (path, _) in enumerate(flat) if path[0] == jax.tree_util.DictKey("mtp")}
+    params = tuple(x for i, (_, x) in enumerate(flat) if i not in unused)
+    skipped = tuple((i, jax.ShapeDtypeStruct(flat[i][1].shape, flat[i][1].dtype)) for i in sorted(unused))
+    return params, ParamLayout(treedef, skipped)
+
+
+class Placement(NamedTuple):
+    """The shardings the programs return (hashable): the cache's and the slot state's own, and
+    the tokens' (split over `data` as the slots)."""
+
+    cache: tuple                            # (treedef, shardings) of the KVCache
+    slots: tuple                            # (treedef, shardings) of the SlotState
+    tokens: jax.sharding.Sharding
+
+    @classmethod
+    def of(cls, cache: KVCache, slots: SlotState, tokens: jax.sharding.Sharding) -> "Placement":
+        def frozen(tree):
+            leaves, treedef = jax.tree.flatten(jax.tree.map(lambda x: x.sharding, tree))
+            return treedef, tuple(leaves)
+        return cls(frozen(cache), frozen(slots), tokens)
+
+    def trees(self) -> tuple:
+        """(cache shardings, slot state shardings) as pytrees."""
+        return tuple(jax.tree.unflatten(treedef, leaves) for treedef, leaves in (self.cache, self.slots))
+
+
 @functools.lru_cache(maxsize=8)
-def engine_programs(graphdef, treedef, kernels: ops.KernelChoice, data_shards: int) -> EnginePrograms:
-    """The two jitted programs for one model structure (shared by every engine built on it)."""
+def engine_programs(graphdef, layout: ParamLayout, kernels: ops.KernelChoice, data_shards: int,
+                    placement: Placement | None = None) -> EnginePrograms:
+    """The two jitted programs for one model structure (shared by every engine built on it);
+    placement: what they return on a mesh (None: left to jit, for one device)."""
+    prefill_out, decode_out = {}, {}
+    if placement is not None:
+        cache_out, slots_out = placement.trees()
+        prefill_out = dict(out_shardings=(cache_out, slots_out))
+        decode_out = dict(out_shardings=(placement.tokens, cache_out, slots_out))
 
     def model_of(params):
-        return nnx.merge(graphdef, jax.tree.unflatten(treedef, params))
+        return nnx.merge(graphdef, layout.state(params))
 
     def scratch_pages(cache: KVCache, rows: int) -> jnp.ndarray:
         """int32 [rows]: the scratch page of each row's data shard (row r of `rows` is in shard r * shards // rows)."""
         shard = jnp.arange(rows, dtype=jnp.int32) * data_shards // rows
         return shard * (cache.latent.shape[1] // data_shards)
 
-    @functools.partial(jax.jit, donate_argnames=("cache", "slots"))
+    @functools.partial(jax.jit, donate_argnames=("cache", "slots"), **prefill_out)
     def prefill(params, cache: KVCache, slots: SlotState, rows, tables, starts, tokens, num_valid, seeds, drawn,
                 sampling: SamplingParams):
         """rows int32 [R] (B = padding), tables int32 [R, W], starts / num_valid / drawn int32 [R],
@@ -93,7 +153,7 @@ def engine_programs(graphdef, treedef, kernels: ops.KernelChoice, data_shards: i
                           jax.tree.map(put, slots.sampling, sampling))
         return cache, slots
 
-    @functools.partial(jax.jit, donate_argnames=("cache", "slots"))
+    @functools.partial(jax.jit, donate_argnames=("cache", "slots"), **decode_out)
     def decode(params, cache: KVCache, slots: SlotState, control):
         """control int32 [B, 3] (active, table column, page id) -> (tokens int32 [B], cache, slots)."""
         batch = control.shape[0]
