@@ -18,6 +18,12 @@
 # serving-128k    the load benchmark at 128K                                  4-7 min
 # serving-1m      the load benchmark at 1M, IndexShare only                   4-10 min
 # serving-1m-full the same with every layer Full                              6-18 min
+# train-parts    the default recipe's train-step parts (vocabulary head,     2-4 min
+#                 embedding, MoE, dense-stage KL, sparse MLA at 8 heads) old
+#                 against new, beside their limits
+# train-steps    the recipe's step alone, absorbed form, dense and sparse     2-4 min
+# train-steps-expanded  the same in the expanded form (the old default)      3-5 min
+# train-loop     train.py on the recipe's shape (30 dense, 40 sparse steps)  4-7 min
 # Aliases (several commands' time: run their groups one command at a time):
 # training = training-parts training-64k training-128k;
 # serving-all = serving serving-128k serving-1m serving-1m-full.
@@ -61,6 +67,7 @@ expand() {
     case $1 in
         training) echo training-parts training-64k training-128k ;;
         serving-all) echo serving serving-128k serving-1m serving-1m-full ;;
+        train-parts|train-steps|train-steps-expanded|train-loop) echo "$1" ;;
         training-parts|training-64k|training-128k|kernels|prefill|serving|serving-128k|serving-1m|serving-1m-full)
             echo "$1" ;;
         *) return 1 ;;
@@ -143,8 +150,29 @@ run() {
 } > "$stage/environment.txt"
 : > "$stage/summary.txt"
 mem95=(env XLA_PYTHON_CLIENT_MEM_FRACTION=0.95)   # the training steps need the card's memory
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$(cd "${RUNS_DIR:-runs}" && pwd)/jax_cache}
+parts=benchmarks/train_step_parts.py
 for group in "${groups[@]}"; do
     case $group in
+        train-parts)
+            run train_step_parts 300 "--smoke" "${mem95[@]}" "$py" $parts parts --json "$stage/parts.json"
+            ;;
+        train-steps)
+            run train_steps 540 "--smoke --reps 1" "${mem95[@]}" "$py" $parts steps \
+                --variants dense:absorbed sparse:absorbed --json "$stage/steps.json"
+            ;;
+        train-steps-expanded)
+            run train_steps_expanded 540 "--smoke --reps 1" "${mem95[@]}" "$py" $parts steps \
+                --variants dense:expanded sparse:expanded --json "$stage/steps-expanded.json"
+            ;;
+        train-loop)
+            if ! "$py" -c 'import grain' 2>/dev/null; then
+                "$py" -m pip install -q --no-index --find-links wheels grain \
+                    || echo "grain does not import and could not be installed from wheels/" >&2
+            fi
+            run train_loop 540 "--smoke --loop-dense 2 --loop-sparse 3 --log-every 1" "${mem95[@]}" "$py" $parts \
+                loop --json "$stage/loop.json" --run-dir "${RUNS_DIR:-runs}/loop-bench"
+            ;;
         training-parts)
             run sparse_train_parts_64k 330 "--seq-len 128 --smoke" "$py" benchmarks/sparse_train_parts.py \
                 --seq-len 65536 --impls pallas_gpu --json "$stage/sparse_train_parts_64k.json"
@@ -190,6 +218,8 @@ for group in "${groups[@]}"; do
             ;;
     esac
 done
+[ -f "$stage/steps.json" ] || [ -f "$stage/parts.json" ] || [ -f "$stage/loop.json" ] && \
+    "$py" $parts table "$stage" --markdown "$stage/train_step_table.md" > /dev/null 2>&1
 pack
 echo
 echo "summary ($((SECONDS - start)) s; archive $out/$archive.tar.gz):"

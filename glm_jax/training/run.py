@@ -36,6 +36,7 @@ from glm_jax.checkpoint import check_same_config, load_model, save_model_dir
 from glm_jax.config import ConfigError, GLMConfig, load_config, save_config
 from glm_jax.data import batches as data_batches
 from glm_jax.data import corpus, pipeline, sources, tokenizer as tok_lib
+from glm_jax.data.prefetch import Prefetched
 from glm_jax.info import params_by_part
 from glm_jax.layers.segments import count_segments, segment_bound
 from glm_jax.model import GLMModel, abstract_model, count_params
@@ -65,7 +66,7 @@ class Run:
     tx: optax.GradientTransformation
     schedule: optax.Schedule
     feed: _BatchPlacement
-    batches: pipeline.PackedBatches
+    batches: pipeline.PackedBatches   # wrapped in `Prefetched` while the loop runs
     heldout: list
     mngr: object          # orbax CheckpointManager (checkpointing.manager)
     start: int            # the step restored (0: a new run)
@@ -236,8 +237,14 @@ def _batch_placement(mesh: Mesh | None, shape: tuple[int, int]) -> _BatchPlaceme
 def train(run: Run) -> int:
     """Steps run.start + 1 .. --steps (or --stop-after of them, or until SIGTERM on some process:
     then a checkpoint and exit), evaluating, logging and saving on the way; then the export."""
-    with StopSignals() as stop_requested:
-        return _loop(run, stop_requested)
+    source = run.batches
+    run.batches = Prefetched(source)          # the next batch is packed while the device runs the step
+    try:
+        with StopSignals() as stop_requested:
+            return _loop(run, stop_requested)
+    finally:
+        run.batches.close()
+        run.batches = source
 
 
 def _loop(run: Run, stop_requested: "StopSignals") -> int:
@@ -252,7 +259,7 @@ def _loop(run: Run, stop_requested: "StopSignals") -> int:
             run.feed.from_rows(batch.targets), run.feed.from_rows(batch.segment_ids), tx=run.tx, stage=stage,
             weights=run.weights, kernels=run.kernels, remat=args.remat, form=run.form,
             max_segments=_max_segments(batch.segment_ids, stage, run.form))
-        record = log.step(step, stage, float(run.schedule(step - 1)), terms, batch,
+        record = log.step(step, stage, lambda: host_learning_rate(run.schedule, step - 1), terms, batch,
                           full=step % args.log_every == 0 or step == args.steps or step == run.start + 1)
         if step % args.eval_every == 0 or step == args.steps:
             log.validation(record, evaluate(run, stage))
@@ -271,6 +278,13 @@ def _loop(run: Run, stop_requested: "StopSignals") -> int:
     export(run)
     print(f"done: {step} steps; model written to {run.out} (decode with: python decode.py --checkpoint {run.out})")
     return 0
+
+
+def host_learning_rate(schedule: optax.Schedule, count: int) -> float:
+    """schedule(count) computed on the host's CPU device: on the default device it would queue
+    behind the step just dispatched, and reading it back would wait for that step to end."""
+    with jax.default_device(jax.devices("cpu")[0]):
+        return float(schedule(count))
 
 
 class StopSignals:
@@ -358,15 +372,17 @@ class MetricsLog:
         self.t_last = time.perf_counter()
         self.steps_since = self.real_since = 0  # since the last logged step; real: this process's non-padding tokens
 
-    def step(self, step: int, stage: str, lr: float, terms: dict, batch, *, full: bool) -> dict:
-        """The record of a step; `full`: with its loss terms and speed, printed. Every process
-        must call it (a full record gathers the tokens of every process)."""
+    def step(self, step: int, stage: str, lr: Callable[[], float], terms: dict, batch, *, full: bool) -> dict:
+        """The record of a step; `full`: with its learning rate (`lr()`), loss terms and speed,
+        printed. Every process must call it (a full record gathers the tokens of every process).
+        Only a full record reads anything back from the device."""
         self.steps_since += 1
         self.real_since += int(batch.loss_mask.sum())
         self.bar.update(1)
-        record = {"step": step, "stage": stage, "lr": lr}
+        record = {"step": step, "stage": stage}
         if not full:
             return record
+        record["lr"] = lr()
         record.update({k: float(v) for k, v in terms.items()})
         now = time.perf_counter()
         record["tokens_per_s"] = self.tokens_per_step * self.steps_since / (now - self.t_last)
@@ -396,8 +412,8 @@ class MetricsLog:
         sys.stdout.flush()
 
     def write(self, record: dict) -> None:
-        """Writes a record that holds more than step, stage and lr."""
-        if len(record) > 3:
+        """Writes a record that holds more than step and stage."""
+        if len(record) > 2:
             self.file.write(json.dumps(record) + "\n")
             self.file.flush()
 

@@ -1,0 +1,170 @@
+"""The parts of the default recipe's train step, forward + backward, old form against new,
+each beside its limit (run through `train_step_parts.py parts`).
+
+A part's limit is max(its matmul FLOPs / the bf16 matmul rate, the bytes it must move / the
+copy bandwidth), both measured in the same run (`_measure.ceilings`). The old forms are the
+code the step ran before (kept here, and only here, as the baseline).
+"""
+
+from __future__ import annotations
+
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks._measure import bench, ceilings
+
+
+# ---------------------------------------------------------------------------------- old forms
+def old_head_cross_entropy(kernel, hidden, targets, chunk=2048):
+    """The vocabulary head as it ran before: per chunk of positions, logits = (h @ W) in the
+    model dtype converted to float32, log-softmax, rematerialised in the backward pass.
+    kernel [D, V], hidden [B, S, D], targets int32 [B, S] -> mean CE."""
+    from pallas_kernels._common import map_query_chunks
+
+    def nll(h, t):
+        logits = (h @ kernel).astype(jnp.float32)
+        picked = jnp.take_along_axis(logits, t[..., None], axis=-1)[..., 0]
+        return jax.nn.logsumexp(logits, axis=-1) - picked
+
+    return jnp.mean(map_query_chunks(nll, (hidden, targets), (0, 0), chunk, remat=True))
+
+
+def old_head_tv(kernel, p_hidden, q_hidden, chunk=2048):
+    """The TV term as it ran before: its own chunked pass, logits of both sides again."""
+    from pallas_kernels._common import map_query_chunks
+
+    def tv(p, q):
+        ps = jax.lax.stop_gradient(jax.nn.softmax((p @ kernel).astype(jnp.float32), axis=-1))
+        qs = jax.nn.softmax((q @ kernel).astype(jnp.float32), axis=-1)
+        return 1.0 - jnp.sum(jnp.minimum(ps, qs), axis=-1)
+
+    return map_query_chunks(tv, (p_hidden, q_hidden), (0, 0), chunk, remat=True)
+
+
+def old_embed(table, ids):
+    """table [V, D] bf16, ids int32 [B, S]: autodiff's backward is a bf16 scatter-add."""
+    return table[ids]
+
+
+def old_moe(cfg, params, x):
+    """The routed experts as they ran before (sort, then gathers and scatter-adds).
+    params: dict router [E, D] f32, bias [E], gate/up [E, D, F], down [E, F, D]; x [N, D]."""
+    from glm_jax.layers.moe import expert_ffn, route
+
+    experts, weights = route(cfg, x, params["router"], params["bias"])
+    flat_expert = experts.reshape(-1)
+    order = jnp.argsort(flat_expert, stable=True)
+    token_of = (order // cfg.num_experts_per_tok).astype(jnp.int32)
+    group_sizes = jnp.bincount(flat_expert, length=cfg.n_routed_experts).astype(jnp.int32)
+    out = expert_ffn(x[token_of], group_sizes, params["gate"], params["up"], params["down"])
+    out = out * weights.reshape(-1)[order][:, None]
+    return jnp.zeros((x.shape[0], x.shape[1]), jnp.float32).at[token_of].add(out).astype(x.dtype)
+
+
+# ---------------------------------------------------------------------------------- timing
+def fwd_bwd(loss, argnums):
+    """jit(grad of a scalar loss w.r.t. argnums), returning the loss too."""
+    return jax.jit(jax.value_and_grad(loss, argnums=argnums))
+
+
+def main(args, recipe: dict) -> None:
+    from benchmarks.train_step_parts import _device, _write
+    from glm_jax.config import load_config
+
+    cfg = load_config(recipe["config"])
+    bw, mm = ceilings(args.smoke)
+    print(f"device {_device()}: copy {bw / 1e9:,.0f} GB/s, bf16 matmul {mm / 1e12:.0f} TFLOP/s", flush=True)
+    rows = []
+    for name, part in PARTS.items():
+        if args.parts and name not in args.parts:
+            continue
+        try:
+            cases, limit = part(cfg, recipe, bw, mm)
+        except Exception as e:  # noqa: BLE001 - a part that cannot be set up is reported, not fatal
+            rows.append(dict(part=name, impl="-", failed=f"{type(e).__name__}: {e}"))
+            traceback.print_exc()
+            continue
+        limit_s, limit_what = limit
+        for impl, fn, fn_args in cases:
+            try:
+                t = bench(fn, *fn_args, reps=5, inner=1)
+                row = dict(part=name, impl=impl, ms=t * 1e3, limit_ms=limit_s * 1e3, limit_what=limit_what)
+            except Exception as e:  # noqa: BLE001 - e.g. out of memory in the old form
+                row = dict(part=name, impl=impl, failed=f"{type(e).__name__}: {str(e)[:300]}")
+            rows.append(row)
+            print(row, flush=True)
+            _write(args.json, dict(device=_device(), copy_gbs=bw / 1e9, matmul_tflops=mm / 1e12, rows=rows))
+    _write(args.json, dict(device=_device(), copy_gbs=bw / 1e9, matmul_tflops=mm / 1e12, rows=rows))
+
+
+def _normal(key, shape, dtype, scale=1.0):
+    return (scale * jax.random.normal(jax.random.key(key), shape, jnp.float32)).astype(dtype)
+
+
+def embedding_part(cfg, recipe, bw, mm):
+    """One lookup of the B x S tokens into the [V, D] table, forward + backward."""
+    b, s, v, d = recipe["batch_size"], recipe["seq_len"], cfg.vocab_size, cfg.hidden_size
+    table = _normal(0, (v, d), jnp.bfloat16)
+    ids = jax.random.randint(jax.random.key(1), (b, s), 0, v)
+    cot = _normal(2, (b, s, d), jnp.bfloat16)
+    loss = lambda lookup: lambda t: jnp.vdot(lookup(t, ids).astype(jnp.float32), cot.astype(jnp.float32))
+    cases = [("autodiff table[ids] (bf16 scatter-add)", fwd_bwd(loss(old_embed), 0), (table,))]
+    cases += [(impl, fwd_bwd(loss(fn), 0), (table,)) for impl, fn in NEW_EMBEDDING.items()]
+    moved = 2 * b * s * d * 2 + v * d * (2 + 4)       # rows out, cotangent in, the f32 table gradient and its bf16
+    return cases, (moved / bw, "rows gathered, cotangent read, table gradient written")
+
+
+def head_part(cfg, recipe, bw, mm):
+    """The main head's CE: hidden [B, S, D] -> mean CE over V, forward + backward (h and W)."""
+    b, s, v, d = recipe["batch_size"], recipe["seq_len"], cfg.vocab_size, cfg.hidden_size
+    kernel = _normal(0, (d, v), jnp.bfloat16, d ** -0.5)
+    hidden = _normal(1, (b, s, d), jnp.bfloat16)
+    targets = jax.random.randint(jax.random.key(2), (b, s), 0, v)
+    cases = [("chunked, f32 logits, remat", fwd_bwd(lambda w, h: old_head_cross_entropy(w, h, targets), (0, 1)),
+              (kernel, hidden))]
+    cases += [(impl, fwd_bwd(lambda w, h, fn=fn: fn(w, h, targets), (0, 1)), (kernel, hidden))
+              for impl, fn in NEW_HEAD_CE.items()]
+    return cases, (3 * 2 * b * s * d * v / mm, "3 matmuls of [B*S, D] x [D, V]")
+
+
+def mtp_head_part(cfg, recipe, bw, mm):
+    """One MTP depth's CE and TV terms (TV weight 1, CE weight 1), forward + backward."""
+    b, s, v, d = recipe["batch_size"], recipe["seq_len"], cfg.vocab_size, cfg.hidden_size
+    kernel = _normal(0, (d, v), jnp.bfloat16, d ** -0.5)
+    p_hidden = _normal(1, (b, s, d), jnp.bfloat16)
+    q_hidden = _normal(3, (b, s, d), jnp.bfloat16)
+    targets = jax.random.randint(jax.random.key(2), (b, s), 0, v)
+    old = lambda w, q: old_head_cross_entropy(w, q, targets) + jnp.mean(old_head_tv(w, p_hidden, q))
+    cases = [("CE and TV in separate chunked passes", fwd_bwd(old, (0, 1)), (kernel, q_hidden))]
+    cases += [(impl, fwd_bwd(lambda w, q, fn=fn: fn(w, p_hidden, q, targets), (0, 1)), (kernel, q_hidden))
+              for impl, fn in NEW_MTP_HEAD.items()]
+    return cases, (4 * 2 * b * s * d * v / mm, "4 matmuls of [B*S, D] x [D, V] (q and p logits, dh, dW)")
+
+
+def moe_part(cfg, recipe, bw, mm):
+    """One MoE layer's routed experts over the B x S tokens, forward + backward (x and weights)."""
+    n, d, f, e = recipe["batch_size"] * recipe["seq_len"], cfg.hidden_size, cfg.moe_intermediate_size, \
+        cfg.n_routed_experts
+    params = dict(router=_normal(0, (e, d), jnp.float32, d ** -0.5), bias=jnp.zeros((e,), jnp.float32),
+                  gate=_normal(1, (e, d, f), jnp.bfloat16, d ** -0.5), up=_normal(2, (e, d, f), jnp.bfloat16, d ** -0.5),
+                  down=_normal(3, (e, f, d), jnp.bfloat16, f ** -0.5))
+    x = _normal(4, (n, d), jnp.bfloat16)
+    loss = lambda moe: lambda p, x: jnp.sum(moe(cfg, p, x).astype(jnp.float32) ** 2)
+    cases = [("sort + gathers + scatter-add (blocked matmuls)", fwd_bwd(loss(old_moe), (0, 1)), (params, x))]
+    cases += [(impl, fwd_bwd(loss(fn), (0, 1)), (params, x)) for impl, fn in NEW_MOE.items()]
+    flops = 3 * 3 * 2 * n * cfg.num_experts_per_tok * d * f
+    moved = n * d * 2 * 2 * (1 + 2 * cfg.num_experts_per_tok)   # x and dx, their k copies out and back
+    return cases, (max(flops / mm, moved / bw), "expert matmuls (k of E per token) or the token copies")
+
+
+PARTS = {"embedding": embedding_part, "lm head CE": head_part, "MTP depth CE + TV": mtp_head_part,
+         "MoE (routed)": moe_part}
+
+#: New implementations: name -> function, filled in below as they exist.
+NEW_EMBEDDING: dict = {}
+NEW_HEAD_CE: dict = {}
+NEW_MTP_HEAD: dict = {}
+NEW_MOE: dict = {}

@@ -1,0 +1,280 @@
+"""The default recipe's train step: the step alone per stage and form, its parts beside their
+limits, and train.py's steady loop on the same batch shape.
+
+    PYTHONPATH=. python3 benchmarks/train_step_parts.py steps --json OUT/steps.json [--variants dense:absorbed ...]
+    PYTHONPATH=. python3 benchmarks/train_step_parts.py parts --json OUT/parts.json
+    PYTHONPATH=. python3 benchmarks/train_step_parts.py loop --json OUT/loop.json --run-dir runs/loop
+    PYTHONPATH=. python3 benchmarks/train_step_parts.py table OUT          # the markdown of docs/training.md
+    ... --smoke                                                            # tiny sizes, CPU
+
+The recipe is scripts/gpu_default_model.sh's: configs/default-py.yaml, 16 x 4096 packed
+tokens, --remat, MTP depth 3 (weight 0.3), end-to-end TV 0.5, indexer weight 1.
+
+* steps: one optimizer step (`train_step`) on one packed batch of the Python standard library,
+  timed alone (median of --reps calls after the compiling one, each ended by
+  block_until_ready), for each stage:form variant, each in its own process so that its peak
+  memory is its own.
+* parts: each part of the step, forward + backward, in the old form (as the step ran before)
+  and the new, beside the part's limit: max(matmul FLOPs / the measured bf16 matmul rate,
+  bytes it must move / the measured copy bandwidth), both measured in the same run.
+* loop: train.py itself on the same shape (dense steps then sparse steps), its logged tokens/s
+  over the steady steps, against the step alone from `steps` (same stage and form).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+RECIPE = dict(config="configs/default-py.yaml", seq_len=4096, batch_size=16, mtp_depth=3, mtp_weight=0.3,
+              tv_weight=0.5, lr=1e-3, warmup_steps=200, steps=4000)
+SMOKE = dict(RECIPE, config="configs/tiny.yaml", seq_len=128, batch_size=2, mtp_depth=2)
+VARIANTS = ("dense:expanded", "dense:absorbed", "sparse:expanded", "sparse:absorbed")
+
+
+# ---------------------------------------------------------------------------------- data
+def real_batch(recipe: dict, vocab_size: int, seed: int = 0):
+    """One packed batch (pipeline.Batch, int32 [B, L]) of the standard library's source,
+    tokenised by a BPE trained on a slice of it (cached in runs/)."""
+    from glm_jax.data import corpus, pipeline, sources
+    from glm_jax.data import tokenizer as tok_lib
+
+    files, _ = corpus.split_files(corpus.stdlib_source_files(), seed=seed)
+    docs = sources.TextFiles(files)
+    cache = Path("runs") / f"bench-tokenizer-{vocab_size}"
+    if not (cache / "tokenizer.json").exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        tok_lib.save_tokenizer(tok_lib.train_bpe((docs[i] for i in range(min(len(docs), 2000))),
+                                                 vocab_size=vocab_size), cache)
+    tok = tok_lib.load_tokenizer(cache)
+    batches = pipeline.PackedBatches(docs, pipeline.token_encoder(tok), seq_len=recipe["seq_len"],
+                                     batch_size=recipe["batch_size"], seed=seed)
+    return next(batches)
+
+
+# ---------------------------------------------------------------------------------- steps
+def time_step(variant: str, recipe: dict, reps: int, smoke: bool) -> dict:
+    """ms per `train_step` of one stage:form variant, its MFU and the process's peak memory."""
+    from flax import nnx
+
+    from glm_jax import costs, ops
+    from glm_jax.config import load_config
+    from glm_jax.info import params_by_part
+    from glm_jax.layers.segments import count_segments, segment_bound
+    from glm_jax.model import GLMModel
+    from glm_jax.training.run import memory_in_use
+    from glm_jax.training.step import LossWeights, make_optimizer, train_step
+
+    stage, form = variant.split(":")
+    cfg = load_config(recipe["config"])
+    model = GLMModel(cfg, rngs=nnx.Rngs(0))
+    active = costs.active_params(cfg, params_by_part(model))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    del model
+    tx, _ = make_optimizer(recipe["lr"], recipe["steps"], recipe["warmup_steps"])
+    opt_state = tx.init(params)
+    batch = real_batch(recipe, cfg.vocab_size)
+    weights = LossWeights(indexer=1.0, mtp=recipe["mtp_weight"], mtp_depth=recipe["mtp_depth"],
+                          tv=recipe["tv_weight"])
+    kernels = ops.KernelChoice(interpret=smoke)
+    max_segments = segment_bound(count_segments(batch.segment_ids)) if (stage, form) == ("dense", "absorbed") \
+        else None
+    inputs, targets, segments = (jnp.asarray(a) for a in (batch.inputs, batch.targets, batch.segment_ids))
+
+    def run(p, o):
+        return train_step(graphdef, p, rest, o, inputs, targets, segments, tx=tx, stage=stage, weights=weights,
+                          kernels=kernels, remat=True, form=form, max_segments=max_segments)
+
+    t = time.perf_counter()
+    params, opt_state, terms = run(params, opt_state)
+    jax.block_until_ready(terms)
+    first = time.perf_counter() - t
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        params, opt_state, terms = run(params, opt_state)
+        jax.block_until_ready(terms)
+        times.append(time.perf_counter() - t)
+    step_s = float(np.median(times))
+    tokens = batch.inputs.size
+    flops = costs.training_flops_per_token(cfg, recipe["seq_len"], active, sparse=stage == "sparse",
+                                           positions=batch.positions) * tokens
+    return dict(variant=variant, step_ms=step_s * 1e3, first_step_s=first, tokens_per_s=tokens / step_s,
+                model_tflops=flops / 1e12, peak_gib=memory_in_use() / 2**30, loss=float(terms["loss"]),
+                max_segments=max_segments)
+
+
+def steps_main(args, recipe: dict) -> None:
+    """Each variant in a child process (`--one VARIANT`): its own peak memory, one failure alone."""
+    rows = []
+    for variant in args.variants:
+        cmd = [sys.executable, __file__, "steps", "--one", variant, "--reps", str(args.reps)]
+        cmd += ["--smoke"] if args.smoke else []
+        print(f"== step {variant}", flush=True)
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+        lines = [l for l in done.stdout.splitlines() if l.startswith("{")]
+        if done.returncode or not lines:
+            err = (done.stderr.strip().splitlines() or ["no output"])[-1][:300]
+            rows.append(dict(variant=variant, failed=err))
+        else:
+            rows.append(json.loads(lines[-1]))
+        print(json.dumps(rows[-1]), flush=True)
+        _write(args.json, dict(device=_device(), recipe=recipe, rows=rows))
+
+
+# ---------------------------------------------------------------------------------- loop
+def loop_main(args, recipe: dict) -> None:
+    """train.py on the recipe's shape: --loop-dense dense steps then --loop-sparse sparse steps,
+    logged every --log-every; the steady rate of a stage is the median tokens/s of its logged
+    steps after the first of that stage (which holds its compilation)."""
+    run_dir = Path(args.run_dir)
+    steps = args.loop_dense + args.loop_sparse
+    cmd = [sys.executable, "train.py", "--config", recipe["config"], "--out", str(run_dir),
+           "--seq-len", str(recipe["seq_len"]), "--batch-size", str(recipe["batch_size"]), "--remat",
+           "--steps", str(steps), "--dense-steps", str(args.loop_dense), "--lr", str(recipe["lr"]),
+           "--warmup-steps", str(recipe["warmup_steps"]), "--mtp-depth", str(recipe["mtp_depth"]),
+           "--mtp-weight", str(recipe["mtp_weight"]), "--tv-weight", str(recipe["tv_weight"]),
+           "--log-every", str(args.log_every), "--eval-every", str(10 * steps), "--save-every", str(10 * steps),
+           "--attention-form", args.form]
+    if args.smoke:
+        cmd += ["--max-files", "40", "--eval-batches", "1"]
+    print("== train.py:", " ".join(cmd), flush=True)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    t = time.perf_counter()
+    done = subprocess.run(cmd, env=env, timeout=args.timeout, capture_output=True, text=True)
+    wall = time.perf_counter() - t
+    print(done.stdout[-4000:], done.stderr[-2000:] if done.returncode else "", flush=True)
+    records = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()] \
+        if (run_dir / "metrics.jsonl").exists() else []
+    rows = []
+    for stage in ("dense", "sparse"):
+        rates = [r["tokens_per_s"] for r in records if r.get("stage") == stage and "tokens_per_s" in r][1:]
+        rows.append(dict(stage=stage, form=args.form, logged=len(rates),
+                         tokens_per_s=float(np.median(rates)) if rates else None,
+                         step_ms=recipe["seq_len"] * recipe["batch_size"] / np.median(rates) * 1e3 if rates else None))
+    _write(args.json, dict(device=_device(), recipe=recipe, command=" ".join(cmd), returncode=done.returncode,
+                           wall_s=wall, rows=rows))
+    print(json.dumps(rows), flush=True)
+
+
+# ---------------------------------------------------------------------------------- parts
+def parts_main(args, recipe: dict) -> None:
+    from benchmarks import train_parts
+
+    train_parts.main(args, recipe)
+
+
+# ---------------------------------------------------------------------------------- table
+def table_main(args) -> None:
+    """Markdown of what `steps` (steps*.json), `parts` (parts.json) and `loop` (loop.json) wrote
+    into args.dir."""
+    d = Path(args.dir)
+    load = lambda name: json.loads((d / name).read_text()) if (d / name).exists() else None
+    step_files = sorted(d.glob("steps*.json"))
+    steps = None
+    if step_files:                      # several `steps` runs (e.g. one per command) as one table
+        runs = [json.loads(f.read_text()) for f in step_files]
+        steps = dict(runs[0], rows=[r for run in runs for r in run["rows"]])
+    parts, loop = load("parts.json"), load("loop.json")
+    out = []
+    device = next((x["device"] for x in (steps, parts, loop) if x), "?")
+    out.append(f"Measured on {device}.\n")
+    if steps:
+        out += ["| step alone (stage:form) | ms/step | tokens/s | model TFLOP/s | peak GiB | first call s |",
+                "|---|---:|---:|---:|---:|---:|"]
+        for r in steps["rows"]:
+            if "failed" in r:
+                out.append(f"| {r['variant']} | failed: {r['failed']} | | | | |")
+            else:
+                out.append(f"| {r['variant']} | {r['step_ms']:.0f} | {r['tokens_per_s']:,.0f} | "
+                           f"{r['model_tflops'] / r['step_ms'] * 1e3:.1f} | {r['peak_gib']:.1f} | "
+                           f"{r['first_step_s']:.0f} |")
+        out.append("")
+    if loop and steps:
+        alone = {r["variant"]: r for r in steps["rows"] if "failed" not in r}
+        out += ["| train.py loop | steady tokens/s | ms/step | step alone ms | loop / step |", "|---|---:|---:|---:|---:|"]
+        for r in loop["rows"]:
+            a = alone.get(f"{r['stage']}:{r['form']}")
+            if r["tokens_per_s"] is None:
+                out.append(f"| {r['stage']}:{r['form']} | no steady steps logged | | | |")
+                continue
+            ratio = f"{a['step_ms'] / r['step_ms']:.2f}" if a else "-"
+            out.append(f"| {r['stage']}:{r['form']} | {r['tokens_per_s']:,.0f} | {r['step_ms']:.0f} | "
+                       f"{a['step_ms']:.0f} | {ratio} |" if a else
+                       f"| {r['stage']}:{r['form']} | {r['tokens_per_s']:,.0f} | {r['step_ms']:.0f} | - | - |")
+        out.append("")
+    if parts:
+        out += [f"Ceilings measured in the parts run: copy {parts['copy_gbs']:,.0f} GB/s, "
+                f"bf16 matmul {parts['matmul_tflops']:.0f} TFLOP/s.\n",
+                "| part (fwd + bwd) | implementation | ms | limit ms | x limit | what the limit counts |",
+                "|---|---|---:|---:|---:|---|"]
+        for r in parts["rows"]:
+            if "failed" in r:
+                out.append(f"| {r['part']} | {r['impl']} | failed: {r['failed'][:120]} | | | |")
+            else:
+                out.append(f"| {r['part']} | {r['impl']} | {r['ms']:.2f} | {r['limit_ms']:.2f} | "
+                           f"{r['ms'] / r['limit_ms']:.1f} | {r['limit_what']} |")
+    text = "\n".join(out)
+    print(text)
+    if args.markdown:
+        Path(args.markdown).write_text(text + "\n")
+
+
+# ---------------------------------------------------------------------------------- helpers
+def _device() -> str:
+    return jax.devices()[0].device_kind
+
+
+def _write(path, obj) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(obj, indent=1))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("mode", choices=["steps", "parts", "loop", "table"])
+    ap.add_argument("dir", nargs="?", help="table: the folder holding steps.json, parts.json, loop.json")
+    ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--markdown", help="table: also write the markdown here")
+    ap.add_argument("--smoke", action="store_true", help="tiny model and batch (CPU)")
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    ap.add_argument("--one", choices=VARIANTS, help=argparse.SUPPRESS)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--timeout", type=float, default=300, help="seconds for each child process")
+    ap.add_argument("--parts", nargs="+", default=None, help="parts: only these parts")
+    ap.add_argument("--run-dir", default="runs/loop-bench", help="loop: train.py's --out (emptied first)")
+    ap.add_argument("--form", default="absorbed", choices=["auto", "expanded", "absorbed"], help="loop: the form")
+    ap.add_argument("--loop-dense", type=int, default=30)
+    ap.add_argument("--loop-sparse", type=int, default=40)
+    ap.add_argument("--log-every", type=int, default=10)
+    args = ap.parse_args()
+    recipe = SMOKE if args.smoke else RECIPE
+    if args.smoke:
+        jax.config.update("jax_platforms", "cpu")
+    if args.mode == "table":
+        table_main(args)
+    elif args.mode == "steps" and args.one:
+        print(json.dumps(time_step(args.one, recipe, args.reps, args.smoke)), flush=True)
+    elif args.mode == "steps":
+        steps_main(args, recipe)
+    elif args.mode == "loop":
+        import shutil
+
+        shutil.rmtree(args.run_dir, ignore_errors=True)
+        loop_main(args, recipe)
+    else:
+        parts_main(args, recipe)
+
+
+if __name__ == "__main__":
+    main()
