@@ -49,17 +49,37 @@ def old_embed(table, ids):
     return table[ids]
 
 
+def old_expert_ffn(xs, group_sizes, gate_proj, up_proj, down_proj, block):
+    """The blocked expert matmuls as they ran before: rows scattered into per-expert blocks
+    padded to `block` rows, a batched matmul per block, gathered back. xs [M, D] sorted by
+    expert, group_sizes int32 [E] -> float32 [M, D]."""
+    num_rows, num_experts = xs.shape[0], group_sizes.shape[0]
+    num_blocks = -(-(num_rows + num_experts * (block - 1)) // block)
+    padded = -(-group_sizes // block) * block
+    padded_end, end = jnp.cumsum(padded), jnp.cumsum(group_sizes)
+    expert_of_row = jnp.repeat(jnp.arange(num_experts), group_sizes, total_repeat_length=num_rows)
+    slot = (padded_end - padded)[expert_of_row] + jnp.arange(num_rows) - (end - group_sizes)[expert_of_row]
+    block_expert = jnp.minimum(jnp.searchsorted(padded_end, jnp.arange(num_blocks) * block, side="right"),
+                               num_experts - 1)
+    x_blocks = jnp.zeros((num_blocks * block, xs.shape[1]), xs.dtype).at[slot].set(xs).reshape(num_blocks, block, -1)
+    mm = lambda a, w: jnp.einsum("bci,bio->bco", a, w[block_expert], preferred_element_type=jnp.float32)
+    act = jax.nn.silu(mm(x_blocks, gate_proj)) * mm(x_blocks, up_proj)
+    return mm(act.astype(xs.dtype), down_proj).reshape(num_blocks * block, -1)[slot]
+
+
 def old_moe(cfg, params, x):
     """The routed experts as they ran before (sort, then gathers and scatter-adds).
     params: dict router [E, D] f32, bias [E], gate/up [E, D, F], down [E, F, D]; x [N, D]."""
-    from glm_jax.layers.moe import expert_ffn, route
+    from glm_jax.layers.moe import route
 
     experts, weights = route(cfg, x, params["router"], params["bias"])
     flat_expert = experts.reshape(-1)
     order = jnp.argsort(flat_expert, stable=True)
     token_of = (order // cfg.num_experts_per_tok).astype(jnp.int32)
     group_sizes = jnp.bincount(flat_expert, length=cfg.n_routed_experts).astype(jnp.int32)
-    out = expert_ffn(x[token_of], group_sizes, params["gate"], params["up"], params["down"])
+    rows = x.shape[0] * cfg.num_experts_per_tok
+    block = max(8, min(4096, 1 << (max(rows // (8 * cfg.n_routed_experts), 1).bit_length() - 1)))
+    out = old_expert_ffn(x[token_of], group_sizes, params["gate"], params["up"], params["down"], block)
     out = out * weights.reshape(-1)[order][:, None]
     return jnp.zeros((x.shape[0], x.shape[1]), jnp.float32).at[token_of].add(out).astype(x.dtype)
 

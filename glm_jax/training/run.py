@@ -250,6 +250,7 @@ def train(run: Run) -> int:
 def _loop(run: Run, stop_requested: "StopSignals") -> int:
     args = run.args
     log = MetricsLog(args, run.cfg, run.out, start=run.start)
+    segment_bounds = SegmentBounds()
     step = run.start
     for step in range(run.start + 1, args.steps + 1):
         batch = next(run.batches)
@@ -258,7 +259,7 @@ def _loop(run: Run, stop_requested: "StopSignals") -> int:
             run.graphdef, run.params, run.rest, run.opt_state, run.feed.from_rows(batch.inputs),
             run.feed.from_rows(batch.targets), run.feed.from_rows(batch.segment_ids), tx=run.tx, stage=stage,
             weights=run.weights, kernels=run.kernels, remat=args.remat, form=run.form,
-            max_segments=_max_segments(batch.segment_ids, stage, run.form))
+            max_segments=segment_bounds.for_step(batch.segment_ids, stage, run.form))
         record = log.step(step, stage, lambda: host_learning_rate(run.schedule, step - 1), terms, batch,
                           full=step % args.log_every == 0 or step == args.steps or step == run.start + 1)
         if step % args.eval_every == 0 or step == args.steps:
@@ -321,13 +322,21 @@ class StopSignals:
             signal.signal(s, handler)
 
 
-def _max_segments(segment_ids, stage: str, form: str) -> int | None:
+class SegmentBounds:
     """The static segment bound of dense absorbed-form steps (cuDNN's packed kernel, see
-    `train_step`) from the most segments of any row on any process (`segments.segment_bound`).
-    None where it is not used."""
-    if stage != "dense" or form != "absorbed":
-        return None
-    return segment_bound(max(multihost.allgather_json(count_segments(segment_ids))))
+    `train_step`): the largest `segments.segment_bound` of any batch so far on any process. It
+    never goes down, so a run compiles the step once per bound it reaches (a few times at most:
+    the bounds are powers of two), not each time the batches' segment counts cross a bound."""
+
+    def __init__(self):
+        self.bound = 0
+
+    def for_step(self, segment_ids, stage: str, form: str) -> int | None:
+        """segment_ids int [rows, L] of this process -> the bound, or None where it is not used."""
+        if stage != "dense" or form != "absorbed":
+            return None
+        self.bound = max(self.bound, segment_bound(max(multihost.allgather_json(count_segments(segment_ids)))))
+        return self.bound
 
 
 def evaluate(run: Run, stage: str) -> float:
