@@ -8,7 +8,7 @@ from glm_jax.training.run import SegmentBounds
 def rows_with_segments(n: int) -> np.ndarray:
     """int32 [2, 8n]: row 0 holds n segments of 8 tokens, row 1 one segment."""
     row = np.repeat(np.arange(1, n + 1), 8)
-    return np.stack([row, np.ones(length, row.dtype)]).astype(np.int32)
+    return np.stack([row, np.ones(row.size, row.dtype)]).astype(np.int32)
 
 
 def test_the_bound_grows_to_the_largest_batch_and_stays():
