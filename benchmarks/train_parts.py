@@ -183,8 +183,23 @@ def moe_part(cfg, recipe, bw, mm):
 PARTS = {"embedding": embedding_part, "lm head CE": head_part, "MTP depth CE + TV": mtp_head_part,
          "MoE (routed)": moe_part}
 
-#: New implementations: name -> function, filled in below as they exist.
+
+
+def _new_head_ce(kernel, hidden, targets):
+    from glm_jax.training.head_losses import linear_cross_entropy
+
+    return linear_cross_entropy(hidden, kernel, targets)
+
+
+def _new_mtp_head(kernel, p_hidden, q_hidden, targets):
+    from glm_jax.training.head_losses import linear_nll_and_tv
+
+    nll, tv = linear_nll_and_tv(q_hidden, kernel, targets, jax.lax.stop_gradient(p_hidden))
+    return jnp.mean(nll) + jnp.mean(tv)
+
+
+#: New implementations: name -> function.
 NEW_EMBEDDING: dict = {}
-NEW_HEAD_CE: dict = {}
-NEW_MTP_HEAD: dict = {}
+NEW_HEAD_CE = {"fused: gradients in the forward pass, bf16 matmuls": _new_head_ce}
+NEW_MTP_HEAD = {"one pass for CE and TV, recomputed backward, bf16 matmuls": _new_mtp_head}
 NEW_MOE: dict = {}

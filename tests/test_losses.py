@@ -11,9 +11,11 @@ from flax import nnx
 from glm_jax import ops
 from glm_jax.layers.decoder import indexer_kl
 from glm_jax.model import GLMModel
-from glm_jax.training.losses import (cross_entropy, end_to_end_tv, head_cross_entropy, head_total_variation,
+from glm_jax.layers.decoder import AttentionSettings
+from glm_jax.training.head_losses import linear_cross_entropy, linear_cross_entropy_with_tv, linear_nll_and_tv
+from glm_jax.training.losses import (cross_entropy, end_to_end_tv, head_cross_entropy, shift_left, token_nll,
                                     total_variation)
-from glm_jax.training.step import LossWeights, loss_terms
+from glm_jax.training.step import LossWeights, _targets_ahead, loss_terms
 from conftest import micro_config
 
 
@@ -30,26 +32,186 @@ def test_cross_entropy_matches_numpy():
     assert float(cross_entropy(jnp.asarray(logits), jnp.asarray(targets), jnp.asarray(mask))) == pytest.approx(want, rel=1e-5)
 
 
-def test_chunked_head_terms_equal_the_direct_ones():
-    """Through the head in chunks of 3 of 7 positions (a ragged tail): the values and the
-    gradients (head weight and hidden) of CE and TV computed on the whole logits."""
+def test_chunked_head_cross_entropy_equals_the_direct_one():
+    """Through a head function in chunks of 3 of 7 positions (a ragged tail): the value and the
+    gradients (head weight and hidden) of CE computed on the whole logits."""
     rng = np.random.default_rng(3)
     w = jnp.asarray(rng.normal(size=(5, 11)), jnp.float32)
-    h, h2 = (jnp.asarray(rng.normal(size=(2, 7, 5)), jnp.float32) for _ in range(2))
+    h = jnp.asarray(rng.normal(size=(2, 7, 5)), jnp.float32)
     targets = jnp.asarray(rng.integers(0, 11, (2, 7)), jnp.int32)
     mask = jnp.asarray(rng.random((2, 7)) > 0.3)
-
-    def direct(w, h, h2):
-        return cross_entropy(h @ w, targets, mask) + jnp.sum(total_variation(h @ w, h2 @ w) * jnp.arange(7.0))
-
-    def chunked(w, h, h2):
-        head = lambda x: x @ w
-        return (head_cross_entropy(head, h, targets, mask, chunk=3)
-                + jnp.sum(head_total_variation(head, h, h2, chunk=3) * jnp.arange(7.0)))
-
-    assert float(chunked(w, h, h2)) == pytest.approx(float(direct(w, h, h2)), rel=1e-6)
-    for got, want in zip(jax.grad(chunked, argnums=(0, 1, 2))(w, h, h2), jax.grad(direct, argnums=(0, 1, 2))(w, h, h2)):
+    direct = lambda w, h: cross_entropy(h @ w, targets, mask)
+    chunked = lambda w, h: head_cross_entropy(lambda x: x @ w, h, targets, mask, chunk=3)
+    assert float(chunked(w, h)) == pytest.approx(float(direct(w, h)), rel=1e-6)
+    for got, want in zip(jax.grad(chunked, argnums=(0, 1))(w, h), jax.grad(direct, argnums=(0, 1))(w, h)):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
+def _head_case(dtype, b=2, s=7, hidden=6, vocab=11, seed=4):
+    """Random hidden, target hidden [b, s, hidden] and kernel [hidden, vocab] in dtype, targets,
+    a mask, and two per-position cotangents [b, s]."""
+    rng = np.random.default_rng(seed)
+    arr = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
+    h, p, w = arr(b, s, hidden).astype(dtype), arr(b, s, hidden).astype(dtype), arr(hidden, vocab).astype(dtype)
+    targets = jnp.asarray(rng.integers(0, vocab, (b, s)), jnp.int32)
+    mask = jnp.asarray(rng.random((b, s)) > 0.3)
+    return h, p, w, targets, mask, arr(b, s), arr(b, s)
+
+
+def _full_logits(x, w):
+    """The head on every position at once: float32 [B, S, V] (model-dtype products, f32 sums)."""
+    return jnp.einsum("bsh,hv->bsv", x, w, preferred_element_type=jnp.float32)
+
+
+def _assert_close(got, want, dtype, what):
+    """float32: to rounding; bfloat16: to the bf16 dlogits and outputs (about 1% of the scale)."""
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol * max(np.abs(want).max(), 1e-3), err_msg=what)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_linear_cross_entropy_equals_the_full_logits_formula(dtype):
+    """Chunks of 3 of 7 positions: the masked-mean CE and its gradients (hidden, kernel, scaled by
+    the cotangent), with and without the reported TV, which is the full formula's and carries no
+    gradient (the target hidden gets none either)."""
+    h, p, w, targets, mask, _, c = _head_case(dtype)
+    want, want_grads = jax.value_and_grad(lambda h, w: cross_entropy(_full_logits(h, w), targets, mask), (0, 1))(h, w)
+    got, got_grads = jax.value_and_grad(lambda h, w: 3.0 * linear_cross_entropy(h, w, targets, mask, chunk=3),
+                                        (0, 1))(h, w)
+    assert float(got) == pytest.approx(3.0 * float(want), rel=1e-5)
+    for name, g, r in zip(("hidden", "kernel"), got_grads, want_grads, strict=True):
+        assert g.dtype == dtype
+        _assert_close(g, 3.0 * r, dtype, name)
+
+    def with_tv(h, w, p):
+        ce, tv = linear_cross_entropy_with_tv(h, w, targets, mask, p, chunk=3)
+        return ce + jnp.sum(tv * c), tv
+
+    (_, tv), grads = jax.value_and_grad(with_tv, (0, 1, 2), has_aux=True)(h, w, p)
+    _assert_close(tv, total_variation(_full_logits(p, w), _full_logits(h, w)), jnp.float32, "tv")
+    for name, g, r in zip(("hidden", "kernel"), grads[:2], want_grads, strict=True):
+        _assert_close(g, r, dtype, name)
+    assert not np.any(np.asarray(grads[2], np.float32))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_linear_nll_and_tv_equal_the_full_logits_formulas(dtype):
+    """Chunks of 3 of 7 positions: per-position CE and TV and their vector-Jacobian products
+    (hidden, kernel) for independent per-position cotangents, together and for TV alone; the
+    target side gets no gradient."""
+    h, p, w, targets, _, a, c = _head_case(dtype)
+
+    def direct(h, w, p):
+        q_logits = _full_logits(h, w)
+        return token_nll(q_logits, targets), total_variation(_full_logits(p, w), q_logits)
+
+    got, got_vjp = jax.vjp(lambda h, w, p: linear_nll_and_tv(h, w, targets, p, chunk=3), h, w, p)
+    want, want_vjp = jax.vjp(direct, h, w, p)
+    for name, g, r in zip(("nll", "tv"), got, want, strict=True):
+        _assert_close(g, r, jnp.float32, name)
+    for cts in ((a, c), (jnp.zeros_like(a), c)):
+        grads = got_vjp(cts)
+        for name, g, r in zip(("hidden", "kernel"), grads[:2], want_vjp(cts)[:2], strict=True):
+            assert g.dtype == dtype
+            _assert_close(g, r, dtype, name)
+        assert not np.any(np.asarray(grads[2], np.float32))
+
+
+def _eqns(jaxpr):
+    """The equations of a jaxpr and of the jaxprs nested in them."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else (value,):
+                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                    yield from _eqns(sub.jaxpr)
+                elif isinstance(sub, jax.extend.core.Jaxpr):
+                    yield from _eqns(sub)
+
+
+def test_linear_head_losses_hold_one_chunk_of_logits():
+    """Value and gradient of each head loss at S = 16 in chunks of 4: the largest float32 array
+    with a vocabulary axis is one chunk's logits [B, 4, V], never [B, S, V]. Compiled at S = 64,
+    the temporaries of the MTP terms stay below half of one [B, S, V] float32 array (the same
+    function in one chunk needs more than one)."""
+    b, s, hidden, vocab, chunk = 2, 16, 8, 37, 4
+    h, p, w, targets, mask, a, c = _head_case(jnp.bfloat16, b=b, s=s, hidden=hidden, vocab=vocab)
+    losses = {
+        "ce": lambda h, w, chunk: linear_cross_entropy(h, w, targets, mask, chunk=chunk),
+        "ce_tv": lambda h, w, chunk: jnp.sum(linear_cross_entropy_with_tv(h, w, targets, mask, p, chunk=chunk)[1]),
+        "nll_tv": lambda h, w, chunk: sum(jnp.sum(x * y) for x, y in
+                                          zip(linear_nll_and_tv(h, w, targets, p, chunk=chunk), (a, c))),
+    }
+    for name, loss in losses.items():
+        jaxpr = jax.make_jaxpr(jax.value_and_grad(loss, (0, 1)), static_argnums=2)(h, w, chunk).jaxpr
+        sizes = [int(np.prod(v.aval.shape)) for e in _eqns(jaxpr) for v in e.outvars
+                 if v.aval.dtype == jnp.float32 and v.aval.shape and v.aval.shape[-1] == vocab]
+        assert max(sizes) == b * chunk * vocab, (name, max(sizes))
+
+    s, vocab = 64, 512                      # the lambdas above see the new arrays
+    h, p, w, targets, mask, a, c = _head_case(jnp.bfloat16, b=b, s=s, hidden=hidden, vocab=vocab)
+    temps = [jax.jit(jax.grad(losses["nll_tv"], (0, 1)), static_argnums=2).lower(h, w, k).compile()
+             .memory_analysis().temp_size_in_bytes for k in (chunk, s)]
+    full = b * s * vocab * 4
+    assert temps[0] < full / 2 and temps[1] >= full, (temps, full)
+
+
+def _old_loss(model, inputs, targets, weights: LossWeights, segment_ids):
+    """`loss_terms` (expanded dense attention) as it was before the head losses were fused: the
+    terms from the whole logits of `model.logits`. -> (total, {"lm", "mtp", "mtp_tv"})."""
+    settings = AttentionSettings(mode="dense", form="expanded", indexer_loss=weights.indexer > 0)
+    out = model(inputs, settings=settings, segment_ids=segment_ids)
+    s = inputs.shape[1]
+    lm_mask = None if segment_ids is None else segment_ids > 0
+    terms = {"lm": cross_entropy(model.logits(out.hidden), targets, lm_mask)}
+    total = terms["lm"] + weights.indexer * out.indexer_kl / (s * len(model.cfg.full_layers))
+    hidden, shared, ces, tvs = out.hidden, None, [], []
+    for d in range(1, weights.mtp_depth + 1):
+        mtp, kv = model.mtp_forward(hidden, shift_left(targets, d - 1), settings=settings, shared_kv=shared,
+                                    segment_ids=segment_ids)
+        mask = jnp.broadcast_to(_targets_ahead(segment_ids, s, d), targets.shape)
+        ces.append(cross_entropy(model.logits(mtp.hidden), shift_left(targets, d), mask))
+        tv_inputs = (shift_left(out.hidden, d), mtp.hidden)
+        if not weights.tv:
+            tv_inputs = jax.lax.stop_gradient(tv_inputs)
+        tvs.append(total_variation(*map(model.logits, tv_inputs)))
+        if d == 1:
+            total = total + weights.indexer * mtp.indexer_kl / s
+            shared = kv if weights.kv_share else None
+        hidden = mtp.hidden
+    terms["mtp"] = sum(ces) / len(ces)
+    terms["mtp_tv"] = end_to_end_tv(tvs, _targets_ahead(segment_ids, s, weights.mtp_depth))
+    return total + weights.mtp * terms["mtp"] + weights.tv * terms["mtp_tv"], terms
+
+
+@pytest.mark.parametrize("tv,packed", [(0.5, True), (0.0, False)])
+def test_loss_terms_with_mtp_depth_3_equal_the_full_logits_path(tv, packed):
+    """MTP depth 3 with a trained (0.5) or only reported (0) TV, packed rows or not: the total,
+    the LM, MTP and TV terms and the gradients of every parameter are those of the terms on the
+    whole logits."""
+    cfg = micro_config()
+    graphdef, params, rest = nnx.split(GLMModel(cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)
+    tokens = jax.random.randint(jax.random.key(7), (2, 12), 0, cfg.vocab_size)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    segments = jnp.asarray([[1] * 5 + [2] * 6, [1] * 9 + [0] * 2], jnp.int32) if packed else None
+    weights = LossWeights(mtp=0.3, mtp_depth=3, tv=tv)
+
+    def new(params):
+        return loss_terms(nnx.merge(graphdef, params, rest), inputs, targets, stage="dense", weights=weights,
+                          kernels=ops.KernelChoice(), segment_ids=segments)
+
+    def old(params):
+        return _old_loss(nnx.merge(graphdef, params, rest), inputs, targets, weights, segments)
+
+    (got, got_terms), got_grads = jax.jit(jax.value_and_grad(new, has_aux=True))(params)
+    (want, want_terms), want_grads = jax.jit(jax.value_and_grad(old, has_aux=True))(params)
+    assert float(got) == pytest.approx(float(want), rel=1e-6)
+    for name in ("lm", "mtp", "mtp_tv"):
+        assert float(got_terms[name]) == pytest.approx(float(want_terms[name]), rel=1e-6), name
+    assert float(want_terms["mtp_tv"]) > 0.01
+    for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(got_grads), jax.tree.leaves(want_grads), strict=True):
+        np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-6, err_msg=jax.tree_util.keystr(path))
 
 
 def test_total_variation_and_end_to_end():
@@ -195,16 +357,7 @@ def test_remat_keeps_the_loss_and_gradients(stage, form):
 
 def _sorts(jaxpr) -> int:
     """Sort ops in a jaxpr and the jaxprs nested in its equations."""
-    count = 0
-    for eqn in jaxpr.eqns:
-        count += eqn.primitive.name == "sort"
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (list, tuple)) else (value,):
-                if isinstance(sub, jax.extend.core.ClosedJaxpr):
-                    count += _sorts(sub.jaxpr)
-                elif isinstance(sub, jax.extend.core.Jaxpr):
-                    count += _sorts(sub)
-    return count
+    return sum(eqn.primitive.name == "sort" for eqn in _eqns(jaxpr))
 
 
 def test_sparse_attention_backward_index_is_sorted_once_per_group():

@@ -1,10 +1,10 @@
 """Loss terms: next-token cross-entropy, and the total-variation losses of MTP drafting.
 
-The per-position terms come in two forms: on given logits [B, S, V], and "through the head"
-(`head_cross_entropy`, `head_total_variation`): from hidden states [B, S, hidden] and the
-function that maps them to logits, computed per chunk of HEAD_CHUNK positions and
-rematerialised in the backward pass, so no [B, S, V] array exists. At 128K tokens and a 32K
-vocabulary one float32 [S, V] array is 17 GB; the MTP cross-entropy and TV need several.
+The per-position terms are defined on given logits [B, S, V]. The training loss computes them
+through the vocabulary head per chunk of positions (`head_chunk`), so no [B, S, V] array exists:
+at 128K tokens and a 32K vocabulary one float32 [S, V] array is 17 GB, and the MTP cross-entropy
+and TV need several. `head_cross_entropy` does so for any head function (evaluation); the
+training terms, with their gradients, are in `head_losses` (a linear head).
 """
 
 from __future__ import annotations
@@ -14,10 +14,17 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels._common import map_query_chunks
+from pallas_kernels._common import choose_q_chunk, map_query_chunks
 
-#: Positions whose vocabulary-wide logits are live at once in the "through the head" terms.
-HEAD_CHUNK = 2048
+#: Upper bound on one chunk's float32 logits [B, C, V] in the terms computed through the head.
+HEAD_CHUNK_BYTES = 2**30
+
+
+def head_chunk(batch: int, seq_len: int, vocab: int, chunk: int | None = None) -> int:
+    """Positions per row and chunk C: `chunk` if given (capped at seq_len), else the largest power
+    of two whose float32 logits [batch, C, vocab] fit HEAD_CHUNK_BYTES (1024 at batch 16 and a
+    16K vocabulary)."""
+    return choose_q_chunk(seq_len, 4 * batch * vocab, chunk, budget=HEAD_CHUNK_BYTES, max_chunk=max(seq_len, 1))
 
 
 def token_nll(logits: jnp.ndarray, targets: jnp.ndarray) -> jnp.ndarray:
@@ -41,20 +48,17 @@ def cross_entropy(logits: jnp.ndarray, targets: jnp.ndarray, mask: jnp.ndarray |
 
 
 def head_cross_entropy(head: Callable, hidden: jnp.ndarray, targets: jnp.ndarray,
-                       mask: jnp.ndarray | None = None, *, chunk: int = HEAD_CHUNK) -> jnp.ndarray:
+                       mask: jnp.ndarray | None = None, *, chunk: int | None = None) -> jnp.ndarray:
     """`cross_entropy(head(hidden), targets, mask)` without the [B, S, V] logits in memory.
 
-    head: hidden [B, C, hidden] -> logits [B, C, V]; hidden [B, S, hidden]; targets int32 [B, S]."""
-    nll = map_query_chunks(lambda h, t: token_nll(head(h), t), (hidden, targets), (0, 0), chunk, remat=True)
+    head: hidden [B, C, hidden] -> logits [B, C, V]; hidden [B, S, hidden]; targets int32 [B, S];
+    chunk: positions per row and chunk (None: `head_chunk`). Each chunk is rematerialised in the
+    backward pass; the training loss uses `head_losses.linear_cross_entropy` instead."""
+    b, s = targets.shape
+    vocab = jax.eval_shape(head, jax.ShapeDtypeStruct((b, 1) + hidden.shape[2:], hidden.dtype)).shape[-1]
+    nll = map_query_chunks(lambda h, t: token_nll(head(h), t), (hidden, targets), (0, 0),
+                           head_chunk(b, s, vocab, chunk), remat=True)
     return masked_mean(nll, mask)
-
-
-def head_total_variation(head: Callable, p_hidden: jnp.ndarray, q_hidden: jnp.ndarray, *,
-                         chunk: int = HEAD_CHUNK) -> jnp.ndarray:
-    """`total_variation(head(p_hidden), head(q_hidden))` per position, [B, S], chunked like
-    `head_cross_entropy`; p (the target) gets no gradient."""
-    return map_query_chunks(lambda p, q: total_variation(head(p), head(q)), (p_hidden, q_hidden), (0, 0), chunk,
-                            remat=True)
 
 
 def shift_left(x: jnp.ndarray, n: int, fill=0) -> jnp.ndarray:

@@ -20,7 +20,8 @@ from flax import nnx
 from glm_jax import ops
 from glm_jax.layers.decoder import AttentionSettings
 from glm_jax.layers.segments import same_segment_ahead
-from glm_jax.training.losses import end_to_end_tv, head_cross_entropy, head_total_variation, shift_left
+from glm_jax.training.head_losses import linear_cross_entropy, linear_cross_entropy_with_tv, linear_nll_and_tv
+from glm_jax.training.losses import end_to_end_tv, head_cross_entropy, masked_mean, shift_left
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,8 +53,8 @@ def loss_terms(model, inputs, targets, *, stage: str, weights: LossWeights, kern
                remat: bool = False, form: str = "expanded", segment_ids=None, max_segments: int | None = None):
     """inputs, targets int32 [B, S] -> (total loss, dict of terms).
 
-    The vocabulary-wide terms run through the head per chunk of positions
-    (`losses.head_cross_entropy`): the model's [B, S, V] logits are never kept.
+    The vocabulary-wide terms run through the head's kernel per chunk of positions
+    (`head_losses`): the model's [B, S, V] logits are never kept.
 
     segment_ids int32 [B, S] or None: packed documents (0 = padding, no loss); attention stays
     inside each document and the MTP losses count only targets of the same document.
@@ -69,7 +70,7 @@ def loss_terms(model, inputs, targets, *, stage: str, weights: LossWeights, kern
     s = inputs.shape[1]
     n_full = len(model.cfg.full_layers)
     lm_mask = None if segment_ids is None else segment_ids > 0
-    terms = {"lm": head_cross_entropy(model.logits, out.hidden, targets, lm_mask),
+    terms = {"lm": linear_cross_entropy(out.hidden, model.lm_head.kernel[...], targets, lm_mask),
              "indexer_kl": out.indexer_kl / (s * n_full)}
     total = terms["lm"] + weights.indexer * terms["indexer_kl"]
     if model.mtp is not None and (weights.mtp > 0 or weights.tv > 0):
@@ -89,19 +90,26 @@ def _mtp_losses(model, out, targets, settings, weights: LossWeights, terms: dict
     """MTP depths d = 1..D with shared parameters. Depth d at position i reads the previous
     depth's normed hidden (the target's for d = 1) and token t_{i+d}, and predicts t_{i+d+1}.
     Adds 'mtp' (mean CE over depths), 'mtp_indexer_kl' and, with a TV weight, 'mtp_tv' to terms;
-    returns their weighted sum."""
+    returns their weighted sum.
+
+    Each depth's CE and TV (against the target's detached distribution at the same position,
+    the main head on out.hidden shifted by d) come from one chunked pass over its logits."""
     s = targets.shape[1]
+    kernel = model.lm_head.kernel[...]
     hidden, shared, ces, tvs = out.hidden, None, [], []
     total = jnp.zeros((), jnp.float32)
     for d in range(1, weights.mtp_depth + 1):
         mtp, kv = model.mtp_forward(hidden, shift_left(targets, d - 1), settings=settings, shared_kv=shared,
                                     segment_ids=segment_ids)
         mask = jnp.broadcast_to(_targets_ahead(segment_ids, s, d), targets.shape)
-        ces.append(head_cross_entropy(model.logits, mtp.hidden, shift_left(targets, d), mask))
-        tv_inputs = (shift_left(out.hidden, d), mtp.hidden)
-        if not weights.tv:                  # reported, not trained: no backward pass through it
-            tv_inputs = jax.lax.stop_gradient(tv_inputs)
-        tvs.append(head_total_variation(model.logits, *tv_inputs))
+        p_hidden = jax.lax.stop_gradient(shift_left(out.hidden, d))
+        if weights.tv:
+            nll, tv = linear_nll_and_tv(mtp.hidden, kernel, shift_left(targets, d), p_hidden)
+            ce = masked_mean(nll, mask)
+        else:                               # TV reported, not trained: no backward pass through it
+            ce, tv = linear_cross_entropy_with_tv(mtp.hidden, kernel, shift_left(targets, d), mask, p_hidden)
+        ces.append(ce)
+        tvs.append(tv)
         if d == 1:
             terms["mtp_indexer_kl"] = mtp.indexer_kl / s
             total = total + weights.indexer * terms["mtp_indexer_kl"]
