@@ -128,7 +128,8 @@ def embedding_part(cfg, recipe, bw, mm):
     """One lookup of the B x S tokens into the [V, D] table, forward + backward."""
     b, s, v, d = recipe["batch_size"], recipe["seq_len"], cfg.vocab_size, cfg.hidden_size
     table = _normal(0, (v, d), jnp.bfloat16)
-    ids = jax.random.randint(jax.random.key(1), (b, s), 0, v)
+    # Zipf-distributed ids, as in text: many rows of a few ids collide in the scatter-add
+    ids = jnp.asarray(np.minimum(np.random.default_rng(1).zipf(1.2, (b, s)) - 1, v - 1), jnp.int32)
     cot = _normal(2, (b, s, d), jnp.bfloat16)
     loss = lambda lookup: lambda t: jnp.vdot(lookup(t, ids).astype(jnp.float32), cot.astype(jnp.float32))
     cases = [("autodiff table[ids] (bf16 scatter-add)", fwd_bwd(loss(old_embed), 0), (table,))]
@@ -185,6 +186,18 @@ PARTS = {"embedding": embedding_part, "lm head CE": head_part, "MTP depth CE + T
 
 
 
+def _embedding():
+    from glm_jax.layers import embedding
+
+    return embedding
+
+
+def _moe():
+    from glm_jax.layers import moe
+
+    return moe
+
+
 def _new_head_ce(kernel, hidden, targets):
     from glm_jax.training.head_losses import linear_cross_entropy
 
@@ -199,7 +212,11 @@ def _new_mtp_head(kernel, p_hidden, q_hidden, targets):
 
 
 #: New implementations: name -> function.
-NEW_EMBEDDING: dict = {}
+NEW_EMBEDDING = {"sorted runs summed by small one-hot matmuls, no scatter":
+                 lambda t, i: _embedding().embed_lookup(t, i, backward="sorted")}
 NEW_HEAD_CE = {"fused: gradients in the forward pass, bf16 matmuls": _new_head_ce}
 NEW_MTP_HEAD = {"one pass for CE and TV, recomputed backward, bf16 matmuls": _new_mtp_head}
-NEW_MOE: dict = {}
+NEW_MOE = {label: (lambda cfg, p, x, path=path: _moe().routed_experts(cfg, x, p["router"], p["bias"], p["gate"],
+                                                                    p["up"], p["down"], dispatch=path))
+           for path, label in (("sorted", "sorted: permutation gathers, blocked matmuls, no scatter-add"),
+                               ("dense", "dense: every expert on every token, no gather"))}

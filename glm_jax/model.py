@@ -20,6 +20,7 @@ from glm_jax import ops
 from glm_jax.cache import KVCache
 from glm_jax.config import GLMConfig
 from glm_jax.layers.decoder import AttentionSettings, GroupStackPlan, IndexShareGroup, plan_groups
+from glm_jax.layers.embedding import embed
 from glm_jax.layers.linear import Linear
 from glm_jax.layers.mtp import MTPLayer
 from glm_jax.layers.norms import RMSNorm
@@ -77,7 +78,7 @@ class GLMModel(nnx.Module):
         kv_len = jnp.full((b,), s, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
         if remat:
             settings = dataclasses.replace(settings, remat=True)
-        x = self.embed_tokens(tokens)
+        x = embed(self.embed_tokens, tokens)
         kl = jnp.zeros((), jnp.float32)
         for stack in self.stacks:
             graphdef, state = nnx.split(stack)
@@ -104,8 +105,8 @@ class GLMModel(nnx.Module):
         b, s = next_tokens.shape
         positions, kv_start = _layout(b, s, segment_ids)
         kv_len = jnp.full((b,), s, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
-        out, kl, latent, indices = self.mtp.forward(self.embed_tokens(next_tokens), hidden, positions, kv_len,
-                                                    settings, shared_kv=shared_kv, kv_start=kv_start)
+        out, kl, latent, indices = self.mtp.forward(embed(self.embed_tokens, next_tokens), hidden, positions,
+                                                    kv_len, settings, shared_kv=shared_kv, kv_start=kv_start)
         return ForwardOutput(self.logits(out), out, kl), (latent, indices)
 
     # ------------------------------------------------------------------ with a KV cache
@@ -119,7 +120,7 @@ class GLMModel(nnx.Module):
         -> (logits float32 [B, S, vocab], hidden normed [B, S, hidden], updated cache)."""
         s = tokens.shape[1]
         positions = cache.positions(s)
-        x, cache = self._cached_stacks(self.embed_tokens(tokens), positions, cache, kernels)
+        x, cache = self._cached_stacks(embed(self.embed_tokens, tokens), positions, cache, kernels)
         hidden = self.norm(x)
         return self.logits(hidden), hidden, cache.advance(_advance(s, num_valid))
 
@@ -154,7 +155,7 @@ class GLMModel(nnx.Module):
         [B, S, hidden], cache, indices int32 [B, S, topk] the MTP indexer chose)."""
         s = next_tokens.shape[1]
         positions = cache.positions(s)
-        x = self.mtp.inputs(self.embed_tokens(next_tokens), hidden)
+        x = self.mtp.inputs(embed(self.embed_tokens, next_tokens), hidden)
         view = _mtp_view(cache, positions)
         x, indices = self.mtp.block.forward_cached(x, positions, view, kernels)
         out = self.mtp.shared_head.norm(x)
@@ -165,7 +166,7 @@ class GLMModel(nnx.Module):
         """A KVShare draft step (2..K): reuse `indices` [B, 1, topk] from draft step 1, so only KV
         computed from the target's hidden states is read; nothing is written.
         next_tokens [B, 1], hidden [B, 1, hidden], positions [B, 1] -> (logits [B, 1, V], hidden)."""
-        x = self.mtp.inputs(self.embed_tokens(next_tokens), hidden)
+        x = self.mtp.inputs(embed(self.embed_tokens, next_tokens), hidden)
         x = self.mtp.block.forward_reusing_indices(x, positions, _mtp_view(cache, positions), indices, kernels)
         out = self.mtp.shared_head.norm(x)
         return self.logits(out), out
