@@ -69,9 +69,9 @@ def parse_args(argv=None):
                           "weights over data, the sequence over context (context parallelism, e.g. "
                           "data=2,context=4), heads / FFN / experts over tensor (and layer)")
     ap.add_argument("--attention-form", default="auto", choices=["auto", "expanded", "absorbed"],
-                    help="expanded: [S, S] attention matrices, every loss (short sequences); absorbed: none, "
-                         "for long sequences (the dense stage then cannot train the indexer); auto: "
-                         f"expanded up to {EXPANDED_MAX_LEN} tokens")
+                    help="expanded: [S, S] attention matrices (short sequences); absorbed: none, fused "
+                         "kernels (the dense stage's indexer loss computed blockwise); both train every "
+                         f"loss. auto: absorbed on a GPU or TPU; on a CPU expanded up to {EXPANDED_MAX_LEN} tokens")
     cli.add_kernel_flags(ap, attention_help="auto: the backend's Pallas kernel, except on a TPU the chunked "
                                             "xla one for absorbed-form training of sequences over 8192 tokens "
                                             "(the TPU kernel's backward keeps one 576-wide row per query and "

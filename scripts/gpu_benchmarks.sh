@@ -152,6 +152,11 @@ run() {
 mem95=(env XLA_PYTHON_CLIENT_MEM_FRACTION=0.95)   # the training steps need the card's memory
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$(cd "${RUNS_DIR:-runs}" && pwd)/jax_cache}
 parts=benchmarks/train_step_parts.py
+if [[ " ${groups[*]}" == *" train-"* ]] && ! "$py" -c 'import grain' 2>/dev/null; then
+    # the train-* groups read real packed batches through grain: from wheels/ (scripts/gpu_wheels.sh)
+    "$py" -m pip install -q --no-index --find-links wheels grain \
+        || echo "grain does not import and could not be installed from wheels/" >&2
+fi
 for group in "${groups[@]}"; do
     case $group in
         train-parts)
@@ -166,10 +171,6 @@ for group in "${groups[@]}"; do
                 --variants dense:expanded sparse:expanded --json "$stage/steps-expanded.json"
             ;;
         train-loop)
-            if ! "$py" -c 'import grain' 2>/dev/null; then
-                "$py" -m pip install -q --no-index --find-links wheels grain \
-                    || echo "grain does not import and could not be installed from wheels/" >&2
-            fi
             run train_loop 540 "--smoke --loop-dense 2 --loop-sparse 3 --log-every 1" "${mem95[@]}" "$py" $parts \
                 loop --json "$stage/loop.json" --run-dir "${RUNS_DIR:-runs}/loop-bench"
             ;;

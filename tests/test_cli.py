@@ -103,12 +103,12 @@ def test_info_prints_counts(capsys):
     assert "2.73x" in text
 
 
-@pytest.mark.parametrize("form,dense_steps,data_files", [("expanded", "2", True), ("absorbed", "0", False)])
+@pytest.mark.parametrize("form,dense_steps,data_files", [("expanded", "2", True), ("absorbed", "2", False)])
 def test_resume_continues_bit_exactly(tmp_path, form, dense_steps, data_files):
     """Losses after --resume equal those of an uninterrupted run, bit for bit: through the dense
     warm-up into the sparse stage reading --data files (plain text and JSON lines: packed batches
-    and the grain iterator's position resume exactly), and in the absorbed form long sequences
-    train with (sparse stage, the selected-set indexer KL) on the built-in corpus."""
+    and the grain iterator's position resume exactly), and in the absorbed form (the dense
+    stage's blockwise indexer KL, then the sparse stage's selected-set KL) on the built-in corpus."""
     source = ["--max-files", "4"]
     if data_files:
         data = tmp_path / "data"
@@ -177,12 +177,6 @@ def test_decode_mesh_that_does_not_fit_is_refused(trained_run, capsys, monkeypat
 def test_compile_only_needs_config_and_topology(capsys):
     assert decode.main(["--compile-only"]) == 2
     assert "--topology" in capsys.readouterr().err
-
-
-def test_dense_warmup_in_the_absorbed_form_is_refused(tmp_path, capsys):
-    code = train.main(["--out", str(tmp_path / "run"), "--seq-len", "8192", "--dense-steps", "5"])
-    assert code == 2
-    assert "--dense-steps 0" in capsys.readouterr().err
 
 
 def test_decode_threads_the_kernel_flags_into_the_generator(trained_run, monkeypatch):

@@ -23,6 +23,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from glm_jax import ops
 from glm_jax.config import GLMConfig
+from glm_jax.layers.dense_kl import DenseTarget, dense_group_kl
 from glm_jax.layers.indexer import Indexer
 from glm_jax.layers.mla import MLAProjection, indices_to_mask
 from glm_jax.layers.moe import MLP, MoE
@@ -76,7 +77,7 @@ class AttentionSettings:
 
     mode: str = "sparse"          # "sparse" | "dense"
     form: str = "absorbed"        # "absorbed" (ops.sparse_mla) | "expanded" (per-head K/V)
-    indexer_loss: bool = False    # compute the IndexCache multi-layer KL (absorbed form: sparse mode only)
+    indexer_loss: bool = False    # compute the IndexCache multi-layer KL
     remat: bool = False           # recompute each layer's activations in the backward pass
     max_segments: int | None = None  # packed rows: at least the segments of any row (dense mode
                                      # then runs cuDNN's packed kernel, see `attend_causal`)
@@ -184,21 +185,19 @@ class IndexShareGroup(nnx.Module):
 
         settings.remat: each layer is rematerialised in the backward pass; between the forward
         and the backward pass only its input and the Full layer's indexer outputs are kept, and
-        the top-k is not recomputed.
+        the top-k is not recomputed. The absorbed form's dense-stage indexer loss also keeps
+        each layer's `DenseTarget` (its absorbed queries and latent rows: per token
+        (H + 1) * (kv_lora + rope) values a layer, in the activation dtype).
 
         Context parallelism (`sharding`): x, positions and every per-query array stay split along
         S; each layer's latent rows and the indexer keys are gathered, so every query shard
         attends (and selects from) its whole causal prefix.
         -> (x [B, S, hidden], indexer KL summed over the group's layers (scalar float32),
             the Full layer's latent rows [B, S, latent], its indices [B, S, topk] or None)."""
-        if settings.indexer_loss and settings.form == "absorbed" and settings.mode == "dense":
-            raise ValueError("the dense-stage indexer loss needs the attention probabilities over every "
-                             "key: use form='expanded' (short sequences) or train the indexer in the "
-                             "sparse stage")
         rows = _Rows(x.shape[1], positions, kv_len, kv_start)
         x = split_tokens(x)
         found = _IndexerOutputs() if shared_kv is None else _IndexerOutputs(indices=shared_kv[1])
-        kl, first_latent, targets = jnp.zeros((), jnp.float32), None, None
+        kl, first_latent, targets, dense_targets = jnp.zeros((), jnp.float32), None, None, []
         share = 1.0 / len(self.layers)
         for j, layer in enumerate(self.layers):
             forward = functools.partial(_layer_forward, j=j, share=share, rows=rows, settings=settings,
@@ -207,7 +206,9 @@ class IndexShareGroup(nnx.Module):
                 forward = _rematerialised(forward)
             x, layer_kl, target, latent, found = forward(layer, x, found)
             kl = kl + layer_kl
-            if target is not None:
+            if isinstance(target, DenseTarget):
+                dense_targets.append(target)
+            elif target is not None:
                 targets = add_target(targets, target, share)
             if j == 0:
                 first_latent = latent
@@ -215,6 +216,10 @@ class IndexShareGroup(nnx.Module):
             idx_q, idx_keys, idx_w = found.index_inputs
             kl = kl + selected_set_kl(targets, idx_q=idx_q, idx_keys=idx_keys, idx_w=idx_w,
                                       indices=found.indices, kernels=settings.kernels)
+        if dense_targets:
+            idx_q, idx_keys, idx_w = found.index_inputs
+            kl = kl + dense_group_kl(dense_targets, idx_q=idx_q, idx_keys=idx_keys, idx_w=idx_w,
+                                     sm_scale=self.layers[0].self_attn.sm_scale, kv_len=kv_len, kv_start=kv_start)
         return split_tokens(x), kl, first_latent, found.indices
 
     def forward_cached(self, x, positions, view, kernels: ops.KernelChoice):
@@ -273,9 +278,10 @@ def _layer_forward(layer: DecoderLayer, x, found: _IndexerOutputs, *, j: int, sh
     """Layer j of an IndexShare group whose layers each weigh `share` in its indexer KL
     (`IndexShareGroup.forward`). The Full layer (j = 0) runs the indexer unless shared_kv is
     given; the later layers read its outputs from `found`.
-    -> (x [B, S, hidden], this layer's weighted indexer KL (expanded form; else 0), its
-        selected-set target float32 [B, S, K] (absorbed form with the indexer loss; else None),
-        its latent rows (gathered), the indexer outputs)."""
+    -> (x [B, S, hidden], this layer's weighted indexer KL (expanded form; else 0), its part
+        of the group's KL (absorbed form with the indexer loss: sparse mode its selected-set
+        target float32 [B, S, K], dense mode its `DenseTarget`; else None), its latent rows
+        (gathered), the indexer outputs)."""
     positions, kv_len, kv_start = rows.positions, rows.kv_len, rows.kv_start
     h, q_resid, q_nope, q_rope, latent = layer.attention_inputs(x, positions)
     if j == 0 and shared_kv is not None:
@@ -310,6 +316,9 @@ def _layer_forward(layer: DecoderLayer, x, found: _IndexerOutputs, *, j: int, sh
         segments = segment_table(positions, settings.max_segments) if packed and settings.max_segments else None
         out = layer.self_attn.attend_causal(q_nope, q_rope, latent, kv_len, mask=rows.causal() if packed else None,
                                             segments=segments)
+        if found.index_inputs is not None:
+            q_abs = layer.self_attn.absorbed_queries(q_nope, q_rope)
+            target = jax.lax.stop_gradient(DenseTarget(q_abs, latent.astype(q_abs.dtype)))
     elif found.index_inputs is not None:
         out, target = layer.self_attn.attend_absorbed(q_nope, q_rope, latent, found.indices, settings.kernels,
                                                       return_target=True, tindex=found.tindex)

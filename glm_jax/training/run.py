@@ -41,8 +41,7 @@ from glm_jax.info import params_by_part
 from glm_jax.layers.segments import count_segments, segment_bound
 from glm_jax.model import GLMModel, abstract_model, count_params
 from glm_jax.training import checkpointing
-from glm_jax.training.step import (EXPANDED_MAX_LEN, LossWeights, attention_form, eval_step, make_optimizer,
-                                   train_step)
+from glm_jax.training.step import LossWeights, attention_form, eval_step, make_optimizer, train_step
 
 DEFAULT_CONFIG = "configs/tiny.yaml"
 TOKENIZER_DOCS = 20_000  # documents the tokenizer is trained on (and the most held-out ones encoded)
@@ -86,7 +85,6 @@ def setup(args) -> Run:
     if args.resume and (out / "config.yaml").exists():
         check_same_config(load_config(out / "config.yaml"), cfg, str(out))
     form = attention_form(args.attention_form, args.seq_len)
-    _check_stages(args, form)
     mesh = _mesh(args)
     feed = _batch_placement(mesh, (args.batch_size, args.seq_len))
     data_shards = args.data_shards or jax.process_count()
@@ -179,16 +177,6 @@ def _write_run_files(args, cfg, out: Path, source) -> None:
         save_config(cfg, out / "config.yaml")
     if source is not None and source.tokenizer_file.exists() and not (out / "tokenizer.json").exists():
         shutil.copy(source.tokenizer_file, out / "tokenizer.json")
-
-
-def _check_stages(args, form: str) -> None:
-    """Refuses, before any work, a dense warm-up that would need [S, S] matrices it cannot hold."""
-    if form == "absorbed" and args.dense_steps > 0 and args.indexer_weight > 0:
-        raise ValueError(
-            f"the dense warm-up trains the indexer on the full attention matrix, which the absorbed "
-            f"form (--seq-len {args.seq_len}) does not build; warm the indexer up at a shorter "
-            f"--seq-len (<= {EXPANDED_MAX_LEN}, or --attention-form expanded) and continue with "
-            f"--dense-steps 0, or pass --indexer-weight 0 for dense steps without the indexer loss")
 
 
 def _mesh(args) -> Mesh | None:

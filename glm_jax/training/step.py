@@ -61,9 +61,10 @@ def loss_terms(model, inputs, targets, *, stage: str, weights: LossWeights, kern
     max_segments: at least the segments of any row (`segments.count_segments`); with it dense
     attention on a GPU runs cuDNN's packed kernel instead of building an [S, S] mask.
 
-    form "expanded" builds [S, S] attention matrices (short sequences; every stage and loss);
-    "absorbed" holds none (long sequences): dense attention runs the fused causal kernel and the
-    indexer loss exists only in the sparse stage (see `attention_form`)."""
+    form "expanded" builds [B, H, S, S] attention matrices; "absorbed" holds none: dense attention
+    runs the fused causal kernel and the dense stage's indexer KL is computed blockwise from the
+    attention's per-row log-sum-exp (`layers.dense_kl`); both give every stage and loss (see
+    `attention_form`)."""
     settings = AttentionSettings(mode=stage, form=form, indexer_loss=weights.indexer > 0,
                                  remat=remat, max_segments=max_segments, kernels=kernels)
     out = model(inputs, settings=settings, segment_ids=segment_ids)
@@ -120,16 +121,20 @@ def _mtp_losses(model, out, targets, settings, weights: LossWeights, terms: dict
     return total + weights.mtp * terms["mtp"] + weights.tv * terms["mtp_tv"]
 
 
-#: Longest sequence trained with the expanded form ([S, S] matrices) when the form is "auto".
+#: Longest sequence "auto" trains in the expanded form ([S, S] matrices) on a CPU.
 EXPANDED_MAX_LEN = 4096
 
 
-def attention_form(form: str, seq_len: int) -> str:
-    """"auto" -> "expanded" up to EXPANDED_MAX_LEN tokens, "absorbed" beyond; else `form`."""
+def attention_form(form: str, seq_len: int, backend: str | None = None) -> str:
+    """"auto" -> "absorbed" on an accelerator (the fused kernels: on an H200 at 16 x 4096 tokens
+    the absorbed sparse step ran 2.8x faster than the expanded one, and the dense stage's
+    expanded step needs 92 GiB, docs/training.md); on a CPU (`backend`, default JAX's) "expanded"
+    up to EXPANDED_MAX_LEN tokens (no fused kernels there), "absorbed" beyond. Else `form`."""
     if form not in ("auto", "expanded", "absorbed"):
         raise ValueError(f"attention form must be 'auto', 'expanded' or 'absorbed', got {form!r}")
     if form == "auto":
-        return "expanded" if seq_len <= EXPANDED_MAX_LEN else "absorbed"
+        on_cpu = (backend or jax.default_backend()) == "cpu"
+        return "expanded" if on_cpu and seq_len <= EXPANDED_MAX_LEN else "absorbed"
     return form
 
 

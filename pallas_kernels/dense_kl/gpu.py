@@ -1,0 +1,180 @@
+"""The forward of the dense warm-up's group indexer KL on NVIDIA GPUs: one Pallas kernel
+(Triton lowering) for the tiles of `glm_jax.layers.dense_kl`'s passes 1 and 2.
+
+One program per (batch row b, block of `block` queries) runs both passes over its key blocks
+(those before the diagonal, from the block's first document start, below kv_len):
+  1. for every layer j and head h an online lse_jh [block] of the attention logits
+     sm_scale * q_jh . c_t (each head's [block, Dk] x [Dk, block] matmul, Dk cut into
+     power-of-two column chunks for Triton);
+  2. per key block the layers' head-mean probabilities t_j = mean_h exp(logits - lse_jh), their
+     neg-entropy, tbar = sum_j share_j t_j, the indexer scores s = sum_h w_h relu(q'_h . k_t)
+     once, sum_t tbar s and an online LSE_s.
+The queries and latent rows are re-read per key block (from L2: a program's working set is a
+few of them); only the per-(layer, head) lse and running sums live in registers. Writes the
+row losses, lse [L, B, S, H] and LSE_s [B, S], which the XLA backward reuses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels._common import check_positive_fields
+from pallas_kernels.attention.gpu_backward import pow2_chunks
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseKLGpuConfig:
+    """block: queries and keys per tile (a power of two >= 16); num_warps, num_stages: Triton's."""
+
+    block: int = 64
+    num_warps: int = 4
+    num_stages: int = 1
+
+    def __post_init__(self):
+        check_positive_fields(self)
+        if self.block < 16 or self.block & (self.block - 1):
+            raise ValueError(f"DenseKLGpuConfig.block must be a power of two >= 16, got {self.block}")
+
+
+def _dot_nt(a, b):       # a [m, k] . b [n, k]^T
+    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _finite(x):
+    return jnp.where(jnp.isfinite(x), x, 0.0)
+
+
+def _kernel(*refs, layers, heads, index_heads, kchunks, ichunks, sm_scale, shares, block):
+    """refs: L queries [B, Sp, H, Dk], L latent rows [B, Sp, Dk], indexer queries [B, Sp, Hi, Di],
+    keys [B, Sp, Di], weights float32 [B, Sp, Hi], kv_len int32 [B], kv_start int32 [B, Sp]
+    -> row losses float32 [B, Sp], lse float32 [L, B, Sp, H], LSE_s float32 [B, Sp]."""
+    q_refs, lat_refs = refs[:layers], refs[layers:2 * layers]
+    iq_ref, ik_ref, iw_ref, kv_len_ref, kv_start_ref, rows_ref, lse_ref, lse_s_ref = refs[2 * layers:]
+    b, i = pl.program_id(0), pl.program_id(1)
+    s0 = i * block
+    rows = s0 + lax.broadcasted_iota(jnp.int32, (block, block), 0)
+    start = kv_start_ref[b, pl.ds(s0, block)]
+    kv_len = kv_len_ref[b]
+    lo = jnp.min(start) // block
+    hi = jnp.maximum(jnp.minimum(i + 1, (kv_len + block - 1) // block), lo)
+
+    def visible(kb):
+        cols = kb * block + lax.broadcasted_iota(jnp.int32, (block, block), 1)
+        return (cols <= rows) & (cols < kv_len) & (cols >= start[:, None])
+
+    def logits(j, h, kb):
+        t0 = kb * block
+        s = None
+        for c0, cs in kchunks:
+            part = _dot_nt(q_refs[j][b, pl.ds(s0, block), h, pl.ds(c0, cs)],
+                           lat_refs[j][b, pl.ds(t0, block), pl.ds(c0, cs)])
+            s = part if s is None else s + part
+        return s * sm_scale                                                   # [block, block]
+
+    pairs = [(j, h) for j in range(layers) for h in range(heads)]
+
+    def lse_body(kb, carry):
+        vis = visible(kb)
+        out = []
+        for (j, h), (m, l) in zip(pairs, carry):
+            x = jnp.where(vis, logits(j, h, kb), -jnp.inf)
+            m_new = jnp.maximum(m, jnp.max(x, axis=1))
+            safe = _finite(m_new)
+            out.append((m_new, l * jnp.exp(m - safe) + jnp.sum(jnp.exp(x - safe[:, None]), axis=1)))
+        return tuple(out)
+
+    init = tuple((jnp.full((block,), -jnp.inf, jnp.float32), jnp.zeros((block,), jnp.float32)) for _ in pairs)
+    state = lax.fori_loop(lo, hi, lse_body, init)
+    lse = []
+    for (j, h), (m, l) in zip(pairs, state):
+        value = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
+        lse_ref[j, b, pl.ds(s0, block), h] = value
+        lse.append(_finite(value))
+
+    w = [iw_ref[b, pl.ds(s0, block), h] for h in range(index_heads)]
+
+    def loss_body(kb, carry):
+        neg_entropy, cross, m, l = carry
+        vis = visible(kb)
+        tbar = jnp.zeros((block, block), jnp.float32)
+        for j in range(layers):
+            t = jnp.zeros((block, block), jnp.float32)
+            for h in range(heads):
+                t += jnp.exp(logits(j, h, kb) - lse[j * heads + h][:, None])
+            t = jnp.where(vis, t * (1.0 / heads), 0.0)
+            neg_entropy += shares[j] * jnp.sum(jnp.where(t > 0, t * jnp.log(jnp.where(t > 0, t, 1.0)), 0.0), axis=1)
+            tbar += shares[j] * t
+        t0 = kb * block
+        s = jnp.zeros((block, block), jnp.float32)
+        for h in range(index_heads):
+            a = None
+            for c0, cs in ichunks:
+                part = _dot_nt(iq_ref[b, pl.ds(s0, block), h, pl.ds(c0, cs)],
+                               ik_ref[b, pl.ds(t0, block), pl.ds(c0, cs)])
+                a = part if a is None else a + part
+            s += w[h][:, None] * jnp.maximum(a, 0.0)
+        cross += jnp.sum(jnp.where(vis, tbar * s, 0.0), axis=1)
+        x = jnp.where(vis, s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(x, axis=1))
+        safe = _finite(m_new)
+        l = l * jnp.exp(m - safe) + jnp.sum(jnp.exp(x - safe[:, None]), axis=1)
+        return neg_entropy, cross, m_new, l
+
+    zeros = jnp.zeros((block,), jnp.float32)
+    neg_entropy, cross, m, l = lax.fori_loop(lo, hi, loss_body,
+                                             (zeros, zeros, jnp.full((block,), -jnp.inf, jnp.float32), zeros))
+    lse_s = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
+    lse_s_ref[b, pl.ds(s0, block)] = lse_s
+    rows_ref[b, pl.ds(s0, block)] = neg_entropy - cross + _finite(lse_s)
+
+
+def _pad(x, axis: int, size: int):
+    extra = size - x.shape[axis]
+    if extra <= 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x, widths)
+
+
+def _width(n: int) -> int:
+    """A feature width Triton's dots take in power-of-two chunks: a multiple of 16."""
+    return -(-n // 16) * 16
+
+
+def forward(qs, latents, idx_q, idx_keys, idx_w, kv_len, kv_start, *, sm_scale: float, shares: tuple,
+            config: DenseKLGpuConfig = DenseKLGpuConfig(), interpret: bool = False):
+    """qs: L x [B, S, H, Dk] absorbed queries, latents: L x [B, S, Dk], idx_q [B, S, Hi, Di],
+    idx_keys [B, S, Di], idx_w float32 [B, S, Hi], kv_len int32 [B] (<= S), kv_start int32
+    [B, S] -> (row losses float32 [B, S], lse float32 [L, B, S, H], LSE_s float32 [B, S]), the
+    quantities of `glm_jax.layers.dense_kl`'s passes 1 and 2."""
+    batch, seq_len, heads, dk = qs[0].shape
+    index_heads, di = idx_q.shape[2:]
+    block = config.block
+    sp = -(-seq_len // block) * block
+    dkp, dip = _width(dk), _width(di)
+    qs = [_pad(_pad(q, 3, dkp), 1, sp) for q in qs]
+    latents = [_pad(_pad(c.astype(q.dtype), 2, dkp), 1, sp) for c, q in zip(latents, qs)]
+    idx_q = _pad(_pad(idx_q, 3, dip), 1, sp)
+    idx_keys = _pad(_pad(idx_keys.astype(idx_q.dtype), 2, dip), 1, sp)
+    idx_w = _pad(idx_w.astype(jnp.float32), 1, sp)
+    kv_start = _pad(kv_start.astype(jnp.int32), 1, sp)
+    layers = len(qs)
+    kernel = functools.partial(_kernel, layers=layers, heads=heads, index_heads=index_heads,
+                               kchunks=tuple(pow2_chunks(0, dkp)), ichunks=tuple(pow2_chunks(0, dip)),
+                               sm_scale=float(sm_scale), shares=tuple(float(s) for s in shares), block=block)
+    vec = jax.ShapeDtypeStruct((batch, sp), jnp.float32)
+    rows, lse, lse_s = pl.pallas_call(
+        kernel, grid=(batch, sp // block),
+        out_shape=[vec, jax.ShapeDtypeStruct((layers, batch, sp, heads), jnp.float32), vec],
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        interpret=interpret, name="dense_kl_fwd",
+    )(*qs, *latents, idx_q, idx_keys, idx_w, kv_len.astype(jnp.int32), kv_start)
+    return rows[:, :seq_len], lse[:, :, :seq_len], lse_s[:, :seq_len]

@@ -1,0 +1,177 @@
+"""The dense warm-up's indexer KL in the absorbed form (`glm_jax.layers.dense_kl`): blockwise,
+equal in value and gradients to the expanded form's per-layer KL on [S, T] matrices."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import pallas_kernels as pk
+import pallas_kernels.dense_kl.gpu
+from conftest import ROOT
+from glm_jax import ops
+from glm_jax.config import load_config
+from glm_jax.layers import decoder, dense_kl
+from glm_jax.layers.decoder import _head_summed_target, _Rows, indexer_kl
+from glm_jax.layers.dense_kl import DenseTarget, dense_group_kl
+from glm_jax.layers.segments import segment_layout
+from glm_jax.model import GLMModel
+from glm_jax.training.step import LossWeights, loss_terms
+
+B, S, H, LATENT, ROPE, HI, DI, SCALE = 2, 64, 4, 32, 16, 2, 16, 0.2
+
+
+def _case(layers: int, packed: bool, seed: int = 0):
+    """Random layers' absorbed queries and latent rows, indexer inputs and a row layout: row 1
+    has kv_len < S; packed: 3 documents in row 0, 2 in row 1."""
+    rng = np.random.default_rng(seed)
+    f32 = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
+    targets = [DenseTarget(f32(B, S, H, LATENT + ROPE), f32(B, S, LATENT + ROPE)) for _ in range(layers)]
+    idx = (f32(B, S, HI, DI), f32(B, S, DI), jnp.asarray(rng.random((B, S, HI)), jnp.float32))
+    kv_len = jnp.asarray([S, S - 9], jnp.int32)
+    if packed:
+        segments = jnp.asarray([[1] * 20 + [2] * 27 + [3] * 17, [1] * 40 + [2] * 24], jnp.int32)
+        positions, kv_start = segment_layout(segments)
+    else:
+        positions, kv_start = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S)), None
+    return targets, idx, _Rows(S, positions, kv_len, kv_start)
+
+
+def _expanded_kl(targets, idx_q, idx_keys, idx_w, rows: _Rows):
+    """The expanded form: per layer the [B, H, S, T] probabilities, their head-summed target and
+    `indexer_kl` against the indexer's [B, S, T] scores, weighted 1 / layers."""
+    mask = rows.causal()
+    q_rows = jnp.broadcast_to(jnp.arange(rows.length, dtype=jnp.int32), idx_q.shape[:2])
+    scores = pk.indexer_scores(idx_q, idx_keys, idx_w, q_pos=q_rows, kv_len=rows.kv_len, kv_start=rows.kv_start,
+                               impl="reference")
+    total = 0.0
+    for t in targets:
+        logits = jnp.einsum("bshd,btd->bhst", t.q, t.latent) * SCALE
+        probs = jnp.where(mask[:, None], jax.nn.softmax(jnp.where(mask[:, None], logits, -jnp.inf), -1), 0.0)
+        total = total + indexer_kl(_head_summed_target(probs), scores, mask) / len(targets)
+    return total
+
+
+def _fused_kl(targets, idx_q, idx_keys, idx_w, rows: _Rows, block: int):
+    return dense_group_kl(targets, idx_q=idx_q, idx_keys=idx_keys, idx_w=idx_w, sm_scale=SCALE, kv_len=rows.kv_len,
+                          kv_start=rows.kv_start, block=block)
+
+
+@pytest.mark.parametrize("layers,packed,block", [(3, False, 16), (2, False, 24), (3, True, 16), (2, True, 64)])
+def test_fused_dense_kl_equals_the_expanded_form(layers, packed, block):
+    """Value and gradients into the indexer's queries, keys and weights, for blocks that divide
+    S and one that does not (24), packed rows or not; the attention side gets no gradient."""
+    targets, idx, rows = _case(layers, packed)
+    fused = functools.partial(_fused_kl, rows=rows, block=block)
+    expanded = functools.partial(_expanded_kl, rows=rows)
+    got, got_grads = jax.value_and_grad(fused, (1, 2, 3))(targets, *idx)
+    want, want_grads = jax.value_and_grad(expanded, (1, 2, 3))(targets, *idx)
+    assert float(want) > 1.0
+    np.testing.assert_allclose(got, want, rtol=2e-6)
+    for name, g, w in zip(("queries", "keys", "weights"), got_grads, want_grads):
+        assert float(jnp.max(jnp.abs(w))) > 1e-3, name
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=2e-6 * float(jnp.max(jnp.abs(w))), err_msg=name)
+    assert not any(np.any(np.asarray(g)) for g in jax.tree.leaves(jax.grad(fused)(targets, *idx)))
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_pallas_forward_equals_the_expanded_form(packed):
+    """The Pallas GPU forward kernel (interpret mode; tiles of 16, S = 40 padded to 48, widths
+    48 = 32 + 16 columns): the expanded form's value, and its gradients (through the XLA
+    backward from the kernel's lse)."""
+    targets, idx, rows = _case(2, packed, seed=2)
+    s = 40
+    targets = [DenseTarget(t.q[:, :s], t.latent[:, :s]) for t in targets]
+    idx = tuple(x[:, :s] for x in idx)
+    rows = _Rows(s, rows.positions[:, :s], jnp.minimum(rows.kv_len, s - 3), None if rows.kv_start is None
+                 else rows.kv_start[:, :s])
+
+    def fused(targets, *idx):
+        return dense_group_kl(targets, idx_q=idx[0], idx_keys=idx[1], idx_w=idx[2], sm_scale=SCALE,
+                              kv_len=rows.kv_len, kv_start=rows.kv_start, block=16, impl="pallas_gpu",
+                              gpu_config=pk.dense_kl.gpu.DenseKLGpuConfig(block=16), interpret=True)
+
+    got, got_grads = jax.value_and_grad(fused, (1, 2, 3))(targets, *idx)
+    want, want_grads = jax.value_and_grad(functools.partial(_expanded_kl, rows=rows), (1, 2, 3))(targets, *idx)
+    assert float(want) > 1.0
+    np.testing.assert_allclose(got, want, rtol=2e-6)
+    for g, w in zip(got_grads, want_grads):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=2e-6 * float(jnp.max(jnp.abs(w))))
+
+
+def test_shares_weigh_the_layers():
+    """Unequal shares: the fused KL is the shares' weighted sum of the layers' single-layer KLs."""
+    targets, idx, rows = _case(2, packed=True, seed=1)
+    single = [_fused_kl([t], *idx, rows, block=16) for t in targets]
+    got = dense_group_kl(targets, idx_q=idx[0], idx_keys=idx[1], idx_w=idx[2], sm_scale=SCALE, kv_len=rows.kv_len,
+                         kv_start=rows.kv_start, shares=(0.25, 0.75), block=16)
+    np.testing.assert_allclose(got, 0.25 * single[0] + 0.75 * single[1], rtol=2e-6)
+
+
+def _eqns(jaxpr):
+    """The equations of a jaxpr and of the jaxprs nested in them (loop bodies, custom rules)."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else (value,):
+                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                    yield from _eqns(sub.jaxpr)
+                elif isinstance(sub, jax.extend.core.Jaxpr):
+                    yield from _eqns(sub)
+
+
+def _sequence_squared(jaxpr) -> list:
+    """The shapes of values (in jaxpr, nested ones included) with two axes of at least S."""
+    shapes = {tuple(v.aval.shape) for eqn in _eqns(jaxpr) for v in eqn.outvars if hasattr(v.aval, "shape")}
+    return [shape for shape in shapes if sum(n >= S for n in shape) >= 2]
+
+
+def test_no_sequence_squared_array_forward_or_backward():
+    """Forward and backward hold [B, block, H, block] tiles, never a value with a query and a
+    key axis of length S."""
+    targets, idx, rows = _case(3, packed=True)
+    grad = lambda fn: jax.make_jaxpr(jax.grad(fn, (1, 2, 3)))(targets, *idx).jaxpr
+    assert _sequence_squared(grad(functools.partial(_fused_kl, rows=rows, block=16))) == []
+    assert _sequence_squared(grad(functools.partial(_expanded_kl, rows=rows)))   # the check sees [S, T]
+
+
+# ---------------------------------------------------------------------- in the model
+def _tiny_model():
+    cfg = load_config(ROOT / "configs" / "tiny.yaml").replace(max_position_embeddings=64)
+    return nnx.split(GLMModel(cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)
+
+
+@pytest.mark.parametrize("packed,remat", [(False, False), (True, True)])
+def test_loss_terms_dense_stage_absorbed_equals_expanded(monkeypatch, packed, remat):
+    """`loss_terms` with stage="dense" on configs/tiny.yaml: the absorbed form (fused causal
+    attention, blockwise KL over tiles of 8) gives the expanded form's indexer KL terms (the
+    decoder's groups and the MTP layer's) and the same gradients, the indexer's included."""
+    monkeypatch.setattr(decoder, "dense_group_kl", functools.partial(dense_kl.dense_group_kl, block=8))
+    graphdef, params, rest = _tiny_model()
+    tokens = jax.random.randint(jax.random.key(3), (2, 21), 0, 4096)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    segments = jnp.asarray([[1] * 7 + [2] * 9 + [3] * 4, [1] * 12 + [2] * 8], jnp.int32) if packed else None
+    weights = LossWeights(indexer=1.0, mtp=0.3, mtp_depth=2)
+
+    def loss(params, form):
+        return loss_terms(nnx.merge(graphdef, params, rest), inputs, targets, stage="dense", weights=weights,
+                          kernels=ops.KernelChoice(), form=form, remat=remat and form == "absorbed",
+                          segment_ids=segments)
+
+    step = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)
+    (_, got), got_grads = step(params, "absorbed")
+    (_, want), want_grads = step(params, "expanded")
+    for name in ("indexer_kl", "mtp_indexer_kl", "loss"):
+        assert float(want[name]) > 0.01, name
+        np.testing.assert_allclose(got[name], want[name], rtol=2e-5, err_msg=name)
+    indexer_grads = 0
+    for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got_grads), jax.tree.leaves(want_grads), strict=True):
+        name = jax.tree_util.keystr(path)
+        indexer_grads += "indexer" in name and float(jnp.max(jnp.abs(w))) > 0
+        np.testing.assert_allclose(g, w, rtol=1e-3, atol=1e-5 * max(float(jnp.max(jnp.abs(w))), 1e-3), err_msg=name)
+    assert indexer_grads >= 8        # wq_b, wk, k_norm, weights_proj of the stacked groups and MTP
