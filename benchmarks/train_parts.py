@@ -181,8 +181,49 @@ def moe_part(cfg, recipe, bw, mm):
     return cases, (max(flops / mm, moved / bw), "expert matmuls (k of E per token) or the token copies")
 
 
+def dense_kl_part(cfg, recipe, bw, mm):
+    """One IndexShare group's dense-stage indexer KL (its 4 layers' head-summed attention against
+    the indexer over every earlier key), forward + backward into the indexer's inputs."""
+    from glm_jax.layers.decoder import _head_summed_target, indexer_kl
+    from glm_jax.layers.dense_kl import DenseTarget, dense_group_kl
+    import pallas_kernels as pk
+
+    b, s, layers = recipe["batch_size"], recipe["seq_len"], cfg.index_topk_freq
+    h, dk = cfg.num_attention_heads, cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    hi, di = cfg.index_n_heads, cfg.index_head_dim
+    scale = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5
+    qs = _normal(0, (layers, b, s, h, dk), jnp.bfloat16)
+    latent = _normal(1, (layers, b, s, dk), jnp.bfloat16)
+    iq, ik = _normal(2, (b, s, hi, di), jnp.bfloat16), _normal(3, (b, s, di), jnp.bfloat16)
+    iw = jax.random.uniform(jax.random.key(4), (b, s, hi), jnp.float32) * (hi * di) ** -0.5
+    kv_len = jnp.full((b,), s, jnp.int32)
+
+    def fused(iq, ik, iw, block=256):
+        return dense_group_kl([DenseTarget(q, c) for q, c in zip(qs, latent)], idx_q=iq, idx_keys=ik, idx_w=iw,
+                              sm_scale=scale, kv_len=kv_len, block=block)
+
+    def expanded(iq, ik, iw):
+        pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+        mask = jnp.arange(s)[None, None, :] <= pos[:, :, None]
+        scores = pk.indexer_scores(iq, ik, iw, q_pos=pos, kv_len=kv_len, impl="xla")
+        total = 0.0
+        for q, c in zip(qs, latent):
+            logits = jnp.einsum("bshd,btd->bhst", q, c, preferred_element_type=jnp.float32) * scale
+            probs = jax.nn.softmax(jnp.where(mask[:, None], logits, -jnp.inf), axis=-1)
+            total = total + indexer_kl(_head_summed_target(probs), scores, mask) / layers
+        return total
+
+    args = (iq, ik, iw)
+    cases = [("expanded: [B, H, S, S] float32 per layer", fwd_bwd(expanded, (0, 1, 2)), args),
+             ("fused blockwise (XLA), tiles of 256", fwd_bwd(fused, (0, 1, 2)), args),
+             ("fused blockwise (XLA), tiles of 512", fwd_bwd(lambda *a: fused(*a, block=512), (0, 1, 2)), args)]
+    pairs = b * s * (s + 1) / 2
+    flops = pairs * 2 * (layers * h * dk + 3 * hi * di)
+    return cases, (flops / mm, "each layer's causal logits once, the indexer's scores and 2 gradients")
+
+
 PARTS = {"embedding": embedding_part, "lm head CE": head_part, "MTP depth CE + TV": mtp_head_part,
-         "MoE (routed)": moe_part}
+         "MoE (routed)": moe_part, "dense-stage indexer KL (a group of 4 layers)": dense_kl_part}
 
 
 
