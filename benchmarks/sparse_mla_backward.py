@@ -14,6 +14,23 @@ and % of the matmul rate; the new backward alone (its kernels, given the transpo
 and the transposed index build; the bandwidth floor of the new design and of any design;
 the largest |difference| of dq and dkv against the current kernel; and whether two runs of
 each backward give bitwise equal gradients.
+
+    PYTHONPATH=. python3 benchmarks/sparse_mla_backward.py --shape default-py       # on a GPU
+    PYTHONPATH=. python3 benchmarks/sparse_mla_backward.py --shape default-py --smoke
+
+`--shape default-py` times instead the attention of one layer of the default training recipe
+(configs/default-py.yaml: B=16 x S=4096 queries, 8 heads, Dk 160 = kv_lora 128 + rope 32, v
+128, top-256 of the sequence's 4096 keys, bf16), once per dkv mode of `impl="pallas_gpu"`
+("by_key", "sorted", "atomic", "scatter"; `--modes`) and the XLA impl: forward and forward +
+backward (`jax.grad` in q and kv of a loss of out and lse), "old" (the queries padded to 16
+heads in memory before the kernels, as they were: `jnp.pad` of q, the outputs sliced back)
+beside "new" (the kernels read the 8 heads and pad inside the program), with the copy floor
+(the selected rows' bytes at the HBM bandwidth: once for the forward, twice for forward +
+backward) and what "auto" takes at this shape. Indices: causal random (query s selects
+min(K, s + 1) distinct keys of [0, s]), or `--indices FILE.npy` (int32 [B, S, K], e.g. a trained
+indexer's top-k). Then the parts of the deterministic backwards alone (the indices' bitmap and
+sorted index, the dq kernel, the keys kernel, pairs + reduce), a correctness check against the
+XLA impl in float32 at heads 8 and 3, and `--sweep` times the keys kernel's settings.
 """
 
 from __future__ import annotations
@@ -28,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels as pk
+from benchmarks import sparse_mla_default_py
 from benchmarks._measure import bench, ceilings
 from pallas_kernels.attention import gpu, gpu_backward as gb
 from pallas_kernels.attention import transpose as tr
@@ -112,8 +130,7 @@ def run_shape(name, S, T, K, heads, bw, mm, interpret, bwd_cfg, which, report, r
     q, kv, idx, dout = inputs(jax.random.key(S + heads), S, T, K, heads)
     fwd_flops = 2 * S * heads * K * (DK + DV)
     bwd_flops = 2 * S * heads * K * (3 * DK + 2 * DV)
-    hp = max(16, 1 << (heads - 1).bit_length())
-    fuse = bwd_cfg.get("fuse_dq", hp <= gb.FUSED_DQ_MAX_HEADS)
+    fuse = bwd_cfg.get("fuse_dq", gb.head_rows(heads) <= gb.FUSED_DQ_MAX_HEADS)
     anyd, ours = bytes_floor(S, heads, K, T, fuse_dq=fuse)
     row = dict(shape=name, S=S, T=T, K=K, heads=heads, fwd_flops=fwd_flops, bwd_flops=bwd_flops,
                matmul_limit_bwd_ms=bwd_flops / mm * 1e3, bytes_any=anyd, bytes_new=ours,
@@ -206,29 +223,25 @@ def sweep(bw, mm, interpret, configs, shapes):
 
 
 def parts(bw, mm, interpret, cfg, shape):
-    """Times the new backward's kernels one by one on one query chunk."""
+    """Times the new backward's kernels one by one on its first query chunk."""
     name, S, T, K, heads = shape
     q, kv, idx, dout = inputs(jax.random.key(1), S, T, K, heads)
     cfg = dict(cfg)
     chunk = tr.default_chunk_rows(S, K, DK, 2, cfg.pop("budget", gb.DEFAULT_BUDGET))
     tindex = jax.jit(functools.partial(tr.transpose_index, num_keys=T, chunk_rows=chunk))(idx)
-    hp = max(16, 1 << (heads - 1).bit_length())
-    fuse = cfg.get("fuse_dq", hp <= gb.FUSED_DQ_MAX_HEADS)
+    fuse = cfg.get("fuse_dq", gb.head_rows(heads) <= gb.FUSED_DQ_MAX_HEADS)
     bk = cfg.get("block_k", gb.DEFAULT_BLOCK_K)
-    kp = -(-K // bk) * bk
-    qc = q[0, :chunk]
-    doc = dout[0, :chunk]
-    lse = jnp.zeros((chunk, heads), jnp.float32) + 9.0
-    gidx = jnp.pad(idx[0, :chunk], ((0, 0), (0, kp - K)), constant_values=-1)
-    pos = jnp.pad(tindex.position[0].reshape(chunk, K), ((0, 0), (0, kp - K)), constant_values=chunk * K)
-    kvr = kv[0]
+    col_block = cfg.get("col_block", gb.DEFAULT_COL_BLOCK)
+    lse = jnp.zeros((1, S, heads), jnp.float32) + 9.0
+    q2, do2, lse2, delta2, kv2, idx2 = gb.query_major(q, kv, idx, dout, lse, lse * 0)
+    first_chunk = (jnp.zeros((1,), jnp.int32), chunk)
+    dq0 = jnp.zeros(q2.shape, q.dtype)
     pairs = jax.jit(lambda *a: gb.pairs_call(
-        *a, num_places=chunk * K + tr.SPARE_ROWS, sm_scale=SCALE, block_k=bk,
-        col_block=cfg.get("col_block", gb.DEFAULT_COL_BLOCK),
-        fuse_dq=fuse, contrib_dtype=jnp.bfloat16, num_warps=cfg.get("num_warps", 4),
-        num_stages=cfg.get("num_stages", 2 if fuse else 1), interpret=interpret,
+        *a[:6], seq_len=S, sm_scale=SCALE, block_k=bk, col_block=col_block, fuse_dq=fuse,
+        num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 2 if fuse else 1), interpret=interpret,
+        pos=a[6], chunk=first_chunk, dq=a[7] if fuse else None, contrib_dtype=jnp.bfloat16,
         evict=cfg.get("evict", False)))
-    args = (qc, doc, lse, lse * 0, kvr, gidx, pos)
+    args = (q2, do2, lse2, delta2, kv2, idx2, tindex.position, dq0)
     t_pairs = bench(pairs, *args, reps=5, inner=1)
     first, contrib = pairs(*args)
     n = tindex.num_chunks
@@ -237,11 +250,10 @@ def parts(bw, mm, interpret, cfg, shape):
     line = (f"parts ({name}) {cfg}: chunk {chunk} rows x {n}: pairs kernel {t_pairs * 1e3:.2f} ms/chunk "
             f"({pair_bytes / t_pairs / 1e12:.2f} TB/s gathered + written)")
     if not fuse:
-        dq = jax.jit(lambda *a: gb.dq_call(*a, dtype=q.dtype, block_k=bk,
-                                           col_block=cfg.get("col_block", gb.DEFAULT_COL_BLOCK),
-                                           num_warps=cfg.get("dq_warps", 8),
-                                           num_stages=cfg.get("dq_stages", 2), interpret=interpret))
-        t_dq = bench(dq, first, kvr, gidx, reps=5, inner=1)
+        dq = jax.jit(lambda *a: gb.dq_call(*a, first_chunk, seq_len=S, block_k=bk, col_block=col_block,
+                                           num_warps=cfg.get("dq_warps", 8), num_stages=cfg.get("dq_stages", 2),
+                                           interpret=interpret))
+        t_dq = bench(dq, first, kv2, idx2, dq0, reps=5, inner=1)
         out["dq_ms"] = t_dq * 1e3
         line += f"; dq kernel {t_dq * 1e3:.2f} ms ({chunk * K * DK * 2 / t_dq / 1e12:.2f} TB/s gathered)"
     red = jax.jit(lambda c, f, d: gb.reduce_call(c, f, d, block=cfg.get("reduce_block", 32),
@@ -267,7 +279,13 @@ def main():
     ap.add_argument("--cfg64", default=None, help="settings at 64 heads (default --cfg)")
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--parts", action="store_true", help="with --sweep: time each kernel alone too")
+    ap.add_argument("--shape", default=None, choices=["default-py"],
+                    help="time one layer of the default training recipe instead (module docstring)")
+    sparse_mla_default_py.add_arguments(ap)
     args = ap.parse_args()
+    if args.shape == "default-py":
+        sparse_mla_default_py.main(args)
+        return
     interpret = args.smoke
     cfg = {} if args.sweep else eval(args.cfg)  # noqa: S307 - a command-line dict of kernel settings
     cfgs = {16: eval(args.cfg16) if args.cfg16 else cfg, 64: eval(args.cfg64) if args.cfg64 else cfg}

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import pallas_kernels as pk
 from glm_jax import ops
 from glm_jax.layers.decoder import indexer_kl
 from glm_jax.model import GLMModel
@@ -369,7 +370,9 @@ def test_sparse_attention_backward_index_is_sorted_once_per_group():
     def sorts(attention):
         def loss(params):
             model = nnx.merge(graphdef, params, rest)
-            kernels = ops.KernelChoice(attention=attention, interpret=attention != "xla")
+            kernels = ops.KernelChoice(attention=attention, interpret=attention != "xla",
+                                       attention_config=pk.SparseMLAGpuConfig(dkv_mode="sorted")
+                                       if attention == "pallas_gpu" else None)
             return loss_terms(model, tokens[:, :-1], tokens[:, 1:], stage="sparse", weights=LossWeights(indexer=1.0),
                               kernels=kernels, form="absorbed")[0]
         return _sorts(jax.make_jaxpr(jax.grad(loss))(params).jaxpr)

@@ -1,5 +1,6 @@
-"""The deterministic GPU sparse MLA backward (`attention.gpu_backward`, `attention.transpose`)
-against the reference, in Pallas interpret mode on the CPU, plus its Triton lowering for an H200.
+"""The deterministic GPU sparse MLA backwards (`attention.gpu_backward`: "sorted" and "by_key",
+`attention.transpose`) against the reference, in Pallas interpret mode on the CPU, plus their
+Triton lowering for an H200.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import jax.numpy as jnp
 
 from kernel_contract import backward_inputs, check_bf16_grads_repeatable, vjp_grads
 import pallas_kernels as pk
+from pallas_kernels.attention import gpu as pallas_gpu
 from pallas_kernels.attention import gpu_backward as gb
 from pallas_kernels.attention import reference
 from pallas_kernels.attention import transpose as tr
@@ -105,9 +107,7 @@ def test_prebuilt_index_serves_several_layers():
 
 def test_lowers_to_triton_for_h200():
     """The three kernels at GLM shapes (16 heads fused dq; 64 heads with the dq kernel)."""
-    from jax._src.mesh import AbstractDevice  # the abstract target device for lowering
-
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=jax.sharding.AbstractDevice(
         device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
     for heads, kernels in ((16, 2), (64, 3)):
         s = jax.ShapeDtypeStruct
@@ -118,3 +118,121 @@ def test_lowers_to_triton_for_h200():
         with jax.sharding.use_abstract_mesh(mesh):
             text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert text.count("xla.gpu.triton") == kernels
+
+
+# ----------------------------------------------------------------------------- "by_key"
+
+BY_KEY_CASES = [  # (B, S, T, K, H, settings): the keys kernel's tiles and edges
+    (2, 40, 48, 20, 8, dict(block_rows=16, tile_cols=64)),      # 8 heads: tiles of 8 queries, S % 8 != 0
+    (1, 70, 50, 24, 3, dict(block_rows=8, tile_cols=32)),       # 3 heads in 4 slots, T % 8 != 0, 3 words
+    (2, 32, 32, 40, 8, dict(block_rows=16)),                    # contiguous query tiles (16 x 8), K > T
+    (1, 36, 64, 16, 4, dict(block_rows=32, tile_cols=16, fuse_dq=False)),   # ds^T + dq kernel
+]
+
+
+def _by_key(**cfg):
+    return lambda q, kv, idx: gb.sparse_mla(q, kv, idx, sm_scale=SCALE, v_dim=DV, by_key=True, interpret=True,
+                                            fwd_block_k=16, block_k=16, **cfg)
+
+
+@pytest.mark.parametrize("B,S,T_,K,H_,cfg", BY_KEY_CASES)
+def test_by_key_gradients_match_reference(B, S, T_, K, H_, cfg):
+    q, kv, idx, dout = backward_inputs(B * 100 + S, B, S, T_, K, H_, DK, DV)
+    dout = dout.astype(jnp.float32)
+    dq, dkv = jax.jit(lambda q, kv: _vjp(_by_key(**cfg), q, kv, idx, dout))(q, kv)
+    rdq, rdkv = _vjp(_ref, q, kv, idx, dout)
+    np.testing.assert_allclose(dq, rdq, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(dkv, rdkv, rtol=2e-5, atol=2e-5)
+    np.testing.assert_array_equal(dq[0, 0], 0.0)             # empty row: no gradient
+
+
+def test_by_key_bf16_and_repeatable():
+    q, kv, idx, dout = _inputs(8, 2, 20, 24, jnp.bfloat16)
+    grad = jax.jit(lambda q, kv: _vjp(_by_key(block_rows=16), q, kv, idx, dout))
+    check_bf16_grads_repeatable(lambda: grad(q, kv),
+                                _vjp(_ref, q.astype(jnp.float32), kv.astype(jnp.float32), idx, dout))
+
+
+def test_key_bitmap_lists_every_selecting_query():
+    """bits: exactly the (query, row) pairs selected (-1 and out of range none; a row listed
+    twice by one query, whose count is unspecified, changes that row's bits only); spans: the
+    words of each block's selecting queries."""
+    B, S, T_, K = 2, 70, 20, 12
+    _, _, idx, _ = backward_inputs(4, B, S, T_, K, 2, 8, 4)
+    idx = np.array(idx)
+    idx[0, 3, :3] = [5, 5, T_ + 1]                                  # a duplicate, out of range
+    km = tr.key_bitmap(jnp.asarray(idx), T_, block_rows=8)
+    bits = np.asarray(km.bits).view(np.uint32)
+    assert bits.shape == (B * T_, 3) and km.spans.shape == (B * 3, 2)
+    want = np.zeros(bits.shape, np.uint64)
+    for b, s, t in zip(*np.nonzero((idx >= 0) & (idx < T_))[:2], idx[(idx >= 0) & (idx < T_)]):
+        want[b * T_ + t, s // 32] |= np.uint64(1) << np.uint64(s % 32)
+    other = np.arange(B * T_) != 5
+    np.testing.assert_array_equal(bits[other], want.astype(np.uint32)[other])
+    want[5] = bits[5]
+    for p, (lo, hi) in enumerate(np.asarray(km.spans)):
+        b, blk = divmod(p, 3)
+        used = np.nonzero(want[b * T_ + 8 * blk:b * T_ + min(8 * blk + 8, T_)].any(axis=0))[0]
+        assert (lo, hi) == ((used[0], used[-1] + 1) if used.size else (0, 0))
+
+
+def test_by_key_prebuilt_bitmap_serves_several_layers():
+    """One bitmap through the public API (dkv_mode "by_key") serves two layers; an index of the
+    other kind is refused by an explicit mode."""
+    q, kv, idx, dout = _inputs(12, 1, 9, 20)
+    cfg = pk.SparseMLAGpuConfig(block_k=16, dkv_mode="by_key")
+    km = pk.sparse_mla_backward_index(idx, T, dk=DK, dtype=kv.dtype, impl="pallas_gpu", config=cfg, interpret=True)
+    assert isinstance(km, tr.KeyBitmap)
+    fn = lambda q, kv, i: pk.sparse_mla(q, kv, i, sm_scale=SCALE, v_dim=DV, impl="pallas_gpu", config=cfg,
+                                        interpret=True, tindex=km)
+    for layer in range(2):
+        qq, kk = q * (1 + layer), kv - layer
+        for g, w in zip(_vjp(fn, qq, kk, idx, dout), _vjp(_ref, qq, kk, idx, dout)):
+            np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5)
+    sorted_index = gb.backward_index(idx, T, dk=DK, dtype=kv.dtype)
+    with pytest.raises(ValueError, match="takes a KeyBitmap"):
+        pk.sparse_mla(q, kv, idx, sm_scale=SCALE, v_dim=DV, impl="pallas_gpu", config=cfg, interpret=True,
+                      tindex=sorted_index)
+
+
+def test_auto_takes_by_key_at_the_default_model_shape():
+    """`by_key_is_cheaper`: the default training recipe's attention (8 heads, Dk 160, v 128,
+    top-256 of 4096) takes "by_key", small-128k's and GLM-5.2's "sorted"; with the heads,
+    `backward_index` builds the bitmap, without them the sorted index, which "auto" then leaves
+    aside for a bitmap of its own (same gradients)."""
+    cheaper = pallas_gpu.by_key_is_cheaper
+    assert cheaper(seq_len=4096, num_keys=4096, heads=8, dk=160, v_dim=128, topk=256, itemsize=2)
+    assert not cheaper(seq_len=65536, num_keys=65536, heads=16, dk=576, v_dim=512, topk=2048, itemsize=2)
+    assert not cheaper(seq_len=8192, num_keys=131072, heads=64, dk=576, v_dim=512, topk=2048, itemsize=2)
+    q, kv, idx, dout = _inputs(13, 1, 6, 40)                          # 4 heads, top-40 of 50: by_key
+    auto = pk.SparseMLAGpuConfig(block_k=16)
+    assert isinstance(pallas_gpu.backward_index(idx, T, dk=DK, dtype=kv.dtype, config=auto, heads=H, v_dim=DV),
+                      tr.KeyBitmap)
+    sorted_index = pallas_gpu.backward_index(idx, T, dk=DK, dtype=kv.dtype, config=auto)
+    assert isinstance(sorted_index, tr.TransposedIndex)
+    fn = lambda q, kv, i: pallas_gpu.sparse_mla(q, kv, i, sm_scale=SCALE, v_dim=DV, config=auto, interpret=True,
+                                                tindex=sorted_index)
+    jaxpr = str(jax.make_jaxpr(lambda q, kv: _vjp(fn, q, kv, idx, dout))(q, kv))
+    assert "sparse_mla_bwd_keys" in jaxpr and "sparse_mla_bwd_pairs" not in jaxpr
+    for g, w in zip(_vjp(fn, q, kv, idx, dout), _vjp(_ref, q, kv, idx, dout)):
+        np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("heads", [8, 3])
+def test_by_key_lowers_to_triton_for_h200(heads):
+    """The default model's shape (Dk 160, v 128, top-256): forward, dq and keys kernels, the
+    queries unpadded (no pad of q or dout in the program)."""
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=jax.sharding.AbstractDevice(
+        device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
+    s = jax.ShapeDtypeStruct
+    args = (s((2, 256, heads, 160), jnp.bfloat16), s((2, 256, 160), jnp.bfloat16), s((2, 256, 256), jnp.int32))
+    cfg = pk.SparseMLAGpuConfig(dkv_mode="by_key")
+
+    def grad(q, kv, idx):
+        loss = lambda q, kv: pallas_gpu.sparse_mla(q, kv, idx, sm_scale=0.1, v_dim=128, config=cfg)[0].sum()
+        return jax.grad(loss, argnums=(0, 1))(q, kv)
+
+    with jax.sharding.use_abstract_mesh(mesh):
+        text = jax.jit(grad).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("xla.gpu.triton") == 3
+    assert "x16x160xbf16" not in text and "x16x128xbf16" not in text           # no 16-head copy

@@ -6,9 +6,13 @@ indices is one coalesced gather load (each 1152-byte row is contiguous) that Tri
 pipelines across loop iterations; Mosaic GPU moves data with TMA, whose row gather only
 exists on Blackwell, so on Hopper it would need per-row copies through shared memory.
 
-Layout. One program handles one query (b, s) with all heads (the heads, padded to a power of
-two >= 16, are the M dimension of the matmuls) and loops over its K selected rows in blocks
-of `block_k` with an online softmax. Triton blocks must have power-of-two sizes, so the
+Layout. One program handles one query (b, s) with all heads (the M dimension of the matmuls, a
+tile of `gpu_backward.head_rows(H)` rows: H rounded up to a power of two >= 16) and loops over
+its K selected rows in blocks of `block_k` with an online softmax. The heads are not padded in
+memory: the program reads q [B*S, H, Dk] as given with masked loads (tile rows >= H read
+zeros) and writes only the H real rows of out and lse (masked stores), so q, out and lse move
+H rows per query, not 16 (the default model's 8 heads: half the bytes, and no pad or slice
+copy around the call). Triton blocks must have power-of-two sizes, so the
 latent width is cut into power-of-two column chunks ([0, v_dim) first, then [v_dim, Dk):
 576 = 512 + 64); the logits are summed over the chunks and the value accumulators are the
 chunks of [0, v_dim). When B*S programs are too few to fill the GPU (decode), the K slots
@@ -27,14 +31,19 @@ and writes target[j] = mean over the real heads of exp(s[h, j] - lse[h]): per se
 another gather (Dk * itemsize bytes) and the Q.K matmul (2 H Dk FLOPs), no P.V, and 4 bytes
 written. It needs the final lse in the program, so the forward then runs one split per query.
 
-Backward (`dkv_mode`). "sorted" (the default, "auto"): `gpu_backward` - per-query kernels
-write each (query, selected row) gradient at its place in a key-sorted list
-(`transpose.transpose_index`), and one program per latent row sums its run in a fixed order:
-no atomics, bitwise-repeatable gradients, and on an H200 3.4x (64 heads, 8K queries) to 4.1x
-(16 heads, 64K queries) faster than the modes below (docs/kernels-sparse-mla.md). The older
-kernel, one program per (query, group of heads) writing dq, stays selectable: its dkv rows are
-added atomically into a float32 dkv ("atomic": the order of the sum varies from run to run) or
-written per (query, slot) for `vjp.backward` to scatter-add in XLA ("scatter").
+Backward (`dkv_mode`), all reading q, dout, lse and delta unpadded like the forward.
+"sorted" and "by_key" are `gpu_backward`'s deterministic backwards (no atomics, the same bits
+on every run); "auto" takes "by_key" where `by_key_is_cheaper` says so (few heads, a top-k that
+is a large share of the keys: the default model's shape), else "sorted". "sorted": per-query
+kernels write each (query, selected row) gradient at its place in a key-sorted list
+(`transpose.transpose_index`), and one program per latent row sums its run in a fixed order;
+on an H200 3.4x (64 heads, 8K queries) to 4.1x (16 heads, 64K queries) faster than "atomic" /
+"scatter" (docs/kernels-sparse-mla.md). "by_key": dq per query as in "sorted" without the pair
+gradients, dkv per block of latent rows over contiguous tiles of the queries that selected
+them (`transpose.key_bitmap`), summed on chip. The older kernel, one program per (query, group
+of heads) writing dq, stays selectable: its dkv rows are added atomically into a float32 dkv
+("atomic": the order of the sum varies from run to run) or written per (query, slot) for
+`vjp.backward` to scatter-add in XLA ("scatter").
 """
 
 from __future__ import annotations
@@ -51,6 +60,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import check_positive_fields, pad_slots
 from pallas_kernels.attention import gpu_backward, transpose, vjp
+from pallas_kernels.attention.gpu_backward import head_rows, next_pow2, pow2_chunks
 
 #: Rows per loop step of the forward and the backward for 2-byte inputs (halved for 4-byte).
 #: Sized for Hopper's 227 KiB of shared memory at 64 heads x 576: the forward keeps q
@@ -62,21 +72,14 @@ DEFAULT_BWD_BLOCK_K = 16
 #: Programs the forward aims for (about two waves of an H100/H200's 132 SMs).
 TARGET_PROGRAMS = 264
 #: How the backward adds up the latent rows' gradient (module docstring).
-DKV_MODES = ("auto", "sorted", "atomic", "scatter")
-
-
-def pow2_chunks(start: int, stop: int) -> list[tuple[int, int]]:
-    """[start, stop) cut into power-of-two (offset, size) chunks, largest first."""
-    out = []
-    while start < stop:
-        size = 1 << ((stop - start).bit_length() - 1)
-        out.append((start, size))
-        start += size
-    return out
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
+DKV_MODES = ("auto", "sorted", "by_key", "atomic", "scatter")
+#: The modes whose backward takes a prebuilt index of the indices (`backward_index`).
+INDEXED_MODES = ("sorted", "by_key")
+#: Matmul FLOPs of "by_key" per byte of "sorted" at which "auto" switches (`by_key_is_cheaper`):
+#: the two cost the same at about 109 on an H100 (keys kernel at 378 TFLOP/s, sorted's bytes at
+#: 2.45 TB/s, docs/kernels-sparse-mla.md); an H200's 1.47x copy bandwidth at the same matmul
+#: rate would put it near 75.
+BY_KEY_FLOP_PER_BYTE = 100
 
 
 def _dot_nt(a, b):
@@ -109,13 +112,14 @@ def _load_paged_block(idx_ref, pt_ref, kv_ref, *, b, slot, row, k0, block_k, pag
 
 def _fwd_kernel(q_ref, kv_ref, idx_ref, *refs, seq_len, num_keys, sm_scale, block_k, blocks_per_split, kchunks,
                 vchunks, group, page_size, heads):
-    """One (query, K split, head group) program. Contiguous: refs = (out, lse[, target]) and kv
-    [B, T, Dk]; with target (one split, one group of all heads) a second pass over the rows
-    writes the indexer target. Paged (page_size set): refs = (page table [B, n], slot [1], out,
-    lse) and kv [slots, pages, P, Dk]."""
+    """One (query, K split, head group) program over q [B*S, H, Dk] (the group's `group` heads in
+    a tile, those >= H masked: read as 0, not written). Contiguous: refs = (out, lse[, target])
+    and kv [B, T, Dk]; with target (one split, one group of all heads) a second pass over the
+    rows writes the indexer target. Paged (page_size set): refs = (page table [B, n], slot [1],
+    out, lse) and kv [slots, pages, P, Dk]. out [B*S, splits, H, v], lse [B*S, splits, H]."""
     row = pl.program_id(0)                  # b * S + s
     split = pl.program_id(1)
-    hs = pl.ds(pl.program_id(2) * group, group)
+    h0 = pl.program_id(2) * group
     b = row // seq_len
     if page_size is None:
         out_ref, lse_ref, *target_ref = refs
@@ -126,7 +130,7 @@ def _fwd_kernel(q_ref, kv_ref, idx_ref, *refs, seq_len, num_keys, sm_scale, bloc
         target_ref = []
         load = functools.partial(_load_paged_block, idx_ref, pt_ref, kv_ref, b=b, slot=slot_ref[0], row=row,
                                  block_k=block_k, page_size=page_size, num_keys=num_keys, chunks=kchunks)
-    qs = [q_ref[row, hs, pl.ds(c0, cs)] for c0, cs in kchunks]         # [group, cs] each
+    qs = [gpu_backward.load_heads(q_ref, (row,), h0, group, heads, cols) for cols in kchunks]   # [group, cs]
     nv = len(vchunks)
 
     def scores(k0):
@@ -155,16 +159,16 @@ def _fwd_kernel(q_ref, kv_ref, idx_ref, *refs, seq_len, num_keys, sm_scale, bloc
     m, l, accs = lax.fori_loop(0, blocks_per_split, body, init)
     has_any = l > 0
     safe = jnp.where(has_any, l, 1.0)
-    for (c0, cs), a in zip(vchunks, accs):
-        out_ref[row, split, hs, pl.ds(c0, cs)] = (a / safe[:, None]).astype(out_ref.dtype)
+    for (c0, _), a in zip(vchunks, accs):
+        gpu_backward.store_heads(out_ref, (row, split), h0, heads, (a / safe[:, None]).astype(out_ref.dtype), c0)
     m = jnp.where(m == -jnp.inf, 0.0, m)
     lse = m + jnp.log(safe)
-    lse_ref[row, split, hs] = jnp.where(has_any, lse, -jnp.inf)
+    gpu_backward.store_heads(lse_ref, (row, split), h0, heads, jnp.where(has_any, lse, -jnp.inf))
     if not target_ref:
         return
     # the indexer target: a second pass over the same rows (just read, likely still in L2) now
     # that lse is known; the mean over the real heads of p = exp(s - lse) at each slot
-    real = (lax.broadcasted_iota(jnp.int32, (group,), 0) < heads) & has_any
+    real = (h0 + lax.broadcasted_iota(jnp.int32, (group,), 0) < heads) & has_any
 
     def target_body(j, carry):
         k0 = j * block_k
@@ -176,16 +180,6 @@ def _fwd_kernel(q_ref, kv_ref, idx_ref, *refs, seq_len, num_keys, sm_scale, bloc
     lax.fori_loop(0, blocks_per_split, target_body, 0)
 
 
-def _pad_heads(q):
-    """[B, S, H, Dk] -> [B*S, Hp, Dk] with Hp a power of two >= 16 (Triton dot sizes)."""
-    batch, seq_len, heads, dk = q.shape
-    hp = max(16, _next_pow2(heads))
-    qp = q.reshape(batch * seq_len, heads, dk)
-    if hp != heads:
-        qp = jnp.pad(qp, ((0, 0), (0, hp - heads), (0, 0)))
-    return qp, hp
-
-
 def _params(num_warps, num_stages):
     return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
@@ -193,12 +187,13 @@ def _params(num_warps, num_stages):
 def _forward(q, kv, idx, *, sm_scale, v_dim, block_k, splits, num_warps, num_stages, interpret, head_group=None,
              paged=None, topk=None):
     """q [B, S, H, Dk]; idx int32 [B*S, Kp] (Kp a multiple of block_k * splits); head_group: heads
-    per program (a power of two >= 16, or None: all). Contiguous: kv [B, T, Dk]. paged =
-    (page_table int32 [B, n], slot int32 [1]): kv is a store [slots, pages, P, Dk] and idx
+    per program (a power of two >= 16, or None: all, in head_rows(H) rows). Contiguous: kv [B, T, Dk].
+    paged = (page_table int32 [B, n], slot int32 [1]): kv is a store [slots, pages, P, Dk] and idx
     holds logical rows. -> (out, lse), and with `topk` (contiguous, one split, all heads in
-    one program) the indexer target float32 [B, S, topk] as well."""
+    one program) the indexer target float32 [B, S, topk] as well. q is read and out / lse
+    written unpadded (the program's head tile is masked)."""
     batch, seq_len, heads, dk = q.shape
-    qp, hp = _pad_heads(q)
+    hp = head_rows(heads)
     group = min(hp, head_group or hp)
     kchunks = pow2_chunks(0, v_dim) + pow2_chunks(v_dim, dk)
     vchunks = pow2_chunks(0, v_dim)
@@ -216,25 +211,25 @@ def _forward(q, kv, idx, *, sm_scale, v_dim, block_k, splits, num_warps, num_sta
         blocks_per_split=blocks_per_split, kchunks=kchunks, vchunks=vchunks, group=group, page_size=page_size,
         heads=heads)
     out_dtype = q.dtype if final else jnp.float32
-    out_shape = [jax.ShapeDtypeStruct((rows_total, splits, hp, v_dim), out_dtype),
-                 jax.ShapeDtypeStruct((rows_total, splits, hp), jnp.float32)]
+    out_shape = [jax.ShapeDtypeStruct((rows_total, splits, heads, v_dim), out_dtype),
+                 jax.ShapeDtypeStruct((rows_total, splits, heads), jnp.float32)]
     if topk is not None:
         out_shape.append(jax.ShapeDtypeStruct((rows_total, kp), jnp.float32))
     out, lse, *target = pl.pallas_call(
         kernel,
-        grid=(rows_total, splits, hp // group),
+        grid=(rows_total, splits, -(-heads // group)),
         out_shape=out_shape,
         compiler_params=_params(num_warps, num_stages),
         interpret=interpret,
         name="sparse_mla_fwd" if paged is None else "paged_sparse_mla_fwd",
-    )(qp, kv, idx, *(paged or ()))
+    )(q.reshape(rows_total, heads, dk), kv, idx, *(paged or ()))
     if not final:
         lse_all = lse
         lse = jax.nn.logsumexp(lse_all, axis=1, keepdims=True)
         w = jnp.where(jnp.isfinite(lse), jnp.exp(lse_all - jnp.where(jnp.isfinite(lse), lse, 0.0)), 0.0)
         out = jnp.sum(out * w[..., None], axis=1, keepdims=True).astype(q.dtype)
-    out = out[:, 0, :heads].reshape(batch, seq_len, heads, v_dim)
-    lse = lse[:, 0, :heads].reshape(batch, seq_len, heads)
+    out = out.reshape(batch, seq_len, heads, v_dim)
+    lse = lse.reshape(batch, seq_len, heads)
     if topk is None:
         return out, lse
     return out, lse, target[0][:, :topk].reshape(batch, seq_len, topk)
@@ -256,7 +251,9 @@ def _add_rows(dkv_ref, rows, valid, c0, val, *, interpret):
 
 
 def _bwd_kernel(q_ref, do_ref, lse_ref, delta_ref, kv_ref, idx_ref, *refs, seq_len, num_keys, sm_scale,
-                block_k, num_blocks, kchunks, vchunks, group, atomic, interpret):
+                block_k, num_blocks, kchunks, vchunks, group, heads, atomic, interpret):
+    """One (query, head group) program over q [B*S, H, Dk], do [B*S, H, v], lse / delta
+    [B*S, H] (the group's `group` heads in a tile, those >= H masked)."""
     if atomic:
         _, dq_ref, dkv_ref = refs          # dkv float32 [B*T + 1, Dk], aliased to its zero input
     else:
@@ -264,14 +261,14 @@ def _bwd_kernel(q_ref, do_ref, lse_ref, delta_ref, kv_ref, idx_ref, *refs, seq_l
     row = pl.program_id(0)
     g = pl.program_id(1)                    # head group
     b = row // seq_len
-    hs = pl.ds(g * group, group)
-    qs = [q_ref[row, hs, pl.ds(c0, cs)] for c0, cs in kchunks]
-    dos = [do_ref[row, hs, pl.ds(c0, cs)] for c0, cs in vchunks]
-    lse = lse_ref[row, hs]
+    h0 = g * group
+    load = functools.partial(gpu_backward.load_heads, lead=(row,), h0=h0, rows=group, heads=heads)
+    qs = [load(q_ref, cols=cols) for cols in kchunks]
+    dos = [load(do_ref, cols=cols) for cols in vchunks]
+    lse = load(lse_ref, other=jnp.inf)
     lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)                      # empty row: p = 0
-    delta = delta_ref[row, hs]
+    delta = load(delta_ref)
     nv = len(vchunks)
-    heads = qs[0].shape[0]
 
     def body(j, dqs):
         k0 = j * block_k
@@ -301,41 +298,34 @@ def _bwd_kernel(q_ref, do_ref, lse_ref, delta_ref, kv_ref, idx_ref, *refs, seq_l
                 contrib_ref[row, g, pl.ds(k0, block_k), pl.ds(c0, cs)] = dkv.astype(contrib_ref.dtype)
         return tuple(new)
 
-    init = tuple(jnp.zeros((heads, cs), jnp.float32) for _, cs in kchunks)
+    init = tuple(jnp.zeros((group, cs), jnp.float32) for _, cs in kchunks)
     dqs = lax.fori_loop(0, num_blocks, body, init)
-    for (c0, cs), dq in zip(kchunks, dqs):
-        dq_ref[row, hs, pl.ds(c0, cs)] = dq.astype(dq_ref.dtype)
+    for (c0, _), dq in zip(kchunks, dqs):
+        gpu_backward.store_heads(dq_ref, (row,), h0, heads, dq.astype(dq_ref.dtype), c0)
 
 
 def _backward(q, kv, idx, dout, lse, delta, *, sm_scale, v_dim, block_k, num_warps, num_stages,
               head_group, atomic, interpret):
     """-> (dq [B, S, H, Dk] in q.dtype, dkv float32 [B, T, Dk]) when atomic, else
-    (dq, contributions [B, S, Kp, Dk]) for `vjp.backward`."""
+    (dq, contributions [B, S, Kp, Dk]) for `vjp.backward`. Reads q, dout, lse, delta unpadded."""
     batch, seq_len, heads, dk = q.shape
     rows_total = batch * seq_len
-    hp = max(16, _next_pow2(heads))
-    pad_h = ((0, 0), (0, hp - heads))
-
-    def flat(x, value=0):
-        x = x.reshape((rows_total, heads) + x.shape[3:])
-        widths = pad_h + ((0, 0),) * (x.ndim - 2)
-        return jnp.pad(x, widths, constant_values=value) if hp != heads else x
-
+    hp = head_rows(heads)
+    flat = lambda x: x.reshape((rows_total, heads) + x.shape[3:])
     kchunks = pow2_chunks(0, v_dim) + pow2_chunks(v_dim, dk)
     vchunks = pow2_chunks(0, v_dim)
     topk = idx.shape[-1]
     group = min(hp, head_group)
-    groups = hp // group
+    groups = -(-heads // group)
     num_keys = kv.shape[1]
     kernel = functools.partial(
         _bwd_kernel, seq_len=seq_len, num_keys=num_keys, sm_scale=sm_scale, block_k=block_k,
-        num_blocks=topk // block_k, kchunks=kchunks, vchunks=vchunks, group=group, atomic=atomic,
+        num_blocks=topk // block_k, kchunks=kchunks, vchunks=vchunks, group=group, heads=heads, atomic=atomic,
         interpret=interpret)
-    args = (flat(q), flat(dout.astype(q.dtype)), flat(lse, -jnp.inf), flat(delta), kv,
-            idx.reshape(rows_total, topk))
+    args = (flat(q), flat(dout.astype(q.dtype)), flat(lse), flat(delta), kv, idx.reshape(rows_total, topk))
     # each program sums its query's dq in float32 registers; written in q's dtype (half the
     # bytes of an f32 [S, H, Dk] at bf16, 2.25 GiB per layer at 128K x 16 heads)
-    dq_shape = jax.ShapeDtypeStruct((rows_total, hp, dk), q.dtype)
+    dq_shape = jax.ShapeDtypeStruct((rows_total, heads, dk), q.dtype)
     if atomic:
         dkv_rows = batch * num_keys + 1                                  # + the spare row
         dq, dkv = pl.pallas_call(
@@ -347,8 +337,7 @@ def _backward(q, kv, idx, dout, lse, delta, *, sm_scale, v_dim, block_k, num_war
             interpret=interpret,
             name="sparse_mla_bwd_atomic",
         )(*args, jnp.zeros((dkv_rows, dk), jnp.float32))
-        dq = dq[:, :heads].reshape(batch, seq_len, heads, dk)
-        return dq, dkv[:-1].reshape(batch, num_keys, dk)
+        return dq.reshape(q.shape), dkv[:-1].reshape(batch, num_keys, dk)
     dq, contrib = pl.pallas_call(
         kernel,
         grid=(rows_total, groups),
@@ -357,29 +346,29 @@ def _backward(q, kv, idx, dout, lse, delta, *, sm_scale, v_dim, block_k, num_war
         interpret=interpret,
         name="sparse_mla_bwd",
     )(*args)
-    dq = dq[:, :heads].reshape(batch, seq_len, heads, dk)
     if groups > 1:
         contrib = jnp.sum(contrib, axis=1, dtype=jnp.float32)
-    return dq, contrib.reshape(batch, seq_len, topk, dk)
+    return dq.reshape(q.shape), contrib.reshape(batch, seq_len, topk, dk)
 
 
 @functools.lru_cache(maxsize=None)
 def _op(sm_scale, v_dim, block_k, splits, head_group, num_warps, num_stages, bwd_block_k, bwd_num_stages,
-        bwd_head_group, dkv_mode, topk, chunk_rows, interpret):
-    """topk: the unpadded K when the op also returns the indexer target, else None. "sorted":
-    the op takes unpadded indices and a transposed index built with chunk_rows
-    (`make_indexed_sparse_mla`); the others take indices padded for both kernels."""
+        bwd_head_group, dkv_mode, topk, interpret):
+    """topk: the unpadded K when the op also returns the indexer target, else None. "sorted" and
+    "by_key": the op takes unpadded indices and the backward's index (`vjp.make_index_sparse_mla`);
+    the others take indices padded for both kernels."""
     def fwd(q, kv, idx):
-        if dkv_mode == "sorted":
+        if dkv_mode in INDEXED_MODES:
             idx = pad_slots(idx, block_k * splits)
         b, s, kp = idx.shape
         return _forward(q, kv, idx.reshape(b * s, kp), sm_scale=sm_scale, v_dim=v_dim,
                         block_k=block_k, splits=splits, head_group=head_group, num_warps=num_warps,
                         num_stages=num_stages, interpret=interpret, topk=topk)
 
-    if dkv_mode == "sorted":
-        bwd = functools.partial(gpu_backward.backward, sm_scale=sm_scale, v_dim=v_dim, interpret=interpret)
-        return vjp.make_indexed_sparse_mla(fwd, bwd, chunk_rows=chunk_rows)
+    if dkv_mode in INDEXED_MODES:
+        fn = gpu_backward.backward if dkv_mode == "sorted" else gpu_backward.backward_by_key
+        return vjp.make_index_sparse_mla(fwd, functools.partial(fn, sm_scale=sm_scale, v_dim=v_dim,
+                                                                interpret=interpret))
     bwd = functools.partial(_backward, sm_scale=sm_scale, v_dim=v_dim, block_k=bwd_block_k,
                             num_warps=num_warps, num_stages=bwd_num_stages,
                             head_group=bwd_head_group, atomic=dkv_mode == "atomic",
@@ -391,7 +380,7 @@ def default_head_group(num_queries: int, heads: int) -> int:
     """Heads per forward program of the paged decode: the padded heads cut into as many groups
     of >= 16 as bring the programs to about TARGET_PROGRAMS (every group re-reads its query's
     rows, from L2 when the groups run together; no K-split partials to merge)."""
-    hp = max(16, _next_pow2(heads))
+    hp = head_rows(heads)
     groups = max(1, min(hp // 16, TARGET_PROGRAMS // max(1, num_queries)))
     return hp >> (groups.bit_length() - 1)
 
@@ -417,10 +406,11 @@ class SparseMLAGpuConfig:
       slots are split (`default_head_group`).
     num_warps, num_stages, bwd_num_stages: Triton settings.
     bwd_head_group: heads per backward program (a power of two).
-    dkv_mode: "sorted" (the deterministic backward of `gpu_backward`; what "auto" takes),
-      "atomic" (the per-(query, head group) backward adding its rows' gradient into a float32
-      dkv) or "scatter" (per-slot contributions, scatter-added in XLA). bwd_block_k,
-      bwd_num_stages and bwd_head_group tune "atomic" and "scatter"."""
+    dkv_mode: "sorted" or "by_key" (the deterministic backwards of `gpu_backward`; "auto" takes
+      one of them by `by_key_is_cheaper`), "atomic" (the per-(query, head group) backward adding
+      its rows' gradient into a float32 dkv) or "scatter" (per-slot contributions,
+      scatter-added in XLA). bwd_block_k, bwd_num_stages and bwd_head_group tune "atomic" and
+      "scatter"."""
 
     block_k: int | None = None
     num_splits: int | None = None
@@ -441,27 +431,60 @@ class SparseMLAGpuConfig:
 def _block_and_splits(c: SparseMLAGpuConfig, dtype, topk: int, programs_per_split: int) -> tuple[int, int]:
     """The forward's rows per step (block_k) and K splits for queries of `topk` slots."""
     shrink = max(1, jnp.dtype(dtype).itemsize // 2)
-    bk = int(c.block_k or min(DEFAULT_BLOCK_K // shrink, max(16, _next_pow2(topk))))
+    bk = int(c.block_k or min(DEFAULT_BLOCK_K // shrink, max(16, next_pow2(topk))))
     return bk, int(c.num_splits or default_splits(programs_per_split, topk, bk))
 
 
-def _dkv_mode(c: SparseMLAGpuConfig) -> str:
-    return "sorted" if c.dkv_mode == "auto" else c.dkv_mode
+def by_key_is_cheaper(*, seq_len: int, num_keys: int, heads: int, dk: int, v_dim: int, topk: int,
+                      itemsize: int) -> bool:
+    """Whether "auto" takes the "by_key" backward rather than "sorted" (`gpu_backward`) for
+    queries [B, S, H, Dk], kv [B, T, Dk], K selected rows: when by_key's matmul FLOPs over its
+    candidate pairs (every (row, query) of the tiles it visits; causal indices assumed, the S
+    queries the last S positions of T: S T - S (S - 1) / 2 pairs per sequence; 2 x
+    query_slots(H) x (2 Dk + 2 v) FLOPs each) per byte that sorted moves for its selected pairs
+    (S K of them, 3 Dk itemsize bytes each: the row gathered, the pair gradient written and
+    read back) stay under BY_KEY_FLOP_PER_BYTE. True at the default model's shape (8 heads,
+    Dk 160, v 128, top-256 of 4096: 77), False at small-128k's (16 heads, 576 / 512, top-2048
+    of 64K: 324) and GLM-5.2's."""
+    short = min(seq_len, num_keys)
+    candidates = seq_len * num_keys - short * (short - 1) // 2
+    flops = 2 * gpu_backward.query_slots(heads) * (2 * dk + 2 * v_dim) * candidates
+    moved = 3 * dk * itemsize * seq_len * min(topk, num_keys)
+    return flops < BY_KEY_FLOP_PER_BYTE * moved
+
+
+def resolve_dkv_mode(c: SparseMLAGpuConfig, **shape) -> str:
+    """The config's dkv_mode; "auto" resolved for the shape (`by_key_is_cheaper`'s arguments, or
+    none: "sorted")."""
+    if c.dkv_mode != "auto":
+        return c.dkv_mode
+    return "by_key" if shape and by_key_is_cheaper(**shape) else "sorted"
 
 
 def backward_index(indices: jax.Array, num_keys: int, *, dk: int, dtype,
-                   config: SparseMLAGpuConfig = SparseMLAGpuConfig()) -> transpose.TransposedIndex | None:
-    """The transposed index the "sorted" backward takes for indices int32 [B, S, K] over
-    num_keys rows of width dk in `dtype` (`gpu_backward.backward_index`), to build once per
-    IndexShare group; None for the other dkv modes, which take none."""
-    if _dkv_mode(config) != "sorted":
-        return None
-    return gpu_backward.backward_index(indices, num_keys, dk=dk, dtype=dtype)
+                   config: SparseMLAGpuConfig = SparseMLAGpuConfig(), heads: int | None = None,
+                   v_dim: int | None = None) -> transpose.TransposedIndex | transpose.KeyBitmap | None:
+    """The index the backward takes for indices int32 [B, S, K] over num_keys rows of width dk in
+    `dtype`, to build once per IndexShare group: the transposed index of "sorted"
+    (`gpu_backward.backward_index`), the key bitmap of "by_key" (`gpu_backward.key_index`), None
+    for the other dkv modes, which take none. Under "auto" the choice needs the heads and v_dim of
+    the queries (`by_key_is_cheaper`); without them it is "sorted"'s index, which `sparse_mla`
+    leaves unused (building its own bitmap) where it resolves "auto" to "by_key"."""
+    batch, seq_len, topk = indices.shape
+    shape = {} if heads is None or v_dim is None else dict(
+        seq_len=seq_len, num_keys=num_keys, heads=heads, dk=dk, v_dim=v_dim, topk=topk,
+        itemsize=jnp.dtype(dtype).itemsize)
+    mode = resolve_dkv_mode(config, **shape)
+    if mode == "sorted":
+        return gpu_backward.backward_index(indices, num_keys, dk=dk, dtype=dtype)
+    if mode == "by_key":
+        return gpu_backward.key_index(indices, num_keys, dk=dk)
+    return None
 
 
 def sparse_mla(q: jax.Array, kv: jax.Array, indices: jax.Array, *, sm_scale: float, v_dim: int,
                return_target: bool = False, config: SparseMLAGpuConfig = SparseMLAGpuConfig(),
-               interpret: bool = False, tindex: transpose.TransposedIndex | None = None):
+               interpret: bool = False, tindex: transpose.TransposedIndex | transpose.KeyBitmap | None = None):
     """Sparse MLA forward/backward with Pallas Triton kernels; contract of
     `pallas_kernels.sparse_mla`.
 
@@ -469,31 +492,41 @@ def sparse_mla(q: jax.Array, kv: jax.Array, indices: jax.Array, *, sm_scale: flo
     -> (out [B, S, H, v_dim] in q.dtype, lse float32 [B, S, H]); with return_target also the
     indexer target float32 [B, S, K], written by the forward kernel in a second pass over the
     rows (one program per query: num_splits is 1 then).
-    tindex: the "sorted" backward's transposed index (`backward_index`), built once and shared
-    by the layers of an IndexShare group; None: built for this call.
+    tindex: the backward's index (`backward_index`: "sorted"'s transposed index or "by_key"'s
+    key bitmap), built once and shared by the layers of an IndexShare group; None: built for
+    this call. Under "auto", a key bitmap selects "by_key"; a transposed index is used where
+    "auto" resolves to "sorted" for this shape (`by_key_is_cheaper`), else left aside.
     Compiled for a GPU, every power-of-two column chunk of Dk must be >= 16 wide, and the
     backward's q, dout and row block must fit in shared memory (bf16 at 64 x 576 does;
     float32 at 64 heads does not)."""
     c = config
-    batch, seq_len = q.shape[:2]
+    batch, seq_len, heads, dk = q.shape
     topk = indices.shape[-1]
     bk, splits = _block_and_splits(c, kv.dtype, topk, batch * seq_len)
     head_group = c.head_group
     if return_target:
         splits, head_group = 1, None
     bbk = int(c.bwd_block_k or max(16, DEFAULT_BWD_BLOCK_K // max(1, jnp.dtype(kv.dtype).itemsize // 2)))
-    dkv_mode = _dkv_mode(c)
+    dkv_mode = resolve_dkv_mode(c, seq_len=seq_len, num_keys=kv.shape[1], heads=heads, dk=dk, v_dim=int(v_dim),
+                         topk=topk, itemsize=jnp.dtype(kv.dtype).itemsize)
+    if c.dkv_mode == "auto" and isinstance(tindex, transpose.KeyBitmap):
+        dkv_mode = "by_key"
     settings = (float(sm_scale), int(v_dim), bk, splits, head_group, c.num_warps, c.num_stages, bbk,
-                c.bwd_num_stages, c.bwd_head_group, dkv_mode, topk if return_target else None)
-    if dkv_mode == "sorted":
-        idx = jnp.asarray(indices, jnp.int32)
-        if tindex is None:
-            tindex = backward_index(idx, kv.shape[1], dk=q.shape[-1], dtype=kv.dtype, config=c)
-        op = _op(*settings, tindex.chunk_rows, bool(interpret))
-        return op(q, kv, idx, tindex.position, tindex.offsets)
-    if tindex is not None:
-        raise ValueError(f"sparse_mla: tindex is taken by dkv_mode='sorted' only, not {dkv_mode!r}")
-    return _op(*settings, None, bool(interpret))(q, kv, pad_slots(indices, math.lcm(bk * splits, bbk)))
+                c.bwd_num_stages, c.bwd_head_group, dkv_mode, topk if return_target else None, bool(interpret))
+    want = {"sorted": transpose.TransposedIndex, "by_key": transpose.KeyBitmap}.get(dkv_mode)
+    if want is None:
+        if tindex is not None:
+            raise ValueError(f"sparse_mla: tindex is taken by dkv_mode 'sorted' and 'by_key' only, not {dkv_mode!r}")
+        return _op(*settings)(q, kv, pad_slots(indices, math.lcm(bk * splits, bbk)))
+    idx = jnp.asarray(indices, jnp.int32)
+    if tindex is not None and not isinstance(tindex, want):
+        if c.dkv_mode != "auto":
+            raise ValueError(f"sparse_mla: dkv_mode={dkv_mode!r} takes a {want.__name__}, got {type(tindex).__name__}")
+        tindex = None
+    if tindex is None:
+        tindex = (gpu_backward.backward_index(idx, kv.shape[1], dk=dk, dtype=kv.dtype) if dkv_mode == "sorted"
+                  else gpu_backward.key_index(idx, kv.shape[1], dk=dk))
+    return _op(*settings)(q, kv, idx, tindex)
 
 
 def paged_sparse_mla(q: jax.Array, kv_pages: jax.Array, page_table: jax.Array, indices: jax.Array, *, slot,
@@ -510,7 +543,7 @@ def paged_sparse_mla(q: jax.Array, kv_pages: jax.Array, page_table: jax.Array, i
     c = config
     batch, seq_len, heads = q.shape[:3]
     group = int(c.head_group or default_head_group(batch * seq_len, heads))
-    groups = max(1, max(16, _next_pow2(heads)) // group)
+    groups = max(1, head_rows(heads) // group)
     bk, splits = _block_and_splits(c, kv_pages.dtype, indices.shape[-1], batch * seq_len * groups)
     idx = pad_slots(indices, bk * splits)
     slot = jnp.reshape(jnp.asarray(slot, jnp.int32), (1,))

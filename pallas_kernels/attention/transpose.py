@@ -18,6 +18,13 @@ place, so that the reduce kernel reads every row's gradients as one contiguous r
 Cost: one stable sort of B*S*K (key, id) pairs (XLA; a radix sort on a GPU), a scatter of
 unique places and a binary search per (chunk, row); measured next to the kernels in
 benchmarks/sparse_mla_backward.py.
+
+The same relation as a bitmap (`key_bitmap`, `KeyBitmap`): for every latent row, one bit per
+query of its sequence, set where the query selected the row, plus for every block of
+`block_rows` rows the span of 32-query words holding a set bit. A backward that walks a block
+of rows over contiguous tiles of queries (`gpu_backward`'s "by_key" dkv kernel) reads its
+selections from it. Size: B*T*S/8 bytes (33.5 MB at 16 x 4096 queries and 4096 rows); cost:
+one scatter-add of B*S*K bits and a reduction over the words (no sort).
 """
 
 from __future__ import annotations
@@ -106,3 +113,56 @@ def checked_or_built(tindex: TransposedIndex | None, indices: jax.Array, num_key
         raise ValueError(f"tindex was built for K={tindex.topk}, T={tindex.num_keys}; "
                          f"got K={indices.shape[-1]}, T={num_keys}")
     return tindex
+
+
+#: Queries per word of a `KeyBitmap`.
+WORD_BITS = 32
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KeyBitmap:
+    """bits int32 [B * T, W] (W = ceil(S / 32)): bit s % 32 of word [b * T + t, s // 32] is set
+    when query (b, s) selected row t; spans int32 [B * ceil(T / block_rows), 2]: for each block
+    of block_rows rows (b major), the first word holding a set bit and one past the last (0, 0
+    for a block nobody selected); block_rows, seq_len, topk, num_keys: static."""
+
+    bits: jax.Array
+    spans: jax.Array
+    block_rows: int = dataclasses.field(metadata=dict(static=True))
+    seq_len: int = dataclasses.field(metadata=dict(static=True))
+    topk: int = dataclasses.field(metadata=dict(static=True))
+    num_keys: int = dataclasses.field(metadata=dict(static=True))
+
+
+def key_bitmap(indices: jax.Array, num_keys: int, *, block_rows: int) -> KeyBitmap:
+    """indices int32 [B, S, K] (-1 / out of range = skip), num_keys T -> KeyBitmap (module
+    docstring) with spans per block of `block_rows` rows.
+
+    The bits are one scatter-add (the selecting queries of a row are distinct, so their bits'
+    sum is their OR, in any order of the adds); a query that lists a row twice adds its bit
+    twice, and the carry marks another query of that word instead: how duplicates count is
+    unspecified, and only the duplicated row's dkv is affected."""
+    batch, seq_len, topk = indices.shape
+    words = -(-seq_len // WORD_BITS)
+    blocks = -(-num_keys // block_rows)
+    if batch * num_keys * words >= 2**31:
+        raise ValueError(f"key_bitmap: {batch} x {num_keys} rows x {words} words overflow int32")
+    idx = jnp.asarray(indices, jnp.int32)
+    valid = (idx >= 0) & (idx < num_keys)
+    row = jnp.where(valid, jnp.arange(batch, dtype=jnp.int32)[:, None, None] * num_keys + idx, batch * num_keys)
+    s = jnp.arange(seq_len, dtype=jnp.int32)[None, :, None]
+    word = jnp.broadcast_to(s // WORD_BITS, idx.shape)
+    bit = jnp.broadcast_to(jnp.left_shift(jnp.int32(1), s % WORD_BITS), idx.shape)
+    bits = jnp.zeros((batch * num_keys, words), jnp.int32).at[row.reshape(-1), word.reshape(-1)].add(
+        bit.reshape(-1), mode="drop")
+    used = bits.reshape(batch, num_keys, words) != 0
+    if blocks * block_rows != num_keys:
+        used = jnp.pad(used, ((0, 0), (0, blocks * block_rows - num_keys), (0, 0)))
+    used = jnp.any(used.reshape(batch, blocks, block_rows, words), axis=2)          # [B, blocks, W]
+    lo = jnp.argmax(used, axis=-1).astype(jnp.int32)
+    hi = words - jnp.argmax(used[..., ::-1], axis=-1).astype(jnp.int32)
+    some = jnp.any(used, axis=-1)
+    spans = jnp.stack([jnp.where(some, lo, 0), jnp.where(some, hi, 0)], axis=-1).reshape(batch * blocks, 2)
+    return KeyBitmap(bits=bits, spans=spans, block_rows=block_rows, seq_len=seq_len, topk=topk,
+                     num_keys=num_keys)

@@ -14,8 +14,9 @@ together: dK in every column, plus dV in the first v_dim columns).
 
 A kernel that adds those contributions into dkv itself (atomically, or by key row through a
 transposed index) is plugged in with `bwd_adds_dkv=True` and returns (dq, dkv float32
-[B, T, Dk]) for all queries at once. `make_indexed_sparse_mla` plugs in such a backward with a
-prebuilt transposed index (`transpose.TransposedIndex`, shared by an IndexShare group's layers).
+[B, T, Dk]) for all queries at once. `make_index_sparse_mla` plugs in such a backward with a
+prebuilt index of the indices (`transpose.TransposedIndex` or `transpose.KeyBitmap`, shared by
+an IndexShare group's layers).
 
 dkv is accumulated without write races: the kernels never write into a row that another
 program may write; each writes its own (query, slot) contributions, and XLA adds them into
@@ -110,29 +111,41 @@ def make_sparse_mla(fwd: Callable, bwd: Callable, *, budget: int = CONTRIB_BUDGE
     return attend
 
 
-def make_indexed_sparse_mla(fwd: Callable, bwd: Callable, *, chunk_rows: int):
-    """A differentiable sparse_mla(q, kv, indices, position, offsets) -> (out, lse[, target])
-    whose backward takes a prebuilt transposed index, passed as its arrays
-    (`TransposedIndex.position`, `.offsets`, built with `chunk_rows`).
+def make_index_sparse_mla(fwd: Callable, bwd: Callable):
+    """A differentiable sparse_mla(q, kv, indices, index) -> (out, lse[, target]) whose backward
+    takes a prebuilt index of the indices (a pytree: `transpose.TransposedIndex` or
+    `transpose.KeyBitmap`, shared by an IndexShare group's layers; no cotangent).
 
-    fwd(q, kv, indices) -> (out, lse[, target]); bwd(q, kv, indices, dout, lse, delta, tindex=...) ->
+    fwd(q, kv, indices) -> (out, lse[, target]); bwd(q, kv, indices, dout, lse, delta, tindex=index) ->
     (dq, dkv float32 [B, T, Dk])."""
 
     @jax.custom_vjp
-    def attend(q, kv, indices, position, offsets):
+    def attend(q, kv, indices, index):
         return fwd(q, kv, indices)
 
-    def attend_fwd(q, kv, indices, position, offsets):
+    def attend_fwd(q, kv, indices, index):
         outs = fwd(q, kv, indices)
-        return outs, (q, kv, indices, position, offsets) + tuple(outs[:2])
+        return outs, (q, kv, indices, index) + tuple(outs[:2])
 
     def attend_bwd(res, cts):
-        q, kv, indices, position, offsets, out, lse = res
+        q, kv, indices, index, out, lse = res
         dout, dlse = cts[:2]
-        tindex = transpose.TransposedIndex(position=position, offsets=offsets, chunk_rows=chunk_rows,
-                                           topk=indices.shape[-1], num_keys=kv.shape[1])
-        dq, dkv = bwd(q, kv, indices, dout, lse, _delta(out, lse, dout, dlse), tindex=tindex)
-        return dq.astype(q.dtype), dkv.astype(kv.dtype), None, None, None
+        dq, dkv = bwd(q, kv, indices, dout, lse, _delta(out, lse, dout, dlse), tindex=index)
+        return dq.astype(q.dtype), dkv.astype(kv.dtype), None, None
 
     attend.defvjp(attend_fwd, attend_bwd)
     return attend
+
+
+def make_indexed_sparse_mla(fwd: Callable, bwd: Callable, *, chunk_rows: int):
+    """`make_index_sparse_mla` for a `transpose.TransposedIndex` passed as its arrays:
+    sparse_mla(q, kv, indices, position, offsets) -> (out, lse[, target]), the index built with
+    `chunk_rows`."""
+    attend = make_index_sparse_mla(fwd, bwd)
+
+    def indexed(q, kv, indices, position, offsets):
+        tindex = transpose.TransposedIndex(position=position, offsets=offsets, chunk_rows=chunk_rows,
+                                           topk=indices.shape[-1], num_keys=kv.shape[1])
+        return attend(q, kv, indices, tindex)
+
+    return indexed
