@@ -86,7 +86,8 @@ def old_moe(cfg, params, x):
 
 # ---------------------------------------------------------------------------------- timing
 def fwd_bwd(loss, argnums):
-    """jit(grad of a scalar loss w.r.t. argnums), returning the loss too."""
+    """jit(grad of a scalar loss w.r.t. argnums), returning the loss too. Every array a part
+    times is passed as an argument: a closed-over array is a constant that XLA may fold."""
     return jax.jit(jax.value_and_grad(loss, argnums=argnums))
 
 
@@ -131,9 +132,9 @@ def embedding_part(cfg, recipe, bw, mm):
     # Zipf-distributed ids, as in text: many rows of a few ids collide in the scatter-add
     ids = jnp.asarray(np.minimum(np.random.default_rng(1).zipf(1.2, (b, s)) - 1, v - 1), jnp.int32)
     cot = _normal(2, (b, s, d), jnp.bfloat16)
-    loss = lambda lookup: lambda t: jnp.vdot(lookup(t, ids).astype(jnp.float32), cot.astype(jnp.float32))
-    cases = [("autodiff table[ids] (bf16 scatter-add)", fwd_bwd(loss(old_embed), 0), (table,))]
-    cases += [(impl, fwd_bwd(loss(fn), 0), (table,)) for impl, fn in NEW_EMBEDDING.items()]
+    loss = lambda lookup: lambda t, i, c: jnp.vdot(lookup(t, i).astype(jnp.float32), c.astype(jnp.float32))
+    cases = [("autodiff table[ids] (bf16 scatter-add)", fwd_bwd(loss(old_embed), 0), (table, ids, cot))]
+    cases += [(impl, fwd_bwd(loss(fn), 0), (table, ids, cot)) for impl, fn in NEW_EMBEDDING.items()]
     moved = 2 * b * s * d * 2 + v * d * (2 + 4)       # rows out, cotangent in, the f32 table gradient and its bf16
     return cases, (moved / bw, "rows gathered, cotangent read, table gradient written")
 
@@ -144,10 +145,8 @@ def head_part(cfg, recipe, bw, mm):
     kernel = _normal(0, (d, v), jnp.bfloat16, d ** -0.5)
     hidden = _normal(1, (b, s, d), jnp.bfloat16)
     targets = jax.random.randint(jax.random.key(2), (b, s), 0, v)
-    cases = [("chunked, f32 logits, remat", fwd_bwd(lambda w, h: old_head_cross_entropy(w, h, targets), (0, 1)),
-              (kernel, hidden))]
-    cases += [(impl, fwd_bwd(lambda w, h, fn=fn: fn(w, h, targets), (0, 1)), (kernel, hidden))
-              for impl, fn in NEW_HEAD_CE.items()]
+    cases = [("chunked, f32 logits, remat", fwd_bwd(old_head_cross_entropy, (0, 1)), (kernel, hidden, targets))]
+    cases += [(impl, fwd_bwd(fn, (0, 1)), (kernel, hidden, targets)) for impl, fn in NEW_HEAD_CE.items()]
     return cases, (3 * 2 * b * s * d * v / mm, "3 matmuls of [B*S, D] x [D, V]")
 
 
@@ -158,9 +157,10 @@ def mtp_head_part(cfg, recipe, bw, mm):
     p_hidden = _normal(1, (b, s, d), jnp.bfloat16)
     q_hidden = _normal(3, (b, s, d), jnp.bfloat16)
     targets = jax.random.randint(jax.random.key(2), (b, s), 0, v)
-    old = lambda w, q: old_head_cross_entropy(w, q, targets) + jnp.mean(old_head_tv(w, p_hidden, q))
-    cases = [("CE and TV in separate chunked passes", fwd_bwd(old, (0, 1)), (kernel, q_hidden))]
-    cases += [(impl, fwd_bwd(lambda w, q, fn=fn: fn(w, p_hidden, q, targets), (0, 1)), (kernel, q_hidden))
+    old = lambda w, q, p, t: old_head_cross_entropy(w, q, t) + jnp.mean(old_head_tv(w, p, q))
+    args = (kernel, q_hidden, p_hidden, targets)
+    cases = [("CE and TV in separate chunked passes", fwd_bwd(old, (0, 1)), args)]
+    cases += [(impl, fwd_bwd(lambda w, q, p, t, fn=fn: fn(w, p, q, t), (0, 1)), args)
               for impl, fn in NEW_MTP_HEAD.items()]
     return cases, (4 * 2 * b * s * d * v / mm, "4 matmuls of [B*S, D] x [D, V] (q and p logits, dh, dW)")
 
@@ -198,11 +198,11 @@ def dense_kl_part(cfg, recipe, bw, mm):
     iw = jax.random.uniform(jax.random.key(4), (b, s, hi), jnp.float32) * (hi * di) ** -0.5
     kv_len = jnp.full((b,), s, jnp.int32)
 
-    def fused(iq, ik, iw, block=256):
+    def fused(iq, ik, iw, qs, latent, block=256, **impl):
         return dense_group_kl([DenseTarget(q, c) for q, c in zip(qs, latent)], idx_q=iq, idx_keys=ik, idx_w=iw,
-                              sm_scale=scale, kv_len=kv_len, block=block)
+                              sm_scale=scale, kv_len=kv_len, block=block, **impl)
 
-    def expanded(iq, ik, iw):
+    def expanded(iq, ik, iw, qs, latent):
         pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
         mask = jnp.arange(s)[None, None, :] <= pos[:, :, None]
         scores = pk.indexer_scores(iq, ik, iw, q_pos=pos, kv_len=kv_len, impl="xla")
@@ -213,10 +213,16 @@ def dense_kl_part(cfg, recipe, bw, mm):
             total = total + indexer_kl(_head_summed_target(probs), scores, mask) / layers
         return total
 
-    args = (iq, ik, iw)
+    args = (iq, ik, iw, qs, latent)      # arguments, not constants: XLA would fold the work away
     cases = [("expanded: [B, H, S, S] float32 per layer", fwd_bwd(expanded, (0, 1, 2)), args),
              ("fused blockwise (XLA), tiles of 256", fwd_bwd(fused, (0, 1, 2)), args),
              ("fused blockwise (XLA), tiles of 512", fwd_bwd(lambda *a: fused(*a, block=512), (0, 1, 2)), args)]
+    if jax.default_backend() == "gpu":
+        from pallas_kernels.dense_kl.gpu import DenseKLGpuConfig
+
+        cases.append(("fused, Pallas GPU forward (tiles of 64), XLA backward",
+                      fwd_bwd(lambda *a: fused(*a, impl="pallas_gpu", gpu_config=DenseKLGpuConfig(block=64)),
+                              (0, 1, 2)), args))
     pairs = b * s * (s + 1) / 2
     flops = pairs * 2 * (layers * h * dk + 3 * hi * di)
     return cases, (flops / mm, "each layer's causal logits once, the indexer's scores and 2 gradients")

@@ -33,8 +33,10 @@ class KernelChoice:
     `indexer_kl` for the indexer side of the sparse-stage KL (`indexer_cross_entropy`) with
     `indexer_kl_config` (each that implementation's config dataclass, e.g.
     `pallas_kernels.IndexerGpuConfig`, `pallas_kernels.SparseMLAGpuConfig`,
-    `pallas_kernels.IndexerKLGpuConfig`; None: its defaults); `interpret` runs Pallas kernels
-    on the CPU."""
+    `pallas_kernels.IndexerKLGpuConfig`; None: its defaults), `dense_kl` for the dense stage's
+    absorbed-form indexer KL (`layers.dense_kl.dense_group_kl`: "xla", or "pallas_gpu" for its
+    forward passes, not yet measured against "xla") with `dense_kl_config`
+    (`pallas_kernels.dense_kl.gpu.DenseKLGpuConfig`); `interpret` runs Pallas kernels on the CPU."""
 
     indexer: str = "auto"
     attention: str = "auto"
@@ -43,6 +45,8 @@ class KernelChoice:
     indexer_config: Any = None
     indexer_kl: str = "auto"
     indexer_kl_config: Any = None
+    dense_kl: str = "xla"
+    dense_kl_config: Any = None
 
 
 def indexer_scores(q, k, weights, *, q_pos, kv_len, kv_start=None, **static):
@@ -67,7 +71,7 @@ def sparse_mla(q, kv, indices, *, tindex=None, **static):
                          dict(q=q, indices=indices), dict(kv=kv))
 
 
-def sparse_mla_backward_index(indices, num_keys, *, dk, dtype, kernels: KernelChoice):
+def sparse_mla_backward_index(indices, num_keys, *, dk, dtype, kernels: KernelChoice, heads=None, v_dim=None):
     """indices int32 [B, S, K] -> the index `sparse_mla`'s backward sorts by
     (`pallas_kernels.sparse_mla_backward_index`), built once for the layers sharing indices;
     None where the implementation takes none, and under context parallelism (each query shard's
@@ -75,7 +79,8 @@ def sparse_mla_backward_index(indices, num_keys, *, dk, dtype, kernels: KernelCh
     if context_size() > 1:
         return None
     return pallas_kernels.sparse_mla_backward_index(indices, num_keys, dk=dk, dtype=dtype, impl=kernels.attention,
-                                                    config=kernels.attention_config, interpret=kernels.interpret)
+                                                    config=kernels.attention_config, interpret=kernels.interpret,
+                                                    heads=heads, v_dim=v_dim)
 
 
 def indexer_cross_entropy(q, k, weights, indices, target, **static):

@@ -159,7 +159,8 @@ def sparse_mla(q: jax.Array, kv: jax.Array, indices: jax.Array, *, sm_scale: flo
 
 
 def sparse_mla_backward_index(indices: jax.Array, num_keys: int, *, dk: int, dtype, impl: str = "auto",
-                              config=None, interpret: bool = False):
+                              config=None, interpret: bool = False, heads: int | None = None,
+                              v_dim: int | None = None):
     """The index `sparse_mla`'s backward sorts its key gradients by, built once for several calls.
 
     Layers that attend with the same indices (an IndexShare group) pass the result as
@@ -170,16 +171,20 @@ def sparse_mla_backward_index(indices: jax.Array, num_keys: int, *, dk: int, dty
       num_keys: T, the kv rows sparse_mla will see.
       dk, dtype: the width and dtype of those kv rows.
       impl, config, interpret: those sparse_mla will be called with.
+      heads, v_dim: the queries' heads and value width, with which "auto" picks the backward
+        (and so the index) that sparse_mla will pick; without them, the sorted mode's.
 
     Returns:
-      A `attention.transpose.TransposedIndex`, or None where the implementation's backward takes
-      none (reference, xla, pallas_gpu outside dkv_mode "sorted"): pass None on to sparse_mla.
+      A `attention.transpose.TransposedIndex` (dkv_mode "sorted", the TPU kernel), a
+      `attention.transpose.KeyBitmap` (pallas_gpu's "by_key"), or None where the implementation's
+      backward takes none (reference, xla, pallas_gpu's "atomic" and "scatter"): pass it on to
+      sparse_mla.
     """
     entry, config = registry.select("sparse_mla", impl, config, interpret)
     if entry.backward_index is None:
         return None
     return entry.backward_index(jnp.asarray(indices, jnp.int32), int(num_keys), dk=int(dk), dtype=dtype,
-                                config=config)
+                                config=config, heads=heads, v_dim=v_dim)
 
 
 def indexer_cross_entropy(q: jax.Array, k: jax.Array, weights: jax.Array, indices: jax.Array,

@@ -18,9 +18,9 @@
 # serving-128k    the load benchmark at 128K                                  4-7 min
 # serving-1m      the load benchmark at 1M, IndexShare only                   4-10 min
 # serving-1m-full the same with every layer Full                              6-18 min
-# train-parts    the default recipe's train-step parts (vocabulary head,     2-4 min
-#                 embedding, MoE, dense-stage KL, sparse MLA at 8 heads) old
-#                 against new, beside their limits
+# train-parts    the default recipe's train-step parts (vocabulary head,     4-7 min
+#                 embedding, MoE, dense-stage KL; sparse MLA at 8 heads per
+#                 backward mode) old against new, beside their limits
 # train-steps    the recipe's step alone, absorbed form, dense and sparse     2-4 min
 # train-steps-expanded  the same in the expanded form (the old default)      3-5 min
 # train-loop     train.py on the recipe's shape (30 dense, 40 sparse steps)  4-7 min
@@ -161,6 +161,8 @@ for group in "${groups[@]}"; do
     case $group in
         train-parts)
             run train_step_parts 300 "--smoke" "${mem95[@]}" "$py" $parts parts --json "$stage/parts.json"
+            run sparse_mla_default_py 180 "--smoke" "$py" benchmarks/sparse_mla_backward.py --shape default-py \
+                --json "$stage/sparse_mla_default_py.json"
             ;;
         train-steps)
             run train_steps 540 "--smoke --reps 1" "${mem95[@]}" "$py" $parts steps \

@@ -219,7 +219,9 @@ class IndexShareGroup(nnx.Module):
         if dense_targets:
             idx_q, idx_keys, idx_w = found.index_inputs
             kl = kl + dense_group_kl(dense_targets, idx_q=idx_q, idx_keys=idx_keys, idx_w=idx_w,
-                                     sm_scale=self.layers[0].self_attn.sm_scale, kv_len=kv_len, kv_start=kv_start)
+                                     sm_scale=self.layers[0].self_attn.sm_scale, kv_len=kv_len, kv_start=kv_start,
+                                     impl=settings.kernels.dense_kl, gpu_config=settings.kernels.dense_kl_config,
+                                     interpret=settings.kernels.interpret)
         return split_tokens(x), kl, first_latent, found.indices
 
     def forward_cached(self, x, positions, view, kernels: ops.KernelChoice):

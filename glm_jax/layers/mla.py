@@ -92,7 +92,8 @@ class MLAProjection(nnx.Module):
         index (`ops.sparse_mla_backward_index`) for latent rows in dtype, or None."""
         c = self.cfg
         return ops.sparse_mla_backward_index(indices, num_keys, dk=c.kv_lora_rank + c.qk_rope_head_dim,
-                                             dtype=dtype, kernels=kernels)
+                                             dtype=dtype, kernels=kernels, heads=c.num_attention_heads,
+                                             v_dim=c.kv_lora_rank)
 
     def absorbed_queries(self, q_nope, q_rope):
         """q_nope [B, S, nh, nope], q_rope [B, S, nh, rope] -> the queries in the latent space

@@ -233,11 +233,13 @@ def _op(sm_scale, v_dim, block_k, bwd_settings, chunk_rows, topk, interpret):
 
 
 def backward_index(indices: jax.Array, num_keys: int, *, dk: int, dtype,
-                   config: SparseMLATpuConfig = SparseMLATpuConfig()) -> transpose.TransposedIndex:
+                   config: SparseMLATpuConfig = SparseMLATpuConfig(), heads: int | None = None,
+                   v_dim: int | None = None) -> transpose.TransposedIndex:
     """The transposed index the backward takes for indices int32 [B, S, K] over num_keys rows
     of width dk (chunks of `config.bwd_budget` bytes of pair gradients), to build once per
-    IndexShare group. dtype: kv's (unused: the TPU kernel's pair gradients are float32)."""
-    del dtype
+    IndexShare group. dtype: kv's (unused: the TPU kernel's pair gradients are float32);
+    heads, v_dim: the queries' (unused: one backward here)."""
+    del dtype, heads, v_dim
     batch, seq_len, topk = indices.shape
     chunk = tpu_backward.default_chunk_rows(batch * seq_len, topk, dk, config.bwd_budget)
     return transpose.transpose_index(indices, num_keys, chunk_rows=chunk)
