@@ -43,6 +43,20 @@ def micro_config(**changes) -> GLMConfig:
     return base.replace(**changes)
 
 
+def jaxpr_equations(jaxpr):
+    """The equations of a jaxpr and of the jaxprs nested in them (loop bodies, custom rules)."""
+    import jax
+
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else (value,):
+                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                    yield from jaxpr_equations(sub.jaxpr)
+                elif isinstance(sub, jax.extend.core.Jaxpr):
+                    yield from jaxpr_equations(sub)
+
+
 @contextlib.contextmanager
 def counting_compiles():
     """Yields a Counter of compilations per jitted function name ('jit(name)') made inside the

@@ -13,7 +13,7 @@ from flax import nnx
 
 import pallas_kernels as pk
 import pallas_kernels.dense_kl.gpu
-from conftest import ROOT
+from conftest import ROOT, jaxpr_equations
 from glm_jax import ops
 from glm_jax.config import load_config
 from glm_jax.layers import decoder, dense_kl
@@ -113,21 +113,9 @@ def test_shares_weigh_the_layers():
     np.testing.assert_allclose(got, 0.25 * single[0] + 0.75 * single[1], rtol=2e-6)
 
 
-def _eqns(jaxpr):
-    """The equations of a jaxpr and of the jaxprs nested in them (loop bodies, custom rules)."""
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (list, tuple)) else (value,):
-                if isinstance(sub, jax.extend.core.ClosedJaxpr):
-                    yield from _eqns(sub.jaxpr)
-                elif isinstance(sub, jax.extend.core.Jaxpr):
-                    yield from _eqns(sub)
-
-
 def _sequence_squared(jaxpr) -> list:
     """The shapes of values (in jaxpr, nested ones included) with two axes of at least S."""
-    shapes = {tuple(v.aval.shape) for eqn in _eqns(jaxpr) for v in eqn.outvars if hasattr(v.aval, "shape")}
+    shapes = {tuple(v.aval.shape) for eqn in jaxpr_equations(jaxpr) for v in eqn.outvars if hasattr(v.aval, "shape")}
     return [shape for shape in shapes if sum(n >= S for n in shape) >= 2]
 
 

@@ -19,7 +19,7 @@ from glm_jax.training.head_losses import linear_cross_entropy, linear_cross_entr
 from glm_jax.training.losses import (cross_entropy, end_to_end_tv, head_cross_entropy, shift_left, token_nll,
                                     total_variation)
 from glm_jax.training.step import LossWeights, _targets_ahead, loss_terms
-from conftest import micro_config
+from conftest import jaxpr_equations, micro_config
 
 
 def _softmax(x):
@@ -121,18 +121,6 @@ def test_linear_nll_and_tv_equal_the_full_logits_formulas(dtype):
         assert not np.any(np.asarray(grads[2], np.float32))
 
 
-def _eqns(jaxpr):
-    """The equations of a jaxpr and of the jaxprs nested in them."""
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (list, tuple)) else (value,):
-                if isinstance(sub, jax.extend.core.ClosedJaxpr):
-                    yield from _eqns(sub.jaxpr)
-                elif isinstance(sub, jax.extend.core.Jaxpr):
-                    yield from _eqns(sub)
-
-
 def test_linear_head_losses_hold_one_chunk_of_logits():
     """Value and gradient of each head loss at S = 16 in chunks of 4: the largest float32 array
     with a vocabulary axis is one chunk's logits [B, 4, V], never [B, S, V]. Compiled at S = 64,
@@ -148,7 +136,7 @@ def test_linear_head_losses_hold_one_chunk_of_logits():
     }
     for name, loss in losses.items():
         jaxpr = jax.make_jaxpr(jax.value_and_grad(loss, (0, 1)), static_argnums=2)(h, w, chunk).jaxpr
-        sizes = [int(np.prod(v.aval.shape)) for e in _eqns(jaxpr) for v in e.outvars
+        sizes = [int(np.prod(v.aval.shape)) for e in jaxpr_equations(jaxpr) for v in e.outvars
                  if v.aval.dtype == jnp.float32 and v.aval.shape and v.aval.shape[-1] == vocab]
         assert max(sizes) == b * chunk * vocab, (name, max(sizes))
 
@@ -358,7 +346,7 @@ def test_remat_keeps_the_loss_and_gradients(stage, form):
 
 def _sorts(jaxpr) -> int:
     """Sort ops in a jaxpr and the jaxprs nested in its equations."""
-    return sum(eqn.primitive.name == "sort" for eqn in _eqns(jaxpr))
+    return sum(eqn.primitive.name == "sort" for eqn in jaxpr_equations(jaxpr))
 
 
 def test_sparse_attention_backward_index_is_sorted_once_per_group():
