@@ -36,7 +36,6 @@ from glm_jax.checkpoint import check_same_config, load_model, save_model_dir
 from glm_jax.config import ConfigError, GLMConfig, load_config, save_config
 from glm_jax.data import batches as data_batches
 from glm_jax.data import corpus, pipeline, sources, tokenizer as tok_lib
-from glm_jax.data.prefetch import Prefetched
 from glm_jax.info import params_by_part
 from glm_jax.layers.segments import count_segments, segment_bound
 from glm_jax.model import GLMModel, abstract_model, count_params
@@ -65,7 +64,7 @@ class Run:
     tx: optax.GradientTransformation
     schedule: optax.Schedule
     feed: _BatchPlacement
-    batches: pipeline.PackedBatches   # wrapped in `Prefetched` while the loop runs
+    batches: pipeline.PackedBatches
     heldout: list
     mngr: object          # orbax CheckpointManager (checkpointing.manager)
     start: int            # the step restored (0: a new run)
@@ -225,14 +224,8 @@ def _batch_placement(mesh: Mesh | None, shape: tuple[int, int]) -> _BatchPlaceme
 def train(run: Run) -> int:
     """Steps run.start + 1 .. --steps (or --stop-after of them, or until SIGTERM on some process:
     then a checkpoint and exit), evaluating, logging and saving on the way; then the export."""
-    source = run.batches
-    run.batches = Prefetched(source)          # the next batch is packed while the device runs the step
-    try:
-        with StopSignals() as stop_requested:
-            return _loop(run, stop_requested)
-    finally:
-        run.batches.close()
-        run.batches = source
+    with StopSignals() as stop_requested:
+        return _loop(run, stop_requested)
 
 
 def _loop(run: Run, stop_requested: "StopSignals") -> int:
