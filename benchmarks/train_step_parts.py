@@ -38,6 +38,7 @@ import numpy as np
 RECIPE = dict(config="configs/default-py.yaml", seq_len=4096, batch_size=16, mtp_depth=3, mtp_weight=0.3,
               tv_weight=0.5, lr=1e-3, warmup_steps=200, steps=4000)
 SMOKE = dict(RECIPE, config="configs/tiny.yaml", seq_len=128, batch_size=2, mtp_depth=2)
+TRACED_STEPS = 2
 VARIANTS = ("dense:expanded", "dense:absorbed", "sparse:expanded", "sparse:absorbed")
 
 
@@ -62,8 +63,9 @@ def real_batch(recipe: dict, vocab_size: int, seed: int = 0):
 
 
 # ---------------------------------------------------------------------------------- steps
-def time_step(variant: str, recipe: dict, reps: int, smoke: bool) -> dict:
-    """ms per `train_step` of one stage:form variant, its MFU and the process's peak memory."""
+def time_step(variant: str, recipe: dict, reps: int, smoke: bool, trace_dir: str | None = None) -> dict:
+    """ms per `train_step` of one stage:form variant, its MFU and the process's peak memory;
+    with `trace_dir`, two more steps traced by the JAX profiler into it."""
     from flax import nnx
 
     from glm_jax import costs, ops
@@ -104,7 +106,12 @@ def time_step(variant: str, recipe: dict, reps: int, smoke: bool) -> dict:
         params, opt_state, terms = run(params, opt_state)
         jax.block_until_ready(terms)
         times.append(time.perf_counter() - t)
-    step_s = float(np.median(times))
+    if trace_dir:
+        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+            for _ in range(TRACED_STEPS):
+                params, opt_state, terms = run(params, opt_state)
+            jax.block_until_ready(terms)
+    step_s = float(np.median(times)) if times else float("nan")
     tokens = batch.inputs.size
     flops = costs.training_flops_per_token(cfg, recipe["seq_len"], active, sparse=stage == "sparse",
                                            positions=batch.positions) * tokens
@@ -129,6 +136,35 @@ def steps_main(args, recipe: dict) -> None:
             rows.append(json.loads(lines[-1]))
         print(json.dumps(rows[-1]), flush=True)
         _write(args.json, dict(device=_device(), recipe=recipe, rows=rows))
+    if args.profile:
+        for variant in args.variants:
+            profile_variant(variant, args)
+
+
+def profile_variant(variant: str, args) -> None:
+    """Two steps of `variant` traced in a child process with XLA command buffers off (so each
+    kernel is its own device event) into runs/step-traces/<variant>/, summarized into
+    PROFILE/<variant>.txt."""
+    from benchmarks import trace_summary
+
+    name = variant.replace(":", "-")
+    trace_dir = Path("runs/step-traces") / name
+    cmd = [sys.executable, __file__, "steps", "--one", variant, "--reps", "0", "--trace-dir", str(trace_dir)]
+    cmd += ["--smoke"] if args.smoke else []
+    env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip())
+    print(f"== profile {variant}", flush=True)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
+    if done.returncode:
+        print(f"profile of {variant} failed: {(done.stderr.strip().splitlines() or ['?'])[-1][:300]}", flush=True)
+        return
+    try:
+        text = trace_summary.summarize(str(trace_dir), steps=TRACED_STEPS)
+    except ValueError as e:
+        print(f"profile of {variant}: {e}", flush=True)
+        return
+    Path(args.profile).mkdir(parents=True, exist_ok=True)
+    (Path(args.profile) / f"{name}.txt").write_text(text + "\n")
+    print(text, flush=True)
 
 
 # ---------------------------------------------------------------------------------- loop
@@ -250,6 +286,8 @@ def main() -> None:
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     ap.add_argument("--one", choices=VARIANTS, help=argparse.SUPPRESS)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--profile", help="steps: also trace each variant (command buffers off) and summarize into this folder")
+    ap.add_argument("--trace-dir", help=argparse.SUPPRESS)
     ap.add_argument("--timeout", type=float, default=300, help="seconds for each child process")
     ap.add_argument("--parts", nargs="+", default=None, help="parts: only these parts")
     ap.add_argument("--run-dir", default="runs/loop-bench", help="loop: train.py's --out (emptied first)")
@@ -264,7 +302,7 @@ def main() -> None:
     if args.mode == "table":
         table_main(args)
     elif args.mode == "steps" and args.one:
-        print(json.dumps(time_step(args.one, recipe, args.reps, args.smoke)), flush=True)
+        print(json.dumps(time_step(args.one, recipe, args.reps, args.smoke, args.trace_dir)), flush=True)
     elif args.mode == "steps":
         steps_main(args, recipe)
     elif args.mode == "loop":

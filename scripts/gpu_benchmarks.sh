@@ -21,7 +21,8 @@
 # train-parts    the default recipe's train-step parts (vocabulary head,     4-7 min
 #                 embedding, MoE, dense-stage KL; sparse MLA at 8 heads per
 #                 backward mode) old against new, beside their limits
-# train-steps    the recipe's step alone, absorbed form, dense and sparse     2-4 min
+# train-steps    the recipe's step alone, absorbed form, dense and sparse,    3-5 min
+#                 then each traced (kernel table in profile/)
 # train-steps-expanded  the same in the expanded form (the old default)      3-5 min
 # train-loop     train.py on the recipe's shape (30 dense, 40 sparse steps)  4-7 min
 # Aliases (several commands' time: run their groups one command at a time):
@@ -166,7 +167,7 @@ for group in "${groups[@]}"; do
             ;;
         train-steps)
             run train_steps 540 "--smoke --reps 1" "${mem95[@]}" "$py" $parts steps \
-                --variants dense:absorbed sparse:absorbed --json "$stage/steps.json"
+                --variants dense:absorbed sparse:absorbed --json "$stage/steps.json" --profile "$stage/profile"
             ;;
         train-steps-expanded)
             run train_steps_expanded 540 "--smoke --reps 1" "${mem95[@]}" "$py" $parts steps \
