@@ -63,7 +63,8 @@ def real_batch(recipe: dict, vocab_size: int, seed: int = 0):
 
 
 # ---------------------------------------------------------------------------------- steps
-def time_step(variant: str, recipe: dict, reps: int, smoke: bool, trace_dir: str | None = None) -> dict:
+def time_step(variant: str, recipe: dict, reps: int, smoke: bool, trace_dir: str | None = None,
+              dense_kl: str = "xla") -> dict:
     """ms per `train_step` of one stage:form variant, its MFU and the process's peak memory;
     with `trace_dir`, two more steps traced by the JAX profiler into it."""
     from flax import nnx
@@ -87,7 +88,7 @@ def time_step(variant: str, recipe: dict, reps: int, smoke: bool, trace_dir: str
     batch = real_batch(recipe, cfg.vocab_size)
     weights = LossWeights(indexer=1.0, mtp=recipe["mtp_weight"], mtp_depth=recipe["mtp_depth"],
                           tv=recipe["tv_weight"])
-    kernels = ops.KernelChoice(interpret=smoke)
+    kernels = ops.KernelChoice(interpret=smoke, dense_kl=dense_kl)
     max_segments = segment_bound(count_segments(batch.segment_ids)) if (stage, form) == ("dense", "absorbed") \
         else None
     inputs, targets, segments = (jnp.asarray(a) for a in (batch.inputs, batch.targets, batch.segment_ids))
@@ -115,7 +116,7 @@ def time_step(variant: str, recipe: dict, reps: int, smoke: bool, trace_dir: str
     tokens = batch.inputs.size
     flops = costs.training_flops_per_token(cfg, recipe["seq_len"], active, sparse=stage == "sparse",
                                            positions=batch.positions) * tokens
-    return dict(variant=variant, step_ms=step_s * 1e3, first_step_s=first, tokens_per_s=tokens / step_s,
+    return dict(variant=variant if dense_kl == "xla" else f"{variant}+kl:{dense_kl}", step_ms=step_s * 1e3, first_step_s=first, tokens_per_s=tokens / step_s,
                 model_tflops=flops / 1e12, peak_gib=memory_in_use() / 2**30, loss=float(terms["loss"]),
                 max_segments=max_segments)
 
@@ -124,7 +125,8 @@ def steps_main(args, recipe: dict) -> None:
     """Each variant in a child process (`--one VARIANT`): its own peak memory, one failure alone."""
     rows = []
     for variant in args.variants:
-        cmd = [sys.executable, __file__, "steps", "--one", variant, "--reps", str(args.reps)]
+        cmd = [sys.executable, __file__, "steps", "--one", variant, "--reps", str(args.reps),
+               "--dense-kl", args.dense_kl]
         cmd += ["--smoke"] if args.smoke else []
         print(f"== step {variant}", flush=True)
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
@@ -147,9 +149,10 @@ def profile_variant(variant: str, args) -> None:
     PROFILE/<variant>.txt."""
     from benchmarks import trace_summary
 
-    name = variant.replace(":", "-")
+    name = variant.replace(":", "-") + ("" if args.dense_kl == "xla" else f"-kl-{args.dense_kl}")
     trace_dir = Path("runs/step-traces") / name
-    cmd = [sys.executable, __file__, "steps", "--one", variant, "--reps", "0", "--trace-dir", str(trace_dir)]
+    cmd = [sys.executable, __file__, "steps", "--one", variant, "--reps", "0", "--trace-dir", str(trace_dir),
+           "--dense-kl", args.dense_kl]
     cmd += ["--smoke"] if args.smoke else []
     env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip())
     print(f"== profile {variant}", flush=True)
@@ -288,6 +291,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--profile", help="steps: also trace each variant (command buffers off) and summarize into this folder")
     ap.add_argument("--trace-dir", help=argparse.SUPPRESS)
+    ap.add_argument("--dense-kl", default="xla", choices=["xla", "pallas_gpu"],
+                    help="steps: the dense stage's absorbed indexer KL (ops.KernelChoice.dense_kl)")
     ap.add_argument("--timeout", type=float, default=300, help="seconds for each child process")
     ap.add_argument("--parts", nargs="+", default=None, help="parts: only these parts")
     ap.add_argument("--run-dir", default="runs/loop-bench", help="loop: train.py's --out (emptied first)")
@@ -302,7 +307,8 @@ def main() -> None:
     if args.mode == "table":
         table_main(args)
     elif args.mode == "steps" and args.one:
-        print(json.dumps(time_step(args.one, recipe, args.reps, args.smoke, args.trace_dir)), flush=True)
+        print(json.dumps(time_step(args.one, recipe, args.reps, args.smoke, args.trace_dir, args.dense_kl)),
+              flush=True)
     elif args.mode == "steps":
         steps_main(args, recipe)
     elif args.mode == "loop":

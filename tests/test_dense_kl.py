@@ -79,11 +79,16 @@ def test_fused_dense_kl_equals_the_expanded_form(layers, packed, block):
     assert not any(np.any(np.asarray(g)) for g in jax.tree.leaves(jax.grad(fused)(targets, *idx)))
 
 
-@pytest.mark.parametrize("packed", [False, True])
-def test_pallas_forward_equals_the_expanded_form(packed):
-    """The Pallas GPU forward kernel (interpret mode; tiles of 16, S = 40 padded to 48, widths
-    48 = 32 + 16 columns): the expanded form's value, and its gradients (through the XLA
-    backward from the kernel's lse)."""
+@pytest.mark.parametrize("packed,pallas_backward", [(False, True), (True, True), (True, False)])
+def test_pallas_kernels_equal_the_expanded_form(monkeypatch, packed, pallas_backward):
+    """The Pallas GPU forward and backward kernels (interpret mode; tiles of 16, S = 40 padded
+    to 48, widths 48 = 32 + 16 columns): the expanded form's value and gradients; with the
+    backward buffer over its limit, the XLA backward from the forward kernel's lse."""
+    calls = []
+    backward = pk.dense_kl.gpu.backward
+    monkeypatch.setattr(pk.dense_kl.gpu, "backward", lambda *a, **k: calls.append(1) or backward(*a, **k))
+    if not pallas_backward:
+        monkeypatch.setattr(dense_kl, "PALLAS_BACKWARD_BYTES", 0)
     targets, idx, rows = _case(2, packed, seed=2)
     s = 40
     targets = [DenseTarget(t.q[:, :s], t.latent[:, :s]) for t in targets]
@@ -102,6 +107,7 @@ def test_pallas_forward_equals_the_expanded_form(packed):
     np.testing.assert_allclose(got, want, rtol=2e-6)
     for g, w in zip(got_grads, want_grads):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=2e-6 * float(jnp.max(jnp.abs(w))))
+    assert bool(calls) == pallas_backward
 
 
 def test_shares_weigh_the_layers():

@@ -21,8 +21,9 @@ Live per tile: one layer's logits float32 [B, block, H, block] at a time (XLA ma
 layers) and the indexer's [B, block, Hi, block]; kept for the backward pass: the inputs, the
 lse float32 [L, B, S, H] and LSE_s float32 [B, S]. No [S, S] array exists.
 
-Passes 1 and 2 also exist as one Pallas GPU kernel (impl="pallas_gpu",
-`pallas_kernels.dense_kl.gpu`); pass 3 is XLA either way.
+Passes 1 and 2 also exist as one Pallas GPU kernel and pass 3 as another (impl="pallas_gpu",
+`pallas_kernels.dense_kl.gpu`); pass 3 stays XLA where the kernel's keys-gradient buffer
+[S / block, B, S, Di] would pass `PALLAS_BACKWARD_BYTES`.
 
 The queries are the sequence's own tokens: query s sits at row s of the keys (the dense causal
 form, as `MLAProjection.attend_causal`). Under context parallelism XLA partitions the passes
@@ -43,6 +44,8 @@ from pallas_kernels.dense_kl import gpu
 
 #: Queries (and keys) per tile unless told otherwise.
 DEFAULT_BLOCK = 256
+#: The most bytes the Pallas backward's per-query-block keys gradients may take (else pass 3 is XLA).
+PALLAS_BACKWARD_BYTES = 4 << 30
 
 
 class DenseTarget(NamedTuple):
@@ -67,7 +70,8 @@ def dense_group_kl(targets: Sequence[DenseTarget], *, idx_q: jax.Array, idx_keys
     s iff kv_start[s] <= t <= s and t < kv_len. shares: one weight per layer (default
     1 / len(targets)); block: queries and keys per tile of the XLA passes. impl: "xla", or
     "pallas_gpu" for passes 1 and 2 in one Pallas kernel (`pallas_kernels.dense_kl.gpu`, tiles of
-    gpu_config.block; the backward stays XLA); interpret runs that kernel on the CPU."""
+    gpu_config.block, and pass 3 in another while its buffer fits `PALLAS_BACKWARD_BYTES`);
+    interpret runs those kernels on the CPU."""
     if impl not in ("xla", "pallas_gpu"):
         raise ValueError(f"dense_group_kl: impl must be 'xla' or 'pallas_gpu', got {impl!r}")
     if not targets:
@@ -337,9 +341,16 @@ def _row_losses_fwd(st: _Static, qs, latents, idx_q, idx_keys, idx_w, kv_len, kv
 
 def _row_losses_bwd(st: _Static, res, g):
     qs, latents, idx_q, idx_keys, idx_w, kv_len, kv_start, lse, lse_s = res
+    batch, n = idx_q.shape[0], st.seq_len
+    if st.impl == "pallas_gpu" and gpu.backward_bytes(batch, n, idx_q.shape[3], st.gpu_config) \
+            <= PALLAS_BACKWARD_BYTES:
+        start = jnp.zeros(idx_q.shape[:2], jnp.int32) if kv_start is None else kv_start
+        dq, dk, dw = gpu.backward(qs, latents, idx_q, idx_keys, idx_w, kv_len, start, lse[:, :, :n], lse_s[:, :n],
+                                  g, sm_scale=st.sm_scale, shares=st.shares, config=st.gpu_config,
+                                  interpret=st.interpret)
+        return (None, None, dq.astype(idx_q.dtype), dk.astype(idx_keys.dtype), dw.astype(idx_w.dtype), None, None)
     inp = _inputs(st, qs, latents, idx_q, idx_keys, idx_w, kv_len, kv_start)
     dq, dk, dw = _gradient_pass(st, inp, lse, lse_s, _pad(g.astype(jnp.float32), st.padded))
-    n = st.seq_len
     return (None, None, dq[:, :n].astype(idx_q.dtype), dk[:, :n].astype(idx_keys.dtype),
             dw[:, :n].astype(idx_w.dtype), None, None)
 

@@ -11,7 +11,14 @@ One program per (batch row b, block of `block` queries) runs both passes over it
      once, sum_t tbar s and an online LSE_s.
 The queries and latent rows are re-read per key block (from L2: a program's working set is a
 few of them); only the per-(layer, head) lse and running sums live in registers. Writes the
-row losses, lse [L, B, S, H] and LSE_s [B, S], which the XLA backward reuses.
+row losses, lse [L, B, S, H] and LSE_s [B, S].
+
+`backward` is the gradient pass (pass 3) as one kernel over the same programs: per key block
+tbar again from the saved lse, the indexer's softmax from LSE_s, ds = (softmax - tbar) g, and
+from it the queries' and head weights' gradients (accumulated in registers over the key blocks)
+and each key block's keys gradient from this query block, written to its own slot of a
+[S / block, B, S, Di] float32 buffer that is summed over query blocks after the kernel: no two
+programs write one address, so the result is the same every run.
 """
 
 from __future__ import annotations
@@ -36,11 +43,20 @@ class DenseKLGpuConfig:
     block: int = 64
     num_warps: int = 4
     num_stages: int = 1
+    backward_warps: int = 8
 
     def __post_init__(self):
         check_positive_fields(self)
         if self.block < 16 or self.block & (self.block - 1):
             raise ValueError(f"DenseKLGpuConfig.block must be a power of two >= 16, got {self.block}")
+
+
+def _dot(a, b):          # a [m, k] . b [k, n]
+    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _dot_tn(a, b):       # a [k, m]^T . b [k, n]
+    return lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
 
 
 def _dot_nt(a, b):       # a [m, k] . b [n, k]^T
@@ -58,16 +74,7 @@ def _kernel(*refs, layers, heads, index_heads, kchunks, ichunks, sm_scale, share
     q_refs, lat_refs = refs[:layers], refs[layers:2 * layers]
     iq_ref, ik_ref, iw_ref, kv_len_ref, kv_start_ref, rows_ref, lse_ref, lse_s_ref = refs[2 * layers:]
     b, i = pl.program_id(0), pl.program_id(1)
-    s0 = i * block
-    rows = s0 + lax.broadcasted_iota(jnp.int32, (block, block), 0)
-    start = kv_start_ref[b, pl.ds(s0, block)]
-    kv_len = kv_len_ref[b]
-    lo = jnp.min(start) // block
-    hi = jnp.maximum(jnp.minimum(i + 1, (kv_len + block - 1) // block), lo)
-
-    def visible(kb):
-        cols = kb * block + lax.broadcasted_iota(jnp.int32, (block, block), 1)
-        return (cols <= rows) & (cols < kv_len) & (cols >= start[:, None])
+    s0, visible, lo, hi = _tile_setup(kv_len_ref, kv_start_ref, b, i, block)
 
     def logits(j, h, kb):
         t0 = kb * block
@@ -135,6 +142,97 @@ def _kernel(*refs, layers, heads, index_heads, kchunks, ichunks, sm_scale, share
     rows_ref[b, pl.ds(s0, block)] = neg_entropy - cross + _finite(lse_s)
 
 
+def _tile_setup(kv_len_ref, kv_start_ref, b, i, block):
+    """(first query row, visible(kb) -> bool [block, block], the key blocks [lo, hi) to visit)
+    of program (b, i)."""
+    s0 = i * block
+    rows = s0 + lax.broadcasted_iota(jnp.int32, (block, block), 0)
+    start = kv_start_ref[b, pl.ds(s0, block)]
+    kv_len = kv_len_ref[b]
+    lo = jnp.min(start) // block
+    hi = jnp.maximum(jnp.minimum(i + 1, (kv_len + block - 1) // block), lo)
+
+    def visible(kb):
+        cols = kb * block + lax.broadcasted_iota(jnp.int32, (block, block), 1)
+        return (cols <= rows) & (cols < kv_len) & (cols >= start[:, None])
+
+    return s0, visible, lo, hi
+
+
+def _chunked_dot_nt(a_ref_rows, b_ref_rows, chunks):
+    """sum over column chunks of a(c0, cs) . b(c0, cs)^T; a_ref_rows(c0, cs) -> [m, cs]."""
+    out = None
+    for c0, cs in chunks:
+        part = _dot_nt(a_ref_rows(c0, cs), b_ref_rows(c0, cs))
+        out = part if out is None else out + part
+    return out
+
+
+def _backward_kernel(*refs, layers, heads, index_heads, kchunks, ichunks, sm_scale, shares, block):
+    """refs: L queries [B, Sp, H, Dk], L latent rows [B, Sp, Dk], indexer queries [B, Sp, Hi, Di],
+    keys [B, Sp, Di], weights float32 [B, Sp, Hi], kv_len int32 [B], kv_start int32 [B, Sp],
+    lse float32 [L, B, Sp, H], LSE_s float32 [B, Sp], g float32 [B, Sp]
+    -> dq float32 [B, Sp, Hi, Di], dw float32 [B, Sp, Hi], dk partial float32 [n, B, Sp, Di]."""
+    q_refs, lat_refs = refs[:layers], refs[layers:2 * layers]
+    (iq_ref, ik_ref, iw_ref, kv_len_ref, kv_start_ref, lse_ref, lse_s_ref, g_ref,
+     dq_ref, dw_ref, dk_ref) = refs[2 * layers:]
+    b, i = pl.program_id(0), pl.program_id(1)
+    n = pl.num_programs(1)
+    s0, visible, lo, hi = _tile_setup(kv_len_ref, kv_start_ref, b, i, block)
+    lse = [_finite(lse_ref[j, b, pl.ds(s0, block), h]) for j in range(layers) for h in range(heads)]
+    lse_s = _finite(lse_s_ref[b, pl.ds(s0, block)])
+    g = g_ref[b, pl.ds(s0, block)]
+    w = [iw_ref[b, pl.ds(s0, block), h] for h in range(index_heads)]
+    di = sum(cs for _, cs in ichunks)
+
+    def index_logits(h, t0):
+        return _chunked_dot_nt(lambda c0, cs: iq_ref[b, pl.ds(s0, block), h, pl.ds(c0, cs)],
+                               lambda c0, cs: ik_ref[b, pl.ds(t0, block), pl.ds(c0, cs)], ichunks)
+
+    def body(kb, carry):
+        dqs, dws = carry
+        t0 = kb * block
+        vis = visible(kb)
+        tbar = jnp.zeros((block, block), jnp.float32)
+        for j in range(layers):
+            t = jnp.zeros((block, block), jnp.float32)
+            for h in range(heads):
+                logits = _chunked_dot_nt(lambda c0, cs: q_refs[j][b, pl.ds(s0, block), h, pl.ds(c0, cs)],
+                                         lambda c0, cs: lat_refs[j][b, pl.ds(t0, block), pl.ds(c0, cs)], kchunks)
+                t += jnp.exp(logits * sm_scale - lse[j * heads + h][:, None])
+            tbar += (shares[j] / heads) * jnp.where(vis, t, 0.0)
+        s = jnp.zeros((block, block), jnp.float32)
+        for h in range(index_heads):
+            s += w[h][:, None] * jnp.maximum(index_logits(h, t0), 0.0)
+        softmax = jnp.where(vis, jnp.exp(s - lse_s[:, None]), 0.0)
+        ds = (softmax - tbar) * g[:, None]                                     # [block(q), block(k)]
+        keys = ik_ref[b, pl.ds(t0, block), :]
+        dk = jnp.zeros((block, di), jnp.float32)
+        new_dqs, new_dws = [], []
+        for h in range(index_heads):
+            a = index_logits(h, t0)
+            new_dws.append(dws[h] + jnp.sum(ds * jnp.maximum(a, 0.0), axis=1))
+            da = jnp.where(a > 0, ds * w[h][:, None], 0.0).astype(keys.dtype)
+            new_dqs.append(dqs[h] + _dot(da, keys))
+            dk += _dot_tn(da, iq_ref[b, pl.ds(s0, block), h, :])
+        dk_ref[i, b, pl.ds(t0, block), :] = dk
+        return tuple(new_dqs), tuple(new_dws)
+
+    init = (tuple(jnp.zeros((block, di), jnp.float32) for _ in range(index_heads)),
+            tuple(jnp.zeros((block,), jnp.float32) for _ in range(index_heads)))
+    dqs, dws = lax.fori_loop(lo, hi, body, init)
+    for h in range(index_heads):
+        dq_ref[b, pl.ds(s0, block), h, :] = dqs[h]
+        dw_ref[b, pl.ds(s0, block), h] = dws[h]
+
+    def zero(kb, _):                 # key blocks this query block does not reach
+        dk_ref[i, b, pl.ds(kb * block, block), :] = jnp.zeros((block, di), jnp.float32)
+        return 0
+
+    lax.fori_loop(0, lo, zero, 0)
+    lax.fori_loop(hi, n, zero, 0)
+
+
 def _pad(x, axis: int, size: int):
     extra = size - x.shape[axis]
     if extra <= 0:
@@ -149,32 +247,71 @@ def _width(n: int) -> int:
     return -(-n // 16) * 16
 
 
-def forward(qs, latents, idx_q, idx_keys, idx_w, kv_len, kv_start, *, sm_scale: float, shares: tuple,
-            config: DenseKLGpuConfig = DenseKLGpuConfig(), interpret: bool = False):
-    """qs: L x [B, S, H, Dk] absorbed queries, latents: L x [B, S, Dk], idx_q [B, S, Hi, Di],
-    idx_keys [B, S, Di], idx_w float32 [B, S, Hi], kv_len int32 [B] (<= S), kv_start int32
-    [B, S] -> (row losses float32 [B, S], lse float32 [L, B, S, H], LSE_s float32 [B, S]), the
-    quantities of `glm_jax.layers.dense_kl`'s passes 1 and 2."""
-    batch, seq_len, heads, dk = qs[0].shape
-    index_heads, di = idx_q.shape[2:]
-    block = config.block
+def _prepare(qs, latents, idx_q, idx_keys, idx_w, kv_start, block: int):
+    """The operands padded for the kernels: rows to a multiple of block, feature widths to a
+    multiple of 16 (zeros change no dot)."""
+    seq_len, dk = qs[0].shape[1], qs[0].shape[3]
     sp = -(-seq_len // block) * block
-    dkp, dip = _width(dk), _width(di)
+    dkp, dip = _width(dk), _width(idx_q.shape[3])
     qs = [_pad(_pad(q, 3, dkp), 1, sp) for q in qs]
     latents = [_pad(_pad(c.astype(q.dtype), 2, dkp), 1, sp) for c, q in zip(latents, qs)]
     idx_q = _pad(_pad(idx_q, 3, dip), 1, sp)
     idx_keys = _pad(_pad(idx_keys.astype(idx_q.dtype), 2, dip), 1, sp)
     idx_w = _pad(idx_w.astype(jnp.float32), 1, sp)
     kv_start = _pad(kv_start.astype(jnp.int32), 1, sp)
-    layers = len(qs)
-    kernel = functools.partial(_kernel, layers=layers, heads=heads, index_heads=index_heads,
-                               kchunks=tuple(pow2_chunks(0, dkp)), ichunks=tuple(pow2_chunks(0, dip)),
-                               sm_scale=float(sm_scale), shares=tuple(float(s) for s in shares), block=block)
+    statics = dict(layers=len(qs), heads=qs[0].shape[2], index_heads=idx_q.shape[2],
+                   kchunks=tuple(pow2_chunks(0, dkp)), ichunks=tuple(pow2_chunks(0, dip)), block=block)
+    return (qs, latents, idx_q, idx_keys, idx_w, kv_start), sp, statics
+
+
+def forward(qs, latents, idx_q, idx_keys, idx_w, kv_len, kv_start, *, sm_scale: float, shares: tuple,
+            config: DenseKLGpuConfig = DenseKLGpuConfig(), interpret: bool = False):
+    """qs: L x [B, S, H, Dk] absorbed queries, latents: L x [B, S, Dk], idx_q [B, S, Hi, Di],
+    idx_keys [B, S, Di], idx_w float32 [B, S, Hi], kv_len int32 [B] (<= S), kv_start int32
+    [B, S] -> (row losses float32 [B, S], lse float32 [L, B, S, H], LSE_s float32 [B, S]), the
+    quantities of `glm_jax.layers.dense_kl`'s passes 1 and 2."""
+    batch, seq_len, heads = qs[0].shape[:3]
+    (qs, latents, idx_q, idx_keys, idx_w, kv_start), sp, statics = _prepare(
+        qs, latents, idx_q, idx_keys, idx_w, kv_start, config.block)
+    kernel = functools.partial(_kernel, sm_scale=float(sm_scale), shares=tuple(float(s) for s in shares), **statics)
     vec = jax.ShapeDtypeStruct((batch, sp), jnp.float32)
     rows, lse, lse_s = pl.pallas_call(
-        kernel, grid=(batch, sp // block),
-        out_shape=[vec, jax.ShapeDtypeStruct((layers, batch, sp, heads), jnp.float32), vec],
+        kernel, grid=(batch, sp // config.block),
+        out_shape=[vec, jax.ShapeDtypeStruct((len(qs), batch, sp, heads), jnp.float32), vec],
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret, name="dense_kl_fwd",
     )(*qs, *latents, idx_q, idx_keys, idx_w, kv_len.astype(jnp.int32), kv_start)
     return rows[:, :seq_len], lse[:, :, :seq_len], lse_s[:, :seq_len]
+
+
+def backward_bytes(batch: int, seq_len: int, index_dim: int, config: DenseKLGpuConfig = DenseKLGpuConfig()) -> int:
+    """Bytes of the backward's per-query-block keys-gradient buffer [S / block, B, S, Di] float32."""
+    sp = -(-seq_len // config.block) * config.block
+    return (sp // config.block) * batch * sp * _width(index_dim) * 4
+
+
+def backward(qs, latents, idx_q, idx_keys, idx_w, kv_len, kv_start, lse, lse_s, g, *, sm_scale: float,
+             shares: tuple, config: DenseKLGpuConfig = DenseKLGpuConfig(), interpret: bool = False):
+    """The gradients of sum(g * row losses) (`forward`'s operands; lse float32 [L, B, S, H] and
+    LSE_s float32 [B, S] from `forward`, g float32 [B, S]) -> float32 (dq [B, S, Hi, Di],
+    dk [B, S, Di], dw [B, S, Hi]) into the indexer's queries, keys and head weights."""
+    batch, seq_len = idx_q.shape[:2]
+    index_heads, di = idx_q.shape[2:]
+    (qs, latents, idx_q, idx_keys, idx_w, kv_start), sp, statics = _prepare(
+        qs, latents, idx_q, idx_keys, idx_w, kv_start, config.block)
+    dip = idx_q.shape[3]
+    lse = _pad(lse.astype(jnp.float32), 2, sp)
+    lse_s, g = _pad(lse_s.astype(jnp.float32), 1, sp), _pad(g.astype(jnp.float32), 1, sp)
+    n = sp // config.block
+    kernel = functools.partial(_backward_kernel, sm_scale=float(sm_scale), shares=tuple(float(s) for s in shares),
+                               **statics)
+    dq, dw, dk_part = pl.pallas_call(
+        kernel, grid=(batch, n),
+        out_shape=[jax.ShapeDtypeStruct((batch, sp, index_heads, dip), jnp.float32),
+                   jax.ShapeDtypeStruct((batch, sp, index_heads), jnp.float32),
+                   jax.ShapeDtypeStruct((n, batch, sp, dip), jnp.float32)],
+        compiler_params=plgpu.CompilerParams(num_warps=config.backward_warps, num_stages=config.num_stages),
+        interpret=interpret, name="dense_kl_bwd",
+    )(*qs, *latents, idx_q, idx_keys, idx_w, kv_len.astype(jnp.int32), kv_start, lse, lse_s, g)
+    dk = jnp.sum(dk_part, axis=0)
+    return dq[:, :seq_len, :, :di], dk[:, :seq_len, :di], dw[:, :seq_len]
