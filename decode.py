@@ -416,4 +416,4 @@ def _print_stats(gen, completions, elapsed) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.exit_with(main())

@@ -87,8 +87,12 @@ def main(argv=None) -> int:
     with multihost.stdout_of_main_process_only():
         with cli.user_errors():
             state = run.setup(args)
-        return run.train(state)
+        try:
+            return run.train(state)
+        except run.SaveFailedError as e:      # the disk, not the flags: exit code 1
+            print(f"error: {e}", file=sys.stderr)
+            return 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.exit_with(main())

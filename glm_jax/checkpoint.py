@@ -1,4 +1,5 @@
-"""Model directories: config.yaml + tokenizer.json + params/ (an orbax checkpoint of the weights).
+"""Model directories: config.yaml + tokenizer.json + params/ (an orbax checkpoint of the weights)
++ params.files.json (params/'s files and their sizes, checked before a restore reads them).
 
 `save_model_dir` writes one, `load_model_dir` rebuilds the model from it. A directory made by
 train.py also holds checkpoints/ (the training state, see glm_jax.training.checkpointing);
@@ -17,7 +18,9 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from glm_jax.checkpoint_damage import damage_summary, let_failed_reads_finish
+from glm_jax import faults
+from glm_jax.checkpoint_damage import (MANIFEST_NAME, DamagedFilesError, check_file_manifest, damage_summary,
+                                      silence_orbax_leftovers, write_file_manifest)
 from glm_jax.config import GLMConfig, load_config, save_config
 from glm_jax.convert import load_hf_checkpoint
 from glm_jax.model import GLMModel
@@ -48,7 +51,8 @@ def check_same_config(checkpoint_cfg: GLMConfig, requested: GLMConfig, where: st
 
 def save_model_dir(directory: str | Path, model: GLMModel, *, dtype: str | None = None,
                    tokenizer_file: str | Path | None = None) -> Path:
-    """Write config.yaml, params/ (cast to `dtype` if given) and a copy of tokenizer.json.
+    """Write config.yaml, params/ (cast to `dtype` if given), params.files.json and a copy of
+    tokenizer.json.
 
     With several processes every one calls it (each writes its shards of the params); process 0
     writes the other files."""
@@ -59,6 +63,7 @@ def save_model_dir(directory: str | Path, model: GLMModel, *, dtype: str | None 
     if is_main_process():
         directory.mkdir(parents=True, exist_ok=True)
         save_config(model.cfg, directory / "config.yaml")
+        (directory / MANIFEST_NAME).unlink(missing_ok=True)      # describes the params/ replaced here
         if (directory / "params").exists():
             shutil.rmtree(directory / "params")
         if tokenizer_file is not None and Path(tokenizer_file).resolve() != (directory / "tokenizer.json").resolve():
@@ -66,6 +71,10 @@ def save_model_dir(directory: str | Path, model: GLMModel, *, dtype: str | None 
     barrier("params/ removed")
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(directory / "params", params)
+        faults.reached("export")                # the files being written (asynchronously)
+    barrier("params/ written")
+    if is_main_process():
+        write_file_manifest(directory / "params")
     return directory
 
 
@@ -108,6 +117,11 @@ def load_model_dir(directory: str | Path, *, config: GLMConfig | None = None, dt
     cfg = load_config(directory / "config.yaml")
     if config is not None:
         check_same_config(cfg, config, str(directory))
+    try:
+        check_file_manifest(directory / "params")
+    except DamagedFilesError as e:
+        raise CheckpointDamagedError(f"{directory}/params is damaged: {e}; copy the model directory again "
+                                     "(or re-export it from its training run)") from e
     if dtype is not None:
         cfg = cfg.replace(dtype=dtype)
     abstract = nnx.eval_shape(lambda: GLMModel(cfg, rngs=nnx.Rngs(0)))
@@ -126,7 +140,7 @@ def load_model_dir(directory: str | Path, *, config: GLMConfig | None = None, dt
         try:
             restored = ckptr.restore(directory / "params", target)
         except Exception as e:  # noqa: BLE001
-            let_failed_reads_finish()
+            silence_orbax_leftovers()
             raise CheckpointDamagedError(f"{directory}/params is damaged: {damage_summary(e)}; copy the model "
                                          "directory again (or re-export it from its training run)") from e
     restored = jax.tree.map(lambda x, t: jnp.asarray(x, t.dtype), restored, target)

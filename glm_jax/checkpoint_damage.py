@@ -1,24 +1,101 @@
-"""Saying in one line what is wrong with a checkpoint that orbax cannot restore.
+"""Damaged checkpoints reported in one line, however slow the machine.
 
-orbax and tensorstore report a damaged file with pages of internal detail (and, from the reads
-still in flight, tracebacks printed after the restore has failed); `damage_summary` names the
-array and the cause, `let_failed_reads_finish` keeps the late tracebacks off the terminal.
+Two layers:
+* `write_file_manifest` records, when a model directory's params/ is written, every file's
+  size; `check_file_manifest` compares them before anything reads the checkpoint, so a truncated
+  or missing file is named before orbax starts a read (no read, no late traceback).
+* Where a restore (or a save) fails anyway (a directory written without a manifest, a file
+  damaged in place, a training checkpoint, a full disk), the reads and writes orbax still has in
+  flight fail later on tensorstore's threads and each prints a traceback ("Exception ignored in:
+  <coroutine object _read_array_index_and_device_put ...>") when its coroutine is collected,
+  possibly at interpreter exit. `silence_orbax_leftovers` drops exactly those reports (Python's
+  unraisable hook), and `orbax_leftovers_seen` tells a front end to end the process without the
+  interpreter's final collection (`glm_jax.cli.exit_with`).
+`damage_summary` names the array and the cause of an orbax/tensorstore restore error.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
+import json
 import re
-import time
+import sys
+from pathlib import Path
+
+#: The file beside params/ that lists params/'s files and their sizes.
+MANIFEST_NAME = "params.files.json"
 
 
-def let_failed_reads_finish(seconds: float = 1.0) -> None:
-    """After a failed restore, the reads still in flight finish on tensorstore's threads and
-    report to an event loop that orbax has closed, each printing a traceback; wait for them with
-    Python's stderr muted, so that the one-line error is all the user sees."""
-    with open(os.devnull, "w") as sink, contextlib.redirect_stderr(sink):
-        time.sleep(seconds)
+class DamagedFilesError(ValueError):
+    """Files of a checkpoint are missing or differ in size from when it was written."""
+
+
+# ---------------------------------------------------------------------- file manifest
+def write_file_manifest(params_dir: str | Path) -> Path:
+    """Record every file under params_dir (relative path -> bytes) in MANIFEST_NAME beside it."""
+    params_dir = Path(params_dir)
+    files = {str(p.relative_to(params_dir)): p.stat().st_size for p in sorted(params_dir.rglob("*")) if p.is_file()}
+    path = params_dir.parent / MANIFEST_NAME
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"format": 1, "directory": params_dir.name, "files": files}, indent=0))
+    tmp.replace(path)
+    return path
+
+
+def check_file_manifest(params_dir: str | Path) -> bool:
+    """Compare params_dir's files with the manifest beside it -> whether there was one to check.
+
+    Raises DamagedFilesError naming the missing and resized files (all of them, shortest
+    message first)."""
+    params_dir = Path(params_dir)
+    path = params_dir.parent / MANIFEST_NAME
+    if not path.exists():
+        return False
+    try:
+        files = json.loads(path.read_text())["files"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise DamagedFilesError(f"{path} cannot be read ({e}); copy the model directory again") from e
+    problems = []
+    for name, size in files.items():
+        f = params_dir / name
+        if not f.is_file():
+            problems.append(f"{name} is missing")
+        elif f.stat().st_size != size:
+            have = f.stat().st_size
+            what = "truncated" if have < size else "longer than written"
+            problems.append(f"{name} is {what}: {have:,} bytes, {size:,} when written")
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise DamagedFilesError(f"{len(problems)} of its {len(files)} files differ from when it was written: "
+                                + "; ".join(problems[:3]) + more)
+    return True
+
+
+# ---------------------------------------------------------------------- failed restores
+_orphaned = {"seen": False, "previous_hook": None}
+
+
+def _is_orphaned_read(unraisable) -> bool:
+    """An orbax coroutine that failed after its restore or save had already given up."""
+    code = getattr(unraisable.object, "cr_code", None)
+    return code is not None and "orbax" in code.co_filename
+
+
+def _drop_orphaned_reads(unraisable) -> None:
+    if not _is_orphaned_read(unraisable):
+        (_orphaned["previous_hook"] or sys.__unraisablehook__)(unraisable)
+
+
+def silence_orbax_leftovers() -> None:
+    """Call after a restore or save failed: from now on the late failures of orbax's coroutines are
+    not printed (other unraisable exceptions still are), and `orbax_leftovers_seen()` is True."""
+    _orphaned["seen"] = True
+    if sys.unraisablehook is not _drop_orphaned_reads:
+        _orphaned["previous_hook"] = sys.unraisablehook
+        sys.unraisablehook = _drop_orphaned_reads
+
+
+def orbax_leftovers_seen() -> bool:
+    return _orphaned["seen"]
 
 
 def damage_summary(error: BaseException) -> str:

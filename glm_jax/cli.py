@@ -66,6 +66,22 @@ def reports_user_errors(main):
     return wrapped
 
 
+def exit_with(code: int) -> None:
+    """End a front end's process with exit code `code` (its `if __name__ == "__main__":`).
+
+    After a failed checkpoint restore, orbax's reads still in flight may report their failure
+    when the interpreter collects them at exit, after the one-line error
+    (`glm_jax.checkpoint_damage`): a failing run that saw such reads ends here, its output
+    flushed, without that final collection."""
+    from glm_jax.checkpoint_damage import orbax_leftovers_seen
+
+    if code and orbax_leftovers_seen():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 # ---------------------------------------------------------------------- the model
 class _DeprecatedAlias(argparse.Action):
     """An old spelling of a flag: stores the value under the new flag's name and prints a

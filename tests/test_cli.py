@@ -247,6 +247,14 @@ def test_damaged_model_directory_is_one_line_and_exit_2(trained_run, tmp_path, c
     data = max((f for f in (copy / "params").rglob("*") if f.is_file() and f.parent.name == "d"),
                key=lambda f: f.stat().st_size)
     data.write_bytes(data.read_bytes()[:100])               # truncated
+    # the file list written with params/ names the file before any read ...
+    assert decode.main(["--checkpoint", str(copy), "--prompt", "x", "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {copy}/params is damaged: 1 of its ")
+    assert f"{data.relative_to(copy / 'params')} is truncated: 100 bytes" in err[0]
+    assert "copy the model directory again" in err[0]
+    # ... and without it the failed restore names the array
+    (copy / "params.files.json").unlink()
     assert decode.main(["--checkpoint", str(copy), "--prompt", "x", "--max-new-tokens", "2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"error: {copy}/params is damaged: array '")

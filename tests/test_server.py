@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.client
 import json
 import re
 import signal
@@ -33,7 +34,7 @@ from glm_jax.model import GLMModel
 from glm_jax.ops import KernelChoice
 from glm_jax.serving.app import make_app
 from glm_jax.serving.launch import build_engine
-from glm_jax.serving.protocol import APIError, parse_completion
+from glm_jax.serving.protocol import APIError, max_body_bytes, parse_completion
 from glm_jax.serving.text import Detokenizer, TextStream
 
 TOKENIZER_FILE = ROOT / "checkpoints" / "default" / "tokenizer.json"
@@ -56,6 +57,21 @@ def running(app):
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+def connection(url: str) -> http.client.HTTPConnection:
+    """A plain HTTP/1.1 connection to the server at `url`, for requests httpx will not send (a
+    body shorter than its Content-Length, or none)."""
+    address = httpx.URL(url)
+    return http.client.HTTPConnection(address.host, address.port, timeout=10)
+
+
+def send_head(conn: http.client.HTTPConnection, content_length: int, body: bytes = b"") -> None:
+    """A POST /v1/completions whose headers announce `content_length` bytes, with `body` only."""
+    conn.putrequest("POST", "/v1/completions")
+    conn.putheader("Content-Type", "application/json")
+    conn.putheader("Content-Length", str(content_length))
+    conn.endheaders(body)
 
 
 def sse_chunks(response: httpx.Response) -> list:
@@ -210,6 +226,50 @@ def test_fake_errors_are_openai_json(fake):
     assert missing.status_code == 404 and missing.json()["error"]["message"] == "Not Found"
     assert httpx.get(f"{url}/v1/models").json()["data"][0]["id"] == "micro"
     assert httpx.get(f"{url}/health").json() == {"status": "ok", "in_flight": 0}
+
+
+class CountingTokenizer:
+    """The tokenizer, counting the texts it encodes."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.encoded = tokenizer, 0
+
+    def encode(self, text):
+        self.encoded += 1
+        return self.tokenizer.encode(text)
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+
+def padded_body(size: int) -> bytes:
+    """A valid completion request of exactly `size` bytes (its JSON, then spaces)."""
+    body = json.dumps({"prompt": "hi", "max_tokens": 2}).encode()
+    return body + b" " * (size - len(body))
+
+
+def test_a_body_past_the_limit_gets_413_and_is_never_tokenized():
+    tokenizer, engine = CountingTokenizer(TOKENIZER), FakeEngine([5])
+    limit = max_body_bytes(64)
+    with running(make_app(engine, tokenizer, model_name="micro", max_context=64)) as url:
+        at_limit = httpx.post(f"{url}/v1/completions", content=padded_body(limit), timeout=10)
+        assert at_limit.status_code == 200 and tokenizer.encoded == 1
+        over = padded_body(limit + 1)
+        chunked = (over[i:i + 1000] for i in range(0, len(over), 1000))     # a generator: no Content-Length
+        for content in over, chunked:
+            refused = httpx.post(f"{url}/v1/completions", content=content, timeout=10)
+            assert refused.status_code == 413
+            assert refused.json()["error"] == {
+                "message": f"the request body is longer than this server's limit of {limit} bytes (room for a "
+                           "prompt of its whole 64-token context); shorten the prompt",
+                "type": "invalid_request_error", "param": None, "code": "request_too_large"}
+        conn = connection(url)
+        send_head(conn, 10_000_000)                    # 10 MB announced, none sent: refused at once
+        announced = conn.getresponse()
+        assert announced.status == 413 and f"limit of {limit} bytes" in json.loads(announced.read())["error"]["message"]
+        conn.close()
+        assert tokenizer.encoded == 1 and len(engine.requests) == 1
+        assert httpx.get(f"{url}/health").json() == {"status": "ok", "in_flight": 0}
 
 
 @pytest.mark.parametrize("stream", [False, True])

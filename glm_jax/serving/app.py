@@ -6,9 +6,15 @@ GET /health, over an `EngineLoop`.
 
 Errors are OpenAI's `{"error": {"message", "type", "param", "code"}}`: a bad request 400 (an
 error the engine reports for one request too, while the others go on), another model 404, a
-server that drains or whose engine failed 503. A client that disconnects has its request
-cancelled in the engine. A stream waits for the request's first engine event before it sends
-the headers, so a request the engine refuses still gets a 400.
+body too long 413, a server that drains or whose engine failed 503. A client that disconnects
+has its request cancelled in the engine. A stream waits for the request's first engine event
+before it sends the headers, so a request the engine refuses still gets a 400.
+
+A request body may be `max_body_bytes(max_context)` bytes long: 32 per token of the context
+plus 16 KiB for the other fields (a 1024-token context takes 48 KiB). A longer one gets 413,
+its message giving the limit in bytes; it is refused by its Content-Length before any of it is
+read, or, sent without one (chunked), as soon as the bytes read pass the limit. Nothing of it
+is tokenized.
 """
 
 from __future__ import annotations
@@ -21,13 +27,15 @@ import uuid
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from glm_jax.decoding.engine import Request
 from glm_jax.serving.engine_loop import EngineFailure, EngineLoop, Ticket
-from glm_jax.serving.protocol import APIError, CompletionRequest, completion_body, parse_completion, usage
+from glm_jax.serving.protocol import (APIError, CompletionRequest, body_too_large, completion_body, max_body_bytes,
+                                     parse_completion, usage)
 from glm_jax.serving.text import TextStream
 
 
@@ -37,6 +45,7 @@ def make_app(engine, tokenizer, *, model_name: str, max_context: int, stop_token
     stop_token: the end-of-text token id that ends a completion (finish_reason "stop")."""
     engine_loop = EngineLoop(engine)
     created = int(time.time())
+    body_limit = max_body_bytes(max_context)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -46,7 +55,7 @@ def make_app(engine, tokenizer, *, model_name: str, max_context: int, stop_token
         await asyncio.to_thread(engine_loop.close)
 
     async def completions(http: HTTPRequest):
-        body = await http.body()
+        body = await _body_within(http, body_limit, max_context)
         if not engine_loop.accepting:      # checked after the last await before the submission
             raise APIError(503, "the server is shutting down and takes no new requests", type="server_error",
                            code="shutting_down")
@@ -60,8 +69,6 @@ def make_app(engine, tokenizer, *, model_name: str, max_context: int, stop_token
                 first = await completion.next_chunk()      # before the headers: an error is still a 400
             response = _TicketStream(completion.stream(first), completion.close)
             return response
-        except _ClientGone:
-            return Response(status_code=499)              # nobody reads it: the client closed the request
         finally:
             if response is None:
                 completion.close()
@@ -81,7 +88,8 @@ def make_app(engine, tokenizer, *, model_name: str, max_context: int, stop_token
                             Route("/v1/models", models, methods=["GET"]),
                             Route("/health", health, methods=["GET"])],
                     exception_handlers={APIError: _api_error, HTTPException: _http_error,
-                                        EngineFailure: _engine_failure, Exception: _internal_error},
+                                        EngineFailure: _engine_failure, ClientDisconnect: _client_gone,
+                                        Exception: _internal_error},
                     lifespan=lifespan)
     app.state.engine_loop = engine_loop
     return app
@@ -162,14 +170,27 @@ class _TicketStream(StreamingResponse):
             self.on_close()
 
 
-class _ClientGone(Exception):
-    """The client disconnected before its response was sent."""
+async def _body_within(http: HTTPRequest, limit: int, max_context: int) -> bytes:
+    """The request body, or 413 as soon as it is known to be longer than `limit` bytes: from its
+    Content-Length before a byte is read, else once the bytes read pass the limit. A client that
+    disconnects meanwhile raises ClientDisconnect."""
+    declared = http.headers.get("content-length", "")
+    if declared.isdecimal() and int(declared) > limit:
+        raise body_too_large(limit, max_context)
+    chunks, size = [], 0
+    async with contextlib.aclosing(http.stream()) as stream:
+        async for chunk in stream:
+            size += len(chunk)
+            if size > limit:
+                raise body_too_large(limit, max_context)
+            chunks.append(chunk)
+    return b"".join(chunks)
 
 
 @contextlib.asynccontextmanager
 async def _client_gone_cancels(http: HTTPRequest):
-    """Within: the client disconnecting cancels the work, which ends in _ClientGone. The request
-    body must have been read before."""
+    """Within: the client disconnecting cancels the work, which ends in ClientDisconnect. The
+    request body must have been read before."""
     task = asyncio.current_task()
     gone = False
 
@@ -185,7 +206,7 @@ async def _client_gone_cancels(http: HTTPRequest):
         yield
     except asyncio.CancelledError:
         if gone and task.uncancel() == 0:
-            raise _ClientGone() from None
+            raise ClientDisconnect() from None
         raise
     finally:
         watcher.cancel()
@@ -207,6 +228,10 @@ async def _api_error(_, e: APIError):
 
 async def _engine_failure(_, e: EngineFailure):
     return await _api_error(_, _error_of(e))
+
+
+async def _client_gone(_, e: ClientDisconnect):
+    return Response(status_code=499)          # nobody reads it: the client closed the request
 
 
 async def _http_error(_, e: HTTPException):

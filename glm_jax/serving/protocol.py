@@ -13,6 +13,8 @@ Supported request fields (anything else is refused with 400, naming the field):
     stream       bool; stream_options {"include_usage": bool}
     n, best_of   1 only;  echo false only;  logprobs, suffix null only;
     presence_penalty, frequency_penalty 0 only;  logit_bias empty only;  user (ignored)
+
+A body longer than `max_body_bytes(max_context)` is refused with 413 (the app reads no further).
 """
 
 from __future__ import annotations
@@ -29,6 +31,16 @@ from glm_jax.decoding.sampling import SamplingError, SamplingParams
 DEFAULT_MAX_TOKENS = 16
 MAX_STOP_STRINGS = 4
 SEED_LIMIT = 2 ** 32
+
+#: Bytes of request body allowed per token of the server's context: 8 times the 4 bytes of text
+#: a token holds on average. JSON's \uXXXX escapes (Python's json.dumps writes them by default)
+#: take 6 bytes per non-ASCII character, 12 to 18 for a token of 2 or 3 CJK characters; a token
+#: id takes at most 8 ("151329, "). So a prompt that fits the context fits the body, unless most
+#: of its tokens are longer than 32 bytes (runs of dozens of spaces).
+BODY_BYTES_PER_TOKEN = 32
+#: Bytes of request body allowed besides the prompt: the sampling fields, up to 4 stop strings
+#: and `user`, with room to spare.
+BODY_BYTES_BESIDES_PROMPT = 16 * 1024
 
 #: Fields of the OpenAI API this server does not implement, with the one value it accepts.
 _ONLY_DEFAULT = {"n": 1, "best_of": 1, "echo": False, "logprobs": None, "suffix": None,
@@ -58,6 +70,17 @@ class CompletionRequest:
     stop: tuple[str, ...] = ()
     stream: bool = False
     include_usage: bool = False         # stream: a last chunk with the usage
+
+
+def max_body_bytes(max_context: int) -> int:
+    """The longest request body a server whose context is `max_context` tokens reads, in bytes."""
+    return max_context * BODY_BYTES_PER_TOKEN + BODY_BYTES_BESIDES_PROMPT
+
+
+def body_too_large(limit: int, max_context: int) -> APIError:
+    return APIError(413, f"the request body is longer than this server's limit of {limit} bytes (room for a "
+                         f"prompt of its whole {max_context}-token context); shorten the prompt",
+                    code="request_too_large")
 
 
 def parse_completion(body: bytes, tokenizer, *, model_name: str, max_context: int) -> CompletionRequest:

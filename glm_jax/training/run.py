@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import resource
 import shutil
 import signal
@@ -31,15 +32,16 @@ from flax import nnx
 from jax.sharding import Mesh
 from tqdm import tqdm
 
-from glm_jax import cli, costs, multihost, ops, sharding
+from glm_jax import cli, costs, faults, multihost, ops, sharding
 from glm_jax.checkpoint import check_same_config, load_model, save_model_dir
+from glm_jax.checkpoint_damage import silence_orbax_leftovers
 from glm_jax.config import ConfigError, GLMConfig, load_config, save_config
 from glm_jax.data import batches as data_batches
 from glm_jax.data import corpus, pipeline, sources, tokenizer as tok_lib
 from glm_jax.info import params_by_part
 from glm_jax.layers.segments import count_segments, segment_bound
 from glm_jax.model import GLMModel, abstract_model, count_params
-from glm_jax.training import checkpointing
+from glm_jax.training import background_output, checkpointing
 from glm_jax.training.step import LossWeights, attention_form, eval_step, make_optimizer, train_step
 
 DEFAULT_CONFIG = "configs/tiny.yaml"
@@ -224,7 +226,7 @@ def _batch_placement(mesh: Mesh | None, shape: tuple[int, int]) -> _BatchPlaceme
 def train(run: Run) -> int:
     """Steps run.start + 1 .. --steps (or --stop-after of them, or until SIGTERM on some process:
     then a checkpoint and exit), evaluating, logging and saving on the way; then the export."""
-    with StopSignals() as stop_requested:
+    with StopSignals() as stop_requested, background_output.routed_to(run.out / "background.log"):
         return _loop(run, stop_requested)
 
 
@@ -241,6 +243,7 @@ def _loop(run: Run, stop_requested: "StopSignals") -> int:
             run.feed.from_rows(batch.targets), run.feed.from_rows(batch.segment_ids), tx=run.tx, stage=stage,
             weights=run.weights, kernels=run.kernels, remat=args.remat, form=run.form,
             max_segments=segment_bounds.for_step(batch.segment_ids, stage, run.form))
+        faults.reached("step", step)
         record = log.step(step, stage, lambda: host_learning_rate(run.schedule, step - 1), terms, batch,
                           full=step % args.log_every == 0 or step == args.steps or step == run.start + 1)
         if step % args.eval_every == 0 or step == args.steps:
@@ -252,7 +255,7 @@ def _loop(run: Run, stop_requested: "StopSignals") -> int:
         if step % args.save_every == 0 or step == args.steps or stop:
             save_checkpoint(run, step)
         if stop:
-            run.mngr.wait_until_finished()
+            finish_saves(run)
             log.close()
             print(f"stopped: saved step {step}; continue with --resume", flush=True)
             return 0
@@ -327,21 +330,108 @@ def evaluate(run: Run, stage: str) -> float:
                           for x, y in run.heldout]))
 
 
+class SaveFailedError(RuntimeError):
+    """A checkpoint or the final weights could not be written (a full disk, a lost mount)."""
+
+
 def save_checkpoint(run: Run, step: int) -> None:
-    """Params, optimizer state and every process's data position at `step` (async; all processes)."""
+    """Params, optimizer state and every process's data position at `step` (async; all processes).
+    A failure of this save or of the previous one raises SaveFailedError."""
     data = pipeline.merge_states(multihost.allgather_json(run.batches.state()))   # every process's shards
-    checkpointing.save(run.mngr, step, {"params": run.params, "opt_state": run.opt_state},
-                       {"step": step, "data": data, "config": run.cfg.to_dict()})
+    faults.reached("save", step)
+    with _save_failures(f"checkpoint {step}", run):
+        checkpointing.save(run.mngr, step, {"params": run.params, "opt_state": run.opt_state},
+                           {"step": step, "data": data, "config": run.cfg.to_dict()})
+    faults.reached("saving", step)
+
+
+def finish_saves(run: Run) -> None:
+    """Wait for the asynchronous checkpoint writes; SaveFailedError if one failed."""
+    with _save_failures("the last checkpoint", run):
+        run.mngr.wait_until_finished()
+
+
+class _save_failures:
+    """Within: an exception from orbax's writer becomes SaveFailedError saying what was being
+    saved, the cause in one line, and which complete checkpoint a --resume would continue from."""
+
+    def __init__(self, what: str, run: Run):
+        self.what, self.run = what, run
+
+    def __enter__(self):
+        self.logs = background_output.library_logs_too()
+        self.logs.__enter__()
+        return self
+
+    def __exit__(self, kind, error, _tb):
+        self.logs.__exit__(kind, error, _tb)
+        if error is None or not isinstance(error, Exception):
+            return False
+        silence_orbax_leftovers()
+        cause = _first_os_error(error)
+        kept = _complete_checkpoints(self.run)
+        raise SaveFailedError(
+            f"saving {self.what} to {self.run.out} failed: {cause} (details: background.log); "
+            + (f"the complete checkpoint of step {kept[-1]} is kept (continue from it with --resume once "
+               "the disk has room)" if kept else "no complete checkpoint is kept yet")) from error
+
+
+def _first_os_error(error: BaseException) -> str:
+    """The operating system's reason in the exception's chain ('File too large', 'No space left
+    on device': an OSError's, or the code in tensorstore's message), else the error's first line."""
+    seen = error
+    for _ in range(16):
+        if seen is None:
+            break
+        if isinstance(seen, OSError) and seen.strerror:
+            return seen.strerror
+        code = re.search(r"os_error_code='(\d+)'", str(seen))
+        if code:
+            return os.strerror(int(code.group(1)))
+        seen = seen.__cause__ or seen.__context__
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0][:200] if text else ''}"
+
+
+def _complete_checkpoints(run: Run) -> list[int]:
+    """The steps whose checkpoint directories orbax finished (no temporary suffix)."""
+    root = run.out / "checkpoints"
+    return sorted(int(p.name) for p in root.iterdir() if p.name.isdigit()) if root.is_dir() else []
 
 
 def export(run: Run) -> None:
     """The final weights as a model directory in --out (what decode.py --checkpoint loads)."""
-    run.mngr.wait_until_finished()
+    finish_saves(run)
     nnx.update(run.model, run.params, run.rest)
-    save_model_dir(run.out, run.model, dtype=run.args.export_dtype, tokenizer_file=run.out / "tokenizer.json")
+    with _save_failures("the final weights", run):
+        save_model_dir(run.out, run.model, dtype=run.args.export_dtype, tokenizer_file=run.out / "tokenizer.json")
 
 
 # ---------------------------------------------------------------------- metrics
+def drop_records_after(path: Path, step: int) -> int:
+    """Rewrite the metrics file without the records of steps after `step` (written by a run
+    that stopped before it could save them, and run again from `step` by this one) and without a
+    line cut short by a crash -> the number of lines dropped."""
+    if not path.exists():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            dropped += 1
+            continue
+        if isinstance(record, dict) and record.get("step", 0) > step:
+            dropped += 1
+            continue
+        kept.append(line)
+    if dropped:
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        tmp.replace(path)
+    return dropped
+
+
 class MetricsLog:
     """The progress lines on stdout and one JSON object per logged step in --metrics-file
     (process 0 only): loss terms, lr, tokens/s (whole rows; real: without the packer's padding,
@@ -354,8 +444,10 @@ class MetricsLog:
         self.bar = tqdm(total=args.steps, initial=start, unit="step", dynamic_ncols=True, file=sys.stderr,
                         disable=None if multihost.is_main_process() else True, leave=False)
         self.cfg = cfg
-        self.file = (Path(args.metrics_file or out / "metrics.jsonl").open("a") if multihost.is_main_process()
-                     else open(os.devnull, "w"))
+        path = Path(args.metrics_file or out / "metrics.jsonl")
+        if multihost.is_main_process() and start > 0:
+            drop_records_after(path, start)
+        self.file = path.open("a") if multihost.is_main_process() else open(os.devnull, "w")
         self.peak = _peak_flops(args.peak_tflops)
         self.active = costs.active_params(cfg, params_by_part(abstract_model(cfg)))
         self.tokens_per_step = args.batch_size * args.seq_len

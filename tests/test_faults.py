@@ -1,0 +1,126 @@
+"""Fault injection (`glm_jax.faults`), as storage engines test themselves.
+
+* train.py killed with SIGKILL during a step, during an asynchronous save and during the export,
+  resumed each time: it continues from its last complete checkpoint and ends with the losses of
+  an uninterrupted run, bit for bit, and a model directory that passes its file check.
+* A disk that fills during a save (every write fails, as on a full disk): one clear error line,
+  exit code 1, the previous complete checkpoint kept, and --resume continues from it exactly.
+* decode.py on a damaged model directory, several processes at once on a busy machine: in every
+  one the one-line error and nothing else, with the directory's file list and without it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, micro_config
+from glm_jax import faults
+from glm_jax.checkpoint_damage import MANIFEST_NAME, check_file_manifest
+from glm_jax.config import save_config
+
+STEPS = 5
+TIMEOUT = 300
+
+
+def _train(out, cfg_path, *extra: str, fault: str | None = None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != faults.ENV}
+    if fault:
+        env[faults.ENV] = fault
+    cmd = [sys.executable, str(ROOT / "train.py"), "--config", str(cfg_path), "--out", str(out),
+           "--steps", str(STEPS), "--batch-size", "2", "--seq-len", "16", "--dense-steps", "0",
+           "--warmup-steps", "1", "--max-files", "4", "--eval-every", "100", "--log-every", "1",
+           "--eval-batches", "1", "--save-every", "1", *extra]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT, cwd=ROOT)
+
+
+def _losses(out) -> dict[int, float]:
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in records]
+    assert steps == sorted(set(steps)), steps                     # each step logged once
+    return {r["step"]: r["loss"] for r in records}
+
+
+def _resumed_from(proc: subprocess.CompletedProcess) -> int:
+    found = re.search(r"resume: continuing from step (\d+)", proc.stdout)
+    assert found, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return int(found.group(1))
+
+
+@pytest.fixture(scope="module")
+def run_config(tmp_path_factory):
+    """(the micro config's path, the losses of an uninterrupted run)."""
+    root = tmp_path_factory.mktemp("faults")
+    cfg_path = root / "micro.yaml"
+    save_config(micro_config(vocab_size=320, max_position_embeddings=128), cfg_path)
+    done = _train(root / "uninterrupted", cfg_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return cfg_path, _losses(root / "uninterrupted")
+
+
+def test_killed_during_a_step_a_save_and_the_export_resumes_bit_exactly(run_config, tmp_path):
+    """One run killed three times (each resume killed at the next fault), then resumed to the end."""
+    cfg_path, reference = run_config
+    out = tmp_path / "run"
+    # (fault, the steps the resume after it may continue from: the save handed over just before
+    # a kill may or may not have finished)
+    chain = (("step@3", {1, 2}), ("saving@4", {3, 4}), ("export", {STEPS}))
+    previous = None
+    for fault, allowed in chain + ((None, None),):
+        proc = _train(out, cfg_path, *(["--resume"] if previous else []), fault=fault)
+        assert "Traceback" not in proc.stderr, (fault, proc.stderr[-3000:])
+        if previous:
+            assert _resumed_from(proc) in previous, (fault, proc.stdout)
+        if fault is None:
+            assert proc.returncode == 0, proc.stderr[-3000:]
+        else:
+            assert proc.returncode == -signal.SIGKILL, (fault, proc.returncode, proc.stderr[-3000:])
+        previous = allowed
+    assert _losses(out) == reference
+    assert check_file_manifest(out / "params")
+
+
+def test_full_disk_during_a_save_is_one_error_and_keeps_the_last_checkpoint(run_config, tmp_path):
+    cfg_path, reference = run_config
+    out = tmp_path / "run"
+    failed = _train(out, cfg_path, fault="save@3:disk-full")
+    assert failed.returncode == 1, failed.stderr[-3000:]
+    assert "Traceback" not in failed.stderr + failed.stdout, failed.stderr[-3000:]
+    last = failed.stderr.strip().splitlines()[-1]
+    kept = re.search(r"the complete checkpoint of step (\d+) is kept", last)
+    assert last.startswith("error: saving checkpoint 3 to ") and "File too large" in last and kept, last
+    assert (out / "checkpoints" / kept.group(1)).is_dir()
+    resumed = _train(out, cfg_path, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert _resumed_from(resumed) == int(kept.group(1))
+    assert _losses(out) == reference
+
+
+@pytest.mark.parametrize("with_file_list", [True, False])
+def test_damaged_model_directory_is_one_line_in_every_concurrent_run(tmp_path, with_file_list):
+    """A truncated data file in a copy of the shipped model, 6 decode.py processes at once on 2
+    cores: each prints the one error line and exits 2. Without params.files.json the restore
+    itself fails while reads are in flight, whose late reports must not reach the terminal."""
+    copy = tmp_path / "model"
+    shutil.copytree(ROOT / "checkpoints" / "default", copy)
+    data = max((f for f in (copy / "params").rglob("*") if f.is_file() and f.parent.name == "d"),
+               key=lambda f: f.stat().st_size)
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    if not with_file_list:
+        (copy / MANIFEST_NAME).unlink()
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    procs = [subprocess.Popen([sys.executable, str(ROOT / "decode.py"), "--checkpoint", str(copy), "--prompt", "x"],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+             for _ in range(6)]
+    for proc in procs:
+        output, _ = proc.communicate(timeout=TIMEOUT)
+        lines = output.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1, output[-3000:]
+        assert lines[0].startswith(f"error: {copy}/params is damaged: ") and "truncated" in lines[0], lines[0]
