@@ -21,8 +21,9 @@
 # train-parts    the default recipe's train-step parts (vocabulary head,     4-7 min
 #                 embedding, MoE, dense-stage KL; sparse MLA at 8 heads per
 #                 backward mode) old against new, beside their limits
-# train-steps    the recipe's step alone, absorbed form, dense and sparse,    3-5 min
-#                 then each traced (kernel table in profile/)
+# train-steps    the recipe's step alone, absorbed form, dense and sparse,    6-8 min
+#                 then the dense step with the Pallas dense-stage KL; each
+#                 traced (kernel table in profile/)
 # train-steps-expanded  the same in the expanded form (the old default)      3-5 min
 # train-loop     train.py on the recipe's shape (30 dense, 40 sparse steps)  4-7 min
 # Aliases (several commands' time: run their groups one command at a time):
@@ -166,8 +167,11 @@ for group in "${groups[@]}"; do
                 --json "$stage/sparse_mla_default_py.json"
             ;;
         train-steps)
-            run train_steps 540 "--smoke --reps 1" "${mem95[@]}" "$py" $parts steps \
+            run train_steps 330 "--smoke --reps 1" "${mem95[@]}" "$py" $parts steps \
                 --variants dense:absorbed sparse:absorbed --json "$stage/steps.json" --profile "$stage/profile"
+            run train_steps_pallas_kl 200 "--smoke --reps 1" "${mem95[@]}" "$py" $parts steps \
+                --variants dense:absorbed --dense-kl pallas_gpu --json "$stage/steps-pallas-kl.json" \
+                --profile "$stage/profile"
             ;;
         train-steps-expanded)
             run train_steps_expanded 540 "--smoke --reps 1" "${mem95[@]}" "$py" $parts steps \
