@@ -42,6 +42,7 @@ from glm_jax.info import params_by_part
 from glm_jax.layers.segments import count_segments, segment_bound
 from glm_jax.model import GLMModel, abstract_model, count_params
 from glm_jax.training import background_output, checkpointing
+from glm_jax.training.compiles import CompileWatch
 from glm_jax.training.step import LossWeights, attention_form, eval_step, make_optimizer, train_step
 
 DEFAULT_CONFIG = "configs/tiny.yaml"
@@ -226,13 +227,14 @@ def _batch_placement(mesh: Mesh | None, shape: tuple[int, int]) -> _BatchPlaceme
 def train(run: Run) -> int:
     """Steps run.start + 1 .. --steps (or --stop-after of them, or until SIGTERM on some process:
     then a checkpoint and exit), evaluating, logging and saving on the way; then the export."""
-    with StopSignals() as stop_requested, background_output.routed_to(run.out / "background.log"):
-        return _loop(run, stop_requested)
+    with (StopSignals() as stop_requested, background_output.routed_to(run.out / "background.log"),
+          CompileWatch() as compiles):
+        return _loop(run, stop_requested, compiles)
 
 
-def _loop(run: Run, stop_requested: "StopSignals") -> int:
+def _loop(run: Run, stop_requested: "StopSignals", compiles: CompileWatch) -> int:
     args = run.args
-    log = MetricsLog(args, run.cfg, run.out, start=run.start)
+    log = MetricsLog(args, run.cfg, run.out, start=run.start, compiles=compiles)
     segment_bounds = SegmentBounds()
     step = run.start
     for step in range(run.start + 1, args.steps + 1):
@@ -437,8 +439,10 @@ class MetricsLog:
     (process 0 only): loss terms, lr, tokens/s (whole rows; real: without the packer's padding,
     summed over the processes) since the last logged step, MFU when the peak is known."""
 
-    def __init__(self, args, cfg: GLMConfig, out: Path, start: int = 0):
+    def __init__(self, args, cfg: GLMConfig, out: Path, start: int = 0, compiles: CompileWatch | None = None):
         self.steps, self.seq_len = args.steps, args.seq_len
+        self.compiles = compiles
+        self.steady = []        # tokens/s of the logged intervals in which nothing compiled
         self.start, self.t_start = start, time.perf_counter()
         # The bar (stderr, a terminal only): step, elapsed and time left, s/step, loss, memory.
         self.bar = tqdm(total=args.steps, initial=start, unit="step", dynamic_ncols=True, file=sys.stderr,
@@ -470,6 +474,11 @@ class MetricsLog:
         record["tokens_per_s"] = self.tokens_per_step * self.steps_since / (now - self.t_last)
         record["real_tokens_per_s"] = sum(multihost.allgather_json(self.real_since)) / (now - self.t_last)
         self.steps_since = self.real_since = 0
+        built, compile_s = self.compiles.since_last() if self.compiles else (0, 0.0)
+        if built:
+            record["compiled"], record["compile_s"] = built, compile_s
+        else:
+            self.steady.append(record["tokens_per_s"])
         flops = costs.training_flops_per_token(self.cfg, self.seq_len, self.active, sparse=stage == "sparse",
                                                positions=batch.positions)
         if self.peak:
@@ -484,7 +493,8 @@ class MetricsLog:
                    f"({record['real_tokens_per_s']:.0f} not padding)"
                    + (f" MFU {record['mfu']:.1%}" if "mfu" in record else "")
                    + f" | {per_step:.2f} s/step, {_clock((self.steps - step) * per_step)} left, "
-                     f"{record['memory_gib']:.2f} GiB", file=sys.stdout)
+                     f"{record['memory_gib']:.2f} GiB"
+                   + (f" | compiled {built} program(s) in {compile_s:.1f} s" if built else ""), file=sys.stdout)
         sys.stdout.flush()
         return record
 
@@ -502,6 +512,10 @@ class MetricsLog:
     def close(self) -> None:
         self.bar.close()
         self.file.close()
+        if self.compiles is not None:
+            steady = (f"steady {np.median(self.steady):,.0f} tokens/s (median of {len(self.steady)} logged "
+                      "intervals without compilation)" if self.steady else "no logged interval without compilation")
+            print(f"compiled: {self.compiles.summary()}; {steady}", flush=True)
 
 
 def _peak_flops(peak_tflops: float | None) -> float | None:
