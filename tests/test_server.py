@@ -1,10 +1,12 @@
 """The HTTP front end (glm_jax.serving): OpenAI-style /v1/completions over a real uvicorn server
 on localhost, driven with httpx.
 
-The protocol layer runs over `FakeEngine` (the ServingEngine API, scripted tokens, no model);
-the real engine with a micro model checks concurrent greedy requests against decoding each
-alone, streaming against non-streaming, errors while other requests complete, and a
-`decode.py --serve` process draining on SIGTERM."""
+The protocol layer runs over `FakeEngine` (the ServingEngine API, scripted tokens, no model):
+response shapes, lists of prompts with n choices each and echo, streams of several choices,
+cancellation on disconnect. The real engine with a micro model checks concurrent greedy
+requests and the choices of a list of prompts against decoding each prompt alone, streaming
+against non-streaming, errors while other requests complete, and a `decode.py --serve` process
+draining on SIGTERM."""
 
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ from glm_jax.model import GLMModel
 from glm_jax.ops import KernelChoice
 from glm_jax.serving.app import make_app
 from glm_jax.serving.launch import build_engine
-from glm_jax.serving.protocol import APIError, max_body_bytes, parse_completion
+from glm_jax.serving.protocol import MAX_N, MAX_PROMPTS, APIError, max_body_bytes, max_prompt_bytes, parse_completion
 from glm_jax.serving.text import Detokenizer, TextStream
 
 TOKENIZER_FILE = ROOT / "checkpoints" / "default" / "tokenizer.json"
@@ -111,11 +113,19 @@ def parse(**fields):
     ({"prompt": "a", "max_tokens": 0}, "max_tokens", ">= 1"),
     ({"prompt": "a", "max_tokens": 40}, "max_tokens", "exceeds this server's context of 32"),
     ({"prompt": list(range(32))}, "prompt", "leaves no room"),
-    ({"prompt": ["a", "b"]}, "prompt", "one prompt per request"),
+    ({"prompt": ["a", list(range(32))]}, "prompt", "prompt[1] has 32 tokens"),
+    ({"prompt": ["a"] * (MAX_PROMPTS + 1)}, "prompt", f"up to {MAX_PROMPTS} prompts"),
+    ({"prompt": []}, "prompt", "must be a string"),
+    ({"prompt": ["a", ["b"]]}, "prompt", "prompt[1] must be a string or a list of token ids"),
     ({"prompt": [5000]}, "prompt", "in [0, 4096)"),
+    ({"prompt": ["a", [1, 5000]]}, "prompt", "prompt[1]: token ids must be in [0, 4096)"),
     ({"prompt": ""}, "prompt", "empty"),
     ({"prompt": "a", "stop": ["x", 3]}, "stop", "non-empty string"),
-    ({"prompt": "a", "n": 2}, "n", "not supported"),
+    ({"prompt": "a", "n": MAX_N + 1}, "n", f"n must be from 1 to {MAX_N}"),
+    ({"prompt": "a", "n": 0}, "n", f"n must be from 1 to {MAX_N}"),
+    ({"prompt": "a", "n": 2, "best_of": 3}, "best_of", "must equal n (2)"),
+    ({"prompt": "a", "echo": "yes"}, "echo", "true or false"),
+    ({"prompt": "a", "logprobs": 1}, "logprobs", "not supported yet"),
     ({"prompt": "a", "stream_options": {"include_usage": True}}, "stream_options", "only allowed with stream"),
     ({"prompt": "a", "bogus": 1}, "bogus", "unknown field"),
 ])
@@ -128,14 +138,40 @@ def test_bad_fields_are_named(fields, param, words):
 def test_request_fields_and_defaults():
     req = parse(prompt=[[1, 2, 3]], max_tokens=None, temperature=0, top_k=5, seed=7, stop="\n", stream=True,
                 stream_options={"include_usage": True})
-    assert req.prompt.tolist() == [1, 2, 3] and req.max_tokens == 29
-    assert (req.sampling.temperature, req.sampling.top_k, req.seed, req.stop) == (0, 5, 7, ("\n",))
+    [prompt] = req.prompts
+    assert prompt.ids.tolist() == [1, 2, 3] and prompt.max_tokens == 29 and prompt.echo == ""
+    assert (req.sampling.temperature, req.sampling.top_k, req.seed, req.stop, req.n) == (0, 5, 7, ("\n",), 1)
     assert req.stream and req.include_usage
     default = parse(prompt="a", model="micro")
-    assert default.max_tokens == 16 and default.sampling.temperature == 1 and default.stop == ()
+    assert default.prompts[0].max_tokens == 16 and default.sampling.temperature == 1 and default.stop == ()
     with pytest.raises(APIError) as e:
         parse(prompt="a", model="gpt-4")
     assert e.value.status == 404 and e.value.code == "model_not_found"
+
+
+def test_prompt_lists_n_and_echo_make_prompt_major_choices():
+    ids = TOKENIZER.encode("héllo").ids
+    req = parse(prompt=["a b", ids], n=3, echo=True, max_tokens=None, seed=2**32 - 2)
+    assert [p.ids.tolist() for p in req.prompts] == [TOKENIZER.encode("a b").ids, ids]
+    assert [p.echo for p in req.prompts] == ["a b", "héllo"]            # a token-id prompt echoes its text
+    assert [p.max_tokens for p in req.prompts] == [32 - len(p.ids) for p in req.prompts]   # each its own room
+    choices = req.choices()
+    assert [prompt for prompt, _ in choices] == [req.prompts[0]] * 3 + [req.prompts[1]] * 3
+    assert [seed for _, seed in choices] == [2**32 - 2, 2**32 - 1, 0] * 2    # seed + j, wrapping
+    assert parse(prompt=[[1, 2]], n=2, best_of=2).n == 2
+    assert parse(prompt="a", echo=False).prompts[0].echo == ""
+
+
+def test_a_prompt_string_past_its_limit_gets_413_before_any_prompt_is_tokenized():
+    tokenizer = CountingTokenizer(TOKENIZER)
+    long = "a" * (max_prompt_bytes(32) + 1)
+    body = json.dumps({"prompt": ["short", long]}).encode()
+    assert len(body) < max_body_bytes(32)
+    with pytest.raises(APIError) as e:
+        parse_completion(body, tokenizer, model_name="micro", max_context=32)
+    assert (e.value.status, e.value.param, e.value.code) == (413, "prompt", "request_too_large")
+    assert f"prompt[1] is longer than this server's limit of {max_prompt_bytes(32)} bytes per prompt" in e.value.message
+    assert tokenizer.encoded == 0
 
 
 # ---------------------------------------------------------------------- the app over a fake engine
@@ -222,10 +258,65 @@ def test_fake_errors_are_openai_json(fake):
     assert refused.status_code == 400
     assert refused.json()["error"] == {"message": "prompt longer than 16 tokens", "type": "invalid_request_error",
                                        "param": None, "code": "request_refused"}
+    one_refused = httpx.post(f"{url}/v1/completions", json={"prompt": ["hi", list(range(20))], "max_tokens": 40})
+    assert one_refused.status_code == 400 and one_refused.json()["error"]["code"] == "request_refused"
+    too_many = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "n": MAX_N + 1})
+    assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "n"
     missing = httpx.get(f"{url}/v1/nothing")
     assert missing.status_code == 404 and missing.json()["error"]["message"] == "Not Found"
     assert httpx.get(f"{url}/v1/models").json()["data"][0]["id"] == "micro"
     assert httpx.get(f"{url}/health").json() == {"status": "ok", "in_flight": 0}
+
+
+def choices_of_stream(chunks: list) -> dict[int, list]:
+    """A stream's chunks (the usage chunk aside) -> each choice index's choices, in order; each
+    chunk carries one choice."""
+    by_index = {}
+    for chunk in chunks:
+        [choice] = chunk["choices"]
+        by_index.setdefault(choice["index"], []).append(choice)
+    return by_index
+
+
+def test_fake_prompt_list_with_n_and_echo(fake):
+    engine, url = fake
+    prompts, completion_tokens = ["hi", "yo there"], len(TOKENIZER.encode(MULTIBYTE).ids)
+    prompt_ids = [TOKENIZER.encode(p).ids for p in prompts]
+    body = {"prompt": prompts, "n": 2, "max_tokens": 40, "temperature": 0.7, "seed": 7}
+    whole = httpx.post(f"{url}/v1/completions", json=body).json()
+    assert whole["choices"] == [{"index": i, "text": MULTIBYTE, "finish_reason": "stop", "logprobs": None}
+                                for i in range(4)]
+    prompt_tokens = sum(map(len, prompt_ids))                      # each prompt once, as OpenAI counts
+    assert whole["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 4 * completion_tokens,
+                              "total_tokens": prompt_tokens + 4 * completion_tokens}
+    assert [r.prompt.tolist() for r in engine.requests] == [prompt_ids[0]] * 2 + [prompt_ids[1]] * 2
+    assert [r.seed for r in engine.requests] == [7, 8, 7, 8]       # a prompt's choices draw differently
+
+    echoed = httpx.post(f"{url}/v1/completions", json={**body, "echo": True}).json()
+    assert [c["text"] for c in echoed["choices"]] == [p + MULTIBYTE for p in prompts for _ in range(2)]
+    ids_echoed = httpx.post(f"{url}/v1/completions", json={"prompt": prompt_ids[1], "echo": True, "max_tokens": 40})
+    assert ids_echoed.json()["choices"][0]["text"] == "yo there" + MULTIBYTE      # token ids echo as their text
+
+
+def test_fake_stream_of_several_choices_echoes_and_ends_each_choice(fake):
+    _, url = fake
+    prompts, completion_tokens = ["hi", "yo there"], len(TOKENIZER.encode(MULTIBYTE).ids)
+    body = {"prompt": prompts, "n": 2, "max_tokens": 40, "echo": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body) as r:
+        *chunks, usage_chunk = sse_chunks(r)
+    by_index = choices_of_stream(chunks)
+    assert sorted(by_index) == [0, 1, 2, 3]
+    for index, choices in by_index.items():
+        prompt = prompts[index // 2]                                # prompt-major: index = prompt * n + j
+        assert choices[0] == {"index": index, "text": prompt, "finish_reason": None, "logprobs": None}
+        assert "".join(c["text"] for c in choices) == prompt + MULTIBYTE
+        assert [c["finish_reason"] for c in choices] == [None] * (len(choices) - 1) + ["stop"]
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == 4 * completion_tokens
+
+    with httpx.stream("POST", f"{url}/v1/completions", json={"prompt": prompts, "max_tokens": 3, "stream": True}) as r:
+        short = choices_of_stream(sse_chunks(r))
+    assert {index: choices[-1]["finish_reason"] for index, choices in short.items()} == {0: "length", 1: "length"}
 
 
 class CountingTokenizer:
@@ -260,8 +351,8 @@ def test_a_body_past_the_limit_gets_413_and_is_never_tokenized():
             refused = httpx.post(f"{url}/v1/completions", content=content, timeout=10)
             assert refused.status_code == 413
             assert refused.json()["error"] == {
-                "message": f"the request body is longer than this server's limit of {limit} bytes (room for a "
-                           "prompt of its whole 64-token context); shorten the prompt",
+                "message": f"the request body is longer than this server's limit of {limit} bytes (room for "
+                           f"{MAX_PROMPTS} prompts of its whole 64-token context); shorten the prompts",
                 "type": "invalid_request_error", "param": None, "code": "request_too_large"}
         conn = connection(url)
         send_head(conn, 10_000_000)                    # 10 MB announced, none sent: refused at once
@@ -273,11 +364,11 @@ def test_a_body_past_the_limit_gets_413_and_is_never_tokenized():
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_client_disconnect_cancels_the_request(stream):
+def test_client_disconnect_cancels_every_choice_of_the_request(stream):
     engine = FakeEngine([5], step_s=0.01)
     app = make_app(engine, TOKENIZER, model_name="micro", max_context=4096)
     with running(app) as url:
-        body = {"prompt": "hi", "max_tokens": 4000, "stream": stream}
+        body = {"prompt": ["hi", "yo"], "n": 2, "max_tokens": 4000, "stream": stream}
         if stream:
             with httpx.stream("POST", f"{url}/v1/completions", json=body) as r:
                 lines = r.iter_lines()
@@ -286,9 +377,9 @@ def test_client_disconnect_cancels_the_request(stream):
             with pytest.raises(httpx.ReadTimeout):
                 httpx.post(f"{url}/v1/completions", json=body, timeout=0.5)
         deadline = time.monotonic() + 5
-        while not engine.cancelled and time.monotonic() < deadline:
+        while len(engine.cancelled) < 4 and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert engine.cancelled == [0] and not engine.active
+        assert sorted(engine.cancelled) == [0, 1, 2, 3] and not engine.active
         assert app.state.engine_loop.in_flight == 0
 
 
@@ -298,7 +389,7 @@ def test_engine_failure_fails_requests_with_503():
             raise RuntimeError("device lost")
 
     with running(make_app(Broken([1]), TOKENIZER, model_name="micro", max_context=64)) as url:
-        first = httpx.post(f"{url}/v1/completions", json={"prompt": "hi"})
+        first = httpx.post(f"{url}/v1/completions", json={"prompt": ["hi", "yo"], "n": 2})     # 4 choices fail
         assert first.status_code == 503 and "device lost" in first.json()["error"]["message"]
         assert httpx.post(f"{url}/v1/completions", json={"prompt": "hi"}).status_code == 503
         assert httpx.get(f"{url}/health").json()["status"] == "failed"
@@ -345,6 +436,20 @@ def test_concurrent_greedy_requests_equal_decoding_each_alone(real):
         assert response.status_code == 200 and body["usage"]["completion_tokens"] == 6
         assert body["choices"][0]["text"] == want
         assert body["choices"][0]["finish_reason"] == "length"
+
+
+def test_prompt_list_with_n_equals_decoding_each_prompt_alone(real):
+    alone, url = real
+    greedy = {"prompt": PROMPTS[:2], "n": 2, "max_tokens": 6, "temperature": 0}
+    body = httpx.post(f"{url}/v1/completions", json=greedy, timeout=120).json()
+    assert [c["text"] for c in body["choices"]] == [alone[0], alone[0], alone[1], alone[1]]
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3] and body["usage"]["completion_tokens"] == 24
+    sampled = {"prompt": PROMPTS[0], "n": 2, "max_tokens": 6, "temperature": 1, "seed": 5}
+    choices = httpx.post(f"{url}/v1/completions", json=sampled, timeout=120).json()["choices"]
+    first, second = [c["text"] for c in choices]
+    assert first != second
+    alone_with_seed = httpx.post(f"{url}/v1/completions", json={**sampled, "n": 1}, timeout=120).json()
+    assert alone_with_seed["choices"][0]["text"] == first         # choice 0 draws with the seed itself
 
 
 def test_stream_equals_whole_response_and_bad_bodies_get_400(real):

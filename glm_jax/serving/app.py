@@ -4,17 +4,24 @@ GET /health, over an `EngineLoop`.
     app = make_app(engine, tokenizer, model_name="tiny", max_context=1024, stop_token=0)
     uvicorn.run(app)            # or glm_jax.serving.launch.serve(...) for the draining shutdown
 
-Errors are OpenAI's `{"error": {"message", "type", "param", "code"}}`: a bad request 400 (an
-error the engine reports for one request too, while the others go on), another model 404, a
-body too long 413, a server that drains or whose engine failed 503. A client that disconnects
-has its request cancelled in the engine. A stream waits for the request's first engine event
-before it sends the headers, so a request the engine refuses still gets a 400.
+Each choice (n per prompt, for each prompt listed) is an engine request of its own; their text
+is merged as it arrives, each chunk of a stream naming its choice's `index`. A response is whole
+once every choice has ended.
 
-A request body may be `max_body_bytes(max_context)` bytes long: 32 per token of the context
-plus 16 KiB for the other fields (a 1024-token context takes 48 KiB). A longer one gets 413,
-its message giving the limit in bytes; it is refused by its Content-Length before any of it is
-read, or, sent without one (chunked), as soon as the bytes read pass the limit. Nothing of it
-is tokenized.
+Errors are OpenAI's `{"error": {"message", "type", "param", "code"}}`: a bad request 400 (an
+error the engine reports for one choice too, while other requests go on; the request's other
+choices are cancelled), another model 404, a body too long 413, a server that drains or whose
+engine failed 503. A client that disconnects has every engine request of its request cancelled.
+A stream waits for the first engine event of any of its choices before it sends the headers, so
+a request the engine refuses (all its choices alike, e.g. a prompt too long for the page pool)
+still gets a 400; a choice refused after that ends the stream with an error event.
+
+A request body may be `max_body_bytes(max_context)` bytes long: room for MAX_PROMPTS prompts of
+32 bytes per token of the context, plus 16 KiB for the other fields (a 1024-token context takes
+528 KiB). A longer one gets 413, its message giving the limit in bytes; it is refused by its
+Content-Length before any of it is read, or, sent without one (chunked), as soon as the bytes
+read pass the limit. Nothing of it is tokenized. Within it, a prompt string longer than 32 bytes
+per token of the context gets 413 too, before any prompt is tokenized.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import contextlib
 import json
 import time
 import uuid
+from typing import NamedTuple
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -34,14 +42,14 @@ from starlette.routing import Route
 
 from glm_jax.decoding.engine import Request
 from glm_jax.serving.engine_loop import EngineFailure, EngineLoop, Ticket
-from glm_jax.serving.protocol import (APIError, CompletionRequest, body_too_large, completion_body, max_body_bytes,
-                                     parse_completion, usage)
+from glm_jax.serving.protocol import (APIError, CompletionRequest, Prompt, body_too_large, choice_body,
+                                     completion_body, max_body_bytes, parse_completion, usage)
 from glm_jax.serving.text import TextStream
 
 
 def make_app(engine, tokenizer, *, model_name: str, max_context: int, stop_token: int | None = None) -> Starlette:
     """engine: a ServingEngine (submit / cancel / step / has_work); tokenizer: a `tokenizers`
-    Tokenizer; max_context: the most tokens (prompt + completion) one request may use;
+    Tokenizer; max_context: the most tokens (prompt + completion) one choice may use;
     stop_token: the end-of-text token id that ends a completion (finish_reason "stop")."""
     engine_loop = EngineLoop(engine)
     created = int(time.time())
@@ -66,7 +74,7 @@ def make_app(engine, tokenizer, *, model_name: str, max_context: int, stop_token
             async with _client_gone_cancels(http):
                 if not req.stream:
                     return JSONResponse(await completion.whole())
-                first = await completion.next_chunk()      # before the headers: an error is still a 400
+                first = await completion.next_piece()      # before the headers: an error is still a 400
             response = _TicketStream(completion.stream(first), completion.close)
             return response
         finally:
@@ -95,69 +103,126 @@ def make_app(engine, tokenizer, *, model_name: str, max_context: int, stop_token
     return app
 
 
-class _Completion:
-    """One request's way through the engine: its ticket, its text so far, its token count."""
+class _Piece(NamedTuple):
+    choice: _Choice
+    text: str
+    finish_reason: str | None           # None until the choice's last piece, then "length" or "stop"
 
-    def __init__(self, engine_loop: EngineLoop, req: CompletionRequest, tokenizer, stop_token, model_name: str):
-        self.engine_loop, self.req, self.model_name = engine_loop, req, model_name
-        self.id = f"cmpl-{uuid.uuid4().hex}"
-        self.created = int(time.time())
-        self.text = TextStream(tokenizer, req.stop)
+
+class _Choice:
+    """One completion of one prompt: its engine request, its text so far, its token count."""
+
+    def __init__(self, index: int, prompt: Prompt, ticket: Ticket, tokenizer, stop: tuple[str, ...]):
+        self.index, self.prompt, self.ticket = index, prompt, ticket
+        self.text = TextStream(tokenizer, stop)
         self.completion_tokens = 0
-        self.ticket: Ticket = engine_loop.submit(Request(prompt=req.prompt, max_new_tokens=req.max_tokens,
-                                                         sampling=req.sampling, stop_token=stop_token, seed=req.seed))
+        self.finish_reason: str | None = None
 
-    async def next_chunk(self) -> tuple[str, str | None]:
-        """-> (new text, finish_reason: None until the last chunk, then "length" or "stop")."""
+    async def next_piece(self) -> _Piece:
+        """The text of the choice's next engine event; raises APIError if the engine refused it."""
         event = await self.ticket.next_event()
         if event.error is not None:
             raise APIError(400, event.error, code="request_refused")
         self.completion_tokens += len(event.tokens)
         text = self.text.push(event.tokens)
         if self.text.stopped:
-            return text, "stop"
-        if event.finished:
-            return text + self.text.flush(), "length" if self.completion_tokens >= self.req.max_tokens else "stop"
-        return text, None
+            self.finish_reason = "stop"
+        elif event.finished:
+            text += self.text.flush()
+            self.finish_reason = "length" if self.completion_tokens >= self.prompt.max_tokens else "stop"
+        return _Piece(self, text, self.finish_reason)
+
+
+class _Completion:
+    """One HTTP request's way through the engine: an engine request per choice, their pieces of
+    text merged in the order they arrive."""
+
+    def __init__(self, engine_loop: EngineLoop, req: CompletionRequest, tokenizer, stop_token, model_name: str):
+        self.engine_loop, self.req, self.model_name = engine_loop, req, model_name
+        self.id = f"cmpl-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.choices: list[_Choice] = []
+        self.pumps: list[asyncio.Task] = []
+        self.pieces: asyncio.Queue = asyncio.Queue()        # _Piece, or the exception that ended a choice
+        try:
+            for index, (prompt, seed) in enumerate(req.choices()):
+                ticket = engine_loop.submit(Request(prompt=prompt.ids, max_new_tokens=prompt.max_tokens,
+                                                    sampling=req.sampling, stop_token=stop_token, seed=seed))
+                self.choices.append(_Choice(index, prompt, ticket, tokenizer, req.stop))
+        except EngineFailure:               # the engine stopped: give back the choices submitted before
+            self.close()
+            raise
+        self.unfinished = len(self.choices)
+        self.pumps = [asyncio.create_task(self._pump(choice)) for choice in self.choices]
+
+    async def _pump(self, choice: _Choice) -> None:
+        """Moves the choice's pieces to `pieces`, then the error that ended it, if one did."""
+        try:
+            while choice.finish_reason is None:
+                self.pieces.put_nowait(await choice.next_piece())
+        except Exception as e:
+            self.pieces.put_nowait(e)
+
+    async def next_piece(self) -> _Piece | None:
+        """The next piece of text of any choice; None once every choice has ended. Raises the
+        error (APIError, EngineFailure) that ended a choice."""
+        if self.unfinished == 0:
+            return None
+        piece = await self.pieces.get()
+        if isinstance(piece, Exception):
+            raise piece
+        if piece.finish_reason is not None:
+            self.unfinished -= 1
+        return piece
 
     async def whole(self) -> dict:
-        pieces, finish_reason = [], None
-        while finish_reason is None:
-            text, finish_reason = await self.next_chunk()
-            pieces.append(text)
-        return completion_body(self.id, self.created, self.model_name, "".join(pieces), finish_reason,
+        texts = [[choice.prompt.echo] for choice in self.choices]
+        while (piece := await self.next_piece()) is not None:
+            texts[piece.choice.index].append(piece.text)
+        return completion_body(self.id, self.created, self.model_name,
+                               [choice_body(c.index, "".join(texts[c.index]), c.finish_reason) for c in self.choices],
                                usage=self._usage())
 
-    async def stream(self, first: tuple[str, str | None]):
-        """Server-sent events: a chunk per engine event that brought text, the last one with the
-        finish_reason, the usage chunk if asked for, then [DONE]. An error mid-stream is sent
-        as an error event."""
+    async def stream(self, first: _Piece):
+        """Server-sent events: each choice's echo first, then a chunk per engine event that
+        brought text, each choice's last one with its finish_reason, the usage chunk if asked
+        for, then [DONE]. An error mid-stream is sent as an error event."""
         extra = {"usage": None} if self.req.include_usage else {}
-        text, finish_reason = first
         try:
-            while True:
-                if text or finish_reason:
-                    yield _sse(completion_body(self.id, self.created, self.model_name, text, finish_reason, **extra))
-                if finish_reason:
-                    break
-                text, finish_reason = await self.next_chunk()
+            for choice in self.choices:
+                if choice.prompt.echo:
+                    yield self._chunk(_Piece(choice, choice.prompt.echo, None), extra)
+            piece = first
+            while piece is not None:
+                if piece.text or piece.finish_reason:
+                    yield self._chunk(piece, extra)
+                piece = await self.next_piece()
         except (APIError, EngineFailure) as e:
             yield _sse(_error_of(e).body())
         else:
             if self.req.include_usage:
-                yield _sse({"id": self.id, "object": "text_completion", "created": self.created,
-                            "model": self.model_name, "choices": [], "usage": self._usage()})
+                yield _sse(completion_body(self.id, self.created, self.model_name, [], usage=self._usage()))
         yield "data: [DONE]\n\n"
 
+    def _chunk(self, piece: _Piece, extra: dict) -> str:
+        choices = [choice_body(piece.choice.index, piece.text, piece.finish_reason)]
+        return _sse(completion_body(self.id, self.created, self.model_name, choices, **extra))
+
     def _usage(self) -> dict:
-        return usage(len(self.req.prompt), self.completion_tokens)
+        """Each prompt's tokens counted once, as OpenAI does, and every choice's completion tokens."""
+        return usage(sum(len(prompt.ids) for prompt in self.req.prompts),
+                     sum(choice.completion_tokens for choice in self.choices))
 
     def close(self) -> None:
-        self.engine_loop.finish(self.ticket)
+        """Stops the pumps and cancels every choice still running in the engine."""
+        for pump in self.pumps:
+            pump.cancel()
+        for choice in self.choices:
+            self.engine_loop.finish(choice.ticket)
 
 
 class _TicketStream(StreamingResponse):
-    """An SSE response that, however it ends (done, client gone, error), closes its request."""
+    """An SSE response that, however it ends (done, client gone, error), closes its request's choices."""
 
     def __init__(self, content, on_close):
         super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
