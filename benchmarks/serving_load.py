@@ -20,8 +20,16 @@ pool:
 
 Per run: throughput (new tokens / time from the first arrival to the last token), time to
 first token and inter-token latency (p50 / p99, as a client sees tokens arrive), host ms per
-decode step (median), and the ceiling: `slots` tokens per median full-batch decode step of the
-continuous run (n/a when no step had every slot decoding). Programs are compiled before the
+decode step (median), the ceiling: `slots` tokens per median full-batch decode step of the
+continuous run (n/a when no step had every slot decoding), and goodput: the tokens/s of the
+requests that met the objective (TTFT <= --slo-ttft-ms and mean time per output token <=
+--slo-tpot-ms, as vLLM's serving benchmark counts it).
+
+Rate sweep (as vLLM's serving benchmark): `--rates R1 R2 ...` replays the continuous server at
+each arrival rate (the same prompts, arrival gaps scaled), and `--sweep` doubles the rate from
+--rate until the throughput grows by less than 5% (saturation, at most --max-rates rates). The
+static waves run at the first rate only (the baseline). After each context and pattern a line
+gives the saturation throughput (the best of the sweep) against the ceiling. Programs are compiled before the
 clock starts. A server that fails at a context (e.g. out of device memory) gets a row with its
 error, and the run goes on. --out is rewritten after every row, so a run cut short keeps the
 rows it measured.
@@ -54,18 +62,55 @@ class Trace:
     host_s: list[float]       # host seconds per decode step
     step_s: list[float]       # wall seconds of the decode steps where every slot decoded
 
-    def metrics(self, slots: int) -> dict:
+    def metrics(self, slots: int, slo: "Objective | None" = None) -> dict:
         import numpy as np
 
+        slo = slo or Objective()
         tokens = sum(map(len, self.token_times))
         end = max(t[-1] for t in self.token_times if t)
+        span = end - min(self.arrivals)
         ttft = [t[0] - a for a, t in zip(self.arrivals, self.token_times) if t]
         itl = [b - a for t in self.token_times for a, b in zip(t, t[1:])]
         pct = lambda xs, q: 1e3 * float(np.percentile(xs, q)) if xs else float("nan")  # noqa: E731
-        return dict(tokens=tokens, throughput=tokens / (end - min(self.arrivals)),
+        good = sum(len(t) for a, t in zip(self.arrivals, self.token_times) if t and slo.met(a, t))
+        return dict(tokens=tokens, throughput=tokens / span, goodput=good / span,
                     ttft_p50_ms=pct(ttft, 50), ttft_p99_ms=pct(ttft, 99), itl_p50_ms=pct(itl, 50),
                     itl_p99_ms=pct(itl, 99), host_ms_per_step=1e3 * float(np.median(self.host_s)),
                     ceiling_tokens_s=slots / float(np.median(self.step_s)) if self.step_s else float("nan"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Objective:
+    """A request meets it if its first token came within ttft_ms of its arrival and its later
+    tokens took at most tpot_ms each on average."""
+
+    ttft_ms: float = 2000.0
+    tpot_ms: float = 100.0
+
+    def met(self, arrival: float, times: list[float]) -> bool:
+        tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else 0.0
+        return (times[0] - arrival) * 1e3 <= self.ttft_ms and tpot * 1e3 <= self.tpot_ms
+
+
+def at_rate(arrivals: list[Arrival], base_rate: float, rate: float) -> list[Arrival]:
+    """The same requests with their arrival times scaled from base_rate to rate per second."""
+    return [dataclasses.replace(a, at=a.at * base_rate / rate) for a in arrivals]
+
+
+def sweep_rates(first: float, *, given: list[float] | None, sweep: bool, most: int):
+    """The rates to run, as a generator that is told each rate's throughput (send): the given
+    ones, or with sweep doubling from `first` until the throughput grows < 5% or `most` ran."""
+    if not sweep:
+        for rate in given or [first]:
+            yield rate
+        return
+    rate, best = first, 0.0
+    for _ in range(most):
+        throughput = yield rate
+        if throughput is not None and throughput < 1.05 * best:
+            return
+        best = max(best, throughput or 0.0)
+        rate *= 2
 
 
 def workload(rng, *, requests: int, rate: float, context: int, new_tokens: int, vocab: int) -> list[Arrival]:
@@ -190,6 +235,40 @@ def _num(x: float) -> str:
     return "n/a" if x != x else f"{x:.1f}"
 
 
+def _next_rate(rates, throughput: float | None) -> float | None:
+    try:
+        return rates.send(throughput)
+    except StopIteration:
+        return None
+
+
+def _failed(context: int, pattern: str, server: str, rate: float, error: Exception) -> dict:
+    row = dict(context=context, pattern=pattern, server=server, rate=rate, error=str(error).splitlines()[0])
+    print(f"| {context} | {pattern} | {server} | {rate:g} | failed: {row['error']} | | | | | |", flush=True)
+    return row
+
+
+def _print_row(row: dict) -> None:
+    print(f"| {row['context']} | {row['pattern']} | {row['server']} | {row['rate']:g} | {row['throughput']:.1f} | "
+          f"{row['goodput']:.1f} | {_num(row['ceiling_tokens_s'])} | {_num(row['ttft_p50_ms'])} / "
+          f"{_num(row['ttft_p99_ms'])} | {_num(row['itl_p50_ms'])} / {_num(row['itl_p99_ms'])} | "
+          f"{row['host_ms_per_step']:.3f} |", flush=True)
+
+
+def _print_saturation(rows: list[dict], context: int, pattern: str) -> None:
+    """The best throughput of the continuous server's rates, against the ceiling of that run."""
+    runs = [r for r in rows if (r["context"], r["pattern"], r["server"]) == (context, pattern, "continuous")
+            and "error" not in r]
+    if not runs:
+        return
+    best = max(runs, key=lambda r: r["throughput"])
+    ceiling = best["ceiling_tokens_s"]
+    share = f"{best['throughput'] / ceiling:.0%} of the ceiling {ceiling:.1f}" if ceiling == ceiling else \
+        "ceiling n/a (no step had every slot decoding)"
+    print(f"saturation, {context} {pattern}: {best['throughput']:.1f} tokens/s at {best['rate']:g}/s, {share}; "
+          f"{len(runs)} rate(s) run", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="tiny model, few requests, small contexts (CPU)")
@@ -205,6 +284,12 @@ def main() -> None:
                     help="pool size in max-context sequences (at least 1: the longest request must fit)")
     ap.add_argument("--patterns", nargs="+", default=["IndexShare", "all Full"], choices=["IndexShare", "all Full"],
                     help="layer patterns to serve (default both)")
+    ap.add_argument("--rates", type=float, nargs="+", default=None,
+                    help="arrival rates to replay the continuous server at (default: --rate)")
+    ap.add_argument("--sweep", action="store_true", help="double the rate from --rate until saturation")
+    ap.add_argument("--max-rates", type=int, default=6, help="--sweep: at most this many rates")
+    ap.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="goodput: time to first token objective")
+    ap.add_argument("--slo-tpot-ms", type=float, default=100.0, help="goodput: mean time per output token objective")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", required=True, help="write the rows here (JSON)")
     args = ap.parse_args()
@@ -230,9 +315,11 @@ def main() -> None:
     print(f"device {jax.devices()[0].device_kind}; {requests} requests at {rate}/s, {new_tokens} new tokens each, "
           f"{slots} slots, pages of {args.page_size}, prefill chunk {chunk}, pool {args.pool_contexts} x max context; "
           f"patterns {', '.join(f'{n} {PATTERNS[n]}' for n in args.patterns)}")
-    print("| max context | pattern | server | tokens/s | ceiling tokens/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | "
-          "host ms/step |")
-    print("|---|---|---|---|---|---|---|---|")
+    slo = Objective(args.slo_ttft_ms, args.slo_tpot_ms)
+    print(f"goodput objective: TTFT <= {slo.ttft_ms:.0f} ms, mean time per output token <= {slo.tpot_ms:.0f} ms")
+    print("| max context | pattern | server | rate /s | tokens/s | goodput tokens/s | ceiling tokens/s | "
+          "TTFT p50 / p99 ms | ITL p50 / p99 ms | host ms/step |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     rows = []
 
     def save():             # after every row, so a run cut short keeps what it measured
@@ -253,22 +340,33 @@ def main() -> None:
             warm = [dataclasses.replace(arrivals[0], at=0.0, new_tokens=2)]
             servers = (("continuous", ServingEngine, run_continuous), ("static waves", WaveServer, run_waves))
             for name, build, run in servers:         # one at a time: one pool in device memory
-                row = dict(context=context, pattern=pattern_name, server=name)
                 try:
                     server = build(model, **shape)
                     run(server, warm)                                          # compile
-                    row.update(run(server, arrivals).metrics(slots), preemptions=getattr(server, "preemptions", 0))
                 except jax.errors.JaxRuntimeError as e:                        # e.g. out of device memory
-                    row["error"] = str(e).splitlines()[0]
-                    print(f"| {context} | {pattern_name} | {name} | failed: {row['error']} | | | | |", flush=True)
-                else:
-                    print(f"| {context} | {pattern_name} | {name} | {row['throughput']:.1f} | "
-                          f"{_num(row['ceiling_tokens_s'])} | {_num(row['ttft_p50_ms'])} / "
-                          f"{_num(row['ttft_p99_ms'])} | {_num(row['itl_p50_ms'])} / {_num(row['itl_p99_ms'])} | "
-                          f"{row['host_ms_per_step']:.3f} |", flush=True)
+                    rows.append(_failed(context, pattern_name, name, rate, e))
+                    save()
+                    continue
+                rates = sweep_rates(rate, given=args.rates, sweep=args.sweep, most=args.max_rates)
+                at, throughput = next(rates), None
+                while at is not None:
+                    row = dict(context=context, pattern=pattern_name, server=name, rate=at)
+                    try:
+                        trace = run(server, at_rate(arrivals, rate, at))
+                        row.update(trace.metrics(slots, slo), preemptions=getattr(server, "preemptions", 0))
+                        throughput = row["throughput"]
+                        _print_row(row)
+                    except jax.errors.JaxRuntimeError as e:
+                        row = _failed(context, pattern_name, name, at, e)
+                        throughput = None
+                    rows.append(row)
+                    save()
+                    if name != "continuous" or "error" in row:
+                        break                                 # the baseline runs at the first rate only
+                    at = _next_rate(rates, throughput)
+                if name == "continuous":
+                    _print_saturation(rows, context, pattern_name)
                 server = None
-                rows.append(row)
-                save()
             del model
 
 

@@ -209,11 +209,11 @@ for group in "${groups[@]}"; do
             run engine_steps 180 "--config configs/tiny.yaml --max-context 256 --new-tokens 64" \
                 "$py" benchmarks/engine_steps.py --config configs/small-128k.yaml --max-context 16384 \
                 --new-tokens 12000
-            run serving_load_32k 360 "--smoke --contexts 256" "$py" benchmarks/serving_load.py --contexts 32768 \
+            run serving_load_32k 360 "--smoke --contexts 256" "$py" benchmarks/serving_load.py --contexts 32768 --sweep --max-rates 4 \
                 --out "$stage/serving_load_32k.json"
             ;;
         serving-128k)
-            run serving_load_128k 540 "--smoke --contexts 256" "$py" benchmarks/serving_load.py --contexts 131072 \
+            run serving_load_128k 540 "--smoke --contexts 256" "$py" benchmarks/serving_load.py --contexts 131072 --sweep --max-rates 3 \
                 --out "$stage/serving_load_128k.json"
             ;;
         serving-1m)
