@@ -13,6 +13,14 @@ summary says in how many context ranges host time is under 1 ms and under the de
 last table times what the engine avoids per call: hashing the nnx GraphDef as a static
 argument, passing the nnx State pytree instead of a flat tuple of its arrays, and passing the
 MTP layer's arrays, which serving never reads.
+
+    PYTHONPATH=. python benchmarks/engine_steps.py --loop 8 --new-tokens 300
+
+`--loop N` measures instead what the HTTP server's engine thread adds: N concurrent requests
+(N slots) stepped directly by `engine.serve`, then the same requests through an `EngineLoop`
+(glm_jax/serving/engine_loop.py) with an asyncio consumer per request that encodes each event
+as a JSON chunk, as a stream does, without HTTP. It prints host ms/step by context range for
+both (steps with a prefill chunk included), and the loop's step time.
 """
 
 from __future__ import annotations
@@ -44,7 +52,12 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=960)
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--buckets", type=int, default=6)
+    ap.add_argument("--loop", type=int, default=0, metavar="N",
+                    help="N concurrent requests stepped directly and through an EngineLoop (see above)")
     args = ap.parse_args()
+    if args.loop:
+        loop_main(args)
+        return
 
     import jax
     import numpy as np
@@ -96,6 +109,69 @@ def main() -> None:
           f"{per_call_us(lambda: trivial(every, x)):.0f} |")
     print(f"| a trivial jitted call given the {len(engine.params)} arrays serving reads (no MTP layer) | "
           f"{per_call_us(lambda: trivial(engine.params, x)):.0f} |")
+
+
+def through_engine_loop(engine, requests) -> None:
+    """Run `requests` through an EngineLoop on the engine, one asyncio consumer per request that
+    JSON-encodes each event (what a stream does per chunk, without HTTP)."""
+    import asyncio
+    import json
+
+    from glm_jax.serving.engine_loop import EngineLoop
+
+    async def consume(loop: EngineLoop, request) -> None:
+        ticket = loop.submit(request)
+        try:
+            while True:
+                event = await ticket.next_event()
+                json.dumps({"object": "text_completion", "choices": [{"index": 0, "tokens": event.tokens}]})
+                if event.finished:
+                    return
+        finally:
+            loop.finish(ticket)
+
+    async def serve_all() -> None:
+        loop = EngineLoop(engine)
+        loop.start()
+        await asyncio.gather(*(consume(loop, r) for r in requests))
+        await asyncio.to_thread(loop.close)
+
+    asyncio.run(serve_all())
+
+
+def loop_main(args) -> None:
+    """--loop N: host ms/step of N concurrent requests, engine stepped directly and in an EngineLoop."""
+    import numpy as np
+    from flax import nnx
+
+    from glm_jax.config import load_config
+    from glm_jax.decoding.engine import Request, ServingEngine
+    from glm_jax.model import GLMModel
+
+    cfg = load_config(args.config)
+    slots = args.loop
+    pages = slots * -(-(args.max_context + 64) // args.page_size) + 1
+    engine = ServingEngine(GLMModel(cfg, rngs=nnx.Rngs(0)), slots=slots, num_pages=pages, page_size=args.page_size,
+                           max_context=args.max_context, prefill_chunk=64)
+    engine.serve([Request(np.arange(1, 33), 4)])          # compile
+    requests = [Request(np.arange(1, 33), args.new_tokens) for _ in range(slots)]
+    engine.step_times.clear()
+    engine.serve(requests)
+    direct = list(engine.step_times)
+    engine.step_times.clear()
+    through_engine_loop(engine, requests)
+    looped = list(engine.step_times)
+    print(f"{cfg.name}: {slots} concurrent requests of {args.new_tokens} new tokens, {slots} slots (medians)")
+    print("| context (tokens) | host ms / step, engine.serve | host ms / step, in the EngineLoop | "
+          "step ms, in the EngineLoop |")
+    print("|---|---|---|---|")
+    buckets = zip(np.array_split(np.arange(len(direct)), args.buckets),
+                  np.array_split(np.arange(len(looped)), args.buckets))
+    for plain, loop in buckets:
+        print(f"| {looped[loop[0]].context}-{looped[loop[-1]].context} | "
+              f"{1e3 * np.median([direct[i].host_s for i in plain]):.3f} | "
+              f"{1e3 * np.median([looped[i].host_s for i in loop]):.3f} | "
+              f"{1e3 * np.median([looped[i].step_s for i in loop]):.2f} |")
 
 
 if __name__ == "__main__":
