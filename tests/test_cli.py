@@ -282,7 +282,8 @@ def test_ctrl_c_saves_and_exits_a_second_quits(trained_run, tmp_path, monkeypatc
     captured = capsys.readouterr()
     assert "interrupted: saving a checkpoint" in captured.err and "stopped: saved step 2" in captured.out
     step_1 = next(line for line in captured.out.splitlines() if line.startswith("step     1/12"))
-    assert re.search(r"\| \d+\.\d\d s/step, \d:\d\d:\d\d left, \d+\.\d\d GiB$", step_1), step_1
+    assert re.search(r"\| \d+\.\d\d s/step, \d:\d\d:\d\d left, \d+\.\d\d GiB"
+                     r"( \| compiled \d+ program\(s\) in \d+\.\d s)?$", step_1), step_1
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert records and all(r["memory_gib"] > 0 for r in records if "loss" in r)
     assert len(calls) == 2 and (out / "checkpoints" / "2").is_dir()
@@ -350,21 +351,3 @@ def test_prompts_file_errors_name_the_file_and_line(trained_run, tmp_path, capsy
     err = capsys.readouterr().err
     assert err.startswith(f"error: {prompts}:") and expected in err
 
-
-def test_train_prints_compilation_apart_and_compiles_the_step_once_per_stage(tmp_path, capsys):
-    """The step compiles once in the dense stage and once in the sparse stage (a sequence length
-    no other test trains at, so the count is this run's), the compiling steps' lines say so, and
-    the steady speed leaves them out."""
-    cfg_path = tmp_path / "micro.yaml"
-    save_config(micro_config(vocab_size=320, max_position_embeddings=128), cfg_path)
-    assert train.main(["--config", str(cfg_path), "--out", str(tmp_path / "run"), "--steps", "5",
-                       "--batch-size", "2", "--seq-len", "20", "--dense-steps", "2", "--warmup-steps", "1",
-                       "--max-files", "4", "--eval-every", "100", "--log-every", "1", "--eval-batches", "1",
-                       "--save-every", "100"]) == 0
-    out = capsys.readouterr().out
-    summary = next(line for line in out.splitlines() if line.startswith("compiled: "))
-    assert re.search(r"jit\(train_step\) 2x \d+\.\d s", summary), summary
-    assert re.search(r"steady [\d,]+ tokens/s \(median of [23] logged intervals without compilation\)", summary)
-    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records if r.get("compiled")][:2] == [1, 3]      # each stage's first step
-    assert "compiled" in next(line for line in out.splitlines() if line.startswith("step     3/5"))

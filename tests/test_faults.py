@@ -1,5 +1,6 @@
 """Fault injection (`glm_jax.faults`), as storage engines test themselves.
 
+* train.py's uninterrupted run reports its compilation apart and compiles the step once per stage.
 * train.py killed with SIGKILL during a step, during an asynchronous save and during the export,
   resumed each time: it continues from its last complete checkpoint and ends with the losses of
   an uninterrupted run, bit for bit, and a model directory that passes its file check.
@@ -35,7 +36,7 @@ def _train(out, cfg_path, *extra: str, fault: str | None = None) -> subprocess.C
     if fault:
         env[faults.ENV] = fault
     cmd = [sys.executable, str(ROOT / "train.py"), "--config", str(cfg_path), "--out", str(out),
-           "--steps", str(STEPS), "--batch-size", "2", "--seq-len", "16", "--dense-steps", "0",
+           "--steps", str(STEPS), "--batch-size", "2", "--seq-len", "16", "--dense-steps", "1",
            "--warmup-steps", "1", "--max-files", "4", "--eval-every", "100", "--log-every", "1",
            "--eval-batches", "1", "--save-every", "1", *extra]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT, cwd=ROOT)
@@ -62,6 +63,13 @@ def run_config(tmp_path_factory):
     save_config(micro_config(vocab_size=320, max_position_embeddings=128), cfg_path)
     done = _train(root / "uninterrupted", cfg_path)
     assert done.returncode == 0, done.stderr[-3000:]
+    # compilation is reported apart from the speed, and the step compiles once per stage (a
+    # program loaded from the persistent compilation cache counts too)
+    summary = next(line for line in done.stdout.splitlines() if line.startswith("compiled: "))
+    assert re.search(r"jit\(train_step\) 2x \d+\.\d s", summary), summary
+    assert re.search(r"steady [\d,]+ tokens/s \(median of \d logged intervals without compilation\)", summary)
+    records = [json.loads(line) for line in (root / "uninterrupted" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r.get("compiled")][:2] == [1, 2]     # each stage's first step
     return cfg_path, _losses(root / "uninterrupted")
 
 
