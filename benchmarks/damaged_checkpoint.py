@@ -19,21 +19,26 @@ import tempfile
 import time
 from pathlib import Path
 
+from glm_jax.checkpoint_damage import MANIFEST_NAME
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def damaged_copy(where: Path, with_file_list: bool) -> Path:
+    """A copy of checkpoints/default under `where` with its largest data file cut to half (and
+    without its file list unless with_file_list)."""
     copy = where / ("with-file-list" if with_file_list else "without-file-list")
     shutil.copytree(ROOT / "checkpoints" / "default", copy)
     data = max((f for f in (copy / "params").rglob("*") if f.is_file() and f.parent.name == "d"),
                key=lambda f: f.stat().st_size)
     data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
     if not with_file_list:
-        (copy / "params.files.json").unlink()
+        (copy / MANIFEST_NAME).unlink()
     return copy
 
 
 def concurrent_runs(model: Path, runs: int) -> list[tuple[int, list[str]]]:
+    """`runs` decode.py processes on `model` at once -> each one's (exit code, output lines)."""
     procs = [subprocess.Popen([sys.executable, str(ROOT / "decode.py"), "--checkpoint", str(model), "--prompt", "x"],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
              for _ in range(runs)]

@@ -8,15 +8,18 @@ Two layers:
   damaged in place, a training checkpoint, a full disk), the reads and writes orbax still has in
   flight fail later on tensorstore's threads and each prints a traceback ("Exception ignored in:
   <coroutine object _read_array_index_and_device_put ...>") when its coroutine is collected,
-  possibly at interpreter exit. `silence_orbax_leftovers` drops exactly those reports (Python's
-  unraisable hook), and `orbax_leftovers_seen` tells a front end to end the process without the
+  possibly at interpreter exit, and tensorstore's callbacks print tracebacks from their own
+  threads. `silence_orbax_leftovers` drops exactly those reports (Python's unraisable hook) and
+  the other threads' stderr text, and `orbax_leftovers_seen` tells a front end to end the process without the
   interpreter's final collection (`glm_jax.cli.exit_with`).
-`damage_summary` names the array and the cause of an orbax/tensorstore restore error.
+`damage_summary` names the array and the cause of an orbax/tensorstore restore error,
+`os_reason` the operating system's reason for a failed write.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -87,25 +90,51 @@ def _drop_orphaned_reads(unraisable) -> None:
 
 def silence_orbax_leftovers() -> None:
     """Call after a restore or save failed: from now on the late failures of orbax's coroutines are
-    not printed (other unraisable exceptions still are), and `orbax_leftovers_seen()` is True."""
+    not printed (other unraisable exceptions still are), what threads other than the main one
+    write to stderr is dropped (tensorstore's callbacks print "Event loop is closed" tracebacks
+    from its threads; train.py's loop later routes such output to background.log), and
+    `orbax_leftovers_seen()` is True."""
+    from glm_jax.training.background_output import ThreadRoutedStream
+
     _orphaned["seen"] = True
     if sys.unraisablehook is not _drop_orphaned_reads:
         _orphaned["previous_hook"] = sys.unraisablehook
         sys.unraisablehook = _drop_orphaned_reads
+    if not isinstance(sys.stderr, ThreadRoutedStream):
+        sys.stderr = ThreadRoutedStream(sys.stderr, open(os.devnull, "w"))
 
 
 def orbax_leftovers_seen() -> bool:
     return _orphaned["seen"]
 
 
+def _chain(error: BaseException, most: int = 16) -> list[BaseException]:
+    """The error and the ones it was raised from (cause, else context), outermost first."""
+    chain, seen = [], error
+    while seen is not None and len(chain) < most:
+        chain.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    return chain
+
+
+def os_reason(error: BaseException) -> str:
+    """The operating system's reason in an orbax/tensorstore error's chain ('File too large',
+    'No space left on device': an OSError's, or the code in tensorstore's message), else the
+    error's first line."""
+    for seen in _chain(error):
+        if isinstance(seen, OSError) and seen.strerror:
+            return seen.strerror
+        code = re.search(r"os_error_code='(\d+)'", str(seen))
+        if code:
+            return os.strerror(int(code.group(1)))
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0][:200] if text else ''}"
+
+
 def damage_summary(error: BaseException) -> str:
     """One line saying which saved array could not be read and why, from an orbax/tensorstore
     restore error (whose text runs to pages of internal detail)."""
-    chain, seen = [], error
-    while seen is not None and len(chain) < 16:
-        chain.append(seen)
-        seen = seen.__cause__ or seen.__context__
-    text = "\n".join(str(e) for e in chain)
+    text = "\n".join(str(e) for e in _chain(error))
     item = re.search(r'Error reading "([^"]+)"', text)
     what = f"array {item.group(1).split('/')[0]!r}" if item else "a saved array"
     if re.search(r"byte range .* is not valid for value of size", text):

@@ -102,6 +102,21 @@ def split_query_chunks(x: jax.Array, pad_value, chunk: int) -> jax.Array:
     return jnp.moveaxis(x.reshape((x.shape[0], n, chunk) + x.shape[2:]), 1, 0)
 
 
+def dot(a, b):
+    """a [m, k] . b [k, n], accumulated in float32 (inside GPU kernels)."""
+    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def dot_nt(a, b):
+    """a [m, k] . b [n, k]^T, accumulated in float32."""
+    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def dot_tn(a, b):
+    """a [k, m]^T . b [k, n], accumulated in float32."""
+    return lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+
 def pad_axis(x: jax.Array, axis: int, size: int, value=0) -> jax.Array:
     """Pads `axis` of x at the end with `value` up to `size` (no-op when already that long)."""
     extra = size - x.shape[axis]

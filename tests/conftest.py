@@ -60,20 +60,12 @@ def jaxpr_equations(jaxpr):
 @contextlib.contextmanager
 def counting_compiles():
     """Yields a Counter of compilations per jitted function name ('jit(name)') made inside the
-    block; a program taken from the persistent compilation cache counts too."""
-    import jax
+    block; a program taken from the persistent compilation cache counts too
+    (`glm_jax.training.compiles.CompileWatch`)."""
+    from glm_jax.training.compiles import CompileWatch
 
-    counts = Counter()
-
-    def count(event: str, _secs: float, **info) -> None:
-        if event == "/jax/core/compile/backend_compile_duration":
-            counts[info.get("fun_name")] += 1
-
-    jax.monitoring.register_event_duration_secs_listener(count)
-    try:
-        yield counts
-    finally:
-        jax.monitoring.unregister_event_duration_listener(count)
+    with CompileWatch() as watch:
+        yield watch.counts
 
 
 @pytest.fixture

@@ -15,16 +15,16 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
 
 import pytest
 
+from benchmarks import damaged_checkpoint
 from conftest import ROOT, micro_config
 from glm_jax import faults
-from glm_jax.checkpoint_damage import MANIFEST_NAME, check_file_manifest
+from glm_jax.checkpoint_damage import check_file_manifest
 from glm_jax.config import save_config
 
 STEPS = 5
@@ -116,19 +116,7 @@ def test_damaged_model_directory_is_one_line_in_every_concurrent_run(tmp_path, w
     """A truncated data file in a copy of the shipped model, 6 decode.py processes at once on 2
     cores: each prints the one error line and exits 2. Without params.files.json the restore
     itself fails while reads are in flight, whose late reports must not reach the terminal."""
-    copy = tmp_path / "model"
-    shutil.copytree(ROOT / "checkpoints" / "default", copy)
-    data = max((f for f in (copy / "params").rglob("*") if f.is_file() and f.parent.name == "d"),
-               key=lambda f: f.stat().st_size)
-    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
-    if not with_file_list:
-        (copy / MANIFEST_NAME).unlink()
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    procs = [subprocess.Popen([sys.executable, str(ROOT / "decode.py"), "--checkpoint", str(copy), "--prompt", "x"],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
-             for _ in range(6)]
-    for proc in procs:
-        output, _ = proc.communicate(timeout=TIMEOUT)
-        lines = output.strip().splitlines()
-        assert proc.returncode == 2 and len(lines) == 1, output[-3000:]
+    copy = damaged_checkpoint.damaged_copy(tmp_path, with_file_list)
+    for code, lines in damaged_checkpoint.concurrent_runs(copy, 6):
+        assert code == 2 and len(lines) == 1, lines[-40:]
         assert lines[0].startswith(f"error: {copy}/params is damaged: ") and "truncated" in lines[0], lines[0]

@@ -18,7 +18,7 @@ import threading
 from pathlib import Path
 
 
-class _ThreadRoutedStream:
+class ThreadRoutedStream:
     """A text stream that writes the main thread's text to `main` and the others' to `other`."""
 
     def __init__(self, main, other):
@@ -77,7 +77,7 @@ def routed_to(path: str | Path):
     handlers = list(logging.getLogger().handlers)
     for h in handlers:
         h.addFilter(keep)
-    previous, sys.stderr = sys.stderr, _ThreadRoutedStream(sys.stderr, file)
+    previous, sys.stderr = sys.stderr, ThreadRoutedStream(sys.stderr, file)
     try:
         yield
     finally:

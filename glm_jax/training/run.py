@@ -10,10 +10,10 @@ it: process 0 writes the files, all of them write and read the checkpoints toget
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
-import re
 import resource
 import shutil
 import signal
@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from glm_jax import cli, costs, faults, multihost, ops, sharding
 from glm_jax.checkpoint import check_same_config, load_model, save_model_dir
-from glm_jax.checkpoint_damage import silence_orbax_leftovers
+from glm_jax.checkpoint_damage import os_reason, silence_orbax_leftovers
 from glm_jax.config import ConfigError, GLMConfig, load_config, save_config
 from glm_jax.data import batches as data_batches
 from glm_jax.data import corpus, pipeline, sources, tokenizer as tok_lib
@@ -353,46 +353,20 @@ def finish_saves(run: Run) -> None:
         run.mngr.wait_until_finished()
 
 
-class _save_failures:
+@contextlib.contextmanager
+def _save_failures(what: str, run: Run):
     """Within: an exception from orbax's writer becomes SaveFailedError saying what was being
     saved, the cause in one line, and which complete checkpoint a --resume would continue from."""
-
-    def __init__(self, what: str, run: Run):
-        self.what, self.run = what, run
-
-    def __enter__(self):
-        self.logs = background_output.library_logs_too()
-        self.logs.__enter__()
-        return self
-
-    def __exit__(self, kind, error, _tb):
-        self.logs.__exit__(kind, error, _tb)
-        if error is None or not isinstance(error, Exception):
-            return False
+    try:
+        with background_output.library_logs_too():
+            yield
+    except Exception as error:  # noqa: BLE001 - orbax and tensorstore raise many kinds
         silence_orbax_leftovers()
-        cause = _first_os_error(error)
-        kept = _complete_checkpoints(self.run)
+        kept = _complete_checkpoints(run)
         raise SaveFailedError(
-            f"saving {self.what} to {self.run.out} failed: {cause} (details: background.log); "
+            f"saving {what} to {run.out} failed: {os_reason(error)} (details: background.log); "
             + (f"the complete checkpoint of step {kept[-1]} is kept (continue from it with --resume once "
                "the disk has room)" if kept else "no complete checkpoint is kept yet")) from error
-
-
-def _first_os_error(error: BaseException) -> str:
-    """The operating system's reason in the exception's chain ('File too large', 'No space left
-    on device': an OSError's, or the code in tensorstore's message), else the error's first line."""
-    seen = error
-    for _ in range(16):
-        if seen is None:
-            break
-        if isinstance(seen, OSError) and seen.strerror:
-            return seen.strerror
-        code = re.search(r"os_error_code='(\d+)'", str(seen))
-        if code:
-            return os.strerror(int(code.group(1)))
-        seen = seen.__cause__ or seen.__context__
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0][:200] if text else ''}"
 
 
 def _complete_checkpoints(run: Run) -> list[int]:

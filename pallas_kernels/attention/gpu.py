@@ -58,7 +58,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._common import check_positive_fields, pad_slots
+from pallas_kernels._common import check_positive_fields, dot, dot_nt, pad_slots
 from pallas_kernels.attention import gpu_backward, transpose, vjp
 from pallas_kernels.attention.gpu_backward import head_rows, next_pow2, pow2_chunks
 
@@ -82,12 +82,6 @@ INDEXED_MODES = ("sorted", "by_key")
 BY_KEY_FLOP_PER_BYTE = 100
 
 
-def _dot_nt(a, b):
-    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-
-
-def _dot(a, b):
-    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
 
 
 def _load_block(idx_ref, kv_ref, *, b, row, k0, block_k, num_keys, chunks):
@@ -136,9 +130,9 @@ def _fwd_kernel(q_ref, kv_ref, idx_ref, *refs, seq_len, num_keys, sm_scale, bloc
     def scores(k0):
         valid, _, rows = load(k0=k0)
         rows = [r.astype(qs[0].dtype) for r in rows]
-        s = _dot_nt(qs[0], rows[0])
+        s = dot_nt(qs[0], rows[0])
         for qc, rc in zip(qs[1:], rows[1:]):
-            s += _dot_nt(qc, rc)
+            s += dot_nt(qc, rc)
         return valid, rows, s * sm_scale                                  # s [group, bk]
 
     def body(j, carry):
@@ -151,7 +145,7 @@ def _fwd_kernel(q_ref, kv_ref, idx_ref, *refs, seq_len, num_keys, sm_scale, bloc
         alpha = jnp.exp(m - m_use)
         l = l * alpha + jnp.sum(p, axis=1)
         pc = p.astype(rows[0].dtype)
-        accs = tuple(a * alpha[:, None] + _dot(pc, r) for a, r in zip(accs, rows[:nv]))
+        accs = tuple(a * alpha[:, None] + dot(pc, r) for a, r in zip(accs, rows[:nv]))
         return m_new, l, accs
 
     init = (jnp.full((group,), -jnp.inf, jnp.float32), jnp.zeros((group,), jnp.float32),
@@ -275,23 +269,23 @@ def _bwd_kernel(q_ref, do_ref, lse_ref, delta_ref, kv_ref, idx_ref, *refs, seq_l
         valid, idx, rows = _load_block(idx_ref, kv_ref, b=b, row=row, k0=k0, block_k=block_k,
                                        num_keys=num_keys, chunks=kchunks)
         dtype = rows[0].dtype
-        s = _dot_nt(qs[0], rows[0])
+        s = dot_nt(qs[0], rows[0])
         for qc, rc in zip(qs[1:], rows[1:]):
-            s += _dot_nt(qc, rc)
+            s += dot_nt(qc, rc)
         p = jnp.where(valid[None, :], jnp.exp(s * sm_scale - lse[:, None]), 0.0)
-        dp = _dot_nt(dos[0], rows[0])
+        dp = dot_nt(dos[0], rows[0])
         for dc, rc in zip(dos[1:], rows[1:nv]):
-            dp += _dot_nt(dc, rc)
+            dp += dot_nt(dc, rc)
         ds = p * (dp - delta[:, None]) * sm_scale
         dsc = ds.astype(dtype)
         dst = dsc.T
         pt = p.astype(dtype).T
         new = []
         for i, ((c0, cs), qc, rc, dq) in enumerate(zip(kchunks, qs, rows, dqs)):
-            new.append(dq + _dot(dsc, rc))
-            dkv = _dot(dst, qc)                                          # [bk, cs]
+            new.append(dq + dot(dsc, rc))
+            dkv = dot(dst, qc)                                          # [bk, cs]
             if i < nv:
-                dkv += _dot(pt, dos[i])
+                dkv += dot(pt, dos[i])
             if atomic:
                 _add_rows(dkv_ref, b * num_keys + idx, valid, c0, dkv, interpret=interpret)
             else:

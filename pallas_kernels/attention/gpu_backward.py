@@ -74,6 +74,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels._common import dot, dot_nt, dot_tn
 from pallas_kernels.attention import transpose as tr
 from pallas_kernels.attention import vjp
 
@@ -143,16 +144,7 @@ def query_slots(heads: int) -> int:
     return next_pow2(heads)
 
 
-def _dot(a, b):          # a [m, k] . b [k, n]
-    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
 
-
-def _dot_nt(a, b):       # a [m, k] . b [n, k]^T
-    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-
-
-def _dot_tn(a, b):       # a [k, m]^T . b [k, n]
-    return lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
 
 
 def _params(num_warps, num_stages):
@@ -246,22 +238,22 @@ def _pairs_kernel(q_ref, do_ref, lse_ref, delta_ref, kv_ref, idx_ref, *refs, sm_
             valid, safe = _slot_block(idx_ref, r, k0, block_k, topk, num_keys, base)
             kv_rows = [kv_ref[safe, pl.ds(c0, cs)] for c0, cs in kchunks]            # [bk, cs]
             dtype = kv_rows[0].dtype
-            st = _dot_nt(kv_rows[0], qs[0])                                          # s^T [bk, hp]
+            st = dot_nt(kv_rows[0], qs[0])                                          # s^T [bk, hp]
             for rc, qc in zip(kv_rows[1:], qs[1:]):
-                st += _dot_nt(rc, qc)
+                st += dot_nt(rc, qc)
             pt = jnp.where(valid[:, None], jnp.exp(st * sm_scale - lse[None, :]), 0.0)
-            dpt = _dot_nt(kv_rows[0], dos[0])                                        # dp^T [bk, hp]
+            dpt = dot_nt(kv_rows[0], dos[0])                                        # dp^T [bk, hp]
             for rc, dc in zip(kv_rows[1:nv], dos[1:]):
-                dpt += _dot_nt(rc, dc)
+                dpt += dot_nt(rc, dc)
             dsc = (pt * (dpt - delta[None, :]) * sm_scale).astype(dtype)             # ds^T [bk, hp]
             if pairs:
                 pc = pt.astype(dtype)
                 k = k0 + _iota((block_k,), 0)
                 place = plgpu.load(pos_ref.at[c, local * topk + k], mask=k < topk, other=pos_ref.shape[1])
                 for i, ((c0, cs), qc) in enumerate(zip(kchunks, qs)):
-                    g = _dot(dsc, qc)                                                # [bk, cs]
+                    g = dot(dsc, qc)                                                # [bk, cs]
                     if i < nv:
-                        g += _dot(pc, dos[i])
+                        g += dot(pc, dos[i])
                     dst = contrib_ref.at[place, pl.ds(c0, cs)]
                     if evict:
                         plgpu.store(dst, g.astype(contrib_ref.dtype), eviction_policy="evict_first")
@@ -270,7 +262,7 @@ def _pairs_kernel(q_ref, do_ref, lse_ref, delta_ref, kv_ref, idx_ref, *refs, sm_
             if not fuse_dq:
                 out_ref[local, pl.ds(k0, block_k), :] = dsc.astype(out_ref.dtype)
                 return dqts
-            return tuple(dqt + _dot_tn(rc, dsc) for rc, dqt in zip(kv_rows, dqts))   # dq^T [cs, hp]
+            return tuple(dqt + dot_tn(rc, dsc) for rc, dqt in zip(kv_rows, dqts))   # dq^T [cs, hp]
 
         init = tuple(jnp.zeros((cs, hp), jnp.float32) for _, cs in kchunks) if fuse_dq else ()
         dqts = lax.fori_loop(0, -(-topk // block_k), body, init)
@@ -350,7 +342,7 @@ def _dq_kernel(ds_ref, kv_ref, idx_ref, chunk_ref, dq_in_ref, dq_ref, *, seq_len
             k0 = j * block_k
             _, safe = _slot_block(idx_ref, r, k0, block_k, topk, num_keys, base)
             dst = ds_ref[local, pl.ds(k0, block_k), :]                              # [bk, hp]; 0 where invalid
-            return tuple(dq + _dot_tn(dst, kv_ref[safe, pl.ds(c0, cs)])
+            return tuple(dq + dot_tn(dst, kv_ref[safe, pl.ds(c0, cs)])
                          for (c0, cs), dq in zip(kchunks, dqs))
 
         dqs = lax.fori_loop(0, -(-topk // block_k), body,
@@ -479,20 +471,20 @@ def _keys_block(kv_ref, q_ref, do_ref, lse_ref, delta_ref, bits_ref, spans_ref, 
         delta = tile(delta_ref, s0=s0)
         word = words_at(s0 // tr.WORD_BITS)                                            # [rows]
         sel = ((word[:, None] >> (s0 % tr.WORD_BITS + shift0)[None, :]) & 1) != 0          # [rows, n]
-        st = _dot_nt(rows[0], qs[0])                                                   # s^T [rows, n]
+        st = dot_nt(rows[0], qs[0])                                                   # s^T [rows, n]
         for rc, qc in zip(rows[1:], qs[1:]):
-            st += _dot_nt(rc, qc)
+            st += dot_nt(rc, qc)
         pt = jnp.where(sel, jnp.exp(st * sm_scale - lse[None, :]), 0.0)
-        dpt = _dot_nt(rows[0], dos[0])
+        dpt = dot_nt(rows[0], dos[0])
         for rc, dc in zip(rows[1:nv], dos[1:]):
-            dpt += _dot_nt(rc, dc)
+            dpt += dot_nt(rc, dc)
         dsc = (pt * (dpt - delta[None, :]) * sm_scale).astype(dtype)
         pc = pt.astype(dtype)
         out = []
         for i, (qc, acc) in enumerate(zip(qs, accs)):
-            acc = acc + _dot(dsc, qc)                                                   # [rows, cs]
+            acc = acc + dot(dsc, qc)                                                   # [rows, cs]
             if i < nv:
-                acc = acc + _dot(pc, dos[i])
+                acc = acc + dot(pc, dos[i])
             out.append(acc)
         return tuple(out)
 

@@ -32,7 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._common import check_positive_fields
+from pallas_kernels._common import check_positive_fields, dot, dot_nt, dot_tn, pad_axis
 from pallas_kernels.attention.gpu_backward import pow2_chunks
 
 
@@ -51,16 +51,7 @@ class DenseKLGpuConfig:
             raise ValueError(f"DenseKLGpuConfig.block must be a power of two >= 16, got {self.block}")
 
 
-def _dot(a, b):          # a [m, k] . b [k, n]
-    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
 
-
-def _dot_tn(a, b):       # a [k, m]^T . b [k, n]
-    return lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-
-
-def _dot_nt(a, b):       # a [m, k] . b [n, k]^T
-    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
 def _finite(x):
@@ -78,12 +69,9 @@ def _kernel(*refs, layers, heads, index_heads, kchunks, ichunks, sm_scale, share
 
     def logits(j, h, kb):
         t0 = kb * block
-        s = None
-        for c0, cs in kchunks:
-            part = _dot_nt(q_refs[j][b, pl.ds(s0, block), h, pl.ds(c0, cs)],
-                           lat_refs[j][b, pl.ds(t0, block), pl.ds(c0, cs)])
-            s = part if s is None else s + part
-        return s * sm_scale                                                   # [block, block]
+        return _chunked_dot_nt(lambda c0, cs: q_refs[j][b, pl.ds(s0, block), h, pl.ds(c0, cs)],
+                               lambda c0, cs: lat_refs[j][b, pl.ds(t0, block), pl.ds(c0, cs)],
+                               kchunks) * sm_scale                           # [block, block]
 
     pairs = [(j, h) for j in range(layers) for h in range(heads)]
 
@@ -121,11 +109,8 @@ def _kernel(*refs, layers, heads, index_heads, kchunks, ichunks, sm_scale, share
         t0 = kb * block
         s = jnp.zeros((block, block), jnp.float32)
         for h in range(index_heads):
-            a = None
-            for c0, cs in ichunks:
-                part = _dot_nt(iq_ref[b, pl.ds(s0, block), h, pl.ds(c0, cs)],
-                               ik_ref[b, pl.ds(t0, block), pl.ds(c0, cs)])
-                a = part if a is None else a + part
+            a = _chunked_dot_nt(lambda c0, cs: iq_ref[b, pl.ds(s0, block), h, pl.ds(c0, cs)],
+                                lambda c0, cs: ik_ref[b, pl.ds(t0, block), pl.ds(c0, cs)], ichunks)
             s += w[h][:, None] * jnp.maximum(a, 0.0)
         cross += jnp.sum(jnp.where(vis, tbar * s, 0.0), axis=1)
         x = jnp.where(vis, s, -jnp.inf)
@@ -163,7 +148,7 @@ def _chunked_dot_nt(a_ref_rows, b_ref_rows, chunks):
     """sum over column chunks of a(c0, cs) . b(c0, cs)^T; a_ref_rows(c0, cs) -> [m, cs]."""
     out = None
     for c0, cs in chunks:
-        part = _dot_nt(a_ref_rows(c0, cs), b_ref_rows(c0, cs))
+        part = dot_nt(a_ref_rows(c0, cs), b_ref_rows(c0, cs))
         out = part if out is None else out + part
     return out
 
@@ -213,8 +198,8 @@ def _backward_kernel(*refs, layers, heads, index_heads, kchunks, ichunks, sm_sca
             a = index_logits(h, t0)
             new_dws.append(dws[h] + jnp.sum(ds * jnp.maximum(a, 0.0), axis=1))
             da = jnp.where(a > 0, ds * w[h][:, None], 0.0).astype(keys.dtype)
-            new_dqs.append(dqs[h] + _dot(da, keys))
-            dk += _dot_tn(da, iq_ref[b, pl.ds(s0, block), h, :])
+            new_dqs.append(dqs[h] + dot(da, keys))
+            dk += dot_tn(da, iq_ref[b, pl.ds(s0, block), h, :])
         dk_ref[i, b, pl.ds(t0, block), :] = dk
         return tuple(new_dqs), tuple(new_dws)
 
@@ -233,15 +218,6 @@ def _backward_kernel(*refs, layers, heads, index_heads, kchunks, ichunks, sm_sca
     lax.fori_loop(hi, n, zero, 0)
 
 
-def _pad(x, axis: int, size: int):
-    extra = size - x.shape[axis]
-    if extra <= 0:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, extra)
-    return jnp.pad(x, widths)
-
-
 def _width(n: int) -> int:
     """A feature width Triton's dots take in power-of-two chunks: a multiple of 16."""
     return -(-n // 16) * 16
@@ -253,12 +229,12 @@ def _prepare(qs, latents, idx_q, idx_keys, idx_w, kv_start, block: int):
     seq_len, dk = qs[0].shape[1], qs[0].shape[3]
     sp = -(-seq_len // block) * block
     dkp, dip = _width(dk), _width(idx_q.shape[3])
-    qs = [_pad(_pad(q, 3, dkp), 1, sp) for q in qs]
-    latents = [_pad(_pad(c.astype(q.dtype), 2, dkp), 1, sp) for c, q in zip(latents, qs)]
-    idx_q = _pad(_pad(idx_q, 3, dip), 1, sp)
-    idx_keys = _pad(_pad(idx_keys.astype(idx_q.dtype), 2, dip), 1, sp)
-    idx_w = _pad(idx_w.astype(jnp.float32), 1, sp)
-    kv_start = _pad(kv_start.astype(jnp.int32), 1, sp)
+    qs = [pad_axis(pad_axis(q, 3, dkp), 1, sp) for q in qs]
+    latents = [pad_axis(pad_axis(c.astype(q.dtype), 2, dkp), 1, sp) for c, q in zip(latents, qs)]
+    idx_q = pad_axis(pad_axis(idx_q, 3, dip), 1, sp)
+    idx_keys = pad_axis(pad_axis(idx_keys.astype(idx_q.dtype), 2, dip), 1, sp)
+    idx_w = pad_axis(idx_w.astype(jnp.float32), 1, sp)
+    kv_start = pad_axis(kv_start.astype(jnp.int32), 1, sp)
     statics = dict(layers=len(qs), heads=qs[0].shape[2], index_heads=idx_q.shape[2],
                    kchunks=tuple(pow2_chunks(0, dkp)), ichunks=tuple(pow2_chunks(0, dip)), block=block)
     return (qs, latents, idx_q, idx_keys, idx_w, kv_start), sp, statics
@@ -300,8 +276,8 @@ def backward(qs, latents, idx_q, idx_keys, idx_w, kv_len, kv_start, lse, lse_s, 
     (qs, latents, idx_q, idx_keys, idx_w, kv_start), sp, statics = _prepare(
         qs, latents, idx_q, idx_keys, idx_w, kv_start, config.block)
     dip = idx_q.shape[3]
-    lse = _pad(lse.astype(jnp.float32), 2, sp)
-    lse_s, g = _pad(lse_s.astype(jnp.float32), 1, sp), _pad(g.astype(jnp.float32), 1, sp)
+    lse = pad_axis(lse.astype(jnp.float32), 2, sp)
+    lse_s, g = pad_axis(lse_s.astype(jnp.float32), 1, sp), pad_axis(g.astype(jnp.float32), 1, sp)
     n = sp // config.block
     kernel = functools.partial(_backward_kernel, sm_scale=float(sm_scale), shares=tuple(float(s) for s in shares),
                                **statics)
