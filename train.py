@@ -34,6 +34,9 @@ def parse_args(argv=None):
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--warmup-steps", type=int, default=50)
+    ap.add_argument("--decay-steps", type=int, default=0,
+                    help="hold --lr after the warm-up and decay it linearly to lr/10 over the last N steps "
+                         "(default 0: cosine to lr/10 at --steps)")
     ap.add_argument("--dense-steps", type=int, default=100,
                     help="steps of dense attention (indexer warm-up) before sparse attention")
     ap.add_argument("--indexer-weight", type=float, default=1.0)

@@ -105,7 +105,8 @@ def setup(args) -> Run:
     if model is None:
         model = GLMModel(cfg, rngs=nnx.Rngs(args.seed))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    tx, schedule = make_optimizer(args.lr, args.steps, args.warmup_steps)
+    tx, schedule = make_optimizer(args.lr, args.steps, args.warmup_steps,
+                                     decay_steps=args.decay_steps)
     params, rest, opt_state = _place_state(mesh, params, rest, tx)
     if mesh is not None:
         print(f"mesh: {sharding.format_mesh(mesh)} over {mesh.size} devices of {jax.process_count()} process(es); "

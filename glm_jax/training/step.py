@@ -40,10 +40,24 @@ class LossWeights:
     tv: float = 0.0
 
 
-def make_optimizer(lr: float, total_steps: int, warmup_steps: int, weight_decay: float = 0.1):
+def make_optimizer(lr: float, total_steps: int, warmup_steps: int, weight_decay: float = 0.1,
+                   decay_steps: int = 0):
+    """AdamW with gradient clipping. The learning rate warms up linearly over `warmup_steps`, then
+    follows a cosine to lr/10 at `total_steps`; with `decay_steps` > 0 it instead stays at `lr`
+    and decays linearly to lr/10 over the last `decay_steps` (warmup-stable-decay: every step
+    before the decay is the same whatever `total_steps` is, so a run may be lengthened or
+    shortened on resume while it is still stable)."""
     warmup_steps = max(1, min(warmup_steps, total_steps - 1))
-    schedule = optax.warmup_cosine_decay_schedule(0.0, lr, warmup_steps, max(total_steps, warmup_steps + 1),
-                                                  end_value=lr * 0.1)
+    if decay_steps > 0:
+        decay_steps = min(decay_steps, max(1, total_steps - warmup_steps))
+        stable = max(0, total_steps - warmup_steps - decay_steps)
+        schedule = optax.join_schedules(
+            [optax.linear_schedule(0.0, lr, warmup_steps), optax.constant_schedule(lr),
+             optax.linear_schedule(lr, lr * 0.1, decay_steps)],
+            [warmup_steps, warmup_steps + stable])
+    else:
+        schedule = optax.warmup_cosine_decay_schedule(0.0, lr, warmup_steps, max(total_steps, warmup_steps + 1),
+                                                      end_value=lr * 0.1)
     tx = optax.chain(optax.clip_by_global_norm(1.0),
                      optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=weight_decay))
     return tx, schedule
