@@ -41,6 +41,7 @@ from glm_jax.serving.text import Detokenizer, TextStream
 
 TOKENIZER_FILE = ROOT / "checkpoints" / "default" / "tokenizer.json"
 TOKENIZER = load_tokenizer(TOKENIZER_FILE)
+VOCAB = TOKENIZER.get_vocab_size()
 MULTIBYTE = "héllo 日本 🎉 ok"
 
 
@@ -117,8 +118,8 @@ def parse(**fields):
     ({"prompt": ["a"] * (MAX_PROMPTS + 1)}, "prompt", f"up to {MAX_PROMPTS} prompts"),
     ({"prompt": []}, "prompt", "must be a string"),
     ({"prompt": ["a", ["b"]]}, "prompt", "prompt[1] must be a string or a list of token ids"),
-    ({"prompt": [5000]}, "prompt", "in [0, 4096)"),
-    ({"prompt": ["a", [1, 5000]]}, "prompt", "prompt[1]: token ids must be in [0, 4096)"),
+    ({"prompt": [VOCAB + 1]}, "prompt", f"in [0, {VOCAB})"),
+    ({"prompt": ["a", [1, VOCAB]]}, "prompt", f"prompt[1]: token ids must be in [0, {VOCAB})"),
     ({"prompt": ""}, "prompt", "empty"),
     ({"prompt": "a", "stop": ["x", 3]}, "stop", "non-empty string"),
     ({"prompt": "a", "n": MAX_N + 1}, "n", f"n must be from 1 to {MAX_N}"),
