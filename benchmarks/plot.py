@@ -33,8 +33,9 @@ class Chart:
 
 
 def _series(rows: list[dict], x: str, match: dict, y: str, scale: float = 1.0) -> list[tuple[float, float]]:
-    """The (row[x], row[y] * scale) points of the rows whose fields equal `match`, sorted by x."""
-    return sorted((r[x], r[y] * scale) for r in rows if all(r.get(k) == v for k, v in match.items()))
+    """The (row[x], row[y] * scale) points of the rows that have y and whose fields equal `match`,
+    sorted by x."""
+    return sorted((r[x], r[y] * scale) for r in rows if y in r and all(r.get(k) == v for k, v in match.items()))
 
 
 def indexer_chart(rows: list[dict]) -> Chart:
@@ -54,10 +55,16 @@ def long_context_chart(rows: list[dict]) -> Chart:
 
 
 def loss_curve_chart(rows: list[dict]) -> Chart:
-    """train.py metrics rows, each with the "source" file it came from -> LM loss vs step."""
+    """train.py metrics rows, each with the "source" file it came from -> LM loss vs step: the
+    logged training batches, and the held-out evaluations where the run made any."""
     sources = list(dict.fromkeys(r["source"] for r in rows))
-    series = {f"lm loss, {source}": _series(rows, "step", {"source": source}, "lm") for source in sources}
-    return Chart(series, "small-128k, 131072-token sequences (H200)", "step", "LM loss", log=False)
+    series = {}
+    for source in sources:
+        series[f"train lm loss, {source}"] = _series(rows, "step", {"source": source}, "lm")
+        held_out = _series(rows, "step", {"source": source}, "val_lm")
+        if held_out:
+            series[f"held-out lm loss, {source}"] = held_out
+    return Chart(series, "train.py LM loss (nats per token)", "step", "LM loss", log=False)
 
 
 def serving_load_chart(rows: list[dict]) -> Chart:

@@ -13,15 +13,15 @@
 # 3. runs train.py with the recipe of docs/default-model.md and --resume, under a time limit
 #    that leaves room for the rest: at the limit SIGTERM makes train.py save a checkpoint after
 #    its step and exit, and the next call continues from it exactly (same machine only: the
-#    checkpoint, with optimizer state about 600 MB, stays in runs/default-py/checkpoints/);
+#    checkpoint, with optimizer state about 210 MB, stays in runs/default-py/checkpoints/);
 #    TRAIN_FLAGS are appended (the last value of a repeated flag wins, e.g. -- --steps 1500);
 # 4. exports the newest checkpoint as runs/default-py/params/ in bfloat16 (train.py itself
 #    exports when it reaches --steps) and packs it, with config.yaml and tokenizer.json, into
 #    parts of 15 MiB: default_model_params.tar.part-00, -01, ...;
 # 5. writes OUT_DIR/default_model.tar.gz (metrics.jsonl, the train logs, config.yaml,
 #    tokenizer.json, the corpus manifest, status.txt with the step, the parts and their
-#    sha256) and copies parts 00-02 to OUT_DIR. The rest (03-06 for the 99.4 MB export) comes
-#    with a second call: --parts 3-6. Rebuild: cat default_model_params.tar.part-* > params.tar,
+#    sha256) and copies parts 00-02 to OUT_DIR (the default model's 27 MB export is 2 parts);
+#    any more come with a second call: --parts 3-6. Rebuild: cat default_model_params.tar.part-* > params.tar,
 #    check its sha256 against status.txt, tar -xf params.tar -C checkpoints/default-py.
 # MINUTES (default 9) bounds the whole call. --smoke does all of it on the CPU at a tiny size:
 # a corpus of four small packages, configs/tiny.yaml, a few steps (runs/*-smoke).
@@ -127,9 +127,9 @@ if [ ! -f "$corpus/manifest.json" ]; then
 fi
 
 train_args=(--config configs/default-py.yaml --out "$run" --data "$corpus/train.jsonl"
-            --heldout-data "$corpus/heldout.jsonl" --seq-len 4096 --batch-size 16 --remat --steps 4000
-            --dense-steps 400 --lr 1e-3 --warmup-steps 200 --mtp-depth 3 --mtp-weight 0.3 --tv-weight 0.5
-            --eval-every 250 --save-every 250 --export-dtype bfloat16 --resume)
+            --heldout-data "$corpus/heldout.jsonl" --seq-len 4096 --batch-size 16 --remat --steps 1800
+            --dense-steps 300 --lr 1.5e-3 --warmup-steps 200 --decay-steps 360 --mtp-depth 3 --mtp-weight 0.3
+            --tv-weight 0.5 --eval-every 250 --save-every 250 --log-every 50 --export-dtype bfloat16 --resume)
 [ $smoke = 1 ] && train_args+=(--config configs/tiny.yaml --seq-len 64 --batch-size 2 --steps 4 --dense-steps 2
                                --warmup-steps 1 --eval-every 2 --save-every 2 --eval-batches 1 --log-every 1)
 train_args+=("${extra[@]}")
@@ -160,7 +160,7 @@ fi
 echo "== pack"
 rm -rf "$packed" && mkdir -p "$packed"
 if [ -d "$run/params" ]; then
-    tar -cf "$packed/params.tar" -C "$run" config.yaml tokenizer.json params
+    tar -cf "$packed/params.tar" -C "$run" config.yaml tokenizer.json params $(cd "$run" && ls params.files.json 2>/dev/null)
     sha=$(sha256sum "$packed/params.tar" | cut -d' ' -f1)
     split -b 15M -d -a 2 "$packed/params.tar" "$packed/default_model_params.tar.part-"
     rm "$packed/params.tar"
