@@ -2,10 +2,13 @@
 
     PYTHONPATH=. python3 benchmarks/train_long.py                        # on a GPU
     PYTHONPATH=. python3 benchmarks/train_long.py --smoke                # tiny, CPU
+    PYTHONPATH=. python3 benchmarks/train_long.py --config configs/default-py.yaml --seq-len 4096 \
+        --batch-size 16 --stages dense sparse --sparse-impls pallas_gpu  # a train.py run's batch shape
 
 One optimizer step (forward, backward, AdamW) of `configs/small-128k.yaml` (about 0.3B
 parameters: 8 layers in 2 IndexShare groups, an 8-expert MoE, GLM-5.2's MLA latent and
-indexer, top-2048, one MTP layer) on one sequence of --seq-len tokens, in the two stages:
+indexer, top-2048, one MTP layer) on --batch-size sequences (default 1) of --seq-len tokens,
+in the two stages:
 
 * dense: causal attention over every earlier token through the fused attention kernel (LM and
   MTP losses; the indexer is not trained - its loss needs the full attention matrix);
@@ -42,6 +45,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="configs/small-128k.yaml")
     ap.add_argument("--seq-len", type=int, default=131072)
+    ap.add_argument("--batch-size", type=int, default=1, help="sequences per step (train.py's --batch-size)")
     ap.add_argument("--steps", type=int, default=2, help="timed steps per stage (after one compiling step)")
     ap.add_argument("--stages", nargs="+", default=["sparse", "dense"], choices=["dense", "sparse"])
     ap.add_argument("--sparse-impls", nargs="+", default=["pallas_gpu", "xla"],
@@ -61,11 +65,14 @@ def main() -> None:
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     del model
     tx, _ = make_optimizer(3e-4, 1000, 10)
-    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, seq_len + 1)).astype(np.int32)
+    if args.batch_size < 1:
+        ap.error("--batch-size must be at least 1")
+    batch = args.batch_size
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, seq_len + 1)).astype(np.int32)
     inputs, targets = jnp.asarray(tokens[:, :-1]), jnp.asarray(tokens[:, 1:])
     print(f"device {jax.devices()[0].device_kind}; bf16 matmul {matmul / 1e12:.0f} TFLOP/s; "
           f"{cfg.name}: {sum(x.size for x in jax.tree.leaves(params)) / 1e6:.0f}M parameters, "
-          f"{active / 1e6:.0f}M active; {seq_len} tokens per step")
+          f"{active / 1e6:.0f}M active; {batch} x {seq_len} tokens per step")
     print("| stage | attention | ms/step | tokens/s | TFLOP/s (model FLOPs) | MFU vs measured matmul | loss |")
     print("|---|---|---|---|---|---|---|")
     rows = []
@@ -73,7 +80,7 @@ def main() -> None:
     def save():             # after every stage, so a run cut short keeps what it measured
         if args.json:
             with open(args.json, "w") as f:
-                json.dump(dict(matmul_flops=matmul, seq_len=seq_len, rows=rows), f, indent=1)
+                json.dump(dict(matmul_flops=matmul, seq_len=seq_len, batch_size=batch, rows=rows), f, indent=1)
 
     runs = [(stage, impl) for stage in args.stages
             for impl in (args.sparse_impls if stage == "sparse" else ["fused dense"])]
@@ -101,10 +108,10 @@ def main() -> None:
             jax.block_until_ready(terms)
             times.append(time.perf_counter() - t)
         step_s = float(np.median(times))
-        flops = costs.training_flops_per_token(cfg, seq_len, active, sparse=stage == "sparse") * seq_len
-        print(f"| {stage} | {impl} | {step_s * 1e3:.0f} | {seq_len / step_s:.0f} | {flops / step_s / 1e12:.0f} | "
+        flops = costs.training_flops_per_token(cfg, seq_len, active, sparse=stage == "sparse") * seq_len * batch
+        print(f"| {stage} | {impl} | {step_s * 1e3:.0f} | {batch * seq_len / step_s:.0f} | {flops / step_s / 1e12:.0f} | "
               f"{flops / step_s / matmul:.1%} | {float(terms['loss']):.3f} |", flush=True)
-        rows.append(dict(stage=stage, attention=impl, step_s=step_s, tokens_per_s=seq_len / step_s, model_flops=flops,
+        rows.append(dict(stage=stage, attention=impl, step_s=step_s, tokens_per_s=batch * seq_len / step_s, model_flops=flops,
                          loss=float(terms["loss"])))
         save()
         del p, opt_state

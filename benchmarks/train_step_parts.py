@@ -2,6 +2,7 @@
 limits, and train.py's steady loop on the same batch shape.
 
     PYTHONPATH=. python3 benchmarks/train_step_parts.py steps --json OUT/steps.json [--variants dense:absorbed ...]
+    PYTHONPATH=. python3 benchmarks/train_step_parts.py steps --params checkpoints/default --json OUT/steps-trained.json
     PYTHONPATH=. python3 benchmarks/train_step_parts.py parts --json OUT/parts.json
     PYTHONPATH=. python3 benchmarks/train_step_parts.py loop --json OUT/loop.json --run-dir runs/loop
     PYTHONPATH=. python3 benchmarks/train_step_parts.py table OUT          # the markdown of docs/training.md
@@ -43,16 +44,20 @@ VARIANTS = ("dense:expanded", "dense:absorbed", "sparse:expanded", "sparse:absor
 
 
 # ---------------------------------------------------------------------------------- data
-def real_batch(recipe: dict, vocab_size: int, seed: int = 0):
-    """One packed batch (pipeline.Batch, int32 [B, L]) of the standard library's source,
-    tokenised by a BPE trained on a slice of it (cached in runs/)."""
+def real_batch(recipe: dict, vocab_size: int, seed: int = 0, data: str | None = None, tokenizer_dir: str | None = None):
+    """One packed batch (pipeline.Batch, int32 [B, L]): of `data` (documents as train.py --data
+    reads them) or else the standard library's source, tokenised by `tokenizer_dir`'s tokenizer
+    or else a BPE trained on a slice of the documents (cached in runs/)."""
     from glm_jax.data import corpus, pipeline, sources
     from glm_jax.data import tokenizer as tok_lib
 
-    files, _ = corpus.split_files(corpus.stdlib_source_files(), seed=seed)
-    docs = sources.TextFiles(files)
-    cache = Path("runs") / f"bench-tokenizer-{vocab_size}"
-    if not (cache / "tokenizer.json").exists():
+    if data:
+        docs = sources.open_documents([data])
+    else:
+        files, _ = corpus.split_files(corpus.stdlib_source_files(), seed=seed)
+        docs = sources.TextFiles(files)
+    cache = Path(tokenizer_dir) if tokenizer_dir else Path("runs") / f"bench-tokenizer-{vocab_size}"
+    if not tokenizer_dir and not (cache / "tokenizer.json").exists():
         cache.mkdir(parents=True, exist_ok=True)
         tok_lib.save_tokenizer(tok_lib.train_bpe((docs[i] for i in range(min(len(docs), 2000))),
                                                  vocab_size=vocab_size), cache)
@@ -64,9 +69,13 @@ def real_batch(recipe: dict, vocab_size: int, seed: int = 0):
 
 # ---------------------------------------------------------------------------------- steps
 def time_step(variant: str, recipe: dict, reps: int, smoke: bool, trace_dir: str | None = None,
-              dense_kl: str = "xla") -> dict:
+              dense_kl: str = "xla", params_dir: str | None = None, data: str | None = None,
+              max_segments: int | None = None) -> dict:
     """ms per `train_step` of one stage:form variant, its MFU and the process's peak memory;
-    with `trace_dir`, two more steps traced by the JAX profiler into it."""
+    with `trace_dir`, two more steps traced by the JAX profiler into it. params_dir: start from
+    that model directory's weights (and its config, in place of the recipe's) and batch with
+    its tokenizer; data: the batch's documents; max_segments: the dense absorbed step's static
+    segment bound in place of the batch's own (train.py's grows with the data it has seen)."""
     from flax import nnx
 
     from glm_jax import costs, ops
@@ -78,19 +87,27 @@ def time_step(variant: str, recipe: dict, reps: int, smoke: bool, trace_dir: str
     from glm_jax.training.step import LossWeights, make_optimizer, train_step
 
     stage, form = variant.split(":")
-    cfg = load_config(recipe["config"])
-    model = GLMModel(cfg, rngs=nnx.Rngs(0))
+    if params_dir:
+        from glm_jax.checkpoint import load_model_dir
+
+        model = load_model_dir(params_dir)
+        cfg = model.cfg
+    else:
+        cfg = load_config(recipe["config"])
+        model = GLMModel(cfg, rngs=nnx.Rngs(0))
     active = costs.active_params(cfg, params_by_part(model))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     del model
     tx, _ = make_optimizer(recipe["lr"], recipe["steps"], recipe["warmup_steps"])
     opt_state = tx.init(params)
-    batch = real_batch(recipe, cfg.vocab_size)
+    batch = real_batch(recipe, cfg.vocab_size, data=data, tokenizer_dir=params_dir)
     weights = LossWeights(indexer=1.0, mtp=recipe["mtp_weight"], mtp_depth=recipe["mtp_depth"],
                           tv=recipe["tv_weight"])
     kernels = ops.KernelChoice(interpret=smoke, dense_kl=dense_kl)
-    max_segments = segment_bound(count_segments(batch.segment_ids)) if (stage, form) == ("dense", "absorbed") \
-        else None
+    if (stage, form) != ("dense", "absorbed"):
+        max_segments = None
+    elif max_segments is None:
+        max_segments = segment_bound(count_segments(batch.segment_ids))
     inputs, targets, segments = (jnp.asarray(a) for a in (batch.inputs, batch.targets, batch.segment_ids))
 
     def run(p, o):
@@ -116,7 +133,9 @@ def time_step(variant: str, recipe: dict, reps: int, smoke: bool, trace_dir: str
     tokens = batch.inputs.size
     flops = costs.training_flops_per_token(cfg, recipe["seq_len"], active, sparse=stage == "sparse",
                                            positions=batch.positions) * tokens
-    return dict(variant=variant if dense_kl == "xla" else f"{variant}+kl:{dense_kl}", step_ms=step_s * 1e3, first_step_s=first, tokens_per_s=tokens / step_s,
+    return dict(variant=variant if dense_kl == "xla" else f"{variant}+kl:{dense_kl}",
+                params=params_dir or "initialisation", data=data or "standard library",
+                step_ms=step_s * 1e3, first_step_s=first, tokens_per_s=tokens / step_s,
                 model_tflops=flops / 1e12, peak_gib=memory_in_use() / 2**30, loss=float(terms["loss"]),
                 max_segments=max_segments)
 
@@ -126,8 +145,7 @@ def steps_main(args, recipe: dict) -> None:
     rows = []
     for variant in args.variants:
         cmd = [sys.executable, __file__, "steps", "--one", variant, "--reps", str(args.reps),
-               "--dense-kl", args.dense_kl]
-        cmd += ["--smoke"] if args.smoke else []
+               "--dense-kl", args.dense_kl] + _batch_flags(args)
         print(f"== step {variant}", flush=True)
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
         lines = [l for l in done.stdout.splitlines() if l.startswith("{")]
@@ -143,17 +161,25 @@ def steps_main(args, recipe: dict) -> None:
             profile_variant(variant, args)
 
 
+def _batch_flags(args) -> list[str]:
+    """The flags a `steps --one` child needs to time the same model state and batch."""
+    flags = ["--smoke"] if args.smoke else []
+    for flag, value in (("--params", args.params), ("--data", args.data), ("--max-segments", args.max_segments)):
+        flags += [flag, str(value)] if value is not None else []
+    return flags
+
+
 def profile_variant(variant: str, args) -> None:
     """Two steps of `variant` traced in a child process with XLA command buffers off (so each
     kernel is its own device event) into runs/step-traces/<variant>/, summarized into
     PROFILE/<variant>.txt."""
     from benchmarks import trace_summary
 
-    name = variant.replace(":", "-") + ("" if args.dense_kl == "xla" else f"-kl-{args.dense_kl}")
+    name = (variant.replace(":", "-") + ("" if args.dense_kl == "xla" else f"-kl-{args.dense_kl}")
+            + ("-trained" if args.params else ""))
     trace_dir = Path("runs/step-traces") / name
     cmd = [sys.executable, __file__, "steps", "--one", variant, "--reps", "0", "--trace-dir", str(trace_dir),
-           "--dense-kl", args.dense_kl]
-    cmd += ["--smoke"] if args.smoke else []
+           "--dense-kl", args.dense_kl] + _batch_flags(args)
     env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip())
     print(f"== profile {variant}", flush=True)
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
@@ -293,6 +319,13 @@ def main() -> None:
     ap.add_argument("--trace-dir", help=argparse.SUPPRESS)
     ap.add_argument("--dense-kl", default="xla", choices=["xla", "pallas_gpu"],
                     help="steps: the dense stage's absorbed indexer KL (ops.KernelChoice.dense_kl)")
+    ap.add_argument("--params", default=None, metavar="DIR",
+                    help="steps: start from this model directory's weights and tokenizer (e.g. checkpoints/default: a "
+                         "trained indexer's selections) instead of the initialisation")
+    ap.add_argument("--data", default=None, metavar="PATH",
+                    help="steps: the batch's documents, as train.py --data reads them (default: the standard library)")
+    ap.add_argument("--max-segments", type=int, default=None,
+                    help="steps: the dense absorbed step's segment bound (default: the batch's own)")
     ap.add_argument("--timeout", type=float, default=300, help="seconds for each child process")
     ap.add_argument("--parts", nargs="+", default=None, help="parts: only these parts")
     ap.add_argument("--run-dir", default="runs/loop-bench", help="loop: train.py's --out (emptied first)")
@@ -307,7 +340,8 @@ def main() -> None:
     if args.mode == "table":
         table_main(args)
     elif args.mode == "steps" and args.one:
-        print(json.dumps(time_step(args.one, recipe, args.reps, args.smoke, args.trace_dir, args.dense_kl)),
+        print(json.dumps(time_step(args.one, recipe, args.reps, args.smoke, args.trace_dir, args.dense_kl,
+                                   params_dir=args.params, data=args.data, max_segments=args.max_segments)),
               flush=True)
     elif args.mode == "steps":
         steps_main(args, recipe)

@@ -24,6 +24,8 @@
 # train-steps    the recipe's step alone, absorbed form, dense and sparse,    6-8 min
 #                 then the dense step with the Pallas dense-stage KL; each
 #                 traced (kernel table in profile/)
+# train-steps-trained  the step alone from checkpoints/default's weights,     3-4 min
+#                 dense segment bound 32 (the loop's conditions late in a run)
 # train-steps-expanded  the same in the expanded form (the old default)      3-5 min
 # train-loop     train.py on the recipe's shape (30 dense, 40 sparse steps)  4-7 min
 # Aliases (several commands' time: run their groups one command at a time):
@@ -69,7 +71,7 @@ expand() {
     case $1 in
         training) echo training-parts training-64k training-128k ;;
         serving-all) echo serving serving-128k serving-1m serving-1m-full ;;
-        train-parts|train-steps|train-steps-expanded|train-loop) echo "$1" ;;
+        train-parts|train-steps|train-steps-trained|train-steps-expanded|train-loop) echo "$1" ;;
         training-parts|training-64k|training-128k|kernels|prefill|serving|serving-128k|serving-1m|serving-1m-full)
             echo "$1" ;;
         *) return 1 ;;
@@ -172,6 +174,13 @@ for group in "${groups[@]}"; do
             run train_steps_pallas_kl 200 "--smoke --reps 1" "${mem95[@]}" "$py" $parts steps \
                 --variants dense:absorbed --dense-kl pallas_gpu --json "$stage/steps-pallas-kl.json" \
                 --profile "$stage/profile"
+            ;;
+        train-steps-trained)
+            # the step from the trained default model (its indexer's selections, as late in a run)
+            # and with a larger dense segment bound, as train.py reaches on packages' many small files
+            run train_steps_trained 200 "--smoke --reps 1" "${mem95[@]}" "$py" $parts steps \
+                --variants dense:absorbed sparse:absorbed --params checkpoints/default --max-segments 32 \
+                --json "$stage/steps-trained.json"
             ;;
         train-steps-expanded)
             run train_steps_expanded 540 "--smoke --reps 1" "${mem95[@]}" "$py" $parts steps \

@@ -13,7 +13,7 @@ DATA = ROOT / "docs" / "data"
 @pytest.mark.parametrize("chart, files, series", [
     ("indexer", ["indexer_topk_h200.json"], 4),
     ("long_context", ["long_context_h200.json"], 4),
-    ("loss_curve", ["train_128k_h200_first.jsonl", "train_128k_h200_resumed.jsonl"], 2),
+    ("loss_curve", ["train_128k_h200_first.jsonl", "train_128k_h200_resumed.jsonl"], 4),   # train and held-out each
     ("mtp_ablation", ["mtp_ablation_cpu_smoke.json"], 7),
 ])
 def test_chart_draws_every_series(tmp_path, chart, files, series):
