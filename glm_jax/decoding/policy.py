@@ -29,14 +29,14 @@ class Measurement:
 
 MEASURED = {
     "cpu": Measurement(
-        device="CPU, 2 cores shared with other work (jax 0.12)",
+        device="CPU, 2 cores (jax 0.12), the default model (default-py)",
         source="docs/data/speculative_cpu.json",
         command="python benchmarks/speculative.py --batch 1 4 16 --draft 1 2 3 --temperature 0.7 "
                 "--new-tokens 32 --repeat 5 --json docs/data/speculative_cpu.json",
-        speedup={1: {1: 0.87, 2: 0.64, 3: 0.73}, 4: {1: 0.58, 2: 0.57, 3: 0.28}, 16: {1: 0.6, 2: 0.49, 3: 0.3}},
+        speedup={1: {1: 0.91, 2: 0.88, 3: 0.78}, 4: {1: 0.85, 2: 0.69, 3: 0.49}, 16: {1: 0.55, 2: 0.47, 3: 0.32}},
     ),
     "gpu": Measurement(
-        device="NVIDIA H200 (jax 0.11.2); not re-measured since",
+        device="NVIDIA H200 (jax 0.11.2), the previous default model (tiny); not re-measured since",
         source="docs/speculative.md, the H200 table",
         command="python benchmarks/speculative.py --checkpoint checkpoints/default --batch 1 16 --draft 3 7 "
                 "--new-tokens 128",
