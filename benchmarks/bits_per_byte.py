@@ -39,9 +39,10 @@ no earlier window scored (the last S of a full window): every token sees at leas
 context - S tokens of context, for context / S times the compute. Either way every token after
 the first is scored exactly once (`plan_windows`). The default --context is the config's
 max_position_embeddings; a model trained on shorter rows predicts worse past its training
-length, so give such a model its train.py --seq-len (checkpoints/default: 256 of 1024).
+length, so give such a model its train.py --seq-len (checkpoints/default was trained at 4096, its maximum).
 
-The forward pass is the one train.py's held-out evaluation runs (`training.step.eval_step`):
+The forward pass is set up as train.py's held-out evaluation (`training.step.eval_step`) sets up
+its own, but keeps every target's log-probability instead of the mean loss:
 sparse attention over the indexer's top-k, as the model is used, in the absorbed form (the
 default of --attention-form). Windows are run --batch-size at a time, jitted; a short window
 is padded at its end, which no real position attends (attention is causal), and the padding's
