@@ -58,6 +58,9 @@ def parse_args(argv=None):
     ap.add_argument("--heldout-data", nargs="+", default=None, metavar="PATH",
                     help="validation text, same formats as --data (default: 5%% of the --data documents)")
     ap.add_argument("--max-files", type=int, default=None, help="use only the first N training documents")
+    ap.add_argument("--prefetch-batches", type=int, default=None, metavar="N",
+                    help="pack up to N batches ahead on a thread while the device runs the step (default: 2 "
+                         "on a GPU or TPU, 0 on a CPU, where the packing and the step share the same cores)")
     ap.add_argument("--data-shards", type=int, default=None, metavar="N",
                     help="build each batch from N data shards (shard i packs documents i, i+N, ...), each "
                          "process reading those of its rows (default: one per process); a run with the same "

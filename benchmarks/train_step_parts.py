@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -198,37 +199,41 @@ def profile_variant(variant: str, args) -> None:
 
 # ---------------------------------------------------------------------------------- loop
 def loop_main(args, recipe: dict) -> None:
-    """train.py on the recipe's shape: --loop-dense dense steps then --loop-sparse sparse steps,
-    logged every --log-every; the steady rate of a stage is the median tokens/s of its logged
-    steps after the first of that stage (which holds its compilation)."""
-    run_dir = Path(args.run_dir)
-    steps = args.loop_dense + args.loop_sparse
-    cmd = [sys.executable, "train.py", "--config", recipe["config"], "--out", str(run_dir),
-           "--seq-len", str(recipe["seq_len"]), "--batch-size", str(recipe["batch_size"]), "--remat",
-           "--steps", str(steps), "--dense-steps", str(args.loop_dense), "--lr", str(recipe["lr"]),
-           "--warmup-steps", str(recipe["warmup_steps"]), "--mtp-depth", str(recipe["mtp_depth"]),
-           "--mtp-weight", str(recipe["mtp_weight"]), "--tv-weight", str(recipe["tv_weight"]),
-           "--log-every", str(args.log_every), "--eval-every", str(10 * steps), "--save-every", str(10 * steps),
-           "--attention-form", args.form]
-    if args.smoke:
-        cmd += ["--max-files", "40", "--eval-batches", "1"]
-    print("== train.py:", " ".join(cmd), flush=True)
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    t = time.perf_counter()
-    done = subprocess.run(cmd, env=env, timeout=args.timeout, capture_output=True, text=True)
-    wall = time.perf_counter() - t
-    print(done.stdout[-4000:], done.stderr[-2000:] if done.returncode else "", flush=True)
-    records = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()] \
-        if (run_dir / "metrics.jsonl").exists() else []
-    rows = []
-    for stage in ("dense", "sparse"):
-        rates = [r["tokens_per_s"] for r in records if r.get("stage") == stage and "tokens_per_s" in r][1:]
-        rows.append(dict(stage=stage, form=args.form, logged=len(rates),
-                         tokens_per_s=float(np.median(rates)) if rates else None,
-                         step_ms=recipe["seq_len"] * recipe["batch_size"] / np.median(rates) * 1e3 if rates else None))
-    _write(args.json, dict(device=_device(), recipe=recipe, command=" ".join(cmd), returncode=done.returncode,
-                           wall_s=wall, rows=rows))
-    print(json.dumps(rows), flush=True)
+    """train.py on the recipe's shape, once per --prefetch-batches value: --loop-dense dense steps
+    then --loop-sparse sparse steps, logged every --log-every; the steady rate of a stage is the
+    median tokens/s of its logged steps after the first of that stage (which holds its
+    compilation)."""
+    rows, runs = [], []
+    for depth in args.prefetch_batches:
+        run_dir = Path(args.run_dir) / f"prefetch-{depth}"
+        shutil.rmtree(run_dir, ignore_errors=True)
+        steps = args.loop_dense + args.loop_sparse
+        cmd = [sys.executable, "train.py", "--config", recipe["config"], "--out", str(run_dir),
+               "--seq-len", str(recipe["seq_len"]), "--batch-size", str(recipe["batch_size"]), "--remat",
+               "--steps", str(steps), "--dense-steps", str(args.loop_dense), "--lr", str(recipe["lr"]),
+               "--warmup-steps", str(recipe["warmup_steps"]), "--mtp-depth", str(recipe["mtp_depth"]),
+               "--mtp-weight", str(recipe["mtp_weight"]), "--tv-weight", str(recipe["tv_weight"]),
+               "--log-every", str(args.log_every), "--eval-every", str(10 * steps), "--save-every", str(10 * steps),
+               "--attention-form", args.form, "--prefetch-batches", str(depth)]
+        if args.smoke:
+            cmd += ["--max-files", "40", "--eval-batches", "1"]
+        print("== train.py:", " ".join(cmd), flush=True)
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        t = time.perf_counter()
+        done = subprocess.run(cmd, env=env, timeout=args.timeout, capture_output=True, text=True)
+        wall = time.perf_counter() - t
+        print(done.stdout[-4000:], done.stderr[-2000:] if done.returncode else "", flush=True)
+        records = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()] \
+            if (run_dir / "metrics.jsonl").exists() else []
+        for stage in ("dense", "sparse"):
+            rates = [r["tokens_per_s"] for r in records if r.get("stage") == stage and "tokens_per_s" in r][1:]
+            rows.append(dict(stage=stage, form=args.form, prefetch=depth, logged=len(rates),
+                             tokens_per_s=float(np.median(rates)) if rates else None,
+                             step_ms=recipe["seq_len"] * recipe["batch_size"] / np.median(rates) * 1e3
+                             if rates else None))
+        runs.append(dict(command=" ".join(cmd), returncode=done.returncode, wall_s=wall))
+        _write(args.json, dict(device=_device(), recipe=recipe, runs=runs, rows=rows))
+        print(json.dumps(rows[-2:]), flush=True)
 
 
 # ---------------------------------------------------------------------------------- parts
@@ -266,16 +271,18 @@ def table_main(args) -> None:
         out.append("")
     if loop and steps:
         alone = {r["variant"]: r for r in steps["rows"] if "failed" not in r}
-        out += ["| train.py loop | steady tokens/s | ms/step | step alone ms | loop / step |", "|---|---:|---:|---:|---:|"]
+        out += ["| train.py loop (stage:form, batches packed ahead) | steady tokens/s | ms/step | step alone ms "
+                "| loop / step alone | within 15% |", "|---|---:|---:|---:|---:|---|"]
         for r in loop["rows"]:
+            name = f"{r['stage']}:{r['form']}, {r.get('prefetch', 0)} ahead"
             a = alone.get(f"{r['stage']}:{r['form']}")
             if r["tokens_per_s"] is None:
-                out.append(f"| {r['stage']}:{r['form']} | no steady steps logged | | | |")
+                out.append(f"| {name} | no steady steps logged | | | | |")
                 continue
-            ratio = f"{a['step_ms'] / r['step_ms']:.2f}" if a else "-"
-            out.append(f"| {r['stage']}:{r['form']} | {r['tokens_per_s']:,.0f} | {r['step_ms']:.0f} | "
-                       f"{a['step_ms']:.0f} | {ratio} |" if a else
-                       f"| {r['stage']}:{r['form']} | {r['tokens_per_s']:,.0f} | {r['step_ms']:.0f} | - | - |")
+            ratio = a["step_ms"] / r["step_ms"] if a else None
+            out.append(f"| {name} | {r['tokens_per_s']:,.0f} | {r['step_ms']:.0f} | "
+                       + (f"{a['step_ms']:.0f} | {ratio:.2f} | {'yes' if ratio >= 0.85 else 'no'} |" if a
+                          else "- | - | - |"))
         out.append("")
     if parts:
         out += [f"Ceilings measured in the parts run: copy {parts['copy_gbs']:,.0f} GB/s, "
@@ -328,11 +335,13 @@ def main() -> None:
                     help="steps: the dense absorbed step's segment bound (default: the batch's own)")
     ap.add_argument("--timeout", type=float, default=300, help="seconds for each child process")
     ap.add_argument("--parts", nargs="+", default=None, help="parts: only these parts")
-    ap.add_argument("--run-dir", default="runs/loop-bench", help="loop: train.py's --out (emptied first)")
+    ap.add_argument("--run-dir", default="runs/loop-bench", help="loop: train.py's runs go to DIR/prefetch-N (emptied first)")
     ap.add_argument("--form", default="absorbed", choices=["auto", "expanded", "absorbed"], help="loop: the form")
     ap.add_argument("--loop-dense", type=int, default=30)
     ap.add_argument("--loop-sparse", type=int, default=40)
     ap.add_argument("--log-every", type=int, default=10)
+    ap.add_argument("--prefetch-batches", type=int, nargs="+", default=[0, 2],
+                    help="loop: run train.py once per value of its --prefetch-batches")
     args = ap.parse_args()
     recipe = SMOKE if args.smoke else RECIPE
     if args.smoke:

@@ -27,7 +27,15 @@
 # train-steps-trained  the step alone from checkpoints/default's weights,     3-4 min
 #                 dense segment bound 32 (the loop's conditions late in a run)
 # train-steps-expanded  the same in the expanded form (the old default)      3-5 min
-# train-loop     train.py on the recipe's shape (30 dense, 40 sparse steps)  4-7 min
+# train-loop     the step alone, then train.py on the recipe's shape (40      6-9 min
+#                 dense, 60 sparse steps) with 0 and 2 batches packed ahead
+# mtp-ablation   the published MTP ablation on checkpoints/default (its MTP    5-8 min
+#                 layer fine-tuned 3 ways, backbone frozen; 64 held-out
+#                 prompts of its corpus, built first unless runs/pycorpus is
+#                 there: about 1-2 min)
+# speculative    plain vs speculative decoding of checkpoints/default at      5-8 min
+#                 batch 1, 8, 32 and K = 1, 3, 7; greedy, then temperature 0.7
+# speculative-context  acceptance by prompt length (1K and 3K tokens), K = 7   2-4 min
 # Aliases (several commands' time: run their groups one command at a time):
 # training = training-parts training-64k training-128k;
 # serving-all = serving serving-128k serving-1m serving-1m-full.
@@ -72,6 +80,7 @@ expand() {
         training) echo training-parts training-64k training-128k ;;
         serving-all) echo serving serving-128k serving-1m serving-1m-full ;;
         train-parts|train-steps|train-steps-trained|train-steps-expanded|train-loop) echo "$1" ;;
+        mtp-ablation|speculative|speculative-context) echo "$1" ;;
         training-parts|training-64k|training-128k|kernels|prefill|serving|serving-128k|serving-1m|serving-1m-full)
             echo "$1" ;;
         *) return 1 ;;
@@ -187,8 +196,38 @@ for group in "${groups[@]}"; do
                 --variants dense:expanded sparse:expanded --json "$stage/steps-expanded.json"
             ;;
         train-loop)
-            run train_loop 540 "--smoke --loop-dense 2 --loop-sparse 3 --log-every 1" "${mem95[@]}" "$py" $parts \
-                loop --json "$stage/loop.json" --run-dir "${RUNS_DIR:-runs}/loop-bench"
+            # the step alone and train.py's loop on the same shape in one command, the loop with the
+            # batches packed on the step's thread (0 ahead) and on a thread of their own (2 ahead)
+            run train_steps_alone 180 "--smoke --reps 1" "${mem95[@]}" "$py" $parts steps \
+                --variants dense:absorbed sparse:absorbed --json "$stage/steps.json"
+            run train_loop 360 "--smoke --loop-dense 2 --loop-sparse 3 --log-every 1" "${mem95[@]}" "$py" $parts \
+                loop --loop-dense 40 --loop-sparse 60 --prefetch-batches 0 2 --json "$stage/loop.json" \
+                --run-dir "${RUNS_DIR:-runs}/loop-bench"
+            ;;
+        mtp-ablation)
+            corpus="${RUNS_DIR:-runs}/pycorpus"
+            if [ $smoke = 0 ] && [ ! -f "$corpus/manifest.json" ]; then
+                run python_corpus 240 "" "$py" scripts/build_python_corpus.py --out "$corpus"
+            fi
+            if [ $smoke = 1 ]; then corpus_flags=(); else
+                corpus_flags=(--heldout "$corpus/heldout.jsonl" --train-data "$corpus/train.jsonl"); fi
+            run mtp_ablation 480 "--smoke" "$py" benchmarks/mtp_ablation.py --checkpoint checkpoints/default \
+                "${corpus_flags[@]}" --prompts 64 --prompt-len 256 --new-tokens 128 --finetune-steps 400 \
+                --train-depth 7 --seq-len 1024 --batch-size 16 --json "$stage/mtp_ablation.json"
+            ;;
+        speculative)
+            run speculative_t0 270 "--batch 1 2 --draft 1 3 --new-tokens 8 --repeat 1" "$py" benchmarks/speculative.py \
+                --batch 1 8 32 --draft 1 3 7 --new-tokens 128 --repeat 3 --json "$stage/speculative_t0.json"
+            run speculative_t07 270 "--batch 1 2 --draft 1 3 --new-tokens 8 --repeat 1" "$py" benchmarks/speculative.py \
+                --batch 1 8 32 --draft 1 3 7 --new-tokens 128 --repeat 3 --temperature 0.7 \
+                --json "$stage/speculative_t07.json"
+            ;;
+        speculative-context)
+            for len in 1024 3072; do
+                run speculative_prompt_$len 120 "--prompt-len 128 --new-tokens 8" "$py" benchmarks/speculative.py \
+                    --batch 1 --draft 7 --prompt-len $len --new-tokens 128 --repeat 2 \
+                    --json "$stage/speculative_prompt_$len.json"
+            done
             ;;
         training-parts)
             run sparse_train_parts_64k 330 "--seq-len 128 --smoke" "$py" benchmarks/sparse_train_parts.py \

@@ -38,6 +38,7 @@ from glm_jax.checkpoint_damage import os_reason, silence_orbax_leftovers
 from glm_jax.config import ConfigError, GLMConfig, load_config, save_config
 from glm_jax.data import batches as data_batches
 from glm_jax.data import corpus, pipeline, sources, tokenizer as tok_lib
+from glm_jax.data.prefetch import Prefetched
 from glm_jax.info import params_by_part
 from glm_jax.layers.segments import count_segments, segment_bound
 from glm_jax.model import GLMModel, abstract_model, count_params
@@ -67,7 +68,7 @@ class Run:
     tx: optax.GradientTransformation
     schedule: optax.Schedule
     feed: _BatchPlacement
-    batches: pipeline.PackedBatches
+    batches: pipeline.PackedBatches   # wrapped in `Prefetched` while the loop runs, if --prefetch-batches
     heldout: list
     mngr: object          # orbax CheckpointManager (checkpointing.manager)
     start: int            # the step restored (0: a new run)
@@ -87,6 +88,7 @@ def setup(args) -> Run:
     if args.resume and (out / "config.yaml").exists():
         check_same_config(load_config(out / "config.yaml"), cfg, str(out))
     form = attention_form(args.attention_form, args.seq_len)
+    prefetch_depth(args.prefetch_batches)        # a bad value is refused before any work
     mesh = _mesh(args)
     feed = _batch_placement(mesh, (args.batch_size, args.seq_len))
     data_shards = args.data_shards or jax.process_count()
@@ -228,9 +230,27 @@ def _batch_placement(mesh: Mesh | None, shape: tuple[int, int]) -> _BatchPlaceme
 def train(run: Run) -> int:
     """Steps run.start + 1 .. --steps (or --stop-after of them, or until SIGTERM on some process:
     then a checkpoint and exit), evaluating, logging and saving on the way; then the export."""
-    with (StopSignals() as stop_requested, background_output.routed_to(run.out / "background.log"),
-          CompileWatch() as compiles):
-        return _loop(run, stop_requested, compiles)
+    source, depth = run.batches, prefetch_depth(run.args.prefetch_batches)
+    if depth:
+        run.batches = Prefetched(source, depth=depth)   # the next batches are packed while the device runs
+    try:
+        with (StopSignals() as stop_requested, background_output.routed_to(run.out / "background.log"),
+              CompileWatch() as compiles):
+            return _loop(run, stop_requested, compiles)
+    finally:
+        if depth:
+            run.batches.close()
+            run.batches = source
+
+
+def prefetch_depth(flag: int | None) -> int:
+    """--prefetch-batches, or by default 2 on an accelerator and 0 on a CPU (there the packing
+    thread would take the cores the step runs on)."""
+    if flag is not None:
+        if flag < 0:
+            raise ValueError(f"--prefetch-batches must be >= 0, got {flag}")
+        return flag
+    return 0 if jax.default_backend() == "cpu" else 2
 
 
 def _loop(run: Run, stop_requested: "StopSignals", compiles: CompileWatch) -> int:
