@@ -126,7 +126,7 @@ def parse(**fields):
     ({"prompt": "a", "n": 0}, "n", f"n must be from 1 to {MAX_N}"),
     ({"prompt": "a", "n": 2, "best_of": 3}, "best_of", "must equal n (2)"),
     ({"prompt": "a", "echo": "yes"}, "echo", "true or false"),
-    ({"prompt": "a", "logprobs": 1}, "logprobs", "not supported yet"),
+    ({"prompt": "a", "logprobs": 21}, "logprobs", "from 0 to 20"),
     ({"prompt": "a", "stream_options": {"include_usage": True}}, "stream_options", "only allowed with stream"),
     ({"prompt": "a", "bogus": 1}, "bogus", "unknown field"),
 ])

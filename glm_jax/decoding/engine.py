@@ -44,6 +44,16 @@ is known ahead, so it costs no extra step). Per request, token i is drawn with t
 fold_in(key(seed), i), so a request's output does not depend on its batch companions or on
 preemption. `step_times` holds a StepTime per decode step: host time is the step's wall time
 minus the time blocked waiting for the device.
+
+Log-probabilities. A request with `logprobs=k` (0..MAX_LOGPROBS) gets, with each token of its
+events, the token's log-probability and the k most likely tokens' (`TokenLogprob`): the model's
+own distribution, log_softmax of the raw logits before temperature and the sampling filters.
+They come out of the same decode program that draws the token (`engine_programs.Scores`, always
+computed at the static size MAX_LOGPROBS), and are read back only in steps where a drawing
+request asked for them. With `prompt_logprobs` too, the request's first event carries its
+prompt tokens' log-probabilities (from the second token on), from a prefill program that also
+scores each chunk position (`prefill_scored`, used only for the chunks of such requests; a
+request recomputed after a preemption is not scored again).
 """
 
 from __future__ import annotations
@@ -51,13 +61,15 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import deque
+from typing import NamedTuple
 
 import jax
 import numpy as np
 
 from glm_jax import ops
 from glm_jax.cache import CacheFullError, PagePool, shard_cache
-from glm_jax.decoding.engine_programs import Placement, empty_slots, engine_programs, serving_params
+from glm_jax.decoding.engine_programs import (MAX_LOGPROBS, Placement, Scores, empty_slots, engine_programs,
+                                              serving_params)
 from glm_jax.decoding.generate import ContextTooLongError, GeneratorBase, committed
 from glm_jax.decoding.sampling import GREEDY, SamplingParams
 from glm_jax.multihost import to_host
@@ -71,6 +83,16 @@ class Request:
     sampling: SamplingParams = GREEDY   # per request
     stop_token: int | None = None
     seed: int = 0                       # the request's sampling stream: same seed -> same tokens
+    logprobs: int | None = None         # k in [0, MAX_LOGPROBS]: report each token's log-prob and the k best (None: no)
+    prompt_logprobs: bool = False       # with logprobs: the prompt tokens' too (in the first event)
+
+
+class TokenLogprob(NamedTuple):
+    """One position's log-probabilities under the model (log_softmax of the raw logits, before
+    temperature and the sampling filters)."""
+
+    logprob: float                      # the position's token's (drawn, or the prompt's)
+    top: tuple[tuple[int, float], ...]  # (token id, log-prob) of the k most likely tokens, most likely first
 
 
 @dataclasses.dataclass
@@ -79,6 +101,8 @@ class Event:
     tokens: list[int]                   # tokens emitted since the last event for this request
     finished: bool
     error: str | None = None            # set (and finished=True) when the request failed alone
+    logprobs: list[TokenLogprob] | None = None          # one per token of `tokens`, if the request asked
+    prompt_logprobs: list[TokenLogprob] | None = None   # in the first event, if asked: prompt tokens 1..P-1
 
 
 @dataclasses.dataclass
@@ -109,6 +133,8 @@ class _Run:
     length: int = 0                      # cache rows once the dispatched steps have run
     drawn: int = 0                       # tokens drawn, counting steps in flight
     synced_pages: int = 0                # pages the device's page-table row holds
+    scored: int = 0                      # prompt positions whose log-probs are dispatched (prompt_logprobs)
+    prompt_scores: list[TokenLogprob] = dataclasses.field(default_factory=list)   # read back so far
     stopped: bool = False                # drew its stop token (seen on read-back)
     gone: bool = False                   # finished or cancelled: tokens still in flight are dropped
 
@@ -120,6 +146,30 @@ class _Run:
     def draws(self) -> bool:
         """Takes part in the next decode step."""
         return self.decoding and not self.stopped and self.drawn < self.request.max_new_tokens
+
+    def wants_prompt_scores(self, end: int) -> bool:
+        """Whether a prefill chunk ending at context position `end` scores prompt positions not
+        scored yet (positions 0..P-2: the logits at position i score prompt token i + 1)."""
+        return self.request.prompt_logprobs and self.scored < min(end, len(self.request.prompt) - 1)
+
+
+@dataclasses.dataclass
+class _ScoredChunk:
+    """A prefill chunk dispatched with `prefill_scored`: its Scores [R, C] on the device and,
+    per scored row, (row, run, first context position of the chunk, tokens in the chunk)."""
+
+    scores: Scores
+    rows: list[tuple[int, _Run, int, int]]
+
+
+@dataclasses.dataclass
+class _Launched:
+    """A decode step in flight: what `_drain` reads back."""
+
+    tokens: jax.Array                    # int32 [B]
+    runs: list[tuple[int, _Run]]         # (slot, run) of each slot that drew
+    scores: Scores | None                # [B], when a drawing request asked for log-probs
+    scored_chunks: list[_ScoredChunk]    # prefill chunks scored since the previous decode step
 
 
 class ServingEngine(GeneratorBase):
@@ -155,7 +205,8 @@ class ServingEngine(GeneratorBase):
         self._runs: dict[int, _Run] = {}            # every request not yet finished
         self._events: list[Event] = []              # this step's events (errors from submit wait here)
         self._cancelled: set[int] = set()
-        self._in_flight = None                      # (tokens int32 [B] on the device, [(slot, run)])
+        self._in_flight: _Launched | None = None
+        self._scored_chunks: list[_ScoredChunk] = []  # read back with the next decode step
         self._control = None                        # (int32 [B, 3] numpy, the same on the device)
         self._next_id = 0
         self._admissions = 0
@@ -194,7 +245,7 @@ class ServingEngine(GeneratorBase):
         self._in_flight = launched
         if launched is not None:
             wall = time.perf_counter() - t0
-            self.step_times.append(StepTime(context, wall - self._waited, wall, len(launched[1])))
+            self.step_times.append(StepTime(context, wall - self._waited, wall, len(launched.runs)))
         events, self._events = self._events, []
         return _merged(events)
 
@@ -231,6 +282,12 @@ class ServingEngine(GeneratorBase):
             raise ValueError(f"request {rid}: max_new_tokens must be an integer >= 1, got {request.max_new_tokens!r}")
         if not isinstance(request.sampling, SamplingParams):
             raise TypeError(f"request {rid}: sampling must be a SamplingParams, got {type(request.sampling).__name__}")
+        if request.logprobs is not None and not (isinstance(request.logprobs, (int, np.integer))
+                                                 and 0 <= request.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"request {rid}: logprobs must be None or an integer from 0 to {MAX_LOGPROBS}, got "
+                             f"{request.logprobs!r}")
+        if request.prompt_logprobs and request.logprobs is None:
+            raise ValueError(f"request {rid}: prompt_logprobs needs logprobs (how many alternatives to report)")
         rows = len(prompt) + int(request.max_new_tokens)
         try:
             self.check_fits(len(prompt), int(request.max_new_tokens))
@@ -295,28 +352,41 @@ class ServingEngine(GeneratorBase):
         rows = np.full((shards,), self.batch, np.int32)
         starts, num_valid, drawn = (np.zeros((shards,), np.int32) for _ in range(3))
         seeds = np.zeros((shards,), np.uint32)
-        tokens = np.zeros((shards, c), np.int32)
+        tokens, targets = np.zeros((shards, c), np.int32), np.zeros((shards, c), np.int32)
+        scored = []
         for s, run in enumerate(chosen):
             if run is None:
                 continue
-            piece = run.context[run.prefilled:run.prefilled + c]
+            start = run.prefilled
+            piece = run.context[start:start + c]
             tokens[s, :len(piece)] = piece
-            rows[s], starts[s], num_valid[s] = run.slot, run.prefilled, len(piece)
+            rows[s], starts[s], num_valid[s] = run.slot, start, len(piece)
             seeds[s], drawn[s] = run.request.seed % 2**32, run.drawn
+            if run.wants_prompt_scores(start + len(piece)):
+                following = run.context[start + 1:start + 1 + c]
+                targets[s, :len(following)] = following
+                scored.append((s, run, start, len(piece)))
+                run.scored = min(start + len(piece), len(run.request.prompt) - 1)
             run.prefilled += len(piece)
             run.length = run.prefilled
             run.synced_pages = len(self.pool.held.get(run.id, []))
         tables = self.pool.page_table([None if r is None else r.id for r in chosen], self.width)
         sampling = SamplingParams.stack([GREEDY if r is None else r.request.sampling for r in chosen])
         batch, row = ("batch", None), ("batch",)
-        self.cache, self.slot_state = self.programs.prefill(
-            self.params, self.cache, self.slot_state, self.put(rows, row), self.put(tables, batch),
-            self.put(starts, row), self.put(tokens, batch), self.put(num_valid, row), self.put(seeds, row),
-            self.put(drawn, row), jax.tree.map(lambda x: self.put(x, row), sampling))
+        args = (self.params, self.cache, self.slot_state, self.put(rows, row), self.put(tables, batch),
+                self.put(starts, row), self.put(tokens, batch), self.put(num_valid, row), self.put(seeds, row),
+                self.put(drawn, row), jax.tree.map(lambda x: self.put(x, row), sampling))
+        if not scored:
+            self.cache, self.slot_state = self.programs.prefill(*args)
+            return
+        self.cache, self.slot_state, scores = self.programs.prefill_scored(*args, self.put(targets, batch))
+        for x in scores:
+            x.copy_to_host_async()
+        self._scored_chunks.append(_ScoredChunk(scores, scored))
 
-    def _dispatch_decode(self):
-        """Dispatch one decode step for every drawing slot -> ((tokens on the device, [(slot, run)]),
-        longest context before the step), or (None, 0) when no slot draws."""
+    def _dispatch_decode(self) -> tuple[_Launched | None, int]:
+        """Dispatch one decode step for every drawing slot -> (what to read back, longest context
+        before the step), or (None, 0) when no slot draws."""
         self._grow_pages()
         runs = [(b, r) for b, r in enumerate(self._slots) if r is not None and r.draws]
         if not runs:
@@ -335,10 +405,17 @@ class ServingEngine(GeneratorBase):
             run.drawn += 1
         if self._control is None or not np.array_equal(self._control[0], control):
             self._control = control, self.put(control, ("batch", None))
-        tokens, self.cache, self.slot_state = self.programs.decode(self.params, self.cache, self.slot_state,
-                                                                   self._control[1])
+        tokens, scores, self.cache, self.slot_state = self.programs.decode(self.params, self.cache, self.slot_state,
+                                                                           self._control[1])
         tokens.copy_to_host_async()                      # read back by the next step without a transfer wait
-        return (tokens, runs), context
+        if any(run.request.logprobs is not None for _, run in runs):
+            for x in scores:
+                x.copy_to_host_async()
+        else:
+            scores = None                                # nobody asked: never transferred
+        launched = _Launched(tokens, runs, scores, self._scored_chunks)
+        self._scored_chunks = []
+        return launched, context
 
     def _grow_pages(self) -> None:
         """Give every drawing slot the page its next row lands in; when the pool is short, wait for
@@ -370,40 +447,70 @@ class ServingEngine(GeneratorBase):
         self._waiting.appendleft(run)
 
     def _drain(self) -> None:
-        """Read back the tokens of the step in flight and turn them into events."""
-        if self._in_flight is None:
+        """Read back the tokens of the step in flight (and the log-probs asked for) and turn them
+        into events."""
+        launched, self._in_flight = self._in_flight, None
+        if launched is None:
             return
-        tokens, runs = self._in_flight
-        self._in_flight = None
         t0 = time.perf_counter()
-        tokens.block_until_ready()
+        launched.tokens.block_until_ready()
         self._waited += time.perf_counter() - t0
-        tokens = to_host(tokens)
-        for b, run in runs:
+        tokens = to_host(launched.tokens)
+        for chunk in launched.scored_chunks:
+            _record_prompt_scores(_scores_to_host(chunk.scores), chunk.rows)
+        scores = None if launched.scores is None else _scores_to_host(launched.scores)
+        for b, run in launched.runs:
             if run.gone or run.stopped:
                 continue
-            token = int(tokens[b])
-            if token == run.request.stop_token:
+            token, request = int(tokens[b]), run.request
+            first = request.prompt_logprobs and not run.emitted
+            event = Event(run.id, [], True, prompt_logprobs=list(run.prompt_scores) if first else None)
+            if token == request.stop_token:
                 run.stopped = True
-                self._events.append(Event(run.id, [], True))
+                event.logprobs = None if request.logprobs is None else []
+                self._events.append(event)
                 self._retire(run)
                 continue
             run.emitted.append(token)
-            done = len(run.emitted) >= run.request.max_new_tokens
-            self._events.append(Event(run.id, [token], done))
-            if done:
+            event.tokens, event.finished = [token], len(run.emitted) >= request.max_new_tokens
+            if request.logprobs is not None:
+                event.logprobs = [_token_logprob(scores, b, request.logprobs)]
+            self._events.append(event)
+            if event.finished:
                 self._retire(run)
 
 
+def _scores_to_host(scores: Scores) -> Scores:
+    return Scores(*(to_host(x) for x in scores))
+
+
+def _token_logprob(scores: Scores, index, k: int) -> TokenLogprob:
+    """The TokenLogprob at `index` of host Scores, with its k most likely tokens."""
+    top = zip(scores.top_ids[index][:k].tolist(), scores.top_logprobs[index][:k].tolist())
+    return TokenLogprob(float(scores.logprob[index]), tuple(top))
+
+
+def _record_prompt_scores(scores: Scores, rows: list[tuple[int, _Run, int, int]]) -> None:
+    """A scored prefill chunk's host Scores [R, C] -> each row's run's prompt_scores, in order:
+    position i (the logits after context token i) scores prompt token i + 1."""
+    for row, run, start, n in rows:
+        end = min(start + n, len(run.request.prompt) - 1)
+        for position in range(max(start, len(run.prompt_scores)), end):
+            run.prompt_scores.append(_token_logprob(scores, (row, position - start), run.request.logprobs))
+
+
 def _merged(events: list[Event]) -> list[Event]:
-    """One event per request: tokens concatenated in order, finished / error from the last."""
+    """One event per request: tokens (and log-probs) concatenated in order, finished / error from
+    the last, prompt log-probs from the one that has them."""
     out: dict[int, Event] = {}
     for e in events:
-        if e.request_id in out:
-            prev = out[e.request_id]
-            out[e.request_id] = Event(e.request_id, prev.tokens + e.tokens, e.finished, e.error)
-        else:
-            out[e.request_id] = Event(e.request_id, list(e.tokens), e.finished, e.error)
+        prev = out.get(e.request_id)
+        if prev is None:
+            out[e.request_id] = dataclasses.replace(e, tokens=list(e.tokens))
+            continue
+        logprobs = None if prev.logprobs is None and e.logprobs is None else (prev.logprobs or []) + (e.logprobs or [])
+        prompt_logprobs = prev.prompt_logprobs if prev.prompt_logprobs is not None else e.prompt_logprobs
+        out[e.request_id] = Event(e.request_id, prev.tokens + e.tokens, e.finished, e.error, logprobs, prompt_logprobs)
     return list(out.values())
 
 

@@ -1,24 +1,37 @@
-"""The serving engine's device side: the per-slot state and the two compiled programs.
+"""The serving engine's device side: the per-slot state and the compiled programs (prefill and
+decode, plus a prefill that scores the prompt for requests that ask).
 
     params, layout = serving_params(state)
     programs = engine_programs(graphdef, layout, kernels, data_shards, placement)
     cache, slots = programs.prefill(params, cache, slots, rows, tables, starts, tokens, num_valid,
                                     seeds, drawn, sampling)
-    tokens, cache, slots = programs.decode(params, cache, slots, control)
+    cache, slots, scores = programs.prefill_scored(..., sampling, targets)   # prefill + prompt log-probs
+    tokens, scores, cache, slots = programs.decode(params, cache, slots, control)
 
-Both programs have fixed shapes (the engine's slots B, the page-table width W, the prefill
-chunk C, one prefill row per data shard R), so the whole engine runs on these two programs
+The programs have fixed shapes (the engine's slots B, the page-table width W, the prefill
+chunk C, one prefill row per data shard R), so the whole engine runs on prefill and decode
 for every mix of requests and context lengths. The cache and the slot state are donated.
 
 * `prefill` runs one chunk of up to C prompt tokens for R rows against the shared page pool,
   through a KVCache view holding those rows' page tables, and installs each row in its slot:
   page-table row, length, the logits after its last real token, seed, draw count, sampling.
   A padding row (row index B) writes only to its shard's scratch page and installs nothing.
+* `prefill_scored` is `prefill` that also returns the `Scores` of every chunk position
+  against `targets` (the prompt token after it): the prompt's log-probabilities, for requests
+  that ask for them with echo. A program of its own, so plain prefill does no extra work; it
+  compiles on the first such request.
 * `decode` draws one token per slot from the slot's logits (its own key, from its seed and
   draw count; its own sampling setting), runs it through the model and keeps the new logits.
   `control` int32 [B, 3] = (active, table column, page id) per slot: an inactive slot reads
   and writes only its shard's scratch page and does not advance; a slot whose sequence
-  crosses into a new page gets it at that column (column W: none).
+  crosses into a new page gets it at that column (column W: none). It also returns the
+  drawn tokens' `Scores` ([B] rows, MAX_LOGPROBS alternatives: a few hundred bytes), which the
+  engine reads back only in steps where some request asked for log-probabilities.
+
+Log-probabilities are the model's own: log_softmax of the raw logits, BEFORE temperature and
+the top_k / top_p / min_p filters (what vLLM and OpenAI report by default), whatever the
+request's sampling setting. Every request takes the same MAX_LOGPROBS alternatives from the
+same compiled programs, so asking for a different count never recompiles.
 
 What a call costs the host grows with the arrays passed: every call flattens its arguments and
 checks each array's signature. So the parameters arrive as one flat tuple of arrays with the
@@ -59,6 +72,29 @@ class SlotState:
     sampling: SamplingParams      # [B] leaves
 
 
+#: The most alternatives a request may ask the log-probabilities of: a static size, so requests
+#: with any count (0..MAX_LOGPROBS) share the compiled programs.
+MAX_LOGPROBS = 20
+
+
+class Scores(NamedTuple):
+    """Log-probabilities under the model's distribution (log_softmax of the raw logits, before
+    temperature and the sampling filters) at positions [...]: [B] in decode, [R, C] in prefill.
+    K = min(MAX_LOGPROBS, vocab)."""
+
+    logprob: jnp.ndarray          # float32 [...]: the token's (drawn in decode, the next prompt token in prefill)
+    top_logprobs: jnp.ndarray     # float32 [..., K]: the K most likely tokens', most likely first
+    top_ids: jnp.ndarray          # int32 [..., K]: their ids (the lower id first on ties)
+
+
+def scores_of(logits: jnp.ndarray, tokens: jnp.ndarray) -> Scores:
+    """logits [..., V] (raw, before temperature), tokens int32 [...] -> their Scores."""
+    logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    top_logprobs, top_ids = jax.lax.top_k(logprobs, min(MAX_LOGPROBS, logits.shape[-1]))
+    chosen = jnp.take_along_axis(logprobs, tokens[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    return Scores(chosen, top_logprobs, top_ids.astype(jnp.int32))
+
+
 def empty_slots(batch: int, vocab: int) -> SlotState:
     return SlotState(jnp.zeros((batch, vocab), jnp.float32), jnp.zeros((batch,), jnp.uint32),
                      jnp.zeros((batch,), jnp.int32),
@@ -72,6 +108,7 @@ def row_keys(seeds: jnp.ndarray, drawn: jnp.ndarray) -> jax.Array:
 
 class EnginePrograms(NamedTuple):
     prefill: Callable
+    prefill_scored: Callable
     decode: Callable
 
 
@@ -122,13 +159,15 @@ class Placement(NamedTuple):
 @functools.lru_cache(maxsize=8)
 def engine_programs(graphdef, layout: ParamLayout, kernels: ops.KernelChoice, data_shards: int,
                     placement: Placement | None = None) -> EnginePrograms:
-    """The two jitted programs for one model structure (shared by every engine built on it);
+    """The jitted programs for one model structure (shared by every engine built on it);
     placement: what they return on a mesh (None: left to jit, for one device)."""
-    prefill_out, decode_out = {}, {}
+    prefill_out, scored_out, decode_out = {}, {}, {}
     if placement is not None:
         cache_out, slots_out = placement.trees()
         prefill_out = dict(out_shardings=(cache_out, slots_out))
-        decode_out = dict(out_shardings=(placement.tokens, cache_out, slots_out))
+        # Scores are split over `data` by their leading (row) dim, as the tokens.
+        scored_out = dict(out_shardings=(cache_out, slots_out, placement.tokens))
+        decode_out = dict(out_shardings=(placement.tokens, placement.tokens, cache_out, slots_out))
 
     def model_of(params):
         return nnx.merge(graphdef, layout.state(params))
@@ -138,11 +177,11 @@ def engine_programs(graphdef, layout: ParamLayout, kernels: ops.KernelChoice, da
         shard = jnp.arange(rows, dtype=jnp.int32) * data_shards // rows
         return shard * (cache.latent.shape[1] // data_shards)
 
-    @functools.partial(jax.jit, donate_argnames=("cache", "slots"), **prefill_out)
-    def prefill(params, cache: KVCache, slots: SlotState, rows, tables, starts, tokens, num_valid, seeds, drawn,
-                sampling: SamplingParams):
+    def prefill_logits(params, cache: KVCache, slots: SlotState, rows, tables, starts, tokens, num_valid, seeds,
+                       drawn, sampling: SamplingParams):
         """rows int32 [R] (B = padding), tables int32 [R, W], starts / num_valid / drawn int32 [R],
-        tokens int32 [R, C], seeds uint32 [R], sampling [R] leaves -> (cache, slots)."""
+        tokens int32 [R, C], seeds uint32 [R], sampling [R] leaves -> (cache, slots, the chunk's
+        logits float32 [R, C, V])."""
         view = dataclasses.replace(cache, page_table=tables, lengths=starts)
         logits, _, view = model_of(params).forward_cached(tokens, view, kernels=kernels, num_valid=num_valid)
         last = jnp.take_along_axis(logits, jnp.maximum(num_valid - 1, 0)[:, None, None], axis=1)[:, 0]
@@ -151,21 +190,40 @@ def engine_programs(graphdef, layout: ParamLayout, kernels: ops.KernelChoice, da
         put = lambda old, new: old.at[rows].set(new.astype(old.dtype), mode="drop")  # noqa: E731
         slots = SlotState(put(slots.logits, last), put(slots.seeds, seeds), put(slots.drawn, drawn),
                           jax.tree.map(put, slots.sampling, sampling))
+        return cache, slots, logits
+
+    @functools.partial(jax.jit, donate_argnames=("cache", "slots"), **prefill_out)
+    def prefill(params, cache: KVCache, slots: SlotState, rows, tables, starts, tokens, num_valid, seeds, drawn,
+                sampling: SamplingParams):
+        """`prefill_logits`' arguments -> (cache, slots)."""
+        cache, slots, _ = prefill_logits(params, cache, slots, rows, tables, starts, tokens, num_valid, seeds, drawn,
+                                         sampling)
         return cache, slots
+
+    @functools.partial(jax.jit, donate_argnames=("cache", "slots"), **scored_out)
+    def prefill_scored(params, cache: KVCache, slots: SlotState, rows, tables, starts, tokens, num_valid, seeds,
+                       drawn, sampling: SamplingParams, targets):
+        """`prefill_logits`' arguments, targets int32 [R, C] (the token after each position)
+        -> (cache, slots, Scores [R, C] of the targets)."""
+        cache, slots, logits = prefill_logits(params, cache, slots, rows, tables, starts, tokens, num_valid, seeds,
+                                              drawn, sampling)
+        return cache, slots, scores_of(logits, targets)
 
     @functools.partial(jax.jit, donate_argnames=("cache", "slots"), **decode_out)
     def decode(params, cache: KVCache, slots: SlotState, control):
-        """control int32 [B, 3] (active, table column, page id) -> (tokens int32 [B], cache, slots)."""
+        """control int32 [B, 3] (active, table column, page id) -> (tokens int32 [B], their Scores
+        [B] under the logits they were drawn from, cache, slots)."""
         batch = control.shape[0]
         active = control[:, 0] > 0
         table = cache.page_table.at[jnp.arange(batch), control[:, 1]].set(control[:, 2], mode="drop")
         token = sample_tokens(slots.logits, row_keys(slots.seeds, slots.drawn), slots.sampling)
+        scores = scores_of(slots.logits, token)
         view = dataclasses.replace(cache, page_table=jnp.where(active[:, None], table,
                                                                scratch_pages(cache, batch)[:, None]))
         logits, _, view = model_of(params).forward_cached(token[:, None], view, kernels=kernels,
                                                           num_valid=active.astype(jnp.int32))
         slots = dataclasses.replace(slots, logits=jnp.where(active[:, None], logits[:, 0], slots.logits),
                                     drawn=slots.drawn + active)
-        return token, dataclasses.replace(view, page_table=table), slots
+        return token, scores, dataclasses.replace(view, page_table=table), slots
 
-    return EnginePrograms(prefill, decode)
+    return EnginePrograms(prefill, prefill_scored, decode)

@@ -6,7 +6,9 @@ GET /health, over an `EngineLoop`.
 
 Each choice (n per prompt, for each prompt listed) is an engine request of its own; their text
 is merged as it arrives, each chunk of a stream naming its choice's `index`. A response is whole
-once every choice has ended.
+once every choice has ended. With echo, a choice's prompt text comes with its first engine
+event (in a stream, as a chunk of its own before that event's). With logprobs, each chunk
+carries the log-probabilities of the tokens it brought (the echo chunk: the prompt's).
 
 Errors are OpenAI's `{"error": {"message", "type", "param", "code"}}`: a bad request 400 (an
 error the engine reports for one choice too, while other requests go on; the request's other
@@ -31,7 +33,7 @@ import contextlib
 import json
 import time
 import uuid
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -40,11 +42,11 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from glm_jax.decoding.engine import Request
+from glm_jax.decoding.engine import Request, TokenLogprob
 from glm_jax.serving.engine_loop import EngineFailure, EngineLoop, Ticket
 from glm_jax.serving.protocol import (APIError, CompletionRequest, Prompt, body_too_large, choice_body,
-                                     completion_body, max_body_bytes, parse_completion, usage)
-from glm_jax.serving.text import TextStream
+                                     completion_body, logprobs_body, max_body_bytes, parse_completion, usage)
+from glm_jax.serving.text import Detokenizer, TextStream, token_texts
 
 
 def make_app(engine, tokenizer, *, model_name: str, max_context: int, stop_token: int | None = None) -> Starlette:
@@ -52,6 +54,7 @@ def make_app(engine, tokenizer, *, model_name: str, max_context: int, stop_token
     Tokenizer; max_context: the most tokens (prompt + completion) one choice may use;
     stop_token: the end-of-text token id that ends a completion (finish_reason "stop")."""
     engine_loop = EngineLoop(engine)
+    texts = _Texts(tokenizer, token_texts(tokenizer))
     created = int(time.time())
     body_limit = max_body_bytes(max_context)
 
@@ -68,7 +71,7 @@ def make_app(engine, tokenizer, *, model_name: str, max_context: int, stop_token
             raise APIError(503, "the server is shutting down and takes no new requests", type="server_error",
                            code="shutting_down")
         req = parse_completion(body, tokenizer, model_name=model_name, max_context=max_context)
-        completion = _Completion(engine_loop, req, tokenizer, stop_token, model_name)
+        completion = _Completion(engine_loop, req, texts, stop_token, model_name)
         response = None
         try:
             async with _client_gone_cancels(http):
@@ -103,41 +106,122 @@ def make_app(engine, tokenizer, *, model_name: str, max_context: int, stop_token
     return app
 
 
+class _Texts(NamedTuple):
+    tokenizer: object
+    token_text: Callable[[int], str]    # a token's own text (`token_texts`)
+
+
 class _Piece(NamedTuple):
     choice: _Choice
     text: str
     finish_reason: str | None           # None until the choice's last piece, then "length" or "stop"
+    logprobs: dict | None = None        # its tokens' (`logprobs_body`), when the request asked
+
+
+class _Logprobs:
+    """A choice's log-probabilities in OpenAI's form, built token by token; `take()` gives the
+    entries added since the last take (a stream chunk's), `whole()` all of them."""
+
+    def __init__(self, token_text: Callable[[int], str]):
+        self.token_text = token_text
+        self.lists: tuple[list, list, list, list] = ([], [], [], [])   # tokens, logprobs, top, offsets
+        self.taken = 0
+
+    def add(self, token: int, scored: TokenLogprob | None, offset: int) -> None:
+        """One token at character `offset` of the choice's text; scored None: nothing to score it
+        against (the prompt's first token)."""
+        tokens, logprobs, tops, offsets = self.lists
+        tokens.append(self.token_text(token))
+        logprobs.append(None if scored is None else scored.logprob)
+        tops.append(None if scored is None else self._top(token, scored))
+        offsets.append(offset)
+
+    def _top(self, token: int, scored: TokenLogprob) -> dict[str, float]:
+        """The most likely tokens' log-probs, most likely first, then the token's own if it is not
+        among them (as OpenAI: up to N + 1). Two tokens of the same text keep the likelier's."""
+        top: dict[str, float] = {}
+        for other, logprob in scored.top:
+            top.setdefault(self.token_text(other), logprob)
+        if all(other != token for other, _ in scored.top):
+            top.setdefault(self.token_text(token), scored.logprob)
+        return top
+
+    def take(self) -> dict:
+        body = logprobs_body(*(entries[self.taken:] for entries in self.lists))
+        self.taken = len(self.lists[0])
+        return body
+
+    def whole(self) -> dict:
+        return logprobs_body(*(list(entries) for entries in self.lists))
 
 
 class _Choice:
-    """One completion of one prompt: its engine request, its text so far, its token count."""
+    """One completion of one prompt: its engine request, its text so far, its token count, its
+    log-probabilities when asked for."""
 
-    def __init__(self, index: int, prompt: Prompt, ticket: Ticket, tokenizer, stop: tuple[str, ...]):
-        self.index, self.prompt, self.ticket = index, prompt, ticket
-        self.text = TextStream(tokenizer, stop)
+    def __init__(self, index: int, prompt: Prompt, ticket: Ticket, texts: _Texts, req: CompletionRequest):
+        self.index, self.prompt, self.ticket, self.echo = index, prompt, ticket, req.echo
+        self.text = TextStream(texts.tokenizer, req.stop)
+        self.texts = texts
+        self.logprobs = None if req.logprobs is None else _Logprobs(texts.token_text)
+        self.started = False                # its first engine event arrived
         self.completion_tokens = 0
         self.finish_reason: str | None = None
 
-    async def next_piece(self) -> _Piece:
-        """The text of the choice's next engine event; raises APIError if the engine refused it."""
+    async def next_pieces(self) -> list[_Piece]:
+        """The pieces of the choice's next engine event: with echo, on the first event, its prompt
+        text first; then the event's text. Raises APIError if the engine refused the choice."""
         event = await self.ticket.next_event()
         if event.error is not None:
             raise APIError(400, event.error, code="request_refused")
-        self.completion_tokens += len(event.tokens)
-        text = self.text.push(event.tokens)
+        pieces = []
+        if not self.started and self.echo:
+            pieces.append(self._echo_piece(event.prompt_logprobs))
+        self.started = True
+        pieces.append(self._event_piece(event.tokens, event.logprobs, event.finished))
+        return pieces
+
+    def _echo_piece(self, scored: list[TokenLogprob] | None) -> _Piece:
+        """The prompt's text and, with logprobs, its tokens' (scored: tokens 1..P-1)."""
+        if self.logprobs is None:
+            return _Piece(self, self.prompt.echo, None)
+        detokenizer, offset = Detokenizer(self.texts.tokenizer), 0
+        for token, token_scored in zip(self.prompt.ids.tolist(), [None, *scored]):
+            self.logprobs.add(token, token_scored, offset)
+            offset += len(detokenizer.push([token]))
+        return _Piece(self, self.prompt.echo, None, self.logprobs.take())
+
+    def _event_piece(self, tokens: list[int], scored: list[TokenLogprob] | None, finished: bool) -> _Piece:
+        self.completion_tokens += len(tokens)
+        text = self.text.push(tokens) if self.logprobs is None else self._push_scored(tokens, scored)
         if self.text.stopped:
             self.finish_reason = "stop"
-        elif event.finished:
+        elif finished:
             text += self.text.flush()
             self.finish_reason = "length" if self.completion_tokens >= self.prompt.max_tokens else "stop"
-        return _Piece(self, text, self.finish_reason)
+        return _Piece(self, text, self.finish_reason, None if self.logprobs is None else self.logprobs.take())
+
+    def _push_scored(self, tokens: list[int], scored: list[TokenLogprob]) -> str:
+        """The tokens' text, one token at a time, each token's log-probs recorded at the offset
+        where its text starts; tokens after the one that completes a stop string are left out."""
+        text, start = "", len(self.prompt.echo)
+        for token, token_scored in zip(tokens, scored):
+            if self.text.stopped:
+                break
+            self.logprobs.add(token, token_scored, start + self.text.decoded)
+            text += self.text.push([token])
+        return text
+
+    def logprobs_body(self) -> dict | None:
+        return None if self.logprobs is None else self.logprobs.whole()
 
 
 class _Completion:
     """One HTTP request's way through the engine: an engine request per choice, their pieces of
     text merged in the order they arrive."""
 
-    def __init__(self, engine_loop: EngineLoop, req: CompletionRequest, tokenizer, stop_token, model_name: str):
+    def __init__(self, engine_loop: EngineLoop, req: CompletionRequest, texts: _Texts, stop_token,
+                 model_name: str):
         self.engine_loop, self.req, self.model_name = engine_loop, req, model_name
         self.id = f"cmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
@@ -146,9 +230,10 @@ class _Completion:
         self.pieces: asyncio.Queue = asyncio.Queue()        # _Piece, or the exception that ended a choice
         try:
             for index, (prompt, seed) in enumerate(req.choices()):
-                ticket = engine_loop.submit(Request(prompt=prompt.ids, max_new_tokens=prompt.max_tokens,
-                                                    sampling=req.sampling, stop_token=stop_token, seed=seed))
-                self.choices.append(_Choice(index, prompt, ticket, tokenizer, req.stop))
+                ticket = engine_loop.submit(Request(
+                    prompt=prompt.ids, max_new_tokens=prompt.max_tokens, sampling=req.sampling, stop_token=stop_token,
+                    seed=seed, logprobs=req.logprobs, prompt_logprobs=req.echo and req.logprobs is not None))
+                self.choices.append(_Choice(index, prompt, ticket, texts, req))
         except EngineFailure:               # the engine stopped: give back the choices submitted before
             self.close()
             raise
@@ -159,7 +244,8 @@ class _Completion:
         """Moves the choice's pieces to `pieces`, then the error that ended it, if one did."""
         try:
             while choice.finish_reason is None:
-                self.pieces.put_nowait(await choice.next_piece())
+                for piece in await choice.next_pieces():
+                    self.pieces.put_nowait(piece)
         except Exception as e:
             self.pieces.put_nowait(e)
 
@@ -176,25 +262,22 @@ class _Completion:
         return piece
 
     async def whole(self) -> dict:
-        texts = [[choice.prompt.echo] for choice in self.choices]
+        texts = [[] for _ in self.choices]
         while (piece := await self.next_piece()) is not None:
             texts[piece.choice.index].append(piece.text)
         return completion_body(self.id, self.created, self.model_name,
-                               [choice_body(c.index, "".join(texts[c.index]), c.finish_reason) for c in self.choices],
-                               usage=self._usage())
+                               [choice_body(c.index, "".join(texts[c.index]), c.finish_reason, c.logprobs_body())
+                                for c in self.choices], usage=self._usage())
 
     async def stream(self, first: _Piece):
-        """Server-sent events: each choice's echo first, then a chunk per engine event that
-        brought text, each choice's last one with its finish_reason, the usage chunk if asked
-        for, then [DONE]. An error mid-stream is sent as an error event."""
+        """Server-sent events: a chunk per piece that brought text or tokens (each choice's echo
+        first), each choice's last one with its finish_reason, the usage chunk if asked for,
+        then [DONE]. An error mid-stream is sent as an error event."""
         extra = {"usage": None} if self.req.include_usage else {}
         try:
-            for choice in self.choices:
-                if choice.prompt.echo:
-                    yield self._chunk(_Piece(choice, choice.prompt.echo, None), extra)
             piece = first
             while piece is not None:
-                if piece.text or piece.finish_reason:
+                if piece.text or piece.finish_reason or (piece.logprobs and piece.logprobs["tokens"]):
                     yield self._chunk(piece, extra)
                 piece = await self.next_piece()
         except (APIError, EngineFailure) as e:
@@ -205,7 +288,7 @@ class _Completion:
         yield "data: [DONE]\n\n"
 
     def _chunk(self, piece: _Piece, extra: dict) -> str:
-        choices = [choice_body(piece.choice.index, piece.text, piece.finish_reason)]
+        choices = [choice_body(piece.choice.index, piece.text, piece.finish_reason, piece.logprobs)]
         return _sse(completion_body(self.id, self.created, self.model_name, choices, **extra))
 
     def _usage(self) -> dict:

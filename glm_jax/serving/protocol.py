@@ -13,10 +13,19 @@ Supported request fields (anything else is refused with 400, naming the field):
     seed         int in [0, 2**32) (default: a random one); choice j of a prompt draws with seed + j
     stop         str or a list of up to 4 non-empty str: the text ends before the first one
     stream       bool; stream_options {"include_usage": bool}
-    best_of      null or n only;  logprobs null only (not supported yet);  suffix null only;
+    logprobs     null (default) or int in [0, MAX_LOGPROBS]: each choice's "logprobs" (`logprobs_body`)
+    best_of      null or n only;  suffix null only;
     presence_penalty, frequency_penalty 0 only;  logit_bias empty only;  user (ignored)
 
 The response's choices are prompt-major: choice i * n + j is completion j of prompt i.
+
+With `logprobs` N, each choice's "logprobs" is OpenAI's legacy object, one entry per token:
+{"tokens": [str], "token_logprobs": [float], "top_logprobs": [{str: float}], "text_offset": [int]}.
+The log-probabilities are the model's (log_softmax of its raw logits, before temperature and the
+sampling filters); top_logprobs holds the N most likely tokens, most likely first, and the
+token itself after them if it is not among them (so up to N + 1 entries). With echo the prompt's
+tokens come first, the first of them with null token_logprobs and top_logprobs. text_offset is
+where each token's text starts in the choice's text (echo included).
 
 A body longer than `max_body_bytes(max_context)` is refused with 413 (the app reads no further),
 and so is a prompt string longer than `max_prompt_bytes(max_context)` (it is not tokenized).
@@ -31,6 +40,7 @@ import secrets
 
 import numpy as np
 
+from glm_jax.decoding.engine_programs import MAX_LOGPROBS
 from glm_jax.decoding.sampling import SamplingError, SamplingParams
 
 DEFAULT_MAX_TOKENS = 16
@@ -82,6 +92,8 @@ class CompletionRequest:
     sampling: SamplingParams
     seed: int
     n: int = 1                          # completions per prompt
+    echo: bool = False
+    logprobs: int | None = None         # the most likely tokens to report per position (None: no log-probs)
     stop: tuple[str, ...] = ()
     stream: bool = False
     include_usage: bool = False         # stream: a last chunk with the usage
@@ -127,9 +139,6 @@ def parse_completion(body: bytes, tokenizer, *, model_name: str, max_context: in
         if fields.get(name) is not None and fields[name] != accepted:
             raise APIError(400, f"{name} is not supported by this server (only {json.dumps(accepted)})",
                            param=name)
-    if fields.get("logprobs") is not None:
-        raise APIError(400, "logprobs is not supported yet: the engine does not report token log-probabilities; "
-                            "send null or leave it out", param="logprobs")
     model = fields.get("model", model_name)
     if model != model_name:
         raise APIError(404, f"the model {model!r} does not exist; this server serves {model_name!r}",
@@ -153,8 +162,9 @@ def parse_completion(body: bytes, tokenizer, *, model_name: str, max_context: in
     stream = fields.get("stream", False)
     if not isinstance(stream, bool):
         raise APIError(400, f"stream must be true or false, got {stream!r}", param="stream")
-    return CompletionRequest(prompts=prompts, sampling=sampling, seed=seed, n=n, stop=_stop(fields.get("stop")),
-                             stream=stream, include_usage=_include_usage(fields.get("stream_options"), stream))
+    return CompletionRequest(prompts=prompts, sampling=sampling, seed=seed, n=n, echo=echo,
+                             logprobs=_logprobs(fields), stop=_stop(fields.get("stop")), stream=stream,
+                             include_usage=_include_usage(fields.get("stream_options"), stream))
 
 
 def _n(fields: dict) -> int:
@@ -163,9 +173,18 @@ def _n(fields: dict) -> int:
         raise APIError(400, f"n must be from 1 to {MAX_N} (completions per prompt), got {n}", param="n")
     best_of = _integer(fields, "best_of", n)
     if best_of != n:
-        raise APIError(400, f"best_of must equal n ({n}) or be null: picking the best of more completions needs "
-                            "log-probabilities, which are not supported yet", param="best_of")
+        raise APIError(400, f"best_of must equal n ({n}) or be null: this server does not generate extra "
+                            "completions to pick the best of", param="best_of")
     return n
+
+
+def _logprobs(fields: dict) -> int | None:
+    value = fields.get("logprobs")
+    if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+        raise APIError(400, f"logprobs must be an integer from 0 to {MAX_LOGPROBS} (the most likely tokens to report "
+                            f"per position; this server's limit is {MAX_LOGPROBS}) or null, got {value!r}",
+                       param="logprobs")
+    return value
 
 
 def _prompts(value, max_tokens, echo: bool, tokenizer, max_context: int) -> tuple[Prompt, ...]:
@@ -288,8 +307,15 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def choice_body(index: int, text: str, finish_reason: str | None) -> dict:
-    return {"index": index, "text": text, "finish_reason": finish_reason, "logprobs": None}
+def choice_body(index: int, text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
+    return {"index": index, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}
+
+
+def logprobs_body(tokens: list[str], token_logprobs: list[float | None], top_logprobs: list[dict | None],
+                  text_offset: list[int]) -> dict:
+    """A choice's (or a stream chunk's) "logprobs": the four lists, one entry per token."""
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+            "text_offset": text_offset}
 
 
 def completion_body(completion_id: str, created: int, model: str, choices: list[dict], **extra) -> dict:

@@ -5,9 +5,13 @@ ends inside one gives U+FFFD. `Detokenizer` holds such a tail back until the cha
 whole, and decodes only a short window of recent tokens, so each step's cost does not grow
 with the length of the completion. `TextStream` adds stop strings: it never emits text that
 could still turn out to be the start of a stop string, and ends the text before the first one.
+`token_texts` spells single tokens, for log-probabilities.
 """
 
 from __future__ import annotations
+
+import functools
+from typing import Callable
 
 _INCOMPLETE = "\ufffd"
 
@@ -45,7 +49,9 @@ class Detokenizer:
 
 class TextStream:
     """Detokenizer + stop strings. After `push` or `flush`, `stopped` says whether a stop string
-    was found; the text returned so far then ends just before it (the stop string excluded)."""
+    was found; the text returned so far then ends just before it (the stop string excluded).
+    `decoded` counts the characters decoded so far, stop strings and the text held back
+    included: where the next token's text starts."""
 
     def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
         if any(not s for s in stop):
@@ -54,6 +60,7 @@ class TextStream:
         self.stop = stop
         self.pending = ""           # decoded, not yet emitted: it may begin a stop string
         self.stopped = False
+        self.decoded = 0
 
     def push(self, ids: list[int]) -> str:
         """Take new token ids -> the text that can be emitted now."""
@@ -64,6 +71,7 @@ class TextStream:
         return self._emit(self.detokenizer.flush(), final=True)
 
     def _emit(self, text: str, *, final: bool) -> str:
+        self.decoded += len(text)
         if self.stopped:
             return ""
         self.pending += text
@@ -83,3 +91,12 @@ class TextStream:
             if any(s.startswith(self.pending[-n:]) for s in self.stop):
                 return n
         return 0
+
+
+def token_texts(tokenizer, cache_size: int = 1 << 16) -> Callable[[int], str]:
+    """token id -> its own text (special tokens spelled out; a token that ends inside a
+    multi-byte character has U+FFFD for the part), cached."""
+    @functools.lru_cache(maxsize=cache_size)
+    def text(token: int) -> str:
+        return tokenizer.decode([token], skip_special_tokens=False)
+    return text
