@@ -12,27 +12,45 @@ import subprocess
 import sys
 from pathlib import Path
 
+import train
 from conftest import micro_config, simulated_devices_env
 from glm_jax.config import save_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _train(tmp_path, out: str, *extra: str) -> list[dict]:
-    env = simulated_devices_env(8)
+def _flags(tmp_path, out: str) -> list[str]:
     cfg_path = tmp_path / "micro.yaml"
     save_config(micro_config(vocab_size=320, max_position_embeddings=128, n_routed_experts=4), cfg_path)
-    cmd = [sys.executable, str(ROOT / "train.py"), "--config", str(cfg_path), "--out", str(tmp_path / out),
-           "--batch-size", "4", "--seq-len", "16", "--dense-steps", "1", "--warmup-steps", "1",
-           "--max-files", "4", "--eval-every", "100", "--log-every", "1", "--eval-batches", "1",
-           "--save-every", "100", *extra]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    return ["--config", str(cfg_path), "--out", str(tmp_path / out), "--batch-size", "2", "--seq-len", "16",
+            "--dense-steps", "1", "--warmup-steps", "1", "--max-files", "4", "--eval-every", "100",
+            "--log-every", "1", "--eval-batches", "1", "--save-every", "100"]
+
+
+def _metrics(tmp_path, out: str) -> list[dict]:
     return [json.loads(line) for line in (tmp_path / out / "metrics.jsonl").read_text().splitlines()]
 
 
+def _train(tmp_path, out: str, *extra: str) -> list[dict]:
+    """train.py on 8 simulated devices, in a subprocess."""
+    cmd = [sys.executable, str(ROOT / "train.py"), *_flags(tmp_path, out), *extra]
+    proc = subprocess.run(cmd, env=simulated_devices_env(8), capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return _metrics(tmp_path, out)
+
+
+def _train_one_device(tmp_path, out: str) -> list[dict]:
+    """Steps 1 and 2 of the one-device run, in this process (one device, no subprocess to start).
+    Its flags are those of test_faults.py's runs (and of test_cli.py's expanded-form resume run),
+    --steps 5 included, so its step programs are theirs and come from the shared persistent
+    compilation cache when those ran first. The metrics of steps 1-2 do not depend on --steps:
+    the learning rate of step 1 is 0 (one warm-up step) and the batches depend on the seed only."""
+    assert train.main([*_flags(tmp_path, out), "--steps", "5", "--stop-after", "2"]) == 0
+    return _metrics(tmp_path, out)
+
+
 def test_sharded_training_equals_one_device_and_resumes_onto_another_mesh(tmp_path):
-    one = _train(tmp_path, "one", "--steps", "2")
+    one = _train_one_device(tmp_path, "one")
     # the dense step on data=2,tensor=2,layer=2, preempted after it; restored onto a
     # context-parallel mesh, which runs the sparse step (each sharded run compiles one stage)
     _train(tmp_path, "sharded", "--steps", "2", "--stop-after", "1", "--mesh", "data=2,tensor=2,layer=2")
