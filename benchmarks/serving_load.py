@@ -16,7 +16,10 @@ pool:
   prefill beside decoding, one step of host/device overlap);
 * static waves (the baseline, the engine before continuous batching): take up to `slots`
   waiting requests that fit the pool with prompt + new tokens up front, prefill them together,
-  decode one blocking step at a time until all of them finish; arrivals wait for the next wave.
+  decode one blocking step at a time until all of them finish; arrivals wait for the next wave;
+* with `--step-token-budget N`, also "continuous, budget N": the continuous engine with at most
+  N tokens per step while requests decode (`ServingEngine(step_token_budget=N)`), to compare
+  its ITL p99 and TTFT with the row of the engine without a budget.
 
 Per run: throughput (new tokens / time from the first arrival to the last token), time to
 first token and inter-token latency (p50 / p99, as a client sees tokens arrive), host ms per
@@ -25,14 +28,14 @@ continuous run (n/a when no step had every slot decoding), and goodput: the toke
 requests that met the objective (TTFT <= --slo-ttft-ms and mean time per output token <=
 --slo-tpot-ms, as vLLM's serving benchmark counts it).
 
-Rate sweep (as vLLM's serving benchmark): `--rates R1 R2 ...` replays the continuous server at
+Rate sweep (as vLLM's serving benchmark): `--rates R1 R2 ...` replays the continuous server(s) at
 each arrival rate (the same prompts, arrival gaps scaled), and `--sweep` doubles the rate from
 --rate until the throughput grows by less than 5% (saturation, at most --max-rates rates). The
-static waves run at the first rate only (the baseline). After each context and pattern a line
-gives the saturation throughput (the best of the sweep) against the ceiling. Programs are compiled before the
-clock starts. A server that fails at a context (e.g. out of device memory) gets a row with its
-error, and the run goes on. --out is rewritten after every row, so a run cut short keeps the
-rows it measured.
+static waves run at the first rate only (the baseline). After each context, pattern and
+continuous server a line gives the saturation throughput (the best of the sweep) against the
+ceiling. Programs are compiled before the clock starts. A server that fails at a context (e.g.
+out of device memory) gets a row with its error, and the run goes on. --out is rewritten after
+every row, so a run cut short keeps the rows it measured.
 """
 
 from __future__ import annotations
@@ -255,9 +258,9 @@ def _print_row(row: dict) -> None:
           f"{row['host_ms_per_step']:.3f} |", flush=True)
 
 
-def _print_saturation(rows: list[dict], context: int, pattern: str) -> None:
-    """The best throughput of the continuous server's rates, against the ceiling of that run."""
-    runs = [r for r in rows if (r["context"], r["pattern"], r["server"]) == (context, pattern, "continuous")
+def _print_saturation(rows: list[dict], context: int, pattern: str, server: str) -> None:
+    """The best throughput of a continuous server's rates, against the ceiling of that run."""
+    runs = [r for r in rows if (r["context"], r["pattern"], r["server"]) == (context, pattern, server)
             and "error" not in r]
     if not runs:
         return
@@ -265,8 +268,8 @@ def _print_saturation(rows: list[dict], context: int, pattern: str) -> None:
     ceiling = best["ceiling_tokens_s"]
     share = f"{best['throughput'] / ceiling:.0%} of the ceiling {ceiling:.1f}" if ceiling == ceiling else \
         "ceiling n/a (no step had every slot decoding)"
-    print(f"saturation, {context} {pattern}: {best['throughput']:.1f} tokens/s at {best['rate']:g}/s, {share}; "
-          f"{len(runs)} rate(s) run", flush=True)
+    print(f"saturation, {context} {pattern} {server}: {best['throughput']:.1f} tokens/s at {best['rate']:g}/s, "
+          f"{share}; {len(runs)} rate(s) run", flush=True)
 
 
 def main() -> None:
@@ -280,6 +283,8 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=None, help="batch slots (default 8; smoke 3)")
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--prefill-chunk", type=int, default=None, help="default 2048; smoke 64")
+    ap.add_argument("--step-token-budget", type=int, default=None, metavar="N",
+                    help="also replay the continuous engine with this step token budget (row 'continuous, budget N')")
     ap.add_argument("--pool-contexts", type=float, default=2.0,
                     help="pool size in max-context sequences (at least 1: the longest request must fit)")
     ap.add_argument("--patterns", nargs="+", default=["IndexShare", "all Full"], choices=["IndexShare", "all Full"],
@@ -304,16 +309,28 @@ def main() -> None:
     if args.pool_contexts < 1:
         sys.exit("--pool-contexts must be >= 1: the longest request must fit the pool")
 
+    import functools
+
     import jax
     import numpy as np
     from flax import nnx
 
     from benchmarks.long_context import PATTERNS, model_config
-    from glm_jax.decoding.engine import ServingEngine
+    from glm_jax.decoding.engine import ServingEngine, budget_chunk
     from glm_jax.model import GLMModel
 
+    budget = "none"
+    if args.step_token_budget is not None:
+        try:
+            small = budget_chunk(args.step_token_budget, slots=slots, rows=1, page_size=args.page_size,
+                                 prefill_chunk=chunk)
+        except ValueError as e:
+            sys.exit(f"--step-token-budget: {e}")
+        budget = f"{args.step_token_budget} (prefill chunk {small} while requests decode)"
+
     print(f"device {jax.devices()[0].device_kind}; {requests} requests at {rate}/s, {new_tokens} new tokens each, "
-          f"{slots} slots, pages of {args.page_size}, prefill chunk {chunk}, pool {args.pool_contexts} x max context; "
+          f"{slots} slots, pages of {args.page_size}, prefill chunk {chunk}, pool {args.pool_contexts} x max context, "
+          f"step token budget {budget}; "
           f"patterns {', '.join(f'{n} {PATTERNS[n]}' for n in args.patterns)}")
     slo = Objective(args.slo_ttft_ms, args.slo_tpot_ms)
     print(f"goodput objective: TTFT <= {slo.ttft_ms:.0f} ms, mean time per output token <= {slo.tpot_ms:.0f} ms")
@@ -325,8 +342,8 @@ def main() -> None:
     def save():             # after every row, so a run cut short keeps what it measured
         with open(args.out, "w") as f:
             json.dump(dict(requests=requests, rate=rate, new_tokens=new_tokens, slots=slots, page_size=args.page_size,
-                           prefill_chunk=chunk, smoke=smoke, device=jax.devices()[0].device_kind, rows=rows), f,
-                      indent=1)
+                           prefill_chunk=chunk, step_token_budget=args.step_token_budget, smoke=smoke,
+                           device=jax.devices()[0].device_kind, rows=rows), f, indent=1)
 
     for context in contexts:
         vocab = model_config(PATTERNS["IndexShare"], smoke).vocab_size
@@ -337,8 +354,13 @@ def main() -> None:
             pages = int(args.pool_contexts * context) // args.page_size + 2
             shape = dict(slots=slots, num_pages=pages, page_size=args.page_size, max_context=context,
                          prefill_chunk=chunk)
-            warm = [dataclasses.replace(arrivals[0], at=0.0, new_tokens=2)]
-            servers = (("continuous", ServingEngine, run_continuous), ("static waves", WaveServer, run_waves))
+            # Compiles every program: the second request prefills while the first decodes (budget's chunk).
+            warm = [dataclasses.replace(arrivals[0], at=0.0, new_tokens=2),
+                    dataclasses.replace(arrivals[0], at=0.0, prompt=arrivals[0].prompt[:8], new_tokens=2)]
+            servers = [("continuous", ServingEngine, run_continuous), ("static waves", WaveServer, run_waves)]
+            if args.step_token_budget is not None:
+                budgeted = functools.partial(ServingEngine, step_token_budget=args.step_token_budget)
+                servers.insert(1, (f"continuous, budget {args.step_token_budget}", budgeted, run_continuous))
             for name, build, run in servers:         # one at a time: one pool in device memory
                 try:
                     server = build(model, **shape)
@@ -361,11 +383,11 @@ def main() -> None:
                         throughput = None
                     rows.append(row)
                     save()
-                    if name != "continuous" or "error" in row:
+                    if run is run_waves or "error" in row:
                         break                                 # the baseline runs at the first rate only
                     at = _next_rate(rates, throughput)
-                if name == "continuous":
-                    _print_saturation(rows, context, pattern_name)
+                if run is run_continuous:
+                    _print_saturation(rows, context, pattern_name, name)
                 server = None
             del model
 

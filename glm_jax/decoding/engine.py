@@ -13,18 +13,33 @@ One `step()`:
 2. admits waiting requests, oldest first, into free slots while the pool has pages for the
    prompt and its first token; a request that does not fit now waits (nothing behind it
    overtakes it);
-3. runs one prefill chunk (`prefill_chunk` tokens) of the oldest request still prefilling, one
-   per data shard; a request whose last chunk ran joins the decoding slots in this same step;
+3. runs one prefill chunk of the oldest request still prefilling, one per data shard
+   (`prefill_chunk` tokens, or `decode_chunk` while some slot decodes under a step token
+   budget); a request whose last chunk ran joins the decoding slots in this same step;
 4. dispatches one decode step for every decoding slot;
 5. reads back the tokens of the decode step dispatched by the previous `step()` and turns them
    into events; finished requests free their slot and pages.
 
-Two programs, alternated. Prefill chunks and decode steps are separate jitted calls
-(`engine_programs`): a "mixed" program would have to give every slot room for a whole chunk,
-doing C times the work of a decode step on each step, or have one shape per mix of chunk and
-decode rows. Alternating keeps exactly two compiled programs of fixed shape (slots x table
-width; prefill rows x chunk) for any mix of requests and contexts, and a long prompt delays the
-others' next token by one chunk per step, never by its whole prefill.
+Two programs, alternated, under an optional token budget. Prefill chunks and decode steps are
+separate jitted calls (`engine_programs`): a "mixed" program would have to give every slot room
+for a whole chunk, doing C times the work of a decode step on each step, or have one shape per
+mix of chunk and decode rows. Alternating keeps a fixed set of compiled programs for any mix of
+requests and contexts: one decode program (slots x table width) and one prefill program per
+chunk size (prefill rows x chunk), of which there are at most two:
+* without a budget (`step_token_budget=None`), every prefill call runs `prefill_chunk` tokens
+  per row, so a long prompt delays the others' next token by one chunk per step, never by its
+  whole prefill;
+* with a budget N, a step that starts with some slot decoding (its prompt prefilled, tokens
+  left to draw) runs `decode_chunk` tokens per row: the largest multiple of page_size with
+  rows x decode_chunk <= N - slots, at most `prefill_chunk` (`budget_chunk`). The step's
+  prefill tokens plus its decode tokens are then at most N, however many slots decode, so the
+  decoding slots' inter-token latency is bounded by one decode step plus N - slots prefill
+  tokens; a long prompt takes more steps to prefill, so its time to first token grows. A step
+  with no slot decoding prefills a whole `prefill_chunk` (the budget protects decoding slots
+  only). The kernels take any chunk length (they pad the queries to their own blocks); whole
+  pages keep the chunk starts page-aligned when `prefill_chunk` is a multiple of the page too.
+  N below slots + rows x page_size leaves no page of prefill beside a full decode batch and is
+  refused.
 
 Pages on demand. A request gets pages for its prompt when it is admitted and one more page
 each time its sequence crosses into a new page; all of them go back as soon as it finishes or
@@ -43,7 +58,7 @@ noticed one step late; the token the slot drew in that extra step is discarded (
 is known ahead, so it costs no extra step). Per request, token i is drawn with the key
 fold_in(key(seed), i), so a request's output does not depend on its batch companions or on
 preemption. `step_times` holds a StepTime per decode step: host time is the step's wall time
-minus the time blocked waiting for the device.
+minus the time blocked waiting for the device; `prefill` the prompt tokens prefilled beside it.
 
 Log-probabilities. A request with `logprobs=k` (0..MAX_LOGPROBS) gets, with each token of its
 events, the token's log-probability and the k most likely tokens' (`TokenLogprob`): the model's
@@ -117,6 +132,7 @@ class StepTime:
     host_s: float         # the step's host work: wall time minus the time blocked on the device
     step_s: float         # the step's wall time (with overlap, about one device step)
     rows: int = 0         # slots that drew a token in the step
+    prefill: int = 0      # prompt tokens prefilled in the step (before its decode step)
 
 
 @dataclasses.dataclass(eq=False)
@@ -177,16 +193,22 @@ class ServingEngine(GeneratorBase):
 
     slots: sequences decoded together; num_pages x page_size: the pool (page 0 of each data
     shard is scratch); max_context: the longest prompt + max_new_tokens of one request;
-    prefill_chunk: prompt tokens per prefill call; kernels / mesh / collective as for the
-    Generator (slots split over the mesh's `data` axis, pages too)."""
+    prefill_chunk: prompt tokens per prefill row and call; step_token_budget: the most tokens
+    (prefill + decode) of a step in which some slot decodes (None: no limit; `budget_chunk`);
+    kernels / mesh / collective as for the Generator (slots split over the mesh's `data` axis,
+    pages too)."""
 
     def __init__(self, model, *, slots: int, num_pages: int, page_size: int, max_context: int,
-                 prefill_chunk: int = 64, kernels: ops.KernelChoice = ops.KernelChoice(), mesh=None,
-                 collective: str = "permute"):
+                 prefill_chunk: int = 64, step_token_budget: int | None = None,
+                 kernels: ops.KernelChoice = ops.KernelChoice(), mesh=None, collective: str = "permute"):
         super().__init__(model, batch=slots, max_len=max_context, prefill_chunk=prefill_chunk, kernels=kernels,
                          mesh=mesh, collective=collective)
         shards = 1 if mesh is None else mesh.shape.get("data", 1)
         self.pool = PagePool(self.cfg, num_pages=num_pages, page_size=page_size, data_shards=shards)
+        self.step_token_budget = step_token_budget
+        # The prefill chunk of a step in which some slot decodes (prefill_chunk without a budget).
+        self.decode_chunk = budget_chunk(step_token_budget, slots=slots, rows=shards, page_size=page_size,
+                                         prefill_chunk=prefill_chunk)
         # Room in every row's table for its longest context plus the padding of a prefill chunk.
         self.width = self.pool.pages_for(max_context + prefill_chunk)
         cache = self.pool.create_cache(slots, self.width, self.split)
@@ -239,13 +261,13 @@ class ServingEngine(GeneratorBase):
         self._waited = 0.0
         self._drop_cancelled()
         self._admit()
-        self._prefill_chunk()
+        prefilled = self._prefill_chunk()
         launched, context = self._dispatch_decode()
         self._drain()
         self._in_flight = launched
         if launched is not None:
             wall = time.perf_counter() - t0
-            self.step_times.append(StepTime(context, wall - self._waited, wall, len(launched.runs)))
+            self.step_times.append(StepTime(context, wall - self._waited, wall, len(launched.runs), prefilled))
         events, self._events = self._events, []
         return _merged(events)
 
@@ -337,8 +359,14 @@ class ServingEngine(GeneratorBase):
             run.drawn, run.stopped = len(run.emitted), False
             self._slots[slot] = run
 
-    def _prefill_chunk(self) -> None:
-        """One chunk for the oldest prefilling request of each data shard (one jitted call)."""
+    def _chunk(self) -> int:
+        """This step's prefill chunk: decode_chunk while some slot decodes, else prefill_chunk."""
+        decoding = any(run is not None and run.draws for run in self._slots)
+        return self.decode_chunk if decoding else self.prefill_chunk
+
+    def _prefill_chunk(self) -> int:
+        """One chunk for the oldest prefilling request of each data shard (one jitted call)
+        -> the prompt tokens it prefilled (0: none)."""
         shards = self.pool.data_shards
         chosen: list[_Run | None] = [None] * shards
         for run in self._slots:
@@ -347,8 +375,8 @@ class ServingEngine(GeneratorBase):
                 if chosen[s] is None or run.order < chosen[s].order:
                     chosen[s] = run
         if not any(chosen):
-            return
-        c = self.prefill_chunk
+            return 0
+        c = self._chunk()
         rows = np.full((shards,), self.batch, np.int32)
         starts, num_valid, drawn = (np.zeros((shards,), np.int32) for _ in range(3))
         seeds = np.zeros((shards,), np.uint32)
@@ -378,11 +406,12 @@ class ServingEngine(GeneratorBase):
                 self.put(drawn, row), jax.tree.map(lambda x: self.put(x, row), sampling))
         if not scored:
             self.cache, self.slot_state = self.programs.prefill(*args)
-            return
+            return int(num_valid.sum())
         self.cache, self.slot_state, scores = self.programs.prefill_scored(*args, self.put(targets, batch))
         for x in scores:
             x.copy_to_host_async()
         self._scored_chunks.append(_ScoredChunk(scores, scored))
+        return int(num_valid.sum())
 
     def _dispatch_decode(self) -> tuple[_Launched | None, int]:
         """Dispatch one decode step for every drawing slot -> (what to read back, longest context
@@ -480,6 +509,20 @@ class ServingEngine(GeneratorBase):
                 self._retire(run)
 
 
+def budget_chunk(budget: int | None, *, slots: int, rows: int, page_size: int, prefill_chunk: int) -> int:
+    """The prefill chunk (tokens per prefill row) of a step in which some of the `slots` decode,
+    with `rows` prefill rows (one per data shard) and a step token budget: the largest multiple
+    of page_size with rows x chunk <= budget - slots, at most prefill_chunk (prefill_chunk when
+    budget is None). A budget that leaves no page per row beside a full decode batch is refused."""
+    if budget is None:
+        return prefill_chunk
+    least = slots + rows * page_size
+    if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)) or budget < least:
+        raise ValueError(f"the step token budget must be an integer >= {least} ({slots} decoding slots + one page of "
+                         f"{page_size} prefill tokens per prefill row, {rows} row(s)), got {budget!r}")
+    return min(prefill_chunk, (budget - slots) // rows // page_size * page_size)
+
+
 def _scores_to_host(scores: Scores) -> Scores:
     return Scores(*(to_host(x) for x in scores))
 
@@ -523,14 +566,16 @@ def engine_for_prompts(model, prompts: list[np.ndarray], *, max_batch: int, max_
 
 
 def engine_with_room(model, *, slots: int, longest: int, max_context: int, prefill_chunk: int = 256,
-                     page_size: int = 16, kernels: ops.KernelChoice = ops.KernelChoice(), mesh=None,
+                     page_size: int = 16, step_token_budget: int | None = None,
+                     kernels: ops.KernelChoice = ops.KernelChoice(), mesh=None,
                      collective: str = "permute") -> ServingEngine:
     """A ServingEngine of `slots` slots whose pool holds every slot at `longest` tokens at once
-    (per data shard), so no request waits for pages or is preempted."""
+    (per data shard), so no request waits for pages or is preempted; step_token_budget: as for
+    ServingEngine."""
     if slots < 1:
         raise ValueError(f"max_batch must be >= 1, got {slots}")
     shards = 1 if mesh is None else mesh.shape.get("data", 1)
     per_shard = -(-slots // shards) * -(-longest // page_size) + 1
     return ServingEngine(model, slots=slots, num_pages=shards * per_shard, page_size=page_size,
-                         max_context=max_context, prefill_chunk=prefill_chunk, kernels=kernels, mesh=mesh,
-                         collective=collective)
+                         max_context=max_context, prefill_chunk=prefill_chunk,
+                         step_token_budget=step_token_budget, kernels=kernels, mesh=mesh, collective=collective)

@@ -10,7 +10,9 @@ decode, plus a prefill that scores the prompt for requests that ask).
 
 The programs have fixed shapes (the engine's slots B, the page-table width W, the prefill
 chunk C, one prefill row per data shard R), so the whole engine runs on prefill and decode
-for every mix of requests and context lengths. The cache and the slot state are donated.
+for every mix of requests and context lengths. C is the engine's `prefill_chunk` or, with a
+step token budget, also its smaller `decode_chunk`: jit compiles prefill (and prefill_scored)
+once per chunk size, so at most two of each. The cache and the slot state are donated.
 
 * `prefill` runs one chunk of up to C prompt tokens for R rows against the shared page pool,
   through a KVCache view holding those rows' page tables, and installs each row in its slot:

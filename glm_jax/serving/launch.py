@@ -19,6 +19,10 @@ def add_server_flags(ap: argparse.ArgumentParser) -> None:
     group.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     group.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free one)")
     group.add_argument("--page-size", type=int, default=16, help="cache rows per page of the engine's pool")
+    group.add_argument("--step-token-budget", type=int, default=None, metavar="N",
+                       help="at most N tokens (prefill + decode) per engine step while requests decode: bounds "
+                            "their inter-token latency, lengthens long prompts' time to first token (default: no "
+                            "budget, whole --prefill-chunk per step; docs/serving.md)")
 
 
 def serve_from_args(args) -> int:
@@ -47,21 +51,25 @@ def serve_from_args(args) -> int:
         tokenizer = load_tokenizer(source.path)
         max_context = args.max_len or model.cfg.max_position_embeddings
         engine = build_engine(model, slots=slots, page_size=args.page_size, max_context=max_context,
-                              prefill_chunk=args.prefill_chunk, kernels=cli.kernel_choice(args),
+                              prefill_chunk=args.prefill_chunk, step_token_budget=args.step_token_budget,
+                              kernels=cli.kernel_choice(args),
                               mesh=make_mesh(args.mesh) if args.mesh else None, collective=args.collective)
     app = make_app(engine, tokenizer, model_name=model.cfg.name, max_context=max_context,
                    stop_token=end_of_text_token(model.cfg, tokenizer))
+    budget = "" if args.step_token_budget is None else f", step token budget {args.step_token_budget}"
     return serve(app, host=args.host, port=args.port,
-                 about=f"{model.cfg.name} from {source.path}, {slots} slots, context {max_context} tokens")
+                 about=f"{model.cfg.name} from {source.path}, {slots} slots, context {max_context} tokens{budget}")
 
 
-def build_engine(model, *, slots: int, page_size: int, max_context: int, prefill_chunk: int, **placement):
+def build_engine(model, *, slots: int, page_size: int, max_context: int, prefill_chunk: int,
+                 step_token_budget: int | None = None, **placement):
     """A ServingEngine whose pool holds every slot at the full context at once (so no request
-    is ever preempted for pages)."""
+    is ever preempted for pages); step_token_budget: as for ServingEngine."""
     from glm_jax.decoding.engine import engine_with_room
 
     return engine_with_room(model, slots=slots, longest=max_context + prefill_chunk, max_context=max_context,
-                            prefill_chunk=prefill_chunk, page_size=page_size, **placement)
+                            prefill_chunk=prefill_chunk, page_size=page_size, step_token_budget=step_token_budget,
+                            **placement)
 
 
 def end_of_text_token(cfg, tokenizer) -> int | None:
