@@ -2,7 +2,7 @@
 
 * train.py's uninterrupted run reports its compilation apart and compiles the step once per stage.
 * train.py killed with SIGKILL during a step, during an asynchronous save and during the export,
-  resumed each time: it continues from its last complete checkpoint and ends with the losses of
+  resumed each time (with batches packed ahead on a thread): it continues from its last complete checkpoint and ends with the losses of
   an uninterrupted run, bit for bit, and a model directory that passes its file check.
 * A disk that fills during a save (every write fails, as on a full disk): one clear error line,
   exit code 1, the previous complete checkpoint kept, and --resume continues from it exactly.
@@ -74,7 +74,9 @@ def run_config(tmp_path_factory):
 
 
 def test_killed_during_a_step_a_save_and_the_export_resumes_bit_exactly(run_config, tmp_path):
-    """One run killed three times (each resume killed at the next fault), then resumed to the end."""
+    """One run killed three times (each resume killed at the next fault), then resumed to the end,
+    with two batches packed ahead on a thread (--prefetch-batches 2; the reference packs none):
+    the checkpoints record the batches the loop consumed, not those built ahead."""
     cfg_path, reference = run_config
     out = tmp_path / "run"
     # (fault, the steps the resume after it may continue from: the save handed over just before
@@ -82,7 +84,7 @@ def test_killed_during_a_step_a_save_and_the_export_resumes_bit_exactly(run_conf
     chain = (("step@3", {1, 2}), ("saving@4", {3, 4}), ("export", {STEPS}))
     previous = None
     for fault, allowed in chain + ((None, None),):
-        proc = _train(out, cfg_path, *(["--resume"] if previous else []), fault=fault)
+        proc = _train(out, cfg_path, "--prefetch-batches", "2", *(["--resume"] if previous else []), fault=fault)
         assert "Traceback" not in proc.stderr, (fault, proc.stderr[-3000:])
         if previous:
             assert _resumed_from(proc) in previous, (fault, proc.stdout)
