@@ -41,10 +41,11 @@ from glm_jax.data import corpus, pipeline, sources, tokenizer as tok_lib
 from glm_jax.data.prefetch import Prefetched
 from glm_jax.info import params_by_part
 from glm_jax.layers.segments import count_segments, segment_bound
-from glm_jax.model import GLMModel, abstract_model, count_params
+from glm_jax.model import GLMModel, abstract_model, count_params, init_model
 from glm_jax.training import background_output, checkpointing
 from glm_jax.training.compiles import CompileWatch
-from glm_jax.training.step import LossWeights, attention_form, eval_step, make_optimizer, train_step
+from glm_jax.training.step import (LossWeights, attention_form, eval_step, make_optimizer, train_step,
+                                   train_step_keeping)
 
 DEFAULT_CONFIG = "configs/tiny.yaml"
 TOKENIZER_DOCS = 20_000  # documents the tokenizer is trained on (and the most held-out ones encoded)
@@ -75,6 +76,7 @@ class Run:
     form: str             # attention form (training.step.attention_form)
     kernels: ops.KernelChoice
     weights: LossWeights
+    step: Callable        # train_step, on a mesh with the state's layouts pinned (`_step_for`)
 
 
 # ---------------------------------------------------------------------- setup
@@ -105,7 +107,7 @@ def setup(args) -> Run:
     encode = pipeline.token_encoder(tok)
 
     if model is None:
-        model = GLMModel(cfg, rngs=nnx.Rngs(args.seed))
+        model = init_model(cfg, args.seed)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     tx, schedule = make_optimizer(args.lr, args.steps, args.warmup_steps,
                                      decay_steps=args.decay_steps)
@@ -137,7 +139,8 @@ def setup(args) -> Run:
                           kv_share=not args.no_mtp_kv_share, tv=args.tv_weight)
     return Run(args=args, cfg=cfg, out=out, model=model, graphdef=graphdef, params=params, rest=rest,
                opt_state=opt_state, tx=tx, schedule=schedule, feed=feed, batches=batches, heldout=heldout,
-               mngr=mngr, start=start, form=form, kernels=kernels, weights=weights)
+               mngr=mngr, start=start, form=form, kernels=kernels, weights=weights,
+               step=_step_for(mesh, params, opt_state))
 
 
 def prepare_data(args, cfg, out: Path, documents=None, heldout_documents=None):
@@ -209,6 +212,15 @@ def _place_state(mesh: Mesh | None, params, rest, tx):
     return params, jax.tree.map(replicate, rest), opt_state
 
 
+def _step_for(mesh: Mesh | None, params, opt_state) -> Callable:
+    """The train step of the run: on a mesh one that returns params and optimizer state in the
+    layouts they were placed in (`train_step_keeping`), so it compiles once per stage."""
+    if mesh is None:
+        return train_step
+    shardings = lambda tree: jax.tree.map(lambda x: x.sharding, tree)
+    return train_step_keeping(shardings(params), shardings(opt_state))
+
+
 class _BatchPlacement(NamedTuple):
     """Where the rows of batches of `shape` [B, L] go: split over the data axis of the mesh."""
 
@@ -261,7 +273,7 @@ def _loop(run: Run, stop_requested: "StopSignals", compiles: CompileWatch) -> in
     for step in range(run.start + 1, args.steps + 1):
         batch = next(run.batches)
         stage = "dense" if step <= args.dense_steps else "sparse"
-        run.params, run.opt_state, terms = train_step(
+        run.params, run.opt_state, terms = run.step(
             run.graphdef, run.params, run.rest, run.opt_state, run.feed.from_rows(batch.inputs),
             run.feed.from_rows(batch.targets), run.feed.from_rows(batch.segment_ids), tx=run.tx, stage=stage,
             weights=run.weights, kernels=run.kernels, remat=args.remat, form=run.form,

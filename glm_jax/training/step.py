@@ -152,9 +152,10 @@ def attention_form(form: str, seq_len: int, backend: str | None = None) -> str:
     return form
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "tx", "stage", "weights", "kernels", "remat", "form",
-                                             "max_segments"),
-                   donate_argnames=("params", "opt_state"))
+_STEP_STATIC = ("graphdef", "tx", "stage", "weights", "kernels", "remat", "form", "max_segments")
+
+
+@functools.partial(jax.jit, static_argnames=_STEP_STATIC, donate_argnames=("params", "opt_state"))
 def train_step(graphdef, params, rest, opt_state, inputs, targets, segment_ids=None, *, tx, stage, weights,
                kernels, remat=False, form="expanded", max_segments=None):
     """One optimizer step; inputs, targets, segment_ids (optional) int32 [B, S] and
@@ -169,6 +170,19 @@ def train_step(graphdef, params, rest, opt_state, inputs, targets, segment_ids=N
     params = optax.apply_updates(params, updates)
     terms["grad_norm"] = optax.tree.norm(grads)
     return params, opt_state, terms
+
+
+def train_step_keeping(param_shardings, opt_shardings):
+    """`train_step` that returns params and opt_state in the given shardings (pytrees like them),
+    for a run on a mesh to pass those they are placed in.
+
+    Without out_shardings XLA chooses the layout of the new params and optimizer state: for the
+    parameters the sharding rules leave replicated (norms, the low-rank and indexer projections,
+    routers) it returns them split over the data axis, so the second step, receiving them so,
+    would compile the step again. Pinned, every step of a stage gets the layouts of the first and
+    the step compiles once per stage (fresh or resumed: a checkpoint restores the placed layouts)."""
+    return jax.jit(train_step.__wrapped__, static_argnames=_STEP_STATIC, donate_argnames=("params", "opt_state"),
+                   out_shardings=(param_shardings, opt_shardings, None))
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "stage", "kernels"))
