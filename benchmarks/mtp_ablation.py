@@ -90,6 +90,28 @@ def spread(values: np.ndarray) -> dict:
                 q75=float(q75))
 
 
+def paired_gains(rows: list[dict], temperature: float) -> list[str]:
+    """Markdown rows: each ablation step's gain in acceptance length, as the mean of the per-prompt
+    differences (the same prompts in every row) ± its standard error, and on how many prompts the
+    later row was longer."""
+    by_row = {r["row"]: np.asarray(r["per_prompt"]) for r in rows if r["temperature"] == temperature}
+    out = []
+    for before, after in (("a", "b"), ("b", "c"), ("c", "d"), ("a", "d")):
+        diff = by_row[after] - by_row[before]
+        sem = diff.std() / np.sqrt(diff.size)
+        verdict = "yes" if diff.mean() > sem else "no"
+        out.append(f"| {before} -> {after} | {temperature} | {diff.mean():+.2f} ± {sem:.2f} | {verdict} | "
+                   f"{int((diff > 0).sum())} of {diff.size} |")
+    return out
+
+
+def print_gains(rows: list[dict], temperatures) -> None:
+    print("| step | T | gain (paired mean ± standard error) | gain > its spread | prompts where it helped |")
+    print("|---|---|---|---|---|")
+    for t in temperatures:
+        print("\n".join(paired_gains(rows, t)))
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", default="checkpoints/default")
@@ -111,7 +133,13 @@ def main(argv=None) -> None:
                     help="a quick CPU check: 8 prompts of 32 tokens, 16 new tokens, 2 fine-tuning steps of "
                          "4 x 64 tokens at depth 2")
     ap.add_argument("--json", default=None, help="also write the rows here")
+    ap.add_argument("--gains-of", default=None, metavar="JSON",
+                    help="only print the paired gains of an earlier run's --json file")
     args = ap.parse_args(argv)
+    if args.gains_of:
+        saved = json.loads(open(args.gains_of).read())
+        print_gains(saved["rows"], sorted({r["temperature"] for r in saved["rows"]}))
+        return
     if args.smoke:
         args.prompts, args.prompt_len, args.new_tokens = 8, 32, 16
         args.finetune_steps, args.train_depth, args.seq_len, args.batch_size = 2, 2, 64, 4
@@ -163,6 +191,7 @@ def main(argv=None) -> None:
         cells = [next(r for r in rows if r["row"] == row and r["temperature"] == t) for t in temps]
         print(f"| {row} | {METHODS[row]} | {PUBLISHED[row]:.2f} | " + " | ".join(
             f"{c['mean']:.2f} ± {c['std']:.2f} [{c['q25']:.2f}, {c['q75']:.2f}]" for c in cells) + " |")
+    print_gains(rows, temps)
     for name, f in finetune.items():
         print(f"fine-tuned MTP layer '{name}': loss {f['first_loss']:.3f} -> {f['last_loss']:.3f}")
     if args.json:

@@ -27,8 +27,8 @@
 # train-steps-trained  the step alone from checkpoints/default's weights,     3-4 min
 #                 dense segment bound 32 (the loop's conditions late in a run)
 # train-steps-expanded  the same in the expanded form (the old default)      3-5 min
-# train-loop     the step alone, then train.py on the recipe's shape (40      6-9 min
-#                 dense, 60 sparse steps) with 0 and 2 batches packed ahead
+# train-loop     the step alone, then train.py on the recipe's shape (30      8-9 min
+#                 dense, 40 sparse steps) with 2 batches packed ahead
 # mtp-ablation   the published MTP ablation on checkpoints/default (its MTP    5-8 min
 #                 layer fine-tuned 3 ways, backbone frozen; 64 held-out
 #                 prompts of its corpus, built first unless runs/pycorpus is
@@ -196,12 +196,12 @@ for group in "${groups[@]}"; do
                 --variants dense:expanded sparse:expanded --json "$stage/steps-expanded.json"
             ;;
         train-loop)
-            # the step alone and train.py's loop on the same shape in one command, the loop with the
-            # batches packed on the step's thread (0 ahead) and on a thread of their own (2 ahead)
-            run train_steps_alone 180 "--smoke --reps 1" "${mem95[@]}" "$py" $parts steps \
+            # the step alone and train.py's loop on the same shape in one command, the loop with 2
+            # batches packed ahead (each compile takes about 75 s on a fresh machine)
+            run train_steps_alone 240 "--smoke --reps 1" "${mem95[@]}" "$py" $parts steps \
                 --variants dense:absorbed sparse:absorbed --json "$stage/steps.json"
-            run train_loop 360 "--smoke --loop-dense 2 --loop-sparse 3 --log-every 1" "${mem95[@]}" "$py" $parts \
-                loop --loop-dense 40 --loop-sparse 60 --prefetch-batches 0 2 --json "$stage/loop.json" \
+            run train_loop 300 "--smoke --loop-dense 2 --loop-sparse 3 --log-every 1" "${mem95[@]}" "$py" $parts \
+                loop --loop-dense 30 --loop-sparse 40 --log-every 5 --prefetch-batches 2 --json "$stage/loop.json" \
                 --run-dir "${RUNS_DIR:-runs}/loop-bench"
             ;;
         mtp-ablation)
