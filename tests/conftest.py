@@ -92,3 +92,15 @@ def tpu_compile_mesh(topology: str):
     except Exception as e:  # libtpu present but unable to describe TPUs here
         pytest.skip(f"no TPU topology: {e}")
     return Mesh(np.array(topo.devices)[:1], ("x",))
+
+
+#: The modules whose tests start train.py processes or compile the most (several minutes of the
+#: suite between them): collected first, so the two workers start on them and the many short
+#: tests fill in around them, instead of one long test running alone at the end.
+LONGEST_FIRST = ("test_train_multihost.py", "test_cli.py", "test_context_parallel.py", "test_faults.py",
+                 "test_train_sharding.py")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))     # stable: the rest keep their order
