@@ -75,12 +75,14 @@ def finetune_mtp(model, docs, tok, weights: LossWeights, args) -> tuple[nnx.Stat
     batches = pipeline.PackedBatches(docs, pipeline.token_encoder(tok), seq_len=args.seq_len,
                                      batch_size=args.batch_size, seed=0)
     losses = []
-    for _ in range(args.finetune_steps):
+    for step in range(1, args.finetune_steps + 1):
         b = next(batches)
         params, opt_state, terms = train_step(graphdef, params, rest, opt_state, b.inputs, b.targets,
                                               b.segment_ids, tx=tx, stage="sparse", weights=weights,
                                               kernels=ops.KernelChoice(), form="expanded")
         losses.append(float(terms["mtp"] + terms.get("mtp_tv", 0.0) * weights.tv))
+        if step == 1 or step % max(1, args.finetune_steps // 5) == 0 or step == args.finetune_steps:
+            print(f"  fine-tuning step {step}/{args.finetune_steps}: MTP loss {losses[-1]:.3f}", flush=True)
     return params, losses
 
 
@@ -154,6 +156,7 @@ def main(argv=None) -> None:
     for name, kv_share, tv in (("no KVShare", False, 0.0), ("KVShare", True, 0.0),
                                ("KVShare + TV", True, args.tv_weight)):
         weights = LossWeights(mtp=1.0, mtp_depth=args.train_depth, kv_share=kv_share, tv=tv)
+        print(f"MTP layer '{name}' ({time.perf_counter() - t_start:.0f} s)", flush=True)
         trained[name], losses = finetune_mtp(model, train_docs, tok, weights, args)
         finetune[name] = dict(kv_share=kv_share, tv_weight=tv, first_loss=losses[0], last_loss=losses[-1])
 
@@ -164,6 +167,8 @@ def main(argv=None) -> None:
         sampling = SamplingParams(temperature=temperature)
         for row, (layer, kv_share, rule) in ROWS.items():
             nnx.update(model, trained[layer])
+            print(f"decoding row {row} ({METHODS[row]}) at T={temperature} "
+                  f"({time.perf_counter() - t_start:.0f} s)", flush=True)
             gen = SpeculativeGenerator(model, batch=len(ids), max_len=max_len, num_draft=args.draft,
                                        kv_share=kv_share, verification=rule, prefill_chunk=64)
             gen.generate(ids, max_new_tokens=args.new_tokens, sampling=sampling, seed=0)
