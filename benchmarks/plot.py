@@ -71,8 +71,9 @@ def serving_load_chart(rows: list[dict]) -> Chart:
     """Rows of benchmarks/serving_load.py --out -> throughput vs max context, per server and pattern
     (rows of a server that failed are left out)."""
     rows = [r for r in rows if "error" not in r]
+    servers = list(dict.fromkeys(r["server"] for r in rows))     # as the benchmark ran them, e.g. "continuous,
     series = {f"{server}, {pattern}": _series(rows, "context", {"server": server, "pattern": pattern}, "throughput")
-              for server in ("continuous", "static waves") for pattern in ("IndexShare", "all Full")}
+              for server in servers for pattern in ("IndexShare", "all Full")}   # budget N" beside "continuous"
     return Chart(series, "Serving under Poisson load, 8-layer GLM-5.2-attention model", "max context (tokens)",
                  "tokens/s")
 

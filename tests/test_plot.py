@@ -23,3 +23,11 @@ def test_chart_draws_every_series(tmp_path, chart, files, series):
     plot.draw(drawn, str(out))
     text = out.read_text()
     assert text.startswith("<?xml") and all(name in text for name in drawn.series)
+
+
+def test_serving_chart_has_a_series_per_server_the_benchmark_ran():
+    rows = [dict(server=server, pattern="IndexShare", context=context, throughput=float(context) / 1000)
+            for server in ("continuous", "continuous, budget 520", "static waves") for context in (32768, 131072)]
+    drawn = plot.serving_load_chart(rows + [dict(server="continuous", pattern="all Full", error="out of memory")])
+    filled = [name for name, points in drawn.series.items() if points]
+    assert filled == ["continuous, IndexShare", "continuous, budget 520, IndexShare", "static waves, IndexShare"]
