@@ -77,6 +77,7 @@ class Run:
     kernels: ops.KernelChoice
     weights: LossWeights
     step: Callable        # train_step, on a mesh with the state's layouts pinned (`_step_for`)
+    prefetch: int         # batches packed ahead on a thread while the loop runs (`prefetch_depth`)
 
 
 # ---------------------------------------------------------------------- setup
@@ -90,7 +91,7 @@ def setup(args) -> Run:
     if args.resume and (out / "config.yaml").exists():
         check_same_config(load_config(out / "config.yaml"), cfg, str(out))
     form = attention_form(args.attention_form, args.seq_len)
-    prefetch_depth(args.prefetch_batches)        # a bad value is refused before any work
+    prefetch = prefetch_depth(args.prefetch_batches)      # a bad value is refused before any work
     mesh = _mesh(args)
     feed = _batch_placement(mesh, (args.batch_size, args.seq_len))
     data_shards = args.data_shards or jax.process_count()
@@ -140,7 +141,7 @@ def setup(args) -> Run:
     return Run(args=args, cfg=cfg, out=out, model=model, graphdef=graphdef, params=params, rest=rest,
                opt_state=opt_state, tx=tx, schedule=schedule, feed=feed, batches=batches, heldout=heldout,
                mngr=mngr, start=start, form=form, kernels=kernels, weights=weights,
-               step=_step_for(mesh, params, opt_state))
+               step=_step_for(mesh, params, opt_state), prefetch=prefetch)
 
 
 def prepare_data(args, cfg, out: Path, documents=None, heldout_documents=None):
@@ -242,7 +243,7 @@ def _batch_placement(mesh: Mesh | None, shape: tuple[int, int]) -> _BatchPlaceme
 def train(run: Run) -> int:
     """Steps run.start + 1 .. --steps (or --stop-after of them, or until SIGTERM on some process:
     then a checkpoint and exit), evaluating, logging and saving on the way; then the export."""
-    source, depth = run.batches, prefetch_depth(run.args.prefetch_batches)
+    source, depth = run.batches, run.prefetch
     if depth:
         run.batches = Prefetched(source, depth=depth)   # the next batches are packed while the device runs
     try:
