@@ -23,17 +23,34 @@ pool:
 
 Per run: throughput (new tokens / time from the first arrival to the last token), time to
 first token and inter-token latency (p50 / p99, as a client sees tokens arrive), host ms per
-decode step (median), the ceiling: `slots` tokens per median full-batch decode step of the
-continuous run (n/a when no step had every slot decoding), and goodput: the tokens/s of the
-requests that met the objective (TTFT <= --slo-ttft-ms and mean time per output token <=
---slo-tpot-ms, as vLLM's serving benchmark counts it).
+step (median; wall time minus waits on the device, and the CPU time of the engine's thread),
+two ceilings and goodput: the tokens/s of the requests that met the objective (TTFT <=
+--slo-ttft-ms and mean time per output token <= --slo-tpot-ms, as vLLM's serving benchmark
+counts it).
+
+The ceilings. "decode ceiling": `slots` tokens per median full-batch decode step of the
+continuous run (n/a when no step had every slot decoding): what the device gives if it only
+decoded. "device ceiling": what the device gives for this workload, prompts included: the
+workload's new tokens over the device seconds they need at best, the prefill of every prompt
+plus every token decoded in a full batch,
+
+    N / (sum_i prefill(L_i) + N d / slots)
+
+with d the median full-batch decode step and prefill(L) measured before the clock: a request of
+L prompt tokens served alone to its first token, for --ceiling-points prompt lengths of the
+workload (its quantiles), interpolated linearly between them, less the one decode step it
+includes (d - d / slots: the share a full batch would not pay). The host's launch of each
+prefill chunk stays in, so the ceiling errs low by that much (well under a millisecond a
+chunk).
 
 Rate sweep (as vLLM's serving benchmark): `--rates R1 R2 ...` replays the continuous server(s) at
 each arrival rate (the same prompts, arrival gaps scaled), and `--sweep` doubles the rate from
 --rate until the throughput grows by less than 5% (saturation, at most --max-rates rates). The
 static waves run at the first rate only (the baseline). After each context, pattern and
 continuous server a line gives the saturation throughput (the best of the sweep) against the
-ceiling. Programs are compiled before the clock starts. A server that fails at a context (e.g.
+device ceiling. With --sweep, each continuous server is then replayed once more at 80% of
+its saturation throughput (the arrival rate that offers 0.8 x saturation tokens/s): its ITL p99
+against p50 there is the latency target's measure. Programs are compiled before the clock starts. A server that fails at a context (e.g.
 out of device memory) gets a row with its error, and the run goes on. --out is rewritten after
 every row, so a run cut short keeps the rows it measured.
 """
@@ -64,6 +81,7 @@ class Trace:
     token_times: list[list[float]]
     host_s: list[float]       # host seconds per decode step
     step_s: list[float]       # wall seconds of the decode steps where every slot decoded
+    cpu_s: list[float] = dataclasses.field(default_factory=list)   # CPU seconds per step (engine thread)
 
     def metrics(self, slots: int, slo: "Objective | None" = None) -> dict:
         import numpy as np
@@ -79,7 +97,43 @@ class Trace:
         return dict(tokens=tokens, throughput=tokens / span, goodput=good / span,
                     ttft_p50_ms=pct(ttft, 50), ttft_p99_ms=pct(ttft, 99), itl_p50_ms=pct(itl, 50),
                     itl_p99_ms=pct(itl, 99), host_ms_per_step=1e3 * float(np.median(self.host_s)),
+                    host_cpu_ms_per_step=1e3 * float(np.median(self.cpu_s)) if self.cpu_s else float("nan"),
+                    decode_step_ms=1e3 * float(np.median(self.step_s)) if self.step_s else float("nan"),
                     ceiling_tokens_s=slots / float(np.median(self.step_s)) if self.step_s else float("nan"))
+
+
+def prefill_profile(engine, arrivals: list[Arrival], points: int) -> tuple[list[int], list[float]]:
+    """(prompt lengths, seconds): `points` prompts of the workload (quantiles of its lengths), each
+    served alone to its first token by `engine` (compiled, idle) -> the seconds it took."""
+    import numpy as np
+
+    from glm_jax.decoding.engine import Request
+
+    by_length = sorted(arrivals, key=lambda a: len(a.prompt))
+    picks = sorted({int(round(q * (len(by_length) - 1))) for q in np.linspace(0.0, 1.0, points)})
+    lengths, seconds = [], []
+    for i in picks:
+        prompt = by_length[i].prompt
+        t0 = time.perf_counter()
+        engine.serve([Request(prompt, 1)])
+        seconds.append(time.perf_counter() - t0)
+        lengths.append(len(prompt))
+    return lengths, seconds
+
+
+def device_ceiling(arrivals: list[Arrival], profile, decode_step_s: float, slots: int) -> float:
+    """New tokens / s the device gives for the workload at best (module docstring): every prompt
+    prefilled (`profile`, interpolated, less a decode step's unshared part), every token decoded
+    in a full batch."""
+    import numpy as np
+
+    lengths, seconds = profile
+    if not lengths or decode_step_s != decode_step_s:
+        return float("nan")
+    unshared = decode_step_s * (1 - 1 / slots)
+    prefill = sum(max(0.0, float(np.interp(len(a.prompt), lengths, seconds)) - unshared) for a in arrivals)
+    tokens = sum(a.new_tokens for a in arrivals)
+    return tokens / (prefill + tokens * decode_step_s / slots)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,7 +212,8 @@ def run_continuous(engine, arrivals: list[Arrival]) -> Trace:
 
     replay(arrivals, submit, step, engine.has_work)
     full = [t.step_s for t in engine.step_times if t.rows == engine.batch]
-    return Trace([a.at for a in arrivals], times, [t.host_s for t in engine.step_times], full)
+    return Trace([a.at for a in arrivals], times, [t.host_s for t in engine.step_times], full,
+                 [t.cpu_s for t in engine.step_times])
 
 
 class WaveServer:
@@ -253,23 +308,33 @@ def _failed(context: int, pattern: str, server: str, rate: float, error: Excepti
 
 def _print_row(row: dict) -> None:
     print(f"| {row['context']} | {row['pattern']} | {row['server']} | {row['rate']:g} | {row['throughput']:.1f} | "
-          f"{row['goodput']:.1f} | {_num(row['ceiling_tokens_s'])} | {_num(row['ttft_p50_ms'])} / "
+          f"{row['goodput']:.1f} | {_num(row.get('device_ceiling_tokens_s', float('nan')))} | "
+          f"{_num(row['ceiling_tokens_s'])} | {_num(row['ttft_p50_ms'])} / "
           f"{_num(row['ttft_p99_ms'])} | {_num(row['itl_p50_ms'])} / {_num(row['itl_p99_ms'])} | "
-          f"{row['host_ms_per_step']:.3f} |", flush=True)
+          f"{row['host_ms_per_step']:.3f} / {row['host_cpu_ms_per_step']:.3f} |", flush=True)
 
 
 def _print_saturation(rows: list[dict], context: int, pattern: str, server: str) -> None:
     """The best throughput of a continuous server's rates, against the ceiling of that run."""
-    runs = [r for r in rows if (r["context"], r["pattern"], r["server"]) == (context, pattern, server)
-            and "error" not in r]
-    if not runs:
+    best = saturation_row(rows, context, pattern, server)
+    if best is None:
         return
-    best = max(runs, key=lambda r: r["throughput"])
-    ceiling = best["ceiling_tokens_s"]
-    share = f"{best['throughput'] / ceiling:.0%} of the ceiling {ceiling:.1f}" if ceiling == ceiling else \
-        "ceiling n/a (no step had every slot decoding)"
+    runs = [r for r in rows if (r["context"], r["pattern"], r["server"]) == (context, pattern, server)
+            and "error" not in r and "load" not in r]
+    shares = []
+    for label, key in (("device ceiling", "device_ceiling_tokens_s"), ("decode ceiling", "ceiling_tokens_s")):
+        ceiling = best.get(key, float("nan"))
+        shares.append(f"{best['throughput'] / ceiling:.0%} of the {label} {ceiling:.1f}" if ceiling == ceiling
+                      else f"{label} n/a")
     print(f"saturation, {context} {pattern} {server}: {best['throughput']:.1f} tokens/s at {best['rate']:g}/s, "
-          f"{share}; {len(runs)} rate(s) run", flush=True)
+          f"{'; '.join(shares)}; {len(runs)} rate(s) run", flush=True)
+
+
+def saturation_row(rows: list[dict], context: int, pattern: str, server: str) -> dict | None:
+    """The sweep row of a continuous server with the best throughput (None if none ran)."""
+    runs = [r for r in rows if (r["context"], r["pattern"], r["server"]) == (context, pattern, server)
+            and "error" not in r and "load" not in r]
+    return max(runs, key=lambda r: r["throughput"]) if runs else None
 
 
 def main() -> None:
@@ -295,6 +360,8 @@ def main() -> None:
     ap.add_argument("--max-rates", type=int, default=6, help="--sweep: at most this many rates")
     ap.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="goodput: time to first token objective")
     ap.add_argument("--slo-tpot-ms", type=float, default=100.0, help="goodput: mean time per output token objective")
+    ap.add_argument("--ceiling-points", type=int, default=None,
+                    help="prompt lengths timed alone for the device ceiling (default 8; smoke 3; 0: no device ceiling)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", required=True, help="write the rows here (JSON)")
     args = ap.parse_args()
@@ -306,6 +373,7 @@ def main() -> None:
     requests, rate = pick(args.requests, 64, 6), pick(args.rate, 4.0, 20.0)
     new_tokens, slots = pick(args.new_tokens, 128, 8), pick(args.slots, 8, 3)
     chunk = pick(args.prefill_chunk, 2048, 64)
+    ceiling_points = pick(args.ceiling_points, 8, 3)
     if args.pool_contexts < 1:
         sys.exit("--pool-contexts must be >= 1: the longest request must fit the pool")
 
@@ -334,9 +402,9 @@ def main() -> None:
           f"patterns {', '.join(f'{n} {PATTERNS[n]}' for n in args.patterns)}")
     slo = Objective(args.slo_ttft_ms, args.slo_tpot_ms)
     print(f"goodput objective: TTFT <= {slo.ttft_ms:.0f} ms, mean time per output token <= {slo.tpot_ms:.0f} ms")
-    print("| max context | pattern | server | rate /s | tokens/s | goodput tokens/s | ceiling tokens/s | "
-          "TTFT p50 / p99 ms | ITL p50 / p99 ms | host ms/step |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| max context | pattern | server | rate /s | tokens/s | goodput tokens/s | device ceiling tokens/s | "
+          "decode ceiling tokens/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | host ms/step (wall / CPU) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     rows = []
 
     def save():             # after every row, so a run cut short keeps what it measured
@@ -369,25 +437,47 @@ def main() -> None:
                     rows.append(_failed(context, pattern_name, name, rate, e))
                     save()
                     continue
-                rates = sweep_rates(rate, given=args.rates, sweep=args.sweep, most=args.max_rates)
-                at, throughput = next(rates), None
-                while at is not None:
-                    row = dict(context=context, pattern=pattern_name, server=name, rate=at)
+                profile = None
+                if run is run_continuous and ceiling_points:
+                    try:
+                        profile = prefill_profile(server, arrivals, ceiling_points)
+                    except jax.errors.JaxRuntimeError as e:
+                        print(f"device ceiling n/a: prefill profile failed: {str(e).splitlines()[0]}", flush=True)
+
+                def replay_at(at, **extra):
+                    row = dict(context=context, pattern=pattern_name, server=name, rate=at, **extra)
                     try:
                         trace = run(server, at_rate(arrivals, rate, at))
                         row.update(trace.metrics(slots, slo), preemptions=getattr(server, "preemptions", 0))
-                        throughput = row["throughput"]
+                        if profile is not None:
+                            row["device_ceiling_tokens_s"] = device_ceiling(
+                                arrivals, profile, row["decode_step_ms"] / 1e3, slots)
+                            row["prefill_profile"] = dict(zip(("lengths", "seconds"), profile))
                         _print_row(row)
                     except jax.errors.JaxRuntimeError as e:
                         row = _failed(context, pattern_name, name, at, e)
-                        throughput = None
                     rows.append(row)
                     save()
+                    return row
+
+                rates = sweep_rates(rate, given=args.rates, sweep=args.sweep, most=args.max_rates)
+                at = next(rates)
+                while at is not None:
+                    row = replay_at(at)
                     if run is run_waves or "error" in row:
                         break                                 # the baseline runs at the first rate only
-                    at = _next_rate(rates, throughput)
+                    at = _next_rate(rates, row["throughput"])
                 if run is run_continuous:
                     _print_saturation(rows, context, pattern_name, name)
+                    best = saturation_row(rows, context, pattern_name, name)
+                    if args.sweep and best is not None:
+                        at = 0.8 * best["throughput"] / new_tokens
+                        row = replay_at(at, load="80% of saturation")
+                        if "error" not in row:
+                            print(f"80% of saturation, {context} {pattern_name} {name}: {row['throughput']:.1f} "
+                                  f"tokens/s at {at:.3g}/s; ITL p50 {row['itl_p50_ms']:.1f} ms, p99 "
+                                  f"{row['itl_p99_ms']:.1f} ms ({row['itl_p99_ms'] / row['itl_p50_ms']:.1f}x p50; "
+                                  f"target <= 3x)", flush=True)
                 server = None
             del model
 

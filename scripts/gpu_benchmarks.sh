@@ -13,9 +13,12 @@
 # kernels         paged sparse MLA and paged indexer top-k decode against     2-4 min
 #                 the gather path, beside the copy bandwidth
 # prefill         one 200K-token prompt, IndexShare against all Full          2-4 min
-# serving         host time per engine step (16K context, 12,000 tokens);    5-8 min
-#                 the load benchmark at 32K
-# serving-128k    the load benchmark at 128K                                  4-7 min
+# serving         host time per engine step (16K context, 12,000 tokens);    6-8 min
+#                 the load benchmark at 32K, IndexShare: a rate sweep to
+#                 saturation, the device ceiling, 80% of saturation, with
+#                 and without a step token budget of 520
+# serving-128k    the same load benchmark at 128K                             6-9 min
+# serving-full    the load benchmark at 32K with every layer Full             5-8 min
 # serving-1m      the load benchmark at 1M, IndexShare only                   4-10 min
 # serving-1m-full the same with every layer Full                              6-18 min
 # train-parts    the default recipe's train-step parts (vocabulary head,     4-7 min
@@ -38,7 +41,7 @@
 # speculative-context  acceptance by prompt length (1K and 3K tokens), K = 7   2-4 min
 # Aliases (several commands' time: run their groups one command at a time):
 # training = training-parts training-64k training-128k;
-# serving-all = serving serving-128k serving-1m serving-1m-full.
+# serving-all = serving serving-128k serving-full serving-1m serving-1m-full.
 # The estimates are not measurements; docs/training.md ("Running the pending GPU
 # measurements") says how each was derived.
 #
@@ -78,10 +81,10 @@ shift
 expand() {
     case $1 in
         training) echo training-parts training-64k training-128k ;;
-        serving-all) echo serving serving-128k serving-1m serving-1m-full ;;
+        serving-all) echo serving serving-128k serving-full serving-1m serving-1m-full ;;
         train-parts|train-steps|train-steps-trained|train-steps-expanded|train-loop) echo "$1" ;;
         mtp-ablation|speculative|speculative-context) echo "$1" ;;
-        training-parts|training-64k|training-128k|kernels|prefill|serving|serving-128k|serving-1m|serving-1m-full)
+        training-parts|training-64k|training-128k|kernels|prefill|serving|serving-128k|serving-full|serving-1m|serving-1m-full)
             echo "$1" ;;
         *) return 1 ;;
     esac
@@ -257,12 +260,16 @@ for group in "${groups[@]}"; do
             run engine_steps 180 "--config configs/tiny.yaml --max-context 256 --new-tokens 64" \
                 "$py" benchmarks/engine_steps.py --config configs/small-128k.yaml --max-context 16384 \
                 --new-tokens 12000
-            run serving_load_32k 360 "--smoke --contexts 256" "$py" benchmarks/serving_load.py --contexts 32768 --sweep --max-rates 4 \
-                --out "$stage/serving_load_32k.json"
+            run serving_load_32k 400 "--smoke --contexts 256" "$py" benchmarks/serving_load.py --contexts 32768 --sweep \
+                --max-rates 4 --patterns IndexShare --step-token-budget 520 --out "$stage/serving_load_32k.json"
             ;;
         serving-128k)
-            run serving_load_128k 540 "--smoke --contexts 256" "$py" benchmarks/serving_load.py --contexts 131072 --sweep --max-rates 3 \
-                --out "$stage/serving_load_128k.json"
+            run serving_load_128k 540 "--smoke --contexts 256" "$py" benchmarks/serving_load.py --contexts 131072 --sweep \
+                --max-rates 3 --patterns IndexShare --step-token-budget 520 --out "$stage/serving_load_128k.json"
+            ;;
+        serving-full)
+            run serving_load_32k_full 540 "--smoke --contexts 256" "$py" benchmarks/serving_load.py --contexts 32768 \
+                --sweep --max-rates 4 --patterns "all Full" --out "$stage/serving_load_32k_full.json"
             ;;
         serving-1m)
             run serving_load_1m 540 "--smoke --contexts 256" "$py" benchmarks/serving_load.py --contexts 1048576 \

@@ -133,6 +133,7 @@ class StepTime:
     step_s: float         # the step's wall time (with overlap, about one device step)
     rows: int = 0         # slots that drew a token in the step
     prefill: int = 0      # prompt tokens prefilled in the step (before its decode step)
+    cpu_s: float = 0.0    # CPU time of the engine's thread in the step (host work; blocking waits excluded)
 
 
 @dataclasses.dataclass(eq=False)
@@ -257,7 +258,7 @@ class ServingEngine(GeneratorBase):
 
     def step(self) -> list[Event]:
         """One scheduling step (see the module docstring) -> the events it produced."""
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.thread_time()
         self._waited = 0.0
         self._drop_cancelled()
         self._admit()
@@ -267,7 +268,8 @@ class ServingEngine(GeneratorBase):
         self._in_flight = launched
         if launched is not None:
             wall = time.perf_counter() - t0
-            self.step_times.append(StepTime(context, wall - self._waited, wall, len(launched.runs), prefilled))
+            self.step_times.append(StepTime(context, wall - self._waited, wall, len(launched.runs), prefilled,
+                                            time.thread_time() - cpu0))
         events, self._events = self._events, []
         return _merged(events)
 
