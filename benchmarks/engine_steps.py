@@ -49,9 +49,22 @@ def per_call_us(fn, calls: int = 200) -> float:
     return 1e6 * float(np.median(times))
 
 
+def model_config(name: str):
+    """A config file's config, or for 'serving-load' the model benchmarks/serving_load.py serves."""
+    if name == "serving-load":
+        from benchmarks.long_context import PATTERNS, model_config as serving_model
+
+        return serving_model(PATTERNS["IndexShare"], smoke=False)
+    from glm_jax.config import load_config
+
+    return load_config(name)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", default="configs/tiny.yaml")
+    ap.add_argument("--config", default="configs/tiny.yaml",
+                    help="a config file, or 'serving-load' for benchmarks/serving_load.py's model (8 layers, "
+                         "GLM-5.2's attention, IndexShare)")
     ap.add_argument("--max-context", type=int, default=1024)
     ap.add_argument("--new-tokens", type=int, default=960)
     ap.add_argument("--page-size", type=int, default=64)
@@ -67,11 +80,10 @@ def main() -> None:
     import numpy as np
     from flax import nnx
 
-    from glm_jax.config import load_config
     from glm_jax.decoding.engine import Request, ServingEngine
     from glm_jax.model import GLMModel
 
-    cfg = load_config(args.config)
+    cfg = model_config(args.config)
     model = GLMModel(cfg, rngs=nnx.Rngs(0))
     pages = -(-(args.max_context + 64) // args.page_size) + 1
     engine = ServingEngine(model, slots=1, num_pages=pages, page_size=args.page_size,
@@ -158,11 +170,10 @@ def loop_main(args) -> None:
     import numpy as np
     from flax import nnx
 
-    from glm_jax.config import load_config
     from glm_jax.decoding.engine import Request, ServingEngine
     from glm_jax.model import GLMModel
 
-    cfg = load_config(args.config)
+    cfg = model_config(args.config)
     slots = args.loop
     pages = slots * -(-(args.max_context + 64) // args.page_size) + 1
     engine = ServingEngine(GLMModel(cfg, rngs=nnx.Rngs(0)), slots=slots, num_pages=pages, page_size=args.page_size,

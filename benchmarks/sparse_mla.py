@@ -12,7 +12,11 @@ it replaces, next to the copy-bandwidth floor of the bytes the kernel must move)
 forward and backward (8K queries, top-k 2048, 128K context) with FLOP rates; dense attention
 at the same shapes where it runs, and the context above which sparse beats dense. Times are
 medians over repeats of a loop of calls, after a warm-up, each repeat ended by
-block_until_ready. `--paged-only` runs the ceilings and the paged decode alone.
+block_until_ready. `--paged-only` runs the ceilings and the paged decode alone, with the Mosaic
+GPU paged kernel (`attention.gpu_mosaic`, not yet correct on hardware, so not in the registry)
+measured beside the Triton one: its own table and JSON key "paged_decode_mosaic", each row with
+its largest difference from the Triton kernel's output (a failure to compile is a row with its
+error).
 """
 
 from __future__ import annotations
@@ -138,6 +142,47 @@ def paged_decode(impl, config_type, interpret, bw, smoke, context):
     return rows
 
 
+def mosaic_paged_decode(bw, smoke, context):
+    """The Mosaic GPU paged kernel (`attention.gpu_mosaic`) at the paged decode shapes, one row
+    per (batch, config), in the same run as the Triton kernel's table above, each with its
+    largest absolute difference from the Triton kernel's output on the same inputs; a config
+    that fails to compile or run gets a row with its error's first line. In smoke mode (CPU)
+    it runs in GPU interpret mode where this jax has one, else is skipped."""
+    from pallas_kernels.attention import gpu_mosaic
+    T, K, page = (1024, 64, 16) if smoke else (context, 2048, 64)
+    print(f"\n## paged decode, Mosaic GPU kernel (attention.gpu_mosaic, not in the registry): the shapes above")
+    if smoke and not gpu_mosaic.interpret_available():
+        print("skipped: this jax has no Mosaic GPU interpret mode")
+        return []
+    configs = [dict()] if smoke else [dict(), dict(num_splits=4), dict(stages=1, num_splits=4)]
+    print("| batch | mosaic us | config | floor us (bytes / copy BW) | % of copy BW | max abs diff from Triton |")
+    print("|---|---|---|---|---|---|")
+    rows = []
+    for B in (2,) if smoke else (64, 128):
+        q, store, table, idx = paged_inputs(jax.random.key(B + 1), B, T, K, page)
+        moved = B * K * DK * 2 + B * H * (DK + DV) * 2 + B * K * 4
+        want = pk.paged_sparse_mla(q, store, table, idx, sm_scale=SCALE, v_dim=DV, impl="pallas_gpu",
+                                   interpret=smoke)[0]
+        for cfg in configs:
+            fn = jax.jit(lambda q, st, t, i, cfg=cfg: gpu_mosaic.paged_sparse_mla(
+                q, st, t, i, slot=0, sm_scale=SCALE, v_dim=DV, config=gpu_mosaic.SparseMLAMosaicConfig(**cfg),
+                interpret=smoke))
+            try:
+                t = bench(fn, q, store, table, idx)
+                diff = float(jnp.max(jnp.abs(fn(q, store, table, idx)[0].astype(jnp.float32)
+                                             - want.astype(jnp.float32))))
+            except Exception as e:       # report, don't abort the run
+                first = (str(e).strip().splitlines() or [""])[0][:300]
+                rows.append(dict(impl="mosaic_gpu", batch=B, config=cfg, error=f"{type(e).__name__}: {first}"))
+                print(f"| {B} | failed | {cfg} | {moved / bw * 1e6:.1f} | {type(e).__name__}: {first} | |", flush=True)
+                continue
+            rows.append(dict(impl="mosaic_gpu", batch=B, paged=t, config=cfg, floor=moved / bw, pct=moved / t / bw,
+                             max_abs_diff=diff))
+            print(f"| {B} | {t * 1e6:.1f} | {cfg} | {moved / bw * 1e6:.1f} | {100 * moved / t / bw:.0f}% | "
+                  f"{diff:.3g} |", flush=True)
+    return rows
+
+
 def fastest(make_fn, configs, *args):
     """(seconds, config) of the fastest make_fn(config)(*args), or None; a config that does not
     compile is reported and skipped."""
@@ -198,6 +243,8 @@ def main():
 
     if args.paged_only:
         report["paged_decode"] = paged_decode(impl, config_type, interpret, bw, smoke, args.decode_context)
+        if impl == "pallas_gpu":         # the Mosaic GPU kernel beside the Triton one
+            report["paged_decode_mosaic"] = mosaic_paged_decode(bw, smoke, args.decode_context)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(report, f, indent=1, default=str)

@@ -69,13 +69,22 @@ def rel(a, b):
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
+def new_config(bwd_cfg):
+    """The `gpu.SparseMLAGpuConfig` of "new": dkv_mode "sorted", the forward at one program per
+    query of 64 rows per step, and bwd_cfg (`gb.backward`'s keyword settings) as its `bwd_`
+    fields."""
+    return gpu.SparseMLAGpuConfig(dkv_mode="sorted", block_k=64, num_splits=1,
+                                  **{f"bwd_{name}": value for name, value in bwd_cfg.items()})
+
+
 def impls(interpret, heads, bwd_cfg):
     """name -> sparse_mla(q, kv, idx) -> (out, lse). "pallas_gpu ...": the older
     backward of `attention.gpu.sparse_mla` (dkv_mode "atomic" and "scatter"); "new" is this
-    backward, which `pk.sparse_mla(impl="pallas_gpu")` now takes by default ("sorted")."""
+    backward ("sorted", `new_config`), which `pk.sparse_mla(impl="pallas_gpu")` takes by default
+    at these shapes."""
     common = dict(sm_scale=SCALE, v_dim=DV, interpret=interpret)
     out = {
-        "new": lambda q, kv, i: gb.sparse_mla(q, kv, i, **common, **bwd_cfg),
+        "new": lambda q, kv, i: gpu.sparse_mla(q, kv, i, config=new_config(bwd_cfg), **common),
         "pallas_gpu atomic": lambda q, kv, i: gpu.sparse_mla(q, kv, i, config=gpu.SparseMLAGpuConfig(
             dkv_mode="atomic"), **common),
         "pallas_gpu scatter": lambda q, kv, i: gpu.sparse_mla(q, kv, i, config=gpu.SparseMLAGpuConfig(
@@ -274,7 +283,8 @@ def main():
     ap.add_argument("--json", default=None)
     ap.add_argument("--shapes", default="ab", help="which of (a), (b) to run")
     ap.add_argument("--sweep", action="store_true", help="only time the new kernels' settings")
-    ap.add_argument("--cfg", default="{}", help="the new backward's settings (a Python dict)")
+    ap.add_argument("--cfg", default="{}", help="the new backward's settings (a Python dict of gpu_backward.backward's "
+                    "keywords, e.g. \"{'fuse_dq': False}\": SparseMLAGpuConfig's fields bwd_<name>)")
     ap.add_argument("--cfg16", default=None, help="settings at 16 heads (default --cfg)")
     ap.add_argument("--cfg64", default=None, help="settings at 64 heads (default --cfg)")
     ap.add_argument("--no-check", action="store_true")

@@ -1,9 +1,13 @@
 """The deterministic GPU sparse MLA backwards (`attention.gpu_backward`: "sorted" and "by_key",
 `attention.transpose`) against the reference, in Pallas interpret mode on the CPU, plus their
-Triton lowering for an H200.
+Triton lowering for an H200. They run through `attention.gpu.sparse_mla`, tuned by the `bwd_`
+fields of `SparseMLAGpuConfig`.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import inspect
 
 import numpy as np
 import pytest
@@ -34,14 +38,22 @@ def _ref(q, kv, idx):
     return reference.sparse_mla(q, kv, idx, sm_scale=SCALE, v_dim=DV)
 
 
-def _new(**cfg):
-    return lambda q, kv, idx: gb.sparse_mla(q, kv, idx, sm_scale=SCALE, v_dim=DV, interpret=True, **cfg)
+def _gpu_op(mode, fwd_block_k, **knobs):
+    """`gpu.sparse_mla` with dkv_mode `mode`, one forward program per query of `fwd_block_k` rows
+    per step, and the backward's knobs (config fields `bwd_...`)."""
+    cfg = pallas_gpu.SparseMLAGpuConfig(dkv_mode=mode, block_k=fwd_block_k, num_splits=1, **knobs)
+    return lambda q, kv, idx: pallas_gpu.sparse_mla(q, kv, idx, sm_scale=SCALE, v_dim=DV, config=cfg,
+                                                    interpret=True)
+
+
+def _new(**knobs):
+    return _gpu_op("sorted", 64, **knobs)
 
 
 CASES = [  # (B, S, K, settings): K not a multiple of the block, several blocks and chunks
-    (2, 3, 40, dict(block_k=16)),                                     # fused dq, one chunk
-    (1, 5, 37, dict(block_k=16, fuse_dq=False, budget=2 * 37 * DK * 4)),   # ds^T + dq kernel, 3 chunks
-    (2, 2, 16, dict(block_k=16, col_block=16, reduce_block=4)),      # one block, small tiles
+    (2, 3, 40, dict(bwd_block_k=16)),                                                 # fused dq, one chunk
+    (1, 5, 37, dict(bwd_block_k=16, bwd_fuse_dq=False, bwd_budget=2 * 37 * DK * 4)),  # ds^T + dq kernel, 3 chunks
+    (2, 2, 16, dict(bwd_block_k=16, bwd_col_block=16, bwd_reduce_block=4)),           # one block, small tiles
 ]
 
 
@@ -59,7 +71,7 @@ def test_gradients_match_reference(B, S, K, cfg):
 def test_bf16_and_repeatable():
     """bf16 through the op; the same inputs twice give the same bits."""
     q, kv, idx, dout = _inputs(7, 2, 3, 24, jnp.bfloat16)
-    grad = jax.jit(lambda q, kv: _vjp(_new(block_k=16, budget=2 * 24 * DK * 2), q, kv, idx, dout))
+    grad = jax.jit(lambda q, kv: _vjp(_new(bwd_block_k=16, bwd_budget=2 * 24 * DK * 2), q, kv, idx, dout))
     check_bf16_grads_repeatable(lambda: grad(q, kv),
                                 _vjp(_ref, q.astype(jnp.float32), kv.astype(jnp.float32), idx, dout))
 
@@ -123,16 +135,15 @@ def test_lowers_to_triton_for_h200():
 # ----------------------------------------------------------------------------- "by_key"
 
 BY_KEY_CASES = [  # (B, S, T, K, H, settings): the keys kernel's tiles and edges
-    (2, 40, 48, 20, 8, dict(block_rows=16, tile_cols=64)),      # 8 heads: tiles of 8 queries, S % 8 != 0
-    (1, 70, 50, 24, 3, dict(block_rows=8, tile_cols=32)),       # 3 heads in 4 slots, T % 8 != 0, 3 words
-    (2, 32, 32, 40, 8, dict(block_rows=16)),                    # contiguous query tiles (16 x 8), K > T
-    (1, 36, 64, 16, 4, dict(block_rows=32, tile_cols=16, fuse_dq=False)),   # ds^T + dq kernel
+    (2, 40, 48, 20, 8, dict(bwd_block_rows=16, bwd_tile_cols=64)),   # 8 heads: tiles of 8 queries, S % 8 != 0
+    (1, 70, 50, 24, 3, dict(bwd_block_rows=8, bwd_tile_cols=32)),    # 3 heads in 4 slots, T % 8 != 0, 3 words
+    (2, 32, 32, 40, 8, dict(bwd_block_rows=16)),                     # contiguous query tiles (16 x 8), K > T
+    (1, 36, 64, 16, 4, dict(bwd_block_rows=32, bwd_tile_cols=16, bwd_fuse_dq=False)),   # ds^T + dq kernel
 ]
 
 
-def _by_key(**cfg):
-    return lambda q, kv, idx: gb.sparse_mla(q, kv, idx, sm_scale=SCALE, v_dim=DV, by_key=True, interpret=True,
-                                            fwd_block_k=16, block_k=16, **cfg)
+def _by_key(**knobs):
+    return _gpu_op("by_key", 16, bwd_block_k=16, **knobs)
 
 
 @pytest.mark.parametrize("B,S,T_,K,H_,cfg", BY_KEY_CASES)
@@ -148,7 +159,7 @@ def test_by_key_gradients_match_reference(B, S, T_, K, H_, cfg):
 
 def test_by_key_bf16_and_repeatable():
     q, kv, idx, dout = _inputs(8, 2, 20, 24, jnp.bfloat16)
-    grad = jax.jit(lambda q, kv: _vjp(_by_key(block_rows=16), q, kv, idx, dout))
+    grad = jax.jit(lambda q, kv: _vjp(_by_key(bwd_block_rows=16), q, kv, idx, dout))
     check_bf16_grads_repeatable(lambda: grad(q, kv),
                                 _vjp(_ref, q.astype(jnp.float32), kv.astype(jnp.float32), idx, dout))
 
@@ -216,6 +227,49 @@ def test_auto_takes_by_key_at_the_default_model_shape():
     assert "sparse_mla_bwd_keys" in jaxpr and "sparse_mla_bwd_pairs" not in jaxpr
     for g, w in zip(_vjp(fn, q, kv, idx, dout), _vjp(_ref, q, kv, idx, dout)):
         np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5)
+
+
+def test_config_knobs_are_the_backwards_settings():
+    """Every keyword setting `name` of `backward` / `backward_by_key` is the config field
+    `bwd_<name>` with the same default (INDEXED_KNOBS lists them all)."""
+    fields = {f.name: f.default for f in dataclasses.fields(pallas_gpu.SparseMLAGpuConfig)}
+    for mode, fn in (("sorted", gb.backward), ("by_key", gb.backward_by_key)):
+        params = inspect.signature(fn).parameters
+        knobs = [n for n, p in params.items()
+                 if p.kind is p.KEYWORD_ONLY and n not in ("sm_scale", "v_dim", "tindex", "interpret")]
+        assert sorted(knobs) == sorted(pallas_gpu.INDEXED_KNOBS[mode])
+        for name in knobs:
+            assert fields["bwd_" + name] == params[name].default, name
+
+
+@pytest.mark.parametrize("knobs,match", [
+    (dict(bwd_tile_cols=48), "bwd_tile_cols must be a power of two"),
+    (dict(bwd_block_k=24), "bwd_block_k must be a power of two"),
+    (dict(bwd_reduce_block=512), "bwd_reduce_block must be <= transpose.SPARE_ROWS"),
+    (dict(bwd_budget=0), "bwd_budget must be a positive int, got 0"),
+    (dict(bwd_dq_warps=None), "bwd_dq_warps must be a positive int, got None"),
+    (dict(bwd_num_warps=0), "bwd_num_warps must be a positive int or None"),
+    (dict(bwd_fuse_dq=1), "bwd_fuse_dq must be True, False or None"),
+    (dict(bwd_keys_paired=None), "bwd_keys_paired must be True or False"),
+])
+def test_config_refuses_bad_backward_knobs(knobs, match):
+    with pytest.raises(ValueError, match=match):
+        pallas_gpu.SparseMLAGpuConfig(**knobs)
+
+
+def test_config_knobs_reach_the_kernels():
+    """The knobs choose the kernels that run: bwd_fuse_dq=False adds the dq kernel, bwd_budget
+    cuts the sorted index into chunks, bwd_block_rows sets the bitmap's blocks."""
+    q, kv, idx, dout = _inputs(14, 1, 5, 37)
+    kernels = lambda fn: str(jax.make_jaxpr(lambda q, kv: _vjp(fn, q, kv, idx, dout))(q, kv))
+    assert "sparse_mla_bwd_dq" not in kernels(_new(bwd_block_k=16))
+    jaxpr = kernels(_new(bwd_block_k=16, bwd_fuse_dq=False, bwd_budget=2 * 37 * DK * 4))
+    assert "sparse_mla_bwd_dq" in jaxpr and "grid=(2,)" in jaxpr          # chunks of 2 queries
+    assert "sparse_mla_bwd_dq" in kernels(_by_key(bwd_fuse_dq=False))
+    cfg = pallas_gpu.SparseMLAGpuConfig(dkv_mode="by_key", bwd_block_rows=16)
+    assert pallas_gpu.backward_index(idx, T, dk=DK, dtype=kv.dtype, config=cfg).block_rows == 16
+    cfg = pallas_gpu.SparseMLAGpuConfig(dkv_mode="sorted", bwd_budget=2 * 37 * DK * 4)
+    assert pallas_gpu.backward_index(idx, T, dk=DK, dtype=kv.dtype, config=cfg).num_chunks == 3
 
 
 @pytest.mark.parametrize("heads", [8, 3])

@@ -43,7 +43,8 @@ gradients, dkv per block of latent rows over contiguous tiles of the queries tha
 them (`transpose.key_bitmap`), summed on chip. The older kernel, one program per (query, group
 of heads) writing dq, stays selectable: its dkv rows are added atomically into a float32 dkv
 ("atomic": the order of the sum varies from run to run) or written per (query, slot) for
-`vjp.backward` to scatter-add in XLA ("scatter").
+`vjp.backward` to scatter-add in XLA ("scatter"). The config's `bwd_` fields tune whichever
+backward runs (`SparseMLAGpuConfig`).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -58,7 +60,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._common import check_positive_fields, dot, dot_nt, pad_slots
+from pallas_kernels._common import dot, dot_nt, pad_slots
 from pallas_kernels.attention import gpu_backward, transpose, vjp
 from pallas_kernels.attention.gpu_backward import head_rows, next_pow2, pow2_chunks
 
@@ -75,6 +77,18 @@ TARGET_PROGRAMS = 264
 DKV_MODES = ("auto", "sorted", "by_key", "atomic", "scatter")
 #: The modes whose backward takes a prebuilt index of the indices (`backward_index`).
 INDEXED_MODES = ("sorted", "by_key")
+#: The keyword settings of `gpu_backward.backward` ("sorted") and `gpu_backward.backward_by_key`
+#: ("by_key") that `SparseMLAGpuConfig` sets: each `name` from its field `bwd_<name>`.
+INDEXED_KNOBS = {
+    "sorted": ("block_k", "col_block", "fuse_dq", "num_warps", "num_stages", "dq_warps", "dq_stages", "budget",
+               "reduce_block", "reduce_warps", "evict"),
+    "by_key": ("block_k", "col_block", "fuse_dq", "num_warps", "num_stages", "dq_warps", "dq_stages",
+               "block_rows", "tile_cols", "keys_warps", "keys_stages", "keys_paired"),
+}
+#: The config's fields that are block sizes of the backward kernels (powers of two).
+_POW2_FIELDS = ("bwd_block_k", "bwd_col_block", "bwd_reduce_block", "bwd_block_rows", "bwd_tile_cols")
+#: The config's boolean fields (bwd_fuse_dq may also be None).
+_BOOL_FIELDS = ("bwd_fuse_dq", "bwd_evict", "bwd_keys_paired")
 #: Matmul FLOPs of "by_key" per byte of "sorted" at which "auto" switches (`by_key_is_cheaper`):
 #: the two cost the same at about 109 on an H100 (keys kernel at 378 TFLOP/s, sorted's bytes at
 #: 2.45 TB/s, docs/kernels-sparse-mla.md); an H200's 1.47x copy bandwidth at the same matmul
@@ -346,9 +360,9 @@ def _backward(q, kv, idx, dout, lse, delta, *, sm_scale, v_dim, block_k, num_war
 
 
 @functools.lru_cache(maxsize=None)
-def _op(sm_scale, v_dim, block_k, splits, head_group, num_warps, num_stages, bwd_block_k, bwd_num_stages,
-        bwd_head_group, dkv_mode, topk, interpret):
-    """topk: the unpadded K when the op also returns the indexer target, else None. "sorted" and
+def _op(sm_scale, v_dim, block_k, splits, head_group, num_warps, num_stages, dkv_mode, bwd, topk, interpret):
+    """bwd: the backward's keyword settings for dkv_mode, ((name, value), ...) (`_backward_settings`).
+    topk: the unpadded K when the op also returns the indexer target, else None. "sorted" and
     "by_key": the op takes unpadded indices and the backward's index (`vjp.make_index_sparse_mla`);
     the others take indices padded for both kernels."""
     def fwd(q, kv, idx):
@@ -362,12 +376,10 @@ def _op(sm_scale, v_dim, block_k, splits, head_group, num_warps, num_stages, bwd
     if dkv_mode in INDEXED_MODES:
         fn = gpu_backward.backward if dkv_mode == "sorted" else gpu_backward.backward_by_key
         return vjp.make_index_sparse_mla(fwd, functools.partial(fn, sm_scale=sm_scale, v_dim=v_dim,
-                                                                interpret=interpret))
-    bwd = functools.partial(_backward, sm_scale=sm_scale, v_dim=v_dim, block_k=bwd_block_k,
-                            num_warps=num_warps, num_stages=bwd_num_stages,
-                            head_group=bwd_head_group, atomic=dkv_mode == "atomic",
-                            interpret=interpret)
-    return vjp.make_sparse_mla(fwd, bwd, bwd_adds_dkv=dkv_mode == "atomic")
+                                                                interpret=interpret, **dict(bwd)))
+    bwd_fn = functools.partial(_backward, sm_scale=sm_scale, v_dim=v_dim, atomic=dkv_mode == "atomic",
+                               interpret=interpret, **dict(bwd))
+    return vjp.make_sparse_mla(fwd, bwd_fn, bwd_adds_dkv=dkv_mode == "atomic")
 
 
 def default_head_group(num_queries: int, heads: int) -> int:
@@ -390,21 +402,49 @@ def default_splits(num_queries: int, topk: int, block_k: int) -> int:
 class SparseMLAGpuConfig:
     """Tuning of the GPU sparse MLA kernels (`impl="pallas_gpu"`; module docstring).
 
-    block_k, bwd_block_k: rows per loop step of the forward / backward (powers of two; default
-      DEFAULT_BLOCK_K / DEFAULT_BWD_BLOCK_K for 2-byte inputs, halved for 4-byte ones, the
-      forward's at most K rounded up to a power of two >= 16).
-    num_splits: programs per query in the forward (default: enough to fill the GPU,
-      `default_splits`).
-    head_group: heads per forward program (a power of two >= 16). Default: all heads for
-      `sparse_mla`; for `paged_sparse_mla`, enough head groups to fill the GPU before the K
-      slots are split (`default_head_group`).
-    num_warps, num_stages, bwd_num_stages: Triton settings.
-    bwd_head_group: heads per backward program (a power of two).
+    Forward:
+    block_k: rows per loop step (a power of two; default DEFAULT_BLOCK_K for 2-byte inputs,
+      halved for 4-byte ones, at most K rounded up to a power of two >= 16).
+    num_splits: programs per query (default: enough to fill the GPU, `default_splits`).
+    head_group: heads per program (a power of two >= 16). Default: all heads for `sparse_mla`;
+      for `paged_sparse_mla`, enough head groups to fill the GPU before the K slots are split
+      (`default_head_group`).
+    num_warps, num_stages: Triton settings.
+
+    Backward:
     dkv_mode: "sorted" or "by_key" (the deterministic backwards of `gpu_backward`; "auto" takes
       one of them by `by_key_is_cheaper`), "atomic" (the per-(query, head group) backward adding
       its rows' gradient into a float32 dkv) or "scatter" (per-slot contributions,
-      scatter-added in XLA). bwd_block_k, bwd_num_stages and bwd_head_group tune "atomic" and
-      "scatter"."""
+      scatter-added in XLA).
+    The knobs below tune the backward that dkv_mode selects; those of another mode are unused.
+    For "sorted" and "by_key" the field `bwd_<name>` is the keyword `name` of
+    `gpu_backward.backward` / `backward_by_key` (INDEXED_KNOBS), with the same default.
+    bwd_block_k: rows per loop step of the per-query kernels (a power of two). None: for
+      "sorted" / "by_key" `gpu_backward.DEFAULT_BLOCK_K` = 64, 32 for 4-byte inputs; for
+      "atomic" / "scatter" DEFAULT_BWD_BLOCK_K = 16.
+    bwd_num_warps, bwd_num_stages: Triton settings of the per-query kernel ("sorted"'s pairs
+      kernel, "by_key"'s dq-only queries kernel, the kernel of "atomic" / "scatter"). None:
+      4 warps for "sorted" / "by_key" (`gpu_backward.DEFAULT_WARPS`), num_warps for "atomic" /
+      "scatter"; 2 stages where "sorted" / "by_key" fuse dq, else 1.
+    bwd_head_group: ("atomic", "scatter") heads per program (a power of two).
+    bwd_col_block: ("sorted", "by_key") the widest column chunk of the gradient tiles (a power
+      of two; 128).
+    bwd_fuse_dq: ("sorted", "by_key") keep dq's accumulator in the per-query kernel (True), or
+      write ds^T and sum dq in a separate dq kernel (False). None: fused when H rounded up to a
+      power of two >= 16 is <= `gpu_backward.FUSED_DQ_MAX_HEADS` (32).
+    bwd_dq_warps, bwd_dq_stages: ("sorted", "by_key") Triton settings of that dq kernel (8, 2).
+    bwd_budget: ("sorted") bytes of one query chunk's pair gradients (4 GiB): sets the chunks of
+      the transposed index built by `sparse_mla` / `backward_index` (a prebuilt one keeps its own).
+    bwd_reduce_block, bwd_reduce_warps: ("sorted") pairs summed per step of the reduce kernel (a
+      power of two <= transpose.SPARE_ROWS; 32) and its warps (4).
+    bwd_evict: ("sorted") stream the pair gradients past L2 (evict_first stores and loads).
+    bwd_block_rows: ("by_key") latent rows per block of the keys kernel (a power of two; None:
+      `gpu_backward.default_block_rows`, 64 for Dk <= 256, else 32): sets the key bitmap built by
+      `sparse_mla` / `backward_index` (a prebuilt one keeps its own).
+    bwd_tile_cols: ("by_key") columns (queries x head slots) of the keys kernel's query tiles (a
+      power of two; 64).
+    bwd_keys_warps, bwd_keys_stages: ("by_key") Triton settings of the keys kernel (4, 2).
+    bwd_keys_paired: ("by_key") two blocks of rows, i and blocks - 1 - i, per keys program."""
 
     block_k: int | None = None
     num_splits: int | None = None
@@ -412,12 +452,49 @@ class SparseMLAGpuConfig:
     num_warps: int = 8
     num_stages: int = 2
     bwd_block_k: int | None = None
-    bwd_num_stages: int = 1
+    bwd_num_stages: int | None = None
     bwd_head_group: int = 32
     dkv_mode: str = "auto"
+    bwd_num_warps: int | None = None
+    bwd_col_block: int = gpu_backward.DEFAULT_COL_BLOCK
+    bwd_fuse_dq: bool | None = None
+    bwd_dq_warps: int = 8
+    bwd_dq_stages: int = 2
+    bwd_budget: int = gpu_backward.DEFAULT_BUDGET
+    bwd_reduce_block: int = gpu_backward.DEFAULT_REDUCE_BLOCK
+    bwd_reduce_warps: int = 4
+    bwd_evict: bool = False
+    bwd_block_rows: int | None = None
+    bwd_tile_cols: int = gpu_backward.KEYS_TILE_COLS
+    bwd_keys_warps: int = 4
+    bwd_keys_stages: int = 2
+    bwd_keys_paired: bool = True
 
     def __post_init__(self):
-        check_positive_fields(self)
+        name = type(self).__name__
+        for field in _BOOL_FIELDS:
+            value = getattr(self, field)
+            if not (isinstance(value, bool) or (value is None and field == "bwd_fuse_dq")):
+                allowed = "True, False or None" if field == "bwd_fuse_dq" else "True or False"
+                raise ValueError(f"{name}.{field} must be {allowed}, got {value!r}")
+        for field in dataclasses.fields(self):                 # the int fields; None where typed so
+            value, optional = getattr(self, field.name), "None" in str(field.type)
+            if not str(field.type).startswith("int") or (value is None and optional):
+                continue
+            try:
+                ok = not isinstance(value, bool) and operator.index(value) >= 1
+            except TypeError:
+                ok = False
+            if not ok:
+                raise ValueError(f"{name}.{field.name} must be a positive int{' or None' if optional else ''}, "
+                                 f"got {value!r}")
+        for field in _POW2_FIELDS:
+            value = getattr(self, field)
+            if value is not None and value & (value - 1):
+                raise ValueError(f"{name}.{field} must be a power of two (a Triton block size), got {value!r}")
+        if self.bwd_reduce_block > transpose.SPARE_ROWS:
+            raise ValueError(f"{name}.bwd_reduce_block must be <= transpose.SPARE_ROWS = {transpose.SPARE_ROWS}, "
+                             f"got {self.bwd_reduce_block}")
         if self.dkv_mode not in DKV_MODES:
             raise ValueError(f"dkv_mode must be one of {DKV_MODES}, got {self.dkv_mode!r}")
 
@@ -427,6 +504,25 @@ def _block_and_splits(c: SparseMLAGpuConfig, dtype, topk: int, programs_per_spli
     shrink = max(1, jnp.dtype(dtype).itemsize // 2)
     bk = int(c.block_k or min(DEFAULT_BLOCK_K // shrink, max(16, next_pow2(topk))))
     return bk, int(c.num_splits or default_splits(programs_per_split, topk, bk))
+
+
+def _backward_settings(c: SparseMLAGpuConfig, dkv_mode: str, dtype) -> tuple[tuple[str, object], ...]:
+    """The keyword settings of dkv_mode's backward from the config: `gpu_backward.backward`'s /
+    `backward_by_key`'s (INDEXED_KNOBS; None: their defaults), or `_backward`'s."""
+    if dkv_mode in INDEXED_MODES:
+        return tuple((name, getattr(c, "bwd_" + name)) for name in INDEXED_KNOBS[dkv_mode])
+    shrink = max(1, jnp.dtype(dtype).itemsize // 2)
+    return (("block_k", int(c.bwd_block_k or max(16, DEFAULT_BWD_BLOCK_K // shrink))),
+            ("num_warps", c.num_warps if c.bwd_num_warps is None else c.bwd_num_warps),
+            ("num_stages", 1 if c.bwd_num_stages is None else c.bwd_num_stages),
+            ("head_group", c.bwd_head_group))
+
+
+def _indexed_index(indices, num_keys: int, mode: str, *, dk: int, dtype, c: SparseMLAGpuConfig):
+    """The index that mode's backward takes, built with the config's bwd_budget / bwd_block_rows."""
+    if mode == "sorted":
+        return gpu_backward.backward_index(indices, num_keys, dk=dk, dtype=dtype, budget=c.bwd_budget)
+    return gpu_backward.key_index(indices, num_keys, dk=dk, block_rows=c.bwd_block_rows)
 
 
 def by_key_is_cheaper(*, seq_len: int, num_keys: int, heads: int, dk: int, v_dim: int, topk: int,
@@ -460,7 +556,8 @@ def backward_index(indices: jax.Array, num_keys: int, *, dk: int, dtype,
                    v_dim: int | None = None) -> transpose.TransposedIndex | transpose.KeyBitmap | None:
     """The index the backward takes for indices int32 [B, S, K] over num_keys rows of width dk in
     `dtype`, to build once per IndexShare group: the transposed index of "sorted"
-    (`gpu_backward.backward_index`), the key bitmap of "by_key" (`gpu_backward.key_index`), None
+    (`gpu_backward.backward_index`, chunked by config.bwd_budget), the key bitmap of "by_key"
+    (`gpu_backward.key_index`, blocks of config.bwd_block_rows), None
     for the other dkv modes, which take none. Under "auto" the choice needs the heads and v_dim of
     the queries (`by_key_is_cheaper`); without them it is "sorted"'s index, which `sparse_mla`
     leaves unused (building its own bitmap) where it resolves "auto" to "by_key"."""
@@ -469,10 +566,8 @@ def backward_index(indices: jax.Array, num_keys: int, *, dk: int, dtype,
         seq_len=seq_len, num_keys=num_keys, heads=heads, dk=dk, v_dim=v_dim, topk=topk,
         itemsize=jnp.dtype(dtype).itemsize)
     mode = resolve_dkv_mode(config, **shape)
-    if mode == "sorted":
-        return gpu_backward.backward_index(indices, num_keys, dk=dk, dtype=dtype)
-    if mode == "by_key":
-        return gpu_backward.key_index(indices, num_keys, dk=dk)
+    if mode in INDEXED_MODES:
+        return _indexed_index(indices, num_keys, mode, dk=dk, dtype=dtype, c=config)
     return None
 
 
@@ -488,8 +583,11 @@ def sparse_mla(q: jax.Array, kv: jax.Array, indices: jax.Array, *, sm_scale: flo
     rows (one program per query: num_splits is 1 then).
     tindex: the backward's index (`backward_index`: "sorted"'s transposed index or "by_key"'s
     key bitmap), built once and shared by the layers of an IndexShare group; None: built for
-    this call. Under "auto", a key bitmap selects "by_key"; a transposed index is used where
-    "auto" resolves to "sorted" for this shape (`by_key_is_cheaper`), else left aside.
+    this call (with the config's bwd_budget / bwd_block_rows). Under "auto", a key bitmap
+    selects "by_key"; a transposed index is used where "auto" resolves to "sorted" for this
+    shape (`by_key_is_cheaper`), else left aside.
+    config: the forward's and the backward's knobs (`SparseMLAGpuConfig`), e.g.
+    `SparseMLAGpuConfig(dkv_mode="sorted", num_splits=1, bwd_fuse_dq=False)`.
     Compiled for a GPU, every power-of-two column chunk of Dk must be >= 16 wide, and the
     backward's q, dout and row block must fit in shared memory (bf16 at 64 x 576 does;
     float32 at 64 heads does not)."""
@@ -500,26 +598,26 @@ def sparse_mla(q: jax.Array, kv: jax.Array, indices: jax.Array, *, sm_scale: flo
     head_group = c.head_group
     if return_target:
         splits, head_group = 1, None
-    bbk = int(c.bwd_block_k or max(16, DEFAULT_BWD_BLOCK_K // max(1, jnp.dtype(kv.dtype).itemsize // 2)))
     dkv_mode = resolve_dkv_mode(c, seq_len=seq_len, num_keys=kv.shape[1], heads=heads, dk=dk, v_dim=int(v_dim),
                          topk=topk, itemsize=jnp.dtype(kv.dtype).itemsize)
     if c.dkv_mode == "auto" and isinstance(tindex, transpose.KeyBitmap):
         dkv_mode = "by_key"
-    settings = (float(sm_scale), int(v_dim), bk, splits, head_group, c.num_warps, c.num_stages, bbk,
-                c.bwd_num_stages, c.bwd_head_group, dkv_mode, topk if return_target else None, bool(interpret))
+    bwd = _backward_settings(c, dkv_mode, kv.dtype)
+    settings = (float(sm_scale), int(v_dim), bk, splits, head_group, c.num_warps, c.num_stages, dkv_mode, bwd,
+                topk if return_target else None, bool(interpret))
     want = {"sorted": transpose.TransposedIndex, "by_key": transpose.KeyBitmap}.get(dkv_mode)
     if want is None:
         if tindex is not None:
             raise ValueError(f"sparse_mla: tindex is taken by dkv_mode 'sorted' and 'by_key' only, not {dkv_mode!r}")
-        return _op(*settings)(q, kv, pad_slots(indices, math.lcm(bk * splits, bbk)))
+        bwd_block_k = dict(bwd)["block_k"]
+        return _op(*settings)(q, kv, pad_slots(indices, math.lcm(bk * splits, bwd_block_k)))
     idx = jnp.asarray(indices, jnp.int32)
     if tindex is not None and not isinstance(tindex, want):
         if c.dkv_mode != "auto":
             raise ValueError(f"sparse_mla: dkv_mode={dkv_mode!r} takes a {want.__name__}, got {type(tindex).__name__}")
         tindex = None
     if tindex is None:
-        tindex = (gpu_backward.backward_index(idx, kv.shape[1], dk=dk, dtype=kv.dtype) if dkv_mode == "sorted"
-                  else gpu_backward.key_index(idx, kv.shape[1], dk=dk))
+        tindex = _indexed_index(idx, kv.shape[1], dkv_mode, dk=dk, dtype=kv.dtype, c=c)
     return _op(*settings)(q, kv, idx, tindex)
 
 

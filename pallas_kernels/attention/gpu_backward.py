@@ -1,6 +1,8 @@
 """Sparse MLA backward on NVIDIA GPUs (Pallas, Triton lowering): no atomics, the same bits on
 every run. Two ways to sum the latent rows' gradient: "sorted" (`backward`) and "by_key"
-(`backward_by_key`).
+(`backward_by_key`). `attention.gpu.sparse_mla` pairs them with its forward kernel
+(`SparseMLAGpuConfig.dkv_mode` "sorted" / "by_key"); each keyword setting `name` of `backward`
+and `backward_by_key` is the config's field `bwd_<name>`, with the same default.
 
 Shapes: q [B, S, H, Dk], kv [B, T, Dk] (V = kv[..., :v]), indices int32 [B, S, K] (-1 or out of
 range = skip), dout [B, S, H, v], lse / delta float32 [B, S, H] -> dq [B, S, H, Dk] (q dtype),
@@ -76,10 +78,11 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import dot, dot_nt, dot_tn
 from pallas_kernels.attention import transpose as tr
-from pallas_kernels.attention import vjp
 
 #: Rows per loop step of the pairs kernel (the M dimension of its matmuls).
 DEFAULT_BLOCK_K = 64
+#: Triton warps of the pairs kernel.
+DEFAULT_WARPS = 4
 #: Pairs summed per step of the reduce kernel.
 DEFAULT_REDUCE_BLOCK = 32
 #: Column chunk of the per-pair gradient (its [block_k, chunk] float32 tile lives in registers).
@@ -540,15 +543,17 @@ def keys_call(kv, q, do, lse, delta, kmap: tr.KeyBitmap, *, sm_scale, v_dim, col
 
 # ----------------------------------------------------------------------------- drivers
 
-def _settings(kv, heads, block_k, fuse_dq, num_stages):
-    """(block_k, fuse_dq, num_stages, wide) defaults of the query-major kernels."""
+def _settings(kv, heads, block_k, fuse_dq, num_warps, num_stages):
+    """(block_k, fuse_dq, num_warps, num_stages, wide) defaults of the query-major kernels."""
     wide = jnp.dtype(kv.dtype).itemsize >= 4
     fuse_dq = head_rows(heads) <= FUSED_DQ_MAX_HEADS if fuse_dq is None else bool(fuse_dq)
+    if num_warps is None:
+        num_warps = DEFAULT_WARPS
     if num_stages is None:
         num_stages = 2 if fuse_dq else 1
     if block_k is None:
         block_k = DEFAULT_BLOCK_K // 2 if wide else DEFAULT_BLOCK_K
-    return block_k, fuse_dq, num_stages, wide
+    return block_k, fuse_dq, num_warps, num_stages, wide
 
 
 def query_major(q, kv, indices, dout, lse, delta):
@@ -563,7 +568,7 @@ def query_major(q, kv, indices, dout, lse, delta):
 
 def backward(q, kv, indices, dout, lse, delta, *, sm_scale, v_dim, tindex=None,
              budget=DEFAULT_BUDGET, block_k=None, col_block=DEFAULT_COL_BLOCK,
-             fuse_dq=None, num_warps=4, num_stages=None, reduce_block=DEFAULT_REDUCE_BLOCK,
+             fuse_dq=None, num_warps=None, num_stages=None, reduce_block=DEFAULT_REDUCE_BLOCK,
              reduce_warps=4, evict=False, dq_warps=8, dq_stages=2, interpret=False):
     """The "sorted" backward: (dq [B, S, H, Dk] in q dtype, dkv float32 [B, T, Dk]) of sparse MLA
     (module docstring).
@@ -575,14 +580,16 @@ def backward(q, kv, indices, dout, lse, delta, *, sm_scale, v_dim, tindex=None,
     Settings (defaults measured best on an H200): block_k rows per step of the pairs and dq
     kernels (64; 32 for float32), col_block the widest column chunk of a pair gradient tile,
     fuse_dq keep dq in the pairs kernel (default: when head_rows(H) <= 32),
-    num_warps / num_stages (pairs kernel: 4; 2 stages with fused dq, else 1), dq_warps /
-    dq_stages (dq kernel: 8, 2), reduce_block / reduce_warps (pairs summed per step of the
-    reduce kernel, <= transpose.SPARE_ROWS: 32, 4), evict (stream the pair gradients past L2)."""
+    num_warps / num_stages (pairs kernel: None = DEFAULT_WARPS, 4; 2 stages with fused dq, else
+    1), dq_warps / dq_stages (dq kernel: 8, 2), reduce_block / reduce_warps (pairs summed per
+    step of the reduce kernel, <= transpose.SPARE_ROWS: 32, 4), evict (stream the pair
+    gradients past L2)."""
     batch, seq_len, heads, dk = q.shape
     num_keys = kv.shape[1]
     topk = indices.shape[-1]
     rows = batch * seq_len
-    block_k, fuse_dq, num_stages, wide = _settings(kv, heads, block_k, fuse_dq, num_stages)
+    block_k, fuse_dq, num_warps, num_stages, wide = _settings(kv, heads, block_k, fuse_dq, num_warps,
+                                                              num_stages)
     if reduce_block > tr.SPARE_ROWS:
         raise ValueError(f"reduce_block must be <= {tr.SPARE_ROWS}")
     tindex = tr.checked_or_built(tindex, indices, num_keys, default_chunk_rows(rows, topk, dk, kv.dtype, budget))
@@ -611,7 +618,7 @@ def backward(q, kv, indices, dout, lse, delta, *, sm_scale, v_dim, tindex=None,
 
 def backward_by_key(q, kv, indices, dout, lse, delta, *, sm_scale, v_dim, tindex=None, block_rows=None,
                     tile_cols=KEYS_TILE_COLS, keys_warps=4, keys_stages=2, keys_paired=True, block_k=None,
-                    col_block=DEFAULT_COL_BLOCK, fuse_dq=None, num_warps=4, num_stages=None, dq_warps=8,
+                    col_block=DEFAULT_COL_BLOCK, fuse_dq=None, num_warps=None, num_stages=None, dq_warps=8,
                     dq_stages=2, interpret=False):
     """The "by_key" backward: (dq [B, S, H, Dk] in q dtype, dkv float32 [B, T, Dk]) of sparse MLA
     (module docstring); arguments as `backward`'s.
@@ -629,7 +636,8 @@ def backward_by_key(q, kv, indices, dout, lse, delta, *, sm_scale, v_dim, tindex
     elif (tindex.topk, tindex.num_keys, tindex.seq_len) != (indices.shape[-1], num_keys, seq_len):
         raise ValueError(f"tindex was built for K={tindex.topk}, T={tindex.num_keys}, S={tindex.seq_len}; "
                          f"got K={indices.shape[-1]}, T={num_keys}, S={seq_len}")
-    block_k, fuse_dq, num_stages, _ = _settings(kv, heads, block_k, fuse_dq, num_stages)
+    block_k, fuse_dq, num_warps, num_stages, _ = _settings(kv, heads, block_k, fuse_dq, num_warps,
+                                                           num_stages)
     q2, do2, lse2, delta2, kv2, idx2 = query_major(q, kv, indices, dout, lse, delta)
     common = dict(seq_len=seq_len, block_k=block_k, col_block=col_block, interpret=interpret)
     if fuse_dq:
@@ -645,43 +653,3 @@ def backward_by_key(q, kv, indices, dout, lse, delta, *, sm_scale, v_dim, tindex
                     col_block=col_block, tile_cols=tile_cols, num_warps=keys_warps, num_stages=keys_stages,
                     interpret=interpret, paired=keys_paired)
     return dq.reshape(q.shape), dkv
-
-
-# ----------------------------------------------------------------------------- a differentiable op
-
-@functools.lru_cache(maxsize=None)
-def _op(sm_scale, v_dim, fwd_block_k, fwd_warps, fwd_stages, by_key, bwd_cfg, interpret):
-    from pallas_kernels.attention import gpu as gpu_fwd          # the existing forward kernel
-
-    def fwd(q, kv, indices):
-        b, s, k = indices.shape
-        kp = -(-k // fwd_block_k) * fwd_block_k
-        idx = jnp.pad(jnp.asarray(indices, jnp.int32), ((0, 0), (0, 0), (0, kp - k)),
-                      constant_values=-1)
-        return gpu_fwd._forward(q, kv, idx.reshape(b * s, kp), sm_scale=sm_scale, v_dim=v_dim,
-                                block_k=fwd_block_k, splits=1, num_warps=fwd_warps,
-                                num_stages=fwd_stages, interpret=interpret)
-
-    bwd = functools.partial(backward_by_key if by_key else backward, sm_scale=sm_scale, v_dim=v_dim,
-                            interpret=interpret, **dict(bwd_cfg))
-    return vjp.make_index_sparse_mla(fwd, bwd)
-
-
-def sparse_mla(q, kv, indices, *, sm_scale, v_dim, tindex=None, by_key=False, interpret=False,
-               fwd_block_k=64, fwd_warps=8, fwd_stages=2, budget=DEFAULT_BUDGET, **bwd_cfg):
-    """Sparse MLA (contract of `pallas_kernels.sparse_mla`) with the existing GPU forward
-    kernel (`attention.gpu`, one program per query) and this module's deterministic backward
-    ("sorted", or "by_key" with by_key=True).
-
-    q [B, S, H, Dk], kv [B, T, Dk], indices int32 [B, S, K] -> (out [B, S, H, v] in q dtype,
-    lse float32 [B, S, H]). tindex: a prebuilt `backward_index(indices, T, ...)` ("sorted") or
-    `key_index(indices, T, ...)` ("by_key"), shared by the layers of an IndexShare group; built
-    here (from `budget` for "sorted") when None.
-    bwd_cfg: the backward's kernel settings (`backward`'s or `backward_by_key`'s)."""
-    if tindex is None:
-        tindex = (key_index(indices, kv.shape[1], dk=q.shape[-1], block_rows=bwd_cfg.get("block_rows"))
-                  if by_key else backward_index(indices, kv.shape[1], dk=q.shape[-1], dtype=kv.dtype,
-                                                budget=budget))
-    op = _op(float(sm_scale), int(v_dim), int(fwd_block_k), int(fwd_warps), int(fwd_stages), bool(by_key),
-             tuple(sorted(bwd_cfg.items())), bool(interpret))
-    return op(q, kv, jnp.asarray(indices, jnp.int32), tindex)
