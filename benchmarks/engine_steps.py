@@ -10,7 +10,8 @@ thread in the step (what the host works, without any wait, even one inside the r
 which the decode program call" is the time until the jitted decode call returned (the runtime
 launching the program), wall and CPU. A second run calls the decode program with its inputs
 ready (the device idle): the launch alone, to tell launch work from time the call spent
-waiting on the step in flight. "device" is the step's wall time: with one step in flight the
+waiting on the step in flight. On a GPU the programs run as CUDA graphs unless
+--no-cuda-graphs; --check-cuda-graphs N decodes N greedy tokens both ways and compares them. "device" is the step's wall time: with one step in flight the
 engine runs at the pace of the slower of host and device, so where host < device the device
 sets the pace and host time is hidden. The summary says in how many context ranges host time
 (wall and CPU) is under 1 ms and under the device's. The
@@ -66,6 +67,10 @@ def main() -> None:
                     help="a config file, or 'serving-load' for benchmarks/serving_load.py's model (8 layers, "
                          "GLM-5.2's attention, IndexShare)")
     ap.add_argument("--max-context", type=int, default=1024)
+    ap.add_argument("--no-cuda-graphs", action="store_true",
+                    help="on a GPU, launch the programs kernel by kernel (ServingEngine(cuda_graphs=False))")
+    ap.add_argument("--check-cuda-graphs", type=int, default=0, metavar="N",
+                    help="also decode N greedy tokens with and without CUDA graphs and say whether they are equal")
     ap.add_argument("--new-tokens", type=int, default=960)
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--buckets", type=int, default=6)
@@ -81,13 +86,16 @@ def main() -> None:
     from flax import nnx
 
     from glm_jax.decoding.engine import Request, ServingEngine
+    from glm_jax.decoding.engine_programs import compiler_options
     from glm_jax.model import GLMModel
 
     cfg = model_config(args.config)
     model = GLMModel(cfg, rngs=nnx.Rngs(0))
     pages = -(-(args.max_context + 64) // args.page_size) + 1
     engine = ServingEngine(model, slots=1, num_pages=pages, page_size=args.page_size,
-                           max_context=args.max_context, prefill_chunk=64)
+                           max_context=args.max_context, prefill_chunk=64, cuda_graphs=not args.no_cuda_graphs)
+    graphs = bool(compiler_options(jax.default_backend(), not args.no_cuda_graphs))
+    print(f"backend {jax.default_backend()}; CUDA graphs {'on' if graphs else 'off'}")
     engine.serve([Request(np.arange(1, 33), 4)])          # compile
     engine.step_times.clear()
     calls: list[tuple[float, float]] = []      # (wall, CPU) seconds of each decode program call
@@ -118,6 +126,14 @@ def main() -> None:
     print(f"host < 1 ms in {sum(h < 1 for h, _, _ in rows)} of {len(rows)} context ranges (wall), "
           f"{sum(c < 1 for _, c, _ in rows)} of {len(rows)} (CPU); host < device in "
           f"{sum(h < d for h, _, d in rows)} of {len(rows)}")
+    if args.check_cuda_graphs:
+        request = [Request(np.arange(1, 33), args.check_cuda_graphs)]
+        plain = ServingEngine(model, slots=1, num_pages=pages, page_size=args.page_size,
+                              max_context=args.max_context, prefill_chunk=64, cuda_graphs=False)
+        graphs = ServingEngine(model, slots=1, num_pages=pages, page_size=args.page_size,
+                               max_context=args.max_context, prefill_chunk=64, cuda_graphs=True)
+        same = plain.serve(request)[0].tokens == graphs.serve(request)[0].tokens
+        print(f"{args.check_cuda_graphs} greedy tokens with and without CUDA graphs equal: {same}")
     calls.clear()
     idle[0] = True
     engine.serve([Request(np.arange(1, 33), min(args.new_tokens, 200))])

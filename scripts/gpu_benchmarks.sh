@@ -17,6 +17,8 @@
 #                 the load benchmark at 32K, IndexShare: a rate sweep to
 #                 saturation, the device ceiling, 80% of saturation, with
 #                 and without a step token budget of 520
+# host            host time per decode step with and without CUDA graphs,    4-6 min
+#                 small-128k and serving_load.py's model (16K, 3,000 tokens)
 # serving-128k    the same load benchmark at 128K                             6-9 min
 # serving-full    the load benchmark at 32K with every layer Full             5-8 min
 # serving-1m      the load benchmark at 1M, IndexShare only                   4-10 min
@@ -84,7 +86,7 @@ expand() {
         serving-all) echo serving serving-128k serving-full serving-1m serving-1m-full ;;
         train-parts|train-steps|train-steps-trained|train-steps-expanded|train-loop) echo "$1" ;;
         mtp-ablation|speculative|speculative-context) echo "$1" ;;
-        training-parts|training-64k|training-128k|kernels|prefill|serving|serving-128k|serving-full|serving-1m|serving-1m-full)
+        training-parts|training-64k|training-128k|kernels|prefill|serving|host|serving-128k|serving-full|serving-1m|serving-1m-full)
             echo "$1" ;;
         *) return 1 ;;
     esac
@@ -257,11 +259,21 @@ for group in "${groups[@]}"; do
                 --prefill 200000 --json "$stage/long_prefill_200k.json"
             ;;
         serving)
-            run engine_steps 180 "--config configs/tiny.yaml --max-context 256 --new-tokens 64" \
+            run engine_steps 180 "--config configs/tiny.yaml --max-context 256 --new-tokens 64 --check-cuda-graphs 8" \
                 "$py" benchmarks/engine_steps.py --config configs/small-128k.yaml --max-context 16384 \
-                --new-tokens 12000
+                --new-tokens 12000 --check-cuda-graphs 256
             run serving_load_32k 400 "--smoke --contexts 256" "$py" benchmarks/serving_load.py --contexts 32768 --sweep \
                 --max-rates 4 --patterns IndexShare --step-token-budget 520 --out "$stage/serving_load_32k.json"
+            ;;
+        host)
+            for model in configs/small-128k.yaml serving-load; do
+                name=$(basename "$model" .yaml)
+                for graphs in "" --no-cuda-graphs; do
+                    run "engine_steps_${name}${graphs:+_no_graphs}" 120 \
+                        "--config configs/tiny.yaml --max-context 256 --new-tokens 64 $graphs" "$py" \
+                        benchmarks/engine_steps.py --config "$model" --max-context 16384 --new-tokens 3000 $graphs
+                done
+            done
             ;;
         serving-128k)
             run serving_load_128k 540 "--smoke --contexts 256" "$py" benchmarks/serving_load.py --contexts 131072 --sweep \

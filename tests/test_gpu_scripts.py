@@ -108,7 +108,8 @@ def test_smoke_appends_each_benchmarks_small_flags_on_the_cpu(tmp_path):
     assert result.returncode == 0, result.stderr
     engine, load = [c for c in calls(tmp_path) if "benchmarks/" in c]
     assert engine.startswith("JAX_PLATFORMS=cpu ") and engine.endswith("--config configs/tiny.yaml "
-                                                                      "--max-context 256 --new-tokens 64")
+                                                                      "--max-context 256 --new-tokens 64 "
+                                                                      "--check-cuda-graphs 8")
     assert "--contexts 32768" in load and load.endswith("--smoke --contexts 256")
     assert "serving_load_32k.json" in archive_members(out / "gpu_benchmarks-serving-smoke.tar.gz")
 

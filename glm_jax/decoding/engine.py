@@ -83,8 +83,8 @@ import numpy as np
 
 from glm_jax import ops
 from glm_jax.cache import CacheFullError, PagePool, shard_cache
-from glm_jax.decoding.engine_programs import (MAX_LOGPROBS, Placement, Scores, empty_slots, engine_programs,
-                                              serving_params)
+from glm_jax.decoding.engine_programs import (MAX_LOGPROBS, Placement, Scores, compiler_options, empty_slots,
+                                              engine_programs, serving_params)
 from glm_jax.decoding.generate import ContextTooLongError, GeneratorBase, committed
 from glm_jax.decoding.sampling import GREEDY, SamplingParams
 from glm_jax.multihost import to_host
@@ -197,11 +197,14 @@ class ServingEngine(GeneratorBase):
     prefill_chunk: prompt tokens per prefill row and call; step_token_budget: the most tokens
     (prefill + decode) of a step in which some slot decodes (None: no limit; `budget_chunk`);
     kernels / mesh / collective as for the Generator (slots split over the mesh's `data` axis,
-    pages too)."""
+    pages too); cuda_graphs: on a GPU, compile the programs to replay as CUDA graphs, loops and
+    conditionals included (`engine_programs.compiler_options`: the host launches a step as a
+    few graphs instead of kernel by kernel)."""
 
     def __init__(self, model, *, slots: int, num_pages: int, page_size: int, max_context: int,
                  prefill_chunk: int = 64, step_token_budget: int | None = None,
-                 kernels: ops.KernelChoice = ops.KernelChoice(), mesh=None, collective: str = "permute"):
+                 kernels: ops.KernelChoice = ops.KernelChoice(), mesh=None, collective: str = "permute",
+                 cuda_graphs: bool = True):
         super().__init__(model, batch=slots, max_len=max_context, prefill_chunk=prefill_chunk, kernels=kernels,
                          mesh=mesh, collective=collective)
         shards = 1 if mesh is None else mesh.shape.get("data", 1)
@@ -220,7 +223,8 @@ class ServingEngine(GeneratorBase):
         self.params, layout = serving_params(self.state)
         placement = None if mesh is None else Placement.of(
             self.cache, self.slot_state, logical_sharding(mesh, ("batch",), (slots,), "tokens"))
-        self.programs = engine_programs(self.graphdef, layout, kernels, shards, placement)
+        self.programs = engine_programs(self.graphdef, layout, kernels, shards, placement,
+                                        compiler_options(jax.default_backend(), cuda_graphs))
         self.step_times: list[StepTime] = []
         self.preemptions = 0                        # requests preempted so far (recomputed later)
         self._slots: list[_Run | None] = [None] * slots

@@ -2,7 +2,7 @@
 decode, plus a prefill that scores the prompt for requests that ask).
 
     params, layout = serving_params(state)
-    programs = engine_programs(graphdef, layout, kernels, data_shards, placement)
+    programs = engine_programs(graphdef, layout, kernels, data_shards, placement, options)
     cache, slots = programs.prefill(params, cache, slots, rows, tables, starts, tokens, num_valid,
                                     seeds, drawn, sampling)
     cache, slots, scores = programs.prefill_scored(..., sampling, targets)   # prefill + prompt log-probs
@@ -41,6 +41,12 @@ graph definition closed over (hashing an nnx GraphDef as a static argument and f
 nnx State on every call cost most of a decode step's host time), and without the MTP layer's
 arrays, which serving never reads (`serving_params`; inside the programs the MTP layer holds
 shape-only placeholders).
+
+On a GPU the programs are compiled to run as CUDA graphs (XLA command buffers), loops and
+conditionals included (`compiler_options`): XLA otherwise launches a step kernel by kernel
+from the host and steps the layer scans' loops there, which cost a decode step of the
+8-layer GLM-5.2-attention model 5.8 ms of host CPU on an H100, more than the device's step;
+as graphs, 2.4 ms (benchmarks/engine_steps.py, docs/serving.md).
 
 On a mesh the programs return the cache and the slot state with exactly the shardings they
 were given (`Placement`, pinned as out_shardings): jit keys its dispatch on how a sharding is
@@ -158,18 +164,32 @@ class Placement(NamedTuple):
         return tuple(jax.tree.unflatten(treedef, leaves) for treedef, leaves in (self.cache, self.slots))
 
 
+#: XLA options that turn a program into CUDA graphs, loops (the layer scans) and conditionals
+#: included, however few kernels a graph holds.
+CUDA_GRAPH_OPTIONS = (("xla_gpu_enable_command_buffer", "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"),
+                      ("xla_gpu_graph_min_graph_size", 1))
+
+
+def compiler_options(backend: str, cuda_graphs: bool) -> tuple[tuple[str, object], ...]:
+    """The serving programs' XLA options on `backend` (CUDA_GRAPH_OPTIONS on a GPU if asked)."""
+    return CUDA_GRAPH_OPTIONS if cuda_graphs and backend == "gpu" else ()
+
+
 @functools.lru_cache(maxsize=8)
 def engine_programs(graphdef, layout: ParamLayout, kernels: ops.KernelChoice, data_shards: int,
-                    placement: Placement | None = None) -> EnginePrograms:
+                    placement: Placement | None = None,
+                    options: tuple[tuple[str, object], ...] = ()) -> EnginePrograms:
     """The jitted programs for one model structure (shared by every engine built on it);
-    placement: what they return on a mesh (None: left to jit, for one device)."""
-    prefill_out, scored_out, decode_out = {}, {}, {}
+    placement: what they return on a mesh (None: left to jit, for one device); options: XLA
+    compiler options ((name, value) pairs, `compiler_options`)."""
+    opts = dict(compiler_options=dict(options)) if options else {}
+    prefill_out, scored_out, decode_out = dict(opts), dict(opts), dict(opts)
     if placement is not None:
         cache_out, slots_out = placement.trees()
-        prefill_out = dict(out_shardings=(cache_out, slots_out))
+        prefill_out.update(out_shardings=(cache_out, slots_out))
         # Scores are split over `data` by their leading (row) dim, as the tokens.
-        scored_out = dict(out_shardings=(cache_out, slots_out, placement.tokens))
-        decode_out = dict(out_shardings=(placement.tokens, placement.tokens, cache_out, slots_out))
+        scored_out.update(out_shardings=(cache_out, slots_out, placement.tokens))
+        decode_out.update(out_shardings=(placement.tokens, placement.tokens, cache_out, slots_out))
 
     def model_of(params):
         return nnx.merge(graphdef, layout.state(params))
