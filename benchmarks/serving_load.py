@@ -17,9 +17,10 @@ pool:
 * static waves (the baseline, the engine before continuous batching): take up to `slots`
   waiting requests that fit the pool with prompt + new tokens up front, prefill them together,
   decode one blocking step at a time until all of them finish; arrivals wait for the next wave;
-* with `--step-token-budget N`, also "continuous, budget N": the continuous engine with at most
-  N tokens per step while requests decode (`ServingEngine(step_token_budget=N)`), to compare
-  its ITL p99 and TTFT with the row of the engine without a budget.
+* with `--step-token-budget N [N ...]`, also "continuous, budget N" for each N: the continuous
+  engine with at most N tokens per step while requests decode
+  (`ServingEngine(step_token_budget=N)`), to compare its ITL p99 and TTFT with the row of the
+  engine without a budget.
 
 Per run: throughput (new tokens / time from the first arrival to the last token), time to
 first token and inter-token latency (p50 / p99, as a client sees tokens arrive), host ms per
@@ -348,8 +349,8 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=None, help="batch slots (default 8; smoke 3)")
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--prefill-chunk", type=int, default=None, help="default 2048; smoke 64")
-    ap.add_argument("--step-token-budget", type=int, default=None, metavar="N",
-                    help="also replay the continuous engine with this step token budget (row 'continuous, budget N')")
+    ap.add_argument("--step-token-budget", type=int, nargs="+", default=[], metavar="N",
+                    help="also replay the continuous engine with each step token budget (rows 'continuous, budget N')")
     ap.add_argument("--pool-contexts", type=float, default=2.0,
                     help="pool size in max-context sequences (at least 1: the longest request must fit)")
     ap.add_argument("--patterns", nargs="+", default=["IndexShare", "all Full"], choices=["IndexShare", "all Full"],
@@ -387,18 +388,18 @@ def main() -> None:
     from glm_jax.decoding.engine import ServingEngine, budget_chunk
     from glm_jax.model import GLMModel
 
-    budget = "none"
-    if args.step_token_budget is not None:
+    budgets = []
+    for n in args.step_token_budget:
         try:
-            small = budget_chunk(args.step_token_budget, slots=slots, rows=1, page_size=args.page_size,
-                                 prefill_chunk=chunk)
+            small = budget_chunk(n, slots=slots, rows=1, page_size=args.page_size, prefill_chunk=chunk)
         except ValueError as e:
-            sys.exit(f"--step-token-budget: {e}")
-        budget = f"{args.step_token_budget} (prefill chunk {small} while requests decode)"
+            sys.exit(f"--step-token-budget {n}: {e}")
+        budgets.append(f"{n} (prefill chunk {small} while requests decode)")
+    budget = ", ".join(budgets) or "none"
 
     print(f"device {jax.devices()[0].device_kind}; {requests} requests at {rate}/s, {new_tokens} new tokens each, "
           f"{slots} slots, pages of {args.page_size}, prefill chunk {chunk}, pool {args.pool_contexts} x max context, "
-          f"step token budget {budget}; "
+          f"step token budgets {budget}; "
           f"patterns {', '.join(f'{n} {PATTERNS[n]}' for n in args.patterns)}")
     slo = Objective(args.slo_ttft_ms, args.slo_tpot_ms)
     print(f"goodput objective: TTFT <= {slo.ttft_ms:.0f} ms, mean time per output token <= {slo.tpot_ms:.0f} ms")
@@ -426,9 +427,9 @@ def main() -> None:
             warm = [dataclasses.replace(arrivals[0], at=0.0, new_tokens=2),
                     dataclasses.replace(arrivals[0], at=0.0, prompt=arrivals[0].prompt[:8], new_tokens=2)]
             servers = [("continuous", ServingEngine, run_continuous), ("static waves", WaveServer, run_waves)]
-            if args.step_token_budget is not None:
-                budgeted = functools.partial(ServingEngine, step_token_budget=args.step_token_budget)
-                servers.insert(1, (f"continuous, budget {args.step_token_budget}", budgeted, run_continuous))
+            for i, n in enumerate(args.step_token_budget):
+                budgeted = functools.partial(ServingEngine, step_token_budget=n)
+                servers.insert(1 + i, (f"continuous, budget {n}", budgeted, run_continuous))
             for name, build, run in servers:         # one at a time: one pool in device memory
                 try:
                     server = build(model, **shape)

@@ -16,7 +16,7 @@
 # serving         host time per engine step (16K context, 12,000 tokens);    6-8 min
 #                 the load benchmark at 32K, IndexShare: a rate sweep to
 #                 saturation, the device ceiling, 80% of saturation, with
-#                 and without a step token budget of 520
+#                 and without step token budgets of 264 and 520
 # host            host time per decode step with and without CUDA graphs,    4-6 min
 #                 small-128k and serving_load.py's model (16K, 3,000 tokens)
 # serving-128k    the same load benchmark at 128K                             6-9 min
@@ -262,8 +262,8 @@ for group in "${groups[@]}"; do
             run engine_steps 180 "--config configs/tiny.yaml --max-context 256 --new-tokens 64 --check-cuda-graphs 8" \
                 "$py" benchmarks/engine_steps.py --config configs/small-128k.yaml --max-context 16384 \
                 --new-tokens 12000 --check-cuda-graphs 256
-            run serving_load_32k 400 "--smoke --contexts 256" "$py" benchmarks/serving_load.py --contexts 32768 --sweep \
-                --max-rates 4 --patterns IndexShare --step-token-budget 520 --out "$stage/serving_load_32k.json"
+            run serving_load_32k 480 "--smoke --contexts 256" "$py" benchmarks/serving_load.py --contexts 32768 --sweep \
+                --max-rates 4 --patterns IndexShare --step-token-budget 264 520 --out "$stage/serving_load_32k.json"
             ;;
         host)
             for model in configs/small-128k.yaml serving-load; do
