@@ -10,6 +10,10 @@
 #                 sparse step's memory plan (compiled, not run)
 # training-64k    a sparse and a dense train step at 64K tokens              3-6 min
 # training-128k   the same at 128K (the sparse step may not fit: reported)    4-7 min
+# training-glm52-64k  GLM-5.2's attention shape (configs/glm-5.2-attn.yaml,     5-9 min
+#                 4 layers): the 128K memory plan, a sparse and a dense
+#                 train step at 64K
+# training-glm52-128k  the same steps at 128K                                  6-9 min
 # kernels         paged sparse MLA and paged indexer top-k decode against     2-4 min
 #                 the gather path, beside the copy bandwidth
 # prefill         one 200K-token prompt, IndexShare against all Full          2-4 min
@@ -86,7 +90,7 @@ expand() {
         serving-all) echo serving serving-128k serving-full serving-1m serving-1m-full ;;
         train-parts|train-steps|train-steps-trained|train-steps-expanded|train-loop) echo "$1" ;;
         mtp-ablation|speculative|speculative-context) echo "$1" ;;
-        training-parts|training-64k|training-128k|kernels|prefill|serving|host|serving-128k|serving-full|serving-1m|serving-1m-full)
+        training-parts|training-64k|training-128k|training-glm52-64k|training-glm52-128k|kernels|prefill|serving|host|serving-128k|serving-full|serving-1m|serving-1m-full)
             echo "$1" ;;
         *) return 1 ;;
     esac
@@ -243,6 +247,20 @@ for group in "${groups[@]}"; do
         training-64k)
             run train_long_64k 540 "--smoke" "${mem95[@]}" "$py" benchmarks/train_long.py --seq-len 65536 \
                 --stages sparse dense --sparse-impls pallas_gpu --json "$stage/train_long_64k.json"
+            ;;
+        training-glm52-64k)
+            # GLM-5.2's attention at full size on 4 layers (configs/glm-5.2-attn.yaml): the memory
+            # plan of the 128K steps first (compiled, not run), then a sparse and a dense step at 64K
+            run train_memory_glm52_128k 150 "--config configs/tiny.yaml --seq-len 256" "${mem95[@]}" "$py" \
+                benchmarks/train_memory.py --config configs/glm-5.2-attn.yaml --seq-len 131072 --stages sparse dense
+            run train_long_glm52_64k 400 "--smoke" "${mem95[@]}" "$py" benchmarks/train_long.py \
+                --config configs/glm-5.2-attn.yaml --seq-len 65536 --stages sparse dense --sparse-impls pallas_gpu \
+                --json "$stage/train_long_glm52_64k.json"
+            ;;
+        training-glm52-128k)
+            run train_long_glm52_128k 540 "--smoke" "${mem95[@]}" "$py" benchmarks/train_long.py \
+                --config configs/glm-5.2-attn.yaml --seq-len 131072 --stages sparse dense --sparse-impls pallas_gpu \
+                --json "$stage/train_long_glm52_128k.json"
             ;;
         training-128k)
             run train_long_128k 540 "--smoke" "${mem95[@]}" "$py" benchmarks/train_long.py --seq-len 131072 \
