@@ -16,7 +16,8 @@ per implementation in --impls. Then the sparse-stage indexer KL, old and new:
 and, per group of --group layers, the old cost (group x per-layer KL) beside the new one
 (group x the target's extra forward time + one grouped indexer side).
 
-Each line also gives two limits measured in the same run: the part's matmul FLOPs at the bf16
+`--only attention` times the top-k and sparse MLA parts, `--only kl` the indexer KL parts (so
+that each can run under its own time limit). Each line also gives two limits measured in the same run: the part's matmul FLOPs at the bf16
 matmul rate, and the bytes it must move at the device's copy bandwidth (read + write).
 """
 
@@ -66,6 +67,8 @@ def main() -> None:
                     choices=pallas_kernels.impl_choices("indexer_cross_entropy"),
                     help="grouped indexer-side implementations to time")
     ap.add_argument("--group", type=int, default=4, help="layers per IndexShare group (GLM-5.2: 4)")
+    ap.add_argument("--only", choices=["attention", "kl"], default=None,
+                    help="time only the top-k and sparse MLA parts, or only the indexer KL parts")
     ap.add_argument("--smoke", action="store_true", help="a small ceiling measurement; Pallas interpreted (CPU check)")
     args = ap.parse_args()
     s = args.seq_len
@@ -84,23 +87,26 @@ def main() -> None:
 
     indices = jax.block_until_ready(jax.jit(topk)(idx_q, idx_k, idx_w))
 
+    # Every array a part reads is an argument of its jitted function, never closed over: a
+    # closed-over array is a constant of the program, which XLA copies into it and may try to
+    # constant-fold (a sort over [S, K] indices took minutes to compile).
     def attend(impl, return_target=False):
-        return lambda q, kv: pallas_kernels.sparse_mla(q, kv, indices, sm_scale=SCALE, v_dim=VALUE, impl=impl,
-                                                       return_target=return_target, interpret=pallas(impl))
+        return lambda q, kv, idx: pallas_kernels.sparse_mla(q, kv, idx, sm_scale=SCALE, v_dim=VALUE, impl=impl,
+                                                            return_target=return_target, interpret=pallas(impl))
 
     def attention_loss(impl):
-        return lambda q, kv: jnp.sum(attend(impl)(q, kv)[0].astype(jnp.float32))
+        return lambda q, kv, idx: jnp.sum(attend(impl)(q, kv, idx)[0].astype(jnp.float32))
 
-    lse, target = jax.jit(lambda q, kv: attend("xla", True)(q, kv)[1:])(q, kv)
+    lse, target = jax.jit(lambda q, kv, idx: attend("xla", True)(q, kv, idx)[1:])(q, kv, indices)
 
     def cross_entropy(impl):
-        return lambda a, b, c: jnp.sum(pallas_kernels.indexer_cross_entropy(a, b, c, indices, target, impl=impl,
-                                                                            interpret=pallas(impl)))
+        return lambda a, b, c, idx, tgt: jnp.sum(pallas_kernels.indexer_cross_entropy(
+            a, b, c, idx, tgt, impl=impl, interpret=pallas(impl)))
 
-    def old_layer_kl(a, b, c):
+    def old_layer_kl(a, b, c, q, kv, idx, lse):
         # the replaced per-layer KL: the target recomputed from lse, then the indexer side (XLA)
-        t = target_from_lse(q, kv, indices, lse, sm_scale=SCALE)
-        return jnp.sum(pallas_kernels.indexer_cross_entropy(a, b, c, indices, t, impl="xla"))
+        t = target_from_lse(q, kv, idx, lse, sm_scale=SCALE)
+        return jnp.sum(pallas_kernels.indexer_cross_entropy(a, b, c, idx, t, impl="xla"))
 
     pairs = s * TOPK
     # matmul FLOPs: scores and weighted sum over the selected keys (x3 with the backward)
@@ -115,25 +121,32 @@ def main() -> None:
     # backward: gather again (+ index, target, place), write a key gradient and read it back
     side_bwd_bytes = pairs * (3 * INDEX_DIM * BF16 + 12) + 2 * s * INDEX_HEADS * (INDEX_DIM * BF16 + F32)
     parts = [("indexer top-k", topk, (idx_q, idx_k, idx_w), index_fwd, s * s / 2 * INDEX_DIM * BF16)]
-    for impl in args.impls:
-        parts += [(f"sparse MLA ({impl}) forward", lambda q, kv, impl=impl: attend(impl)(q, kv)[0], (q, kv),
-                   attn_fwd, attn_bytes),
-                  (f"sparse MLA ({impl}) forward + backward", jax.grad(attention_loss(impl), argnums=(0, 1)), (q, kv),
-                   3 * attn_fwd, 3 * attn_bytes),
-                  ("  the same without the latent rows' gradient", jax.grad(attention_loss(impl), argnums=0), (q, kv),
-                   2 * attn_fwd, 2 * attn_bytes)]
-    parts += [("old per-layer KL (XLA) forward + backward", jax.grad(old_layer_kl, argnums=(0, 1, 2)),
-               (idx_q, idx_k, idx_w), target_flops + 4 * side_fwd, target_bytes + side_bytes + side_bwd_bytes),
-              ("sparse MLA (pallas_gpu) forward, no target", lambda q, kv: attend("pallas_gpu")(q, kv)[:2], (q, kv),
-               attn_fwd, attn_bytes),
-              ("sparse MLA (pallas_gpu) forward + target", lambda q, kv: attend("pallas_gpu", True)(q, kv), (q, kv),
-               attn_fwd + target_flops, attn_bytes + target_bytes)]
+    for impl in args.impls if args.only != "kl" else ():
+        parts += [(f"sparse MLA ({impl}) forward", lambda q, kv, idx, impl=impl: attend(impl)(q, kv, idx)[0],
+                   (q, kv, indices), attn_fwd, attn_bytes),
+                  (f"sparse MLA ({impl}) forward + backward", jax.grad(attention_loss(impl), argnums=(0, 1)),
+                   (q, kv, indices), 3 * attn_fwd, 3 * attn_bytes),
+                  ("  the same without the latent rows' gradient", jax.grad(attention_loss(impl), argnums=0),
+                   (q, kv, indices), 2 * attn_fwd, 2 * attn_bytes)]
+    # the new parts first, the old per-layer KL (the slowest) last, so a time limit cuts the baseline
+    side_inputs = (idx_q, idx_k, idx_w, indices, target)
+    kl_parts = [("sparse MLA (pallas_gpu) forward, no target",
+                 lambda q, kv, idx: attend("pallas_gpu")(q, kv, idx)[:2], (q, kv, indices), attn_fwd, attn_bytes),
+                ("sparse MLA (pallas_gpu) forward + target", attend("pallas_gpu", True), (q, kv, indices),
+                 attn_fwd + target_flops, attn_bytes + target_bytes)]
     for impl in args.kl_impls:
-        parts += [(f"grouped indexer side ({impl}) forward", cross_entropy(impl), (idx_q, idx_k, idx_w),
-                   side_fwd, side_bytes),
-                  (f"grouped indexer side ({impl}) forward + backward",
-                   jax.grad(cross_entropy(impl), argnums=(0, 1, 2)), (idx_q, idx_k, idx_w), 4 * side_fwd,
-                   side_bytes + side_bwd_bytes)]
+        kl_parts += [(f"grouped indexer side ({impl}) forward", cross_entropy(impl), side_inputs, side_fwd,
+                      side_bytes),
+                     (f"grouped indexer side ({impl}) forward + backward",
+                      jax.grad(cross_entropy(impl), argnums=(0, 1, 2)), side_inputs, 4 * side_fwd,
+                      side_bytes + side_bwd_bytes)]
+    kl_parts.append(("old per-layer KL (XLA) forward + backward", jax.grad(old_layer_kl, argnums=(0, 1, 2)),
+                     (idx_q, idx_k, idx_w, q, kv, indices, lse), target_flops + 4 * side_fwd,
+                     target_bytes + side_bytes + side_bwd_bytes))
+    if args.only == "kl":
+        parts = kl_parts
+    elif args.only is None:
+        parts += kl_parts
     print(f"sparse attention parts at {s} tokens; bf16 matmul {matmul / 1e12:.0f} TFLOP/s, "
           f"copy {copy_rate / 1e12:.2f} TB/s")
     print("| part | ms | matmul limit ms | copy limit ms |")
@@ -158,11 +171,13 @@ def main() -> None:
         rows.append(row)
         save()
     ms = {r["part"]: r.get("ms") for r in rows}
+    if args.only == "attention":
+        return
     sides = [(impl, ms[f"grouped indexer side ({impl}) forward + backward"]) for impl in args.kl_impls]
     side_impl, side = next(((i, t) for i, t in sides if t is not None), (None, None))
-    old, plain, with_target = (ms[k] for k in ("old per-layer KL (XLA) forward + backward",
-                                               "sparse MLA (pallas_gpu) forward, no target",
-                                               "sparse MLA (pallas_gpu) forward + target"))
+    old, plain, with_target = (ms.get(k) for k in ("old per-layer KL (XLA) forward + backward",
+                                                   "sparse MLA (pallas_gpu) forward, no target",
+                                                   "sparse MLA (pallas_gpu) forward + target"))
     if None not in (old, plain, with_target, side):
         new = args.group * (with_target - plain) + side
         print(f"indexer KL per group of {args.group} layers: old {args.group * old:.1f} ms "

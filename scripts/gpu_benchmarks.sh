@@ -5,9 +5,10 @@
 #   bash scripts/gpu_benchmarks.sh [--smoke] [--budget SECONDS] OUT_DIR GROUP...
 #
 # GROUP          what it measures                                          estimate on one H200
-# training-parts  sparse-training parts at 64K (top-k, sparse MLA forward     4-7 min
-#                 and backward, the indexer KL old and grouped); the 128K
-#                 sparse step's memory plan (compiled, not run)
+# training-parts  sparse-training parts at 64K (top-k, sparse MLA forward     6-9 min
+#                 and backward; then the indexer KL, new parts first, the old
+#                 per-layer KL last), each under its own limit
+# training-memory the 128K sparse step's memory plan (compiled, not run)     1-4 min
 # training-64k    a sparse and a dense train step at 64K tokens              3-6 min
 # training-128k   the same at 128K (the sparse step may not fit: reported)    4-7 min
 # training-glm52-64k  GLM-5.2's attention shape (configs/glm-5.2-attn.yaml,     5-9 min
@@ -46,7 +47,7 @@
 #                 batch 1, 8, 32 and K = 1, 3, 7; greedy, then temperature 0.7
 # speculative-context  acceptance by prompt length (1K and 3K tokens), K = 7   2-4 min
 # Aliases (several commands' time: run their groups one command at a time):
-# training = training-parts training-64k training-128k;
+# training = training-parts training-memory training-64k training-128k;
 # serving-all = serving serving-128k serving-full serving-1m serving-1m-full.
 # The estimates are not measurements; docs/training.md ("Running the pending GPU
 # measurements") says how each was derived.
@@ -86,11 +87,11 @@ shift
 
 expand() {
     case $1 in
-        training) echo training-parts training-64k training-128k ;;
+        training) echo training-parts training-memory training-64k training-128k ;;
         serving-all) echo serving serving-128k serving-full serving-1m serving-1m-full ;;
         train-parts|train-steps|train-steps-trained|train-steps-expanded|train-loop) echo "$1" ;;
         mtp-ablation|speculative|speculative-context) echo "$1" ;;
-        training-parts|training-64k|training-128k|training-glm52-64k|training-glm52-128k|kernels|prefill|serving|host|serving-128k|serving-full|serving-1m|serving-1m-full)
+        training-parts|training-memory|training-64k|training-128k|training-glm52-64k|training-glm52-128k|kernels|prefill|serving|host|serving-128k|serving-full|serving-1m|serving-1m-full)
             echo "$1" ;;
         *) return 1 ;;
     esac
@@ -239,9 +240,13 @@ for group in "${groups[@]}"; do
             done
             ;;
         training-parts)
-            run sparse_train_parts_64k 330 "--seq-len 128 --smoke" "$py" benchmarks/sparse_train_parts.py \
-                --seq-len 65536 --impls pallas_gpu --json "$stage/sparse_train_parts_64k.json"
-            run train_memory_128k 180 "--config configs/tiny.yaml --seq-len 256" "${mem95[@]}" "$py" \
+            run sparse_train_parts_64k 150 "--seq-len 128 --smoke" "$py" benchmarks/sparse_train_parts.py \
+                --seq-len 65536 --impls pallas_gpu --only attention --json "$stage/sparse_train_parts_64k.json"
+            run sparse_train_kl_64k 390 "--seq-len 128 --smoke" "$py" benchmarks/sparse_train_parts.py \
+                --seq-len 65536 --only kl --json "$stage/sparse_train_kl_64k.json"
+            ;;
+        training-memory)
+            run train_memory_128k 240 "--config configs/tiny.yaml --seq-len 256" "${mem95[@]}" "$py" \
                 benchmarks/train_memory.py --seq-len 131072 --stages sparse
             ;;
         training-64k)
