@@ -93,7 +93,8 @@ def _check(q, store, table, idx, *, v_dim, config, sm_scale=0.08, slot=1):
 @pytest.mark.parametrize("H,config", [
     (8, gm.SparseMLAMosaicConfig(num_splits=1)),                               # 8 heads padded to 64, 2 blocks
     (64, gm.SparseMLAMosaicConfig(num_splits=2, stages=3, buffers=2)),         # f32 partials merged in XLA
-], ids=["h8-one-split", "h64-two-splits"])
+    (8, gm.SparseMLAMosaicConfig(num_splits=1, stage_layout="chunks")),        # one TMA per row and chunk
+], ids=["h8-one-split", "h64-two-splits", "h8-stage-chunks"])
 def test_paged_sparse_mla_small(H, config):
     q, store, table, idx = _inputs(1, B=2, S=1, H=H, Dk=192, K=128)
     _check(q, store, table, idx, v_dim=128, config=config)
@@ -130,6 +131,8 @@ def test_config_is_checked():
         gm.SparseMLAMosaicConfig(block_k=32)
     with pytest.raises(ValueError, match="positive int"):
         gm.SparseMLAMosaicConfig(stages=0)
+    with pytest.raises(ValueError, match="stage_layout"):
+        gm.SparseMLAMosaicConfig(stage_layout="cols")
     q, store, table, idx = _inputs(4, B=1, S=1, H=64, Dk=576, K=64)
     with pytest.raises(ValueError, match="shared memory"):
         gm.paged_sparse_mla(q, store, table, idx, slot=1, sm_scale=0.1, v_dim=512,

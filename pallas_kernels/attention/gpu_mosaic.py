@@ -7,7 +7,9 @@ its output differs from the reference (largest error 1.4 on outputs of size ~1, 
 to 0.5, with distinct indices) where the Triton kernel's is within 0.004. Interpret mode
 ignores register layouts and barrier phases, so the fault is in one of those (the staging ->
 tiled copy's layout is the first suspect). `benchmarks/sparse_mla.py --paged-only` times it
-beside the Triton kernel and prints its largest difference from it.
+beside the Triton kernel and prints its largest difference from it; `benchmarks/
+mosaic_paged_probe.py` checks the data path step by step (row gather, staging -> tiled copy,
+wgmma, the whole kernel) with the alternatives (`SparseMLAMosaicConfig.stage_layout`).
 
 The Triton kernel of `gpu.py` gathers the selected latent rows with pointer loads; Mosaic GPU
 moves data with TMA. The TMA row gather (gather4) only exists on Blackwell, so on Hopper every
@@ -95,6 +97,8 @@ SMEM_LIMIT = 227 * 1024
 SMEM_OVERHEAD = 3 * 1024
 #: Blocks the K splits aim for (one wave of an H100/H200's 132 SMs: one block per SM fits).
 TARGET_BLOCKS = 132
+#: Staging slot layouts (`SparseMLAMosaicConfig.stage_layout`).
+STAGE_LAYOUTS = ("rows", "chunks")
 #: Registers a thread of the compute / producer warpgroups asks for (setmaxnreg): 2 x 128 x
 #: 224 + 128 x 56 = 64512 <= 65536.
 COMPUTE_REGISTERS = 224
@@ -124,6 +128,11 @@ class SparseMLAMosaicConfig:
       refills a slot as soon as it has moved it to the tiled block.
     buffers: tiled blocks of block_k rows (the matmul operands); 2 lets the producer fill
       block j + 1 while block j is multiplied.
+    stage_layout: the staging slot's layout (a diagnostic knob while the kernel is wrong on
+      hardware; `benchmarks/mosaic_paged_probe.py` compares them): "rows" [STAGE_ROWS, Dk / 64,
+      64], one [Dk / 64, 64] TMA a row, each [32, 64] column chunk a strided view (rows 2 Dk
+      bytes apart); "chunks" [Dk / 64, STAGE_ROWS, 64], one 128-byte TMA per row and chunk (Dk /
+      64 times the TMAs), each [32, 64] chunk contiguous.
     Shared memory (`smem_bytes`: q, the staging slots, the tiled blocks, the split's row ids)
     must fit in SMEM_LIMIT; checked when the shapes are known. At Dk = 576 the defaults use
     216 KiB + the ids (4 bytes a row of a split)."""
@@ -132,9 +141,13 @@ class SparseMLAMosaicConfig:
     num_splits: int | None = None
     stages: int = 2
     buffers: int = 1
+    stage_layout: str = "rows"
 
     def __post_init__(self):
         check_positive_fields(self)
+        if self.stage_layout not in STAGE_LAYOUTS:
+            raise ValueError(f"SparseMLAMosaicConfig.stage_layout must be one of {STAGE_LAYOUTS}, "
+                             f"got {self.stage_layout!r}")
         if self.block_k % 64 or self.block_k > 256:
             raise ValueError(f"SparseMLAMosaicConfig.block_k must be a multiple of 64 and at most 256, "
                              f"got {self.block_k}")
@@ -211,7 +224,7 @@ def _pv(acc, p, v_ref, p_ref):
 
 
 def _kernel(q_ref, kv_ref, ids_ref, out_ref, lse_ref, smem, bars, *, sm_scale, block_k, blocks, stages, buffers,
-            chunks, v_half):
+            chunks, v_half, stage_layout="rows"):
     """One block of 3 warpgroups (module docstring). q_ref [R, Hp, Dk]; kv_ref [rows, Dk / 64,
     64]; ids_ref int32 [R, splits * blocks, bk]; out_ref [R, splits, Hp, v]; lse_ref f32 [R,
     splits, Hp]."""
@@ -244,7 +257,12 @@ def _kernel(q_ref, kv_ref, ids_ref, out_ref, lse_ref, smem, bars, *, sm_scale, b
             def _row(i):
                 rid = ids_smem[j, r0 + i]
                 rid = jnp.where(rid >= 0, rid, ~rid)
-                plgpu.copy_gmem_to_smem(kv_ref.at[rid], stage.at[s, i], stage_bar.at[s])
+                if stage_layout == "rows":
+                    plgpu.copy_gmem_to_smem(kv_ref.at[rid], stage.at[s, i], stage_bar.at[s])
+                else:                                        # one 128-byte TMA per chunk
+                    for c in range(chunks):
+                        plgpu.copy_gmem_to_smem(kv_ref.at[rid, pl.ds(c, 1)], stage.at[s, c, pl.ds(i, 1)],
+                                                 stage_bar.at[s])
 
         for g in range(min(stages, granules)):
             issue(jnp.int32(g))
@@ -265,7 +283,8 @@ def _kernel(q_ref, kv_ref, ids_ref, out_ref, lse_ref, smem, bars, *, sm_scale, b
                 plgpu.barrier_wait(free_bar.at[t])          # block j - buffers multiplied
 
             for c in range(chunks):
-                part = plgpu.load(stage.at[s, :, c, :], layout=copy_layout)      # [32, 64]
+                src = stage.at[s, :, c, :] if stage_layout == "rows" else stage.at[s, c]
+                part = plgpu.load(src, layout=copy_layout)                      # [32, 64]
                 tiled.at[t, pl.ds(k * STAGE_ROWS, STAGE_ROWS), pl.ds(c * CHUNK, CHUNK)][...] = part
 
             @pl.when(g + stages < granules)
@@ -328,7 +347,7 @@ def _kernel(q_ref, kv_ref, ids_ref, out_ref, lse_ref, smem, bars, *, sm_scale, b
             plgpu.wait_smem_to_gmem(0)
 
 
-def _forward(q, kv, ids, *, sm_scale, v_dim, block_k, splits, stages, buffers, interpret):
+def _forward(q, kv, ids, *, sm_scale, v_dim, block_k, splits, stages, buffers, interpret, stage_layout="rows"):
     """q [R, Hp, Dk] (Hp a multiple of 64); kv [rows, Dk] (the flattened store); ids int32
     [R, Kp] (Kp a multiple of block_k * splits) -> (out [R, splits, Hp, v] (q.dtype when one
     split, else f32), lse f32 [R, splits, Hp])."""
@@ -341,7 +360,7 @@ def _forward(q, kv, ids, *, sm_scale, v_dim, block_k, splits, stages, buffers, i
     tiling = plgpu.TilingTransform((8, CHUNK))
     swizzle = plgpu.SwizzleTransform(128)
     kernel = functools.partial(_kernel, sm_scale=sm_scale, block_k=block_k, blocks=blocks, stages=stages,
-                               buffers=buffers, chunks=chunks, v_half=v_dim // 2)
+                               buffers=buffers, chunks=chunks, v_half=v_dim // 2, stage_layout=stage_layout)
     # interpret mode: a P buffer per compute warpgroup (`_pv`)
     p_scratch = [] if interpret is False else [
         plgpu.SMEM((2, HEAD_TILE, block_k), dtype, transforms=(tiling, swizzle))]
@@ -351,14 +370,15 @@ def _forward(q, kv, ids, *, sm_scale, v_dim, block_k, splits, stages, buffers, i
         pl.run_scoped(
             lambda *refs: kernel(q_ref, kv_ref, ids_ref, out_ref, lse_ref, refs[:nsmem], refs[nsmem:]),
             plgpu.SMEM((HEAD_TILE, dk), dtype, transforms=(tiling, swizzle)),
-            plgpu.SMEM((stages, STAGE_ROWS, chunks, CHUNK), dtype),
+            plgpu.SMEM((stages, STAGE_ROWS, chunks, CHUNK) if stage_layout == "rows"
+                       else (stages, chunks, STAGE_ROWS, CHUNK), dtype),
             plgpu.SMEM((buffers, block_k, dk), dtype, transforms=(tiling, swizzle)),
             plgpu.SMEM((blocks, block_k), jnp.int32),
             plgpu.SMEM((HEAD_TILE,), jnp.float32),
             *p_scratch,
             plgpu.Barrier(),
             plgpu.Barrier(),
-            plgpu.Barrier(num_arrivals=STAGE_ROWS, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=STAGE_ROWS * (1 if stage_layout == "rows" else chunks), num_barriers=stages),
             plgpu.Barrier(num_barriers=buffers),
             plgpu.Barrier(num_arrivals=2, num_barriers=buffers),
             collective_axes="wg",
@@ -429,7 +449,7 @@ def paged_sparse_mla(q: jax.Array, kv_pages: jax.Array, page_table: jax.Array, i
         qf = jnp.pad(qf, ((0, 0), (0, hp - heads), (0, 0)))
     out, lse = _forward(qf, kv_pages.reshape(slots * pages * page_size, dk), ids, sm_scale=float(sm_scale),
                         v_dim=int(v_dim), block_k=bk, splits=splits, stages=c.stages, buffers=c.buffers,
-                        interpret=plgpu.InterpretGPUParams() if interpret else False)
+                        stage_layout=c.stage_layout, interpret=plgpu.InterpretGPUParams() if interpret else False)
     out, lse = out[:, :, :heads], lse[:, :, :heads]
     if splits > 1:
         lse_all = lse
