@@ -15,7 +15,8 @@
 #                 4 layers): the 128K memory plan, a sparse and a dense
 #                 train step at 64K
 # training-glm52-128k  the same steps at 128K                                  6-9 min
-# kernels         paged sparse MLA and paged indexer top-k decode against     2-4 min
+# kernels         the Mosaic GPU paged kernel's data path step by step;       4-6 min
+#                 paged sparse MLA and paged indexer top-k decode against
 #                 the gather path, beside the copy bandwidth
 # prefill         one 200K-token prompt, IndexShare against all Full          2-4 min
 # serving         host time per engine step (16K context, 12,000 tokens);    6-8 min
@@ -272,6 +273,8 @@ for group in "${groups[@]}"; do
                 --stages sparse dense --sparse-impls pallas_gpu --json "$stage/train_long_128k.json"
             ;;
         kernels)
+            # where the Mosaic GPU paged kernel goes wrong: its data path step by step
+            run mosaic_paged_probe 150 "--interpret" "$py" benchmarks/mosaic_paged_probe.py
             run sparse_mla_paged 240 "--smoke" "$py" benchmarks/sparse_mla.py --paged-only \
                 --json "$stage/sparse_mla_paged.json"
             run indexer_topk_paged 240 "--smoke" "$py" benchmarks/indexer_topk.py --paged-only \

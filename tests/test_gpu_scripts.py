@@ -92,14 +92,15 @@ def test_a_failing_benchmark_does_not_stop_the_next_and_fails_the_run(tmp_path):
     result = run_script("gpu_benchmarks.sh", [str(out), "kernels"], tmp_path, stub(tmp_path, BENCH_STUB))
     assert result.returncode == 1 and "1 benchmark(s) failed" in result.stderr
     benchmarks = [c for c in calls(tmp_path) if "benchmarks/" in c]
-    assert len(benchmarks) == 2 and all(c.startswith("JAX_PLATFORMS=cuda ") for c in benchmarks)
+    assert len(benchmarks) == 3 and all(c.startswith("JAX_PLATFORMS=cuda ") for c in benchmarks)
     assert [p.name for p in out.iterdir()] == ["gpu_benchmarks-kernels.tar.gz"]
     files = archive_members(out / "gpu_benchmarks-kernels.tar.gz")
-    assert {"environment.txt", "summary.txt", "sparse_mla_paged.txt", "indexer_topk_paged.txt",
-            "indexer_topk_paged.json"} <= set(files)
+    assert {"environment.txt", "summary.txt", "mosaic_paged_probe.txt", "sparse_mla_paged.txt",
+            "indexer_topk_paged.txt", "indexer_topk_paged.json"} <= set(files)
     assert "sparse_mla broke" in files["sparse_mla_paged.txt"]
-    summary = files["summary.txt"].splitlines()
-    assert "failed (exit 3)" in summary[0] and summary[1].split()[:2] == ["indexer_topk_paged", "ok"]
+    summary = [line.split()[:2] for line in files["summary.txt"].splitlines()]
+    assert summary[0] == ["mosaic_paged_probe", "ok"] and summary[1] == ["sparse_mla_paged", "failed"]
+    assert summary[2] == ["indexer_topk_paged", "ok"]
 
 
 def test_smoke_appends_each_benchmarks_small_flags_on_the_cpu(tmp_path):
@@ -120,10 +121,10 @@ def test_the_budget_times_out_a_hanging_benchmark_and_skips_the_rest(tmp_path):
     result = run_script("gpu_benchmarks.sh", ["--budget", "13", str(out), "prefill", "kernels"], tmp_path,
                         stub(tmp_path, BENCH_STUB))
     assert time.perf_counter() - t < 20
-    assert result.returncode == 1 and "3 benchmark(s) failed" in result.stderr
+    assert result.returncode == 1 and "4 benchmark(s) failed" in result.stderr
     summary = archive_members(out / "gpu_benchmarks-prefill_kernels.tar.gz")["summary.txt"]
     assert "long_prefill_200k" in summary and "timed out" in summary
-    assert summary.count("skipped (no time left)") == 2
+    assert summary.count("skipped (no time left)") == 3
     assert not any("sparse_mla.py" in c for c in calls(tmp_path))
 
 
