@@ -102,6 +102,18 @@ def _barriers(rows, chunks, stages, stage_layout):
             plgpu.Barrier(num_arrivals=rows * (1 if stage_layout == "rows" else chunks), num_barriers=stages))
 
 
+def _start(kv_ref, ids_ref, ids_smem, ids_bar, stage, stage_bar, *, granules, stages, rows, chunks,
+           stage_layout):
+    """The row ids to shared memory, the first `stages` granules' TMAs issued -> issue(g)."""
+    plgpu.copy_gmem_to_smem(ids_ref, ids_smem, ids_bar)
+    plgpu.barrier_wait(ids_bar)
+    issue = functools.partial(_issue, kv_ref, ids_smem, stage, stage_bar, stages=stages, rows=rows, chunks=chunks,
+                              stage_layout=stage_layout)
+    for g in range(min(stages, granules)):
+        issue(jnp.int32(g))
+    return issue
+
+
 # ---------------------------------------------------------------------------------------------
 # Step 1: per-row TMA gather -> staging -> GMEM
 # ---------------------------------------------------------------------------------------------
@@ -113,12 +125,8 @@ def gather(kv3, ids, *, granules, stages, stage_layout, interpret):
     slot = _stage_shape(stage_layout, 1, R, chunks)[1:]
 
     def body(kv_ref, ids_ref, out_ref, stage, ids_smem, ids_bar, stage_bar):
-        plgpu.copy_gmem_to_smem(ids_ref, ids_smem, ids_bar)
-        plgpu.barrier_wait(ids_bar)
-        issue = functools.partial(_issue, kv_ref, ids_smem, stage, stage_bar, stages=stages, rows=R,
-                                  chunks=chunks, stage_layout=stage_layout)
-        for g in range(min(stages, granules)):
-            issue(jnp.int32(g))
+        issue = _start(kv_ref, ids_ref, ids_smem, ids_bar, stage, stage_bar, granules=granules, stages=stages,
+                       rows=R, chunks=chunks, stage_layout=stage_layout)
 
         @pl.loop(0, granules)
         def _g(g):
@@ -148,12 +156,8 @@ def gather_tiled(kv3, ids, *, block_k, granules, stages, stage_layout, layout, r
     blocks = granules // per_block
 
     def body(kv_ref, ids_ref, out_ref, stage, tiled, ids_smem, ids_bar, stage_bar):
-        plgpu.copy_gmem_to_smem(ids_ref, ids_smem, ids_bar)
-        plgpu.barrier_wait(ids_bar)
-        issue = functools.partial(_issue, kv_ref, ids_smem, stage, stage_bar, stages=stages, rows=rows,
-                                  chunks=chunks, stage_layout=stage_layout)
-        for g in range(min(stages, granules)):
-            issue(jnp.int32(g))
+        issue = _start(kv_ref, ids_ref, ids_smem, ids_bar, stage, stage_bar, granules=granules, stages=stages,
+                       rows=rows, chunks=chunks, stage_layout=stage_layout)
 
         @pl.loop(0, granules)
         def _g(g):
