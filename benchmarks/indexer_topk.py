@@ -8,7 +8,8 @@ exactness check of the Pallas top-k against the reference on integer-valued inpu
 scores, many ties); selection alone over given float32 scores [64, T]; decode (64 sequences x
 1 query, 32 heads x 128, bf16 keys) at several contexts, with bandwidth on the key bytes; and
 prefill scoring and top-k (4K and 8K queries at the end of a 128K context) with the FLOP rate
-of the causal scores. The baseline is what one writes without the kernels: the `xla` scores
+of the causal scores, and on a GPU the fused top-k (`IndexerGpuConfig(fused=True)`: no scores
+array; its count and compaction kernels compute their scores) against the scores' matmul limit. The baseline is what one writes without the kernels: the `xla` scores
 followed by `jax.lax.top_k`. Paged decode: the same decode over keys in a store of 64-row pages
 in shuffled order, `paged_indexer_topk` (the kernel reads the keys through the page table)
 against the path it replaces (the pages gathered into a contiguous copy, then the Pallas
@@ -150,8 +151,10 @@ def main():
     rows += paged_decode(impl, interpret, bw, contexts, batch, topk, page)
 
     T = 4096 if args.smoke else 131072
-    print(f"\n| prefill, {T} keys | scores ms | TFLOP/s | % of matmul | top-k ms | baseline ms | speedup |")
-    print("|---|---|---|---|---|---|---|")
+    fused = impl == "pallas_gpu"
+    print(f"\n| prefill, {T} keys | scores ms | TFLOP/s | % of matmul | top-k ms | baseline ms | speedup | "
+          f"fused top-k ms | matmul limit ms | fused / limit |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for S in ([256] if args.smoke else args.prefill_queries):
         q, k, w, q_pos, kv_len = decode_inputs(jax.random.key(3), 1, S, T)
         flops = 2 * H * D * float(jnp.sum(q_pos + 1))
@@ -163,9 +166,19 @@ def main():
         ours = bench(ours_fn, q, k, w, q_pos, kv_len, reps=3)
         base = bench(jax.jit(functools.partial(baseline_topk, topk=topk)), q, k, w, q_pos, kv_len, reps=3)
         rate = flops / t_scores
+        t_fused = float("nan")
+        if fused:
+            fused_fn = jax.jit(lambda q, k, w, p, n: pk.indexer_topk(
+                q, k, w, topk=topk, q_pos=p, kv_len=n, impl=impl, config=pk.IndexerGpuConfig(fused=True),
+                interpret=interpret))
+            t_fused = bench(fused_fn, q, k, w, q_pos, kv_len, reps=3)
+            same = bool(jnp.all(fused_fn(q, k, w, q_pos, kv_len) == ours_fn(q, k, w, q_pos, kv_len)))
         print(f"| {S} queries | {t_scores * 1e3:.2f} | {rate / 1e12:.0f} | {100 * rate / mm:.0f}% | "
-              f"{ours * 1e3:.2f} | {base * 1e3:.2f} | {base / ours:.1f}x |", flush=True)
-        rows.append(dict(kind="prefill", S=S, T=T, scores_s=t_scores, ours_s=ours, baseline_s=base))
+              f"{ours * 1e3:.2f} | {base * 1e3:.2f} | {base / ours:.1f}x | {t_fused * 1e3:.2f}"
+              f"{'' if not fused or same else ' (differs from the top-k!)'} | {flops / mm * 1e3:.2f} | "
+              f"{t_fused / (flops / mm):.1f}x |", flush=True)
+        rows.append(dict(kind="prefill", S=S, T=T, scores_s=t_scores, ours_s=ours, baseline_s=base, fused_s=t_fused,
+                         matmul_limit_s=flops / mm))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(copy_bytes_per_s=bw, matmul_flops=mm, exact=ok, rows=rows), f, indent=1)

@@ -120,7 +120,14 @@ def main() -> None:
     side_bytes = pairs * (INDEX_DIM * BF16 + 4 + F32) + s * INDEX_HEADS * (INDEX_DIM * BF16 + F32)
     # backward: gather again (+ index, target, place), write a key gradient and read it back
     side_bwd_bytes = pairs * (3 * INDEX_DIM * BF16 + 12) + 2 * s * INDEX_HEADS * (INDEX_DIM * BF16 + F32)
-    parts = [("indexer top-k", topk, (idx_q, idx_k, idx_w), index_fwd, s * s / 2 * INDEX_DIM * BF16)]
+    def fused_topk(a, b, c):
+        return pallas_kernels.indexer_topk(a, b, c, topk=TOPK, q_pos=positions, kv_len=kv_len, impl="pallas_gpu",
+                                           config=pallas_kernels.IndexerGpuConfig(fused=True),
+                                           interpret=args.smoke)
+
+    parts = [("indexer top-k", topk, (idx_q, idx_k, idx_w), index_fwd, s * s / 2 * INDEX_DIM * BF16),
+             ("indexer top-k, fused (no scores array)", fused_topk, (idx_q, idx_k, idx_w), index_fwd,
+              s * s / 2 * INDEX_DIM * BF16)]
     for impl in args.impls if args.only != "kl" else ():
         parts += [(f"sparse MLA ({impl}) forward", lambda q, kv, idx, impl=impl: attend(impl)(q, kv, idx)[0],
                    (q, kv, indices), attn_fwd, attn_bytes),

@@ -127,3 +127,63 @@ def test_gpu_indexer_lowers_to_triton_for_h200():
             lowering_platforms=("cuda",)).as_text()
     # scores, the first counting pass, the counting pass in the loop, the compaction
     assert text.count("xla.gpu.triton") == 4
+
+
+@pytest.mark.parametrize("mode", ["prefill", "offset", "random"])
+def test_gpu_fused_topk_without_a_scores_array(mode):
+    """The prefill top-k with `IndexerGpuConfig(fused=True)` (count and compaction kernels that
+    compute their own scores) equals the brute force on integer inputs (many exact ties, decided
+    by position), for causal, offset and random query positions, packed segments (kv_start), a
+    top-k above the visible keys and query chunks."""
+    from kernel_contract import positions
+
+    rng = np.random.default_rng(zlib.crc32(mode.encode()))
+    B, S, T, H, D = 2, 24, 200, 4, 16
+    q, k, w = int_inputs(rng, B, S, T, H, D, dtype=jnp.bfloat16)
+    q_pos, kv_len = positions(rng, B, S, T, mode)
+    starts = jnp.asarray(np.where(rng.random((B, S)) < 0.5, 0, rng.integers(0, 40, (B, S))), jnp.int32)
+    for topk, config in [(12, pk.IndexerGpuConfig(fused=True)),
+                         (300, pk.IndexerGpuConfig(fused=True, q_chunk=8, tiles_per_program=2))]:
+        check_topk("pallas_gpu", q, k, w, topk=topk, q_pos=q_pos, kv_len=kv_len, kv_start=starts, config=config)
+
+
+def test_fused_rows_passes_equal_the_scores_arrays():
+    """Each pass of `gpu.FusedRows` equals the same pass over the scores kernel's array."""
+    rng = np.random.default_rng(11)
+    q, k, w = int_inputs(rng, 1, 16, 150, 4, 16, dtype=jnp.bfloat16)
+    q_pos = jnp.asarray(np.arange(16)[None] * 9, jnp.int32)
+    kv_len = jnp.asarray([140], jnp.int32)
+    config = gpu._whole_tiling(pk.IndexerGpuConfig(tiles_per_program=1), q.shape)
+    src = gpu.FusedRows.of(q, k, w, q_pos=q_pos, kv_len=kv_len, kv_start=None, config=config, interpret=True)
+    scores = gpu.scores(q, k, w, q_pos=q_pos, kv_len=kv_len, config=config, interpret=True).reshape(16, 150)
+    plain = threshold.ScoreRows(scores, functools.partial(threshold.count_xla, chunk=config.block_t),
+                                threshold.compact_xla)
+    assert src.rows == 16 and src.num_keys == 150
+    np.testing.assert_array_equal(np.asarray(src.sample(32, 2)), np.asarray(plain.sample(32, 2)))
+    edges = jnp.asarray(np.sort(rng.integers(-5, 60, (16, 8)), axis=1), jnp.float32)
+    counts = src.count(edges, jnp.ones((16,), bool))
+    np.testing.assert_array_equal(np.asarray(counts)[:, :3], np.asarray(plain.count(edges, jnp.ones((16,), bool))))
+    lo, hi = edges[:, 2], edges[:, 5]
+    per_chunk = lambda e: np.asarray(src.count(e[:, None], jnp.ones((16,), bool)))[..., 0]  # noqa: E731
+    n_hi, n_lo = per_chunk(hi), per_chunk(lo)
+    above = np.cumsum(n_hi, axis=1) - n_hi
+    between = n_hi.sum(1, keepdims=True) + np.cumsum(n_lo - n_hi, axis=1) - (n_lo - n_hi)
+    got = src.compact(lo, hi, jnp.asarray(above), jnp.asarray(between), 40)
+    want = plain.compact(lo, hi, jnp.asarray(above), jnp.asarray(between), 40)
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+    filled = np.asarray(got[0]) >= 0
+    np.testing.assert_array_equal(np.asarray(got[1])[filled], np.asarray(want[1])[filled])
+
+
+def test_gpu_fused_topk_lowers_to_triton_for_h200():
+    """The fused prefill top-k's kernels lower to Triton for an H200 (no GPU needed): the first
+    counting pass, the counting pass in the refinement loop and the compaction, and no scores
+    kernel."""
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=jax.sharding.AbstractDevice(
+        device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
+    fn = lambda q, k, w, p, n: gpu.indexer_topk(q, k, w, topk=2048, q_pos=p, kv_len=n,  # noqa: E731
+                                                config=pk.IndexerGpuConfig(fused=True))
+    with jax.sharding.use_abstract_mesh(mesh):
+        text = jax.jit(fn).trace(*_abstract_args(1, 1024, 8192)).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("xla.gpu.triton") == 3
+    assert "indexer_fused_count" in text and "indexer_fused_compact" in text and "indexer_scores" not in text

@@ -23,13 +23,17 @@ The scores of one row (one query) are viewed through an order-preserving map to 
 
 The counting and compaction passes are pluggable (`count_fn`, `compact_fn`): the Pallas
 implementations of each backend supply kernels, and the plain-jnp versions here define them.
+`select_topk` runs over a scores array; `select_topk_from` over any `RowSource`, which need not
+hold the scores at all: the GPU's fused source recomputes each pass's scores from the queries
+and keys inside its count and compact kernels (no [S, T] scores in memory).
 Scores of masked keys are -inf. All comparisons are float comparisons, so -0.0 and +0.0 are
 the same score (as in the reference).
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import dataclasses
+from typing import Callable, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -127,6 +131,57 @@ def compact_xla(scores: jax.Array, lo: jax.Array, hi: jax.Array, above_offset: j
     return jnp.where(filled, pos, -1).astype(jnp.int32)
 
 
+class RowSource(Protocol):
+    """The rows a threshold selection runs over: R rows of num_keys scores each (-inf = masked),
+    seen only through these passes.
+
+    count(edges f32 [R, E], active bool [R]) -> int32 [R, C, E]: per chunk, scores >= each edge.
+    compact(lo f32 [R], hi f32 [R], above_offset int32 [R, C], between_offset int32 [R, C], cap)
+        -> (positions int32 [R, cap], -1 where empty; their scores f32 [R, cap]).
+    sample(tile, stride) -> f32 [R, n]: the scores of keys [j tile, (j + 1) tile) for every
+        stride-th j (-inf past num_keys)."""
+
+    rows: int
+    num_keys: int
+
+    def count(self, edges: jax.Array, active: jax.Array) -> jax.Array: ...
+
+    def compact(self, lo: jax.Array, hi: jax.Array, above_offset: jax.Array, between_offset: jax.Array,
+                cap: int) -> tuple[jax.Array, jax.Array]: ...
+
+    def sample(self, tile: int, stride: int) -> jax.Array: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoreRows:
+    """A `RowSource` over a scores array f32 [R, T] and a backend's count / compact passes."""
+
+    scores: jax.Array
+    count_fn: CountFn
+    compact_fn: CompactFn
+
+    @property
+    def rows(self) -> int:
+        return self.scores.shape[0]
+
+    @property
+    def num_keys(self) -> int:
+        return self.scores.shape[1]
+
+    def count(self, edges, active):
+        return self.count_fn(self.scores, edges, active)
+
+    def compact(self, lo, hi, above_offset, between_offset, cap):
+        cand = self.compact_fn(self.scores, lo, hi, above_offset, between_offset, cap)
+        return cand, jnp.take_along_axis(self.scores, jnp.maximum(cand, 0), axis=1)
+
+    def sample(self, tile, stride):
+        rows, num_keys = self.scores.shape
+        n_tiles = chunk_count(num_keys, tile)
+        padded = jnp.pad(self.scores, ((0, 0), (0, n_tiles * tile - num_keys)), constant_values=-jnp.inf)
+        return padded.reshape(rows, n_tiles, tile)[:, ::stride].reshape(rows, -1)
+
+
 def _edges(lo: jax.Array, hi: jax.Array, num_edges: int) -> jax.Array:
     """uint32 [R] bracket -> uint32 [R, E]: lo, then (hi - lo) / E steps (>= 1), capped at hi."""
     span = hi - lo
@@ -140,7 +195,7 @@ def _exclusive_cumsum(x: jax.Array) -> jax.Array:
     return jnp.cumsum(x, axis=-1) - x
 
 
-def initial_edges(scores: jax.Array, k: int, num_edges: int, *, tile: int = 128,
+def initial_edges(src: RowSource, k: int, num_edges: int, *, tile: int = 128,
                   sample_rank: int = SAMPLE_RANK) -> jax.Array:
     """First-pass edges from a sample: uint32 [R, E], nondecreasing, edge 0 = MIN_VALID_KEY.
 
@@ -149,11 +204,9 @@ def initial_edges(scores: jax.Array, k: int, num_edges: int, *, tile: int = 128,
     E-1 sit at sample ranks from 2.5x down to 0.5x that, i.e. where about 2.5k .. 0.5k scores
     of the row are expected to be larger. Edge 0 covers every valid score, so the pass stays
     correct whatever the sample says; a poor sample only costs another pass."""
-    rows, num_keys = scores.shape
-    n_tiles = chunk_count(num_keys, tile)
-    stride = max(1, min(k // sample_rank, n_tiles))
-    padded = jnp.pad(scores, ((0, 0), (0, n_tiles * tile - num_keys)), constant_values=-jnp.inf)
-    sample = padded.reshape(rows, n_tiles, tile)[:, ::stride].reshape(rows, -1)
+    rows, num_keys = src.rows, src.num_keys
+    stride = max(1, min(k // sample_rank, chunk_count(num_keys, tile)))
+    sample = src.sample(tile, stride)
     expected = k * sample.shape[1] / max(num_keys, 1)          # rank of the k-th largest
     ranks = [expected * (2.5 - 2.0 * i / (num_edges - 2)) for i in range(num_edges - 1)]
     ranks = [min(max(int(r), 1), sample.shape[1]) for r in ranks]
@@ -171,13 +224,20 @@ def select_topk(scores: jax.Array, topk: int, *, count_fn: CountFn, compact_fn: 
 
     scores float32 [R, T] (-inf = masked) -> int32 [R, topk] ordered by descending
     score then ascending position, -1 in the trailing slots when fewer than topk are valid."""
-    rows, num_keys = scores.shape
+    return select_topk_from(ScoreRows(scores, count_fn, compact_fn), topk, cap=cap, num_edges=num_edges,
+                            sample_rank=sample_rank)
+
+
+def select_topk_from(src: RowSource, topk: int, *, cap: int | None = None, num_edges: int = NUM_EDGES,
+                     sample_rank: int = SAMPLE_RANK) -> jax.Array:
+    """`select_topk` over the rows of a `RowSource` -> int32 [R, topk]."""
+    rows, num_keys = src.rows, src.num_keys
     k = min(topk, num_keys)
     cap = int(cap or max(2 * k, 64))
 
     def refine(state, edges):
         lo, hi, lo_chunks, hi_chunks, done, passes = state
-        per_chunk = count_fn(scores, key_to_float(edges), ~done)          # [R, C, E]
+        per_chunk = src.count(key_to_float(edges), ~done)                 # [R, C, E]
         counts = per_chunk.sum(axis=1)                                    # [R, E], nonincreasing
         j = jnp.maximum(jnp.sum(counts >= k, axis=1) - 1, 0)              # highest edge reached by k
         has_next = j + 1 < num_edges
@@ -198,8 +258,8 @@ def select_topk(scores: jax.Array, topk: int, *, count_fn: CountFn, compact_fn: 
     # score reaches, so the "above" class starts empty.
     lo = jnp.full((rows,), MIN_VALID_KEY, jnp.uint32)
     hi = jnp.full((rows,), ABOVE_INF_KEY, jnp.uint32)
-    edges = initial_edges(scores, k, num_edges, sample_rank=sample_rank)
-    chunk_shape = jax.eval_shape(count_fn, scores, key_to_float(edges), jnp.ones((rows,), bool))
+    edges = initial_edges(src, k, num_edges, sample_rank=sample_rank)
+    chunk_shape = jax.eval_shape(src.count, key_to_float(edges), jnp.ones((rows,), bool))
     zeros = jnp.zeros(chunk_shape.shape[:2], jnp.int32)
     state = refine((lo, hi, zeros, zeros, jnp.zeros((rows,), bool), jnp.int32(0)), edges)
     state = lax.while_loop(lambda s: ~jnp.all(s[4]) & (s[5] < MAX_PASSES),
@@ -209,10 +269,10 @@ def select_topk(scores: jax.Array, topk: int, *, count_fn: CountFn, compact_fn: 
     above_offset = _exclusive_cumsum(hi_chunks)
     between_chunks = lo_chunks - hi_chunks
     between_offset = hi_chunks.sum(axis=1, keepdims=True) + _exclusive_cumsum(between_chunks)
-    cand = compact_fn(scores, key_to_float(lo), key_to_float(hi), above_offset, between_offset, cap)
+    cand, cand_scores = src.compact(key_to_float(lo), key_to_float(hi), above_offset, between_offset, cap)
 
     valid = cand >= 0
-    cand_scores = normalize_zero(jnp.take_along_axis(scores, jnp.maximum(cand, 0), axis=1))
+    cand_scores = normalize_zero(cand_scores)
     neg = jnp.where(valid, -cand_scores, jnp.inf)
     t_key = jnp.where(valid, cand, _INT32_MAX)
     _, t_sorted = lax.sort((neg, t_key), dimension=1, num_keys=2)
