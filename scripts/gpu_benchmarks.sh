@@ -26,6 +26,9 @@
 # host            host time per decode step with and without CUDA graphs,    4-6 min
 #                 small-128k and serving_load.py's model (16K, 3,000 tokens)
 # serving-128k    the same load benchmark at 128K                             6-9 min
+# layer-split     on two GPUs: LayerSplit decode (layer=2) against one GPU    4-8 min
+#                 at 128K and 256K, tokens compared; layer-split-1m: at 1M,
+#                 the split run traced (profile/)                              6-10 min
 # serving-full    the load benchmark at 32K with every layer Full             5-8 min
 # serving-1m      the load benchmark at 1M, IndexShare only                   4-10 min
 # serving-1m-full the same with every layer Full                              6-18 min
@@ -92,7 +95,7 @@ expand() {
         serving-all) echo serving serving-128k serving-full serving-1m serving-1m-full ;;
         train-parts|train-steps|train-steps-trained|train-steps-expanded|train-loop) echo "$1" ;;
         mtp-ablation|speculative|speculative-context) echo "$1" ;;
-        training-parts|training-memory|training-64k|training-128k|training-glm52-64k|training-glm52-128k|kernels|prefill|serving|host|serving-128k|serving-full|serving-1m|serving-1m-full)
+        training-parts|training-memory|training-64k|training-128k|training-glm52-64k|training-glm52-128k|kernels|prefill|serving|host|layer-split|layer-split-1m|serving-128k|serving-full|serving-1m|serving-1m-full)
             echo "$1" ;;
         *) return 1 ;;
     esac
@@ -300,6 +303,15 @@ for group in "${groups[@]}"; do
                         benchmarks/engine_steps.py --config "$model" --max-context 16384 --new-tokens 3000 $graphs
                 done
             done
+            ;;
+        layer-split)
+            # two GPUs (a two-GPU machine): LayerSplit decode against one GPU, tokens compared
+            run layer_split_decode 540 "--smoke" "$py" benchmarks/layer_split_decode.py --contexts 131072 262144 \
+                --json "$stage/layer_split_decode.json"
+            ;;
+        layer-split-1m)
+            run layer_split_decode_1m 540 "--smoke" "$py" benchmarks/layer_split_decode.py --contexts 1048576 \
+                --profile "$stage/profile" --json "$stage/layer_split_decode_1m.json"
             ;;
         serving-128k)
             run serving_load_128k 540 "--smoke --contexts 256" "$py" benchmarks/serving_load.py --contexts 131072 --sweep \
