@@ -17,6 +17,8 @@ pool:
 * static waves (the baseline, the engine before continuous batching): take up to `slots`
   waiting requests that fit the pool with prompt + new tokens up front, prefill them together,
   decode one blocking step at a time until all of them finish; arrivals wait for the next wave;
+* with `--mesh SPEC` (e.g. `layer=2`), the continuous servers on that device mesh (static waves
+  are left out: compare with a run without --mesh);
 * with `--step-token-budget N [N ...]`, also "continuous, budget N" for each N: the continuous
   engine with at most N tokens per step while requests decode
   (`ServingEngine(step_token_budget=N)`), to compare its ITL p99 and TTFT with the row of the
@@ -363,6 +365,8 @@ def main() -> None:
     ap.add_argument("--slo-tpot-ms", type=float, default=100.0, help="goodput: mean time per output token objective")
     ap.add_argument("--ceiling-points", type=int, default=None,
                     help="prompt lengths timed alone for the device ceiling (default 8; smoke 3; 0: no device ceiling)")
+    ap.add_argument("--mesh", default=None, metavar="SPEC",
+                    help="serve on a device mesh (e.g. layer=2: the cache split by layers), continuous servers only")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", required=True, help="write the rows here (JSON)")
     args = ap.parse_args()
@@ -387,6 +391,9 @@ def main() -> None:
     from benchmarks.long_context import PATTERNS, model_config
     from glm_jax.decoding.engine import ServingEngine, budget_chunk
     from glm_jax.model import GLMModel
+    from glm_jax.sharding import make_mesh
+
+    mesh = None if args.mesh is None else make_mesh(args.mesh)
 
     budgets = []
     for n in args.step_token_budget:
@@ -426,10 +433,13 @@ def main() -> None:
             # Compiles every program: the second request prefills while the first decodes (budget's chunk).
             warm = [dataclasses.replace(arrivals[0], at=0.0, new_tokens=2),
                     dataclasses.replace(arrivals[0], at=0.0, prompt=arrivals[0].prompt[:8], new_tokens=2)]
-            servers = [("continuous", ServingEngine, run_continuous), ("static waves", WaveServer, run_waves)]
-            for i, n in enumerate(args.step_token_budget):
-                budgeted = functools.partial(ServingEngine, step_token_budget=n)
-                servers.insert(1 + i, (f"continuous, budget {n}", budgeted, run_continuous))
+            engine = ServingEngine if mesh is None else functools.partial(ServingEngine, mesh=mesh)
+            where = "" if mesh is None else f" ({args.mesh})"
+            servers = [(f"continuous{where}", engine, run_continuous)]
+            servers += [(f"continuous, budget {n}{where}", functools.partial(engine, step_token_budget=n),
+                         run_continuous) for n in args.step_token_budget]
+            if mesh is None:                          # the baseline, on one device
+                servers.append(("static waves", WaveServer, run_waves))
             for name, build, run in servers:         # one at a time: one pool in device memory
                 try:
                     server = build(model, **shape)

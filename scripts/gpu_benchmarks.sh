@@ -29,6 +29,8 @@
 # layer-split     on two GPUs: LayerSplit decode (layer=2) against one GPU    4-8 min
 #                 at 128K and 256K, tokens compared; layer-split-1m: at 1M,
 #                 the split run traced (profile/)                              6-10 min
+# layer-split-serving  on two GPUs: the load benchmark at 128K, cache split    5-9 min
+#                 by layers (against serving-128k's one-GPU rows)
 # serving-full    the load benchmark at 32K with every layer Full             5-8 min
 # serving-1m      the load benchmark at 1M, IndexShare only                   4-10 min
 # serving-1m-full the same with every layer Full                              6-18 min
@@ -95,7 +97,7 @@ expand() {
         serving-all) echo serving serving-128k serving-full serving-1m serving-1m-full ;;
         train-parts|train-steps|train-steps-trained|train-steps-expanded|train-loop) echo "$1" ;;
         mtp-ablation|speculative|speculative-context) echo "$1" ;;
-        training-parts|training-memory|training-64k|training-128k|training-glm52-64k|training-glm52-128k|kernels|prefill|serving|host|layer-split|layer-split-1m|serving-128k|serving-full|serving-1m|serving-1m-full)
+        training-parts|training-memory|training-64k|training-128k|training-glm52-64k|training-glm52-128k|kernels|prefill|serving|host|layer-split|layer-split-1m|layer-split-serving|serving-128k|serving-full|serving-1m|serving-1m-full)
             echo "$1" ;;
         *) return 1 ;;
     esac
@@ -312,6 +314,12 @@ for group in "${groups[@]}"; do
         layer-split-1m)
             run layer_split_decode_1m 540 "--smoke" "$py" benchmarks/layer_split_decode.py --contexts 1048576 \
                 --profile "$stage/profile" --json "$stage/layer_split_decode_1m.json"
+            ;;
+        layer-split-serving)
+            # two GPUs: the load benchmark at 128K with the cache split by layers (one GPU: serving-128k)
+            run serving_load_128k_split 540 "--smoke --contexts 256" "$py" benchmarks/serving_load.py \
+                --contexts 131072 --sweep --max-rates 2 --patterns IndexShare --mesh layer=2 \
+                --out "$stage/serving_load_128k_split.json"
             ;;
         serving-128k)
             run serving_load_128k 540 "--smoke --contexts 256" "$py" benchmarks/serving_load.py --contexts 131072 --sweep \
