@@ -13,10 +13,12 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # and decode.py processes the tests start (they inherit the environment): a resumed or
 # re-sharded run compiles the programs of the run it is compared with, and recompiling them took
 # most of the suite's time. Entries are keyed by the program and the jax version, so a stale
-# cache is never wrong, only unused.
+# cache is never wrong, only unused. Only programs that took a second or more to compile are
+# written: those are what the repeated processes share, and serialising every small program
+# made thousands of writes (once, XLA aborted inside one: `executable.serialize()`).
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
                       str(Path(__file__).resolve().parents[1] / ".pytest_cache" / "jax-compilation"))
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "1")
 #: XLA flags of every test process: the CPU backend generates code at LLVM -O0. The tests spend
 #: their time compiling small programs, not running them, and every comparison is made within
 #: one setting.
