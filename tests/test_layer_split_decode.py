@@ -17,7 +17,7 @@ def test_layer_split_decode_smoke_equals_one_device(tmp_path):
            "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
     out = tmp_path / "rows.json"
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "layer_split_decode.py"), "--smoke",
-                           "--new-tokens", "48", "--json", str(out)], env=env, capture_output=True, text=True,
+                           "--new-tokens", "32", "--json", str(out)], env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     (row,) = json.loads(out.read_text())["rows"]
