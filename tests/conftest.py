@@ -28,7 +28,13 @@ os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import jax  # noqa: E402
 import pytest  # noqa: E402
+
+# The test workers themselves neither read nor write the cache (the processes they start do, by
+# the environment above): in three of five fresh-clone runs a worker crashed inside XLA's
+# `executable.serialize()` writing an entry, always late in its run.
+jax.config.update("jax_enable_compilation_cache", False)
 
 from glm_jax.config import GLMConfig, load_config  # noqa: E402
 

@@ -188,14 +188,9 @@ def test_two_programs_serve_every_mix_and_host_time_is_flat(model, compiles):
 
 def test_cuda_graph_options_only_on_a_gpu_and_when_asked():
     """The serving programs ask XLA for CUDA graphs (loops and conditionals included) on a GPU
-    only; the options are valid XLA options (an unknown value would fail this compile)."""
-    import jax
-    import jax.numpy as jnp
-
+    only."""
     from glm_jax.decoding.engine_programs import CUDA_GRAPH_OPTIONS, compiler_options
 
     assert compiler_options("gpu", True) == CUDA_GRAPH_OPTIONS
     assert compiler_options("gpu", False) == () and compiler_options("cpu", True) == ()
     assert "WHILE" in dict(CUDA_GRAPH_OPTIONS)["xla_gpu_enable_command_buffer"]
-    f = jax.jit(lambda x: x + 1, compiler_options=dict(CUDA_GRAPH_OPTIONS))
-    assert int(f(jnp.int32(1))) == 2
