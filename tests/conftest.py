@@ -45,15 +45,23 @@ def in_own_process(nodeid: str) -> bool:
     """True inside the process `nodeid` was started in by this function; else runs that one test
     in a fresh pytest process (asserting it passed) and returns False, for the caller to return.
     For tests whose compile crashed XLA late in a long-lived test worker but never alone."""
-    import subprocess
-
     if os.environ.get("GLM_TEST_OWN_PROCESS") == nodeid:
         return True
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", nodeid], cwd=ROOT,
-                          env={**os.environ, "GLM_TEST_OWN_PROCESS": nodeid}, capture_output=True, text=True,
-                          timeout=900)
-    assert proc.returncode == 0 and "1 passed" in proc.stdout, (proc.stdout + proc.stderr)[-3000:]
+    out = run_pytest(nodeid, GLM_TEST_OWN_PROCESS=nodeid)
+    assert "1 passed" in out, out[-3000:]
     return False
+
+
+def run_pytest(target: str, **env) -> str:
+    """Runs pytest on `target` (a file or a test id) in a fresh process with `env` added; asserts
+    it passed and returns its output."""
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", target], cwd=ROOT,
+                          env={**os.environ, **env}, capture_output=True, text=True, timeout=900)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and " failed" not in proc.stdout, out[-3000:]
+    return out
 
 
 def micro_config(**changes) -> GLMConfig:

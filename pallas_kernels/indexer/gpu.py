@@ -529,7 +529,7 @@ class FusedRows:
     def rows(self) -> int:
         return self.pos.shape[0] * self.pos.shape[1]
 
-    def _call(self, kernel, name, out_shape, extra, **kw):
+    def _call(self, kernel, name, out_shape, extra, aliases=None, **kw):
         batch, sp = self.pos.shape
         bq, bt = self.tiling.block_q, self.tiling.block_t
         chunks = self.k.shape[1] // (self.tiles * bt)
@@ -537,7 +537,7 @@ class FusedRows:
                                keys_major=self.tiling.keys_major, **kw)
         return pl.pallas_call(fn, grid=(batch, sp // bq, chunks), out_shape=out_shape,
                               compiler_params=_params(self.tiling.num_warps, 1), interpret=self.interpret, name=name,
-                              **({"input_output_aliases": {10: 0, 11: 1}} if name.endswith("compact") else {}))(
+                              input_output_aliases=aliases or {})(
             self.q, self.w, self.pos, self.start, self.kv_len, self.k, *extra)
 
     def _chunks(self) -> int:
@@ -560,7 +560,8 @@ class FusedRows:
             _fused_compact_kernel, "indexer_fused_compact",
             [jax.ShapeDtypeStruct(shape, jnp.int32), jax.ShapeDtypeStruct(shape, jnp.float32)],
             (per_row(lo), per_row(hi), per_row(above_offset), per_row(between_offset),
-             jnp.full(shape, -1, jnp.int32), jnp.full(shape, -jnp.inf, jnp.float32)), cap=cap)
+             jnp.full(shape, -1, jnp.int32), jnp.full(shape, -jnp.inf, jnp.float32)),
+            aliases={10: 0, 11: 1}, cap=cap)                  # the -1 / -inf fills are the outputs
         return pos.reshape(self.rows, width)[:, :cap], score.reshape(self.rows, width)[:, :cap]
 
     def sample(self, tile, stride):
