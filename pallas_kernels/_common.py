@@ -117,6 +117,20 @@ def dot_tn(a, b):
     return lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
 
 
+def online_softmax_step(carry, s, values):
+    """One block of an online softmax inside a kernel: carry (m [M], l [M], accs: float32 [M, cs]
+    per value chunk), s float32 [M, bk] logits (-inf = masked), values: the block's value chunks
+    [bk, cs] -> the new carry (m stays -inf on rows with nothing so far; their p and l are 0)."""
+    m, l, accs = carry
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    p = jnp.exp(s - m_use[:, None])
+    alpha = jnp.exp(m - m_use)
+    pc = p.astype(values[0].dtype)
+    return (m_new, l * alpha + jnp.sum(p, axis=1),
+            tuple(a * alpha[:, None] + dot(pc, v) for a, v in zip(accs, values)))
+
+
 def pad_axis(x: jax.Array, axis: int, size: int, value=0) -> jax.Array:
     """Pads `axis` of x at the end with `value` up to `size` (no-op when already that long)."""
     extra = size - x.shape[axis]

@@ -60,8 +60,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._common import dot, dot_nt, pad_slots
-from pallas_kernels.attention import gpu_backward, transpose, vjp
+from pallas_kernels._common import dot, dot_nt, online_softmax_step, pad_slots
+from pallas_kernels.attention import gpu_backward, gpu_shared, transpose, vjp
 from pallas_kernels.attention.gpu_backward import head_rows, next_pow2, pow2_chunks
 
 #: Rows per loop step of the forward and the backward for 2-byte inputs (halved for 4-byte).
@@ -150,17 +150,8 @@ def _fwd_kernel(q_ref, kv_ref, idx_ref, *refs, seq_len, num_keys, sm_scale, bloc
         return valid, rows, s * sm_scale                                  # s [group, bk]
 
     def body(j, carry):
-        m, l, accs = carry
         valid, rows, s = scores((split * blocks_per_split + j) * block_k)
-        s = jnp.where(valid[None, :], s, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        p = jnp.exp(s - m_use[:, None])
-        alpha = jnp.exp(m - m_use)
-        l = l * alpha + jnp.sum(p, axis=1)
-        pc = p.astype(rows[0].dtype)
-        accs = tuple(a * alpha[:, None] + dot(pc, r) for a, r in zip(accs, rows[:nv]))
-        return m_new, l, accs
+        return online_softmax_step(carry, jnp.where(valid[None, :], s, -jnp.inf), rows[:nv])
 
     init = (jnp.full((group,), -jnp.inf, jnp.float32), jnp.zeros((group,), jnp.float32),
             tuple(jnp.zeros((group, cs), jnp.float32) for _, cs in vchunks))
@@ -360,12 +351,17 @@ def _backward(q, kv, idx, dout, lse, delta, *, sm_scale, v_dim, block_k, num_war
 
 
 @functools.lru_cache(maxsize=None)
-def _op(sm_scale, v_dim, block_k, splits, head_group, num_warps, num_stages, dkv_mode, bwd, topk, interpret):
+def _op(sm_scale, v_dim, block_k, splits, head_group, num_warps, num_stages, dkv_mode, bwd, topk, fwd_block_q,
+        interpret):
     """bwd: the backward's keyword settings for dkv_mode, ((name, value), ...) (`_backward_settings`).
-    topk: the unpadded K when the op also returns the indexer target, else None. "sorted" and
-    "by_key": the op takes unpadded indices and the backward's index (`vjp.make_index_sparse_mla`);
-    the others take indices padded for both kernels."""
+    topk: the unpadded K when the op also returns the indexer target, else None. fwd_block_q > 1:
+    the forward is `gpu_shared`'s, over blocks of that many queries. "sorted" and "by_key": the op
+    takes unpadded indices and the backward's index (`vjp.make_index_sparse_mla`); the others take
+    indices padded for both kernels."""
     def fwd(q, kv, idx):
+        if fwd_block_q > 1:
+            shared = gpu_shared.shared_rows(idx, kv.shape[1], block_q=fwd_block_q)
+            return gpu_shared.forward(q, kv, shared, sm_scale=sm_scale, v_dim=v_dim, interpret=interpret)
         if dkv_mode in INDEXED_MODES:
             idx = pad_slots(idx, block_k * splits)
         b, s, kp = idx.shape
@@ -410,6 +406,11 @@ class SparseMLAGpuConfig:
       for `paged_sparse_mla`, enough head groups to fill the GPU before the K slots are split
       (`default_head_group`).
     num_warps, num_stages: Triton settings.
+    fwd_block_q: queries per forward program that load the union of their selected rows once
+      (`gpu_shared`; 1: one program per query). Worth it where adjacent queries select mostly
+      the same rows (a trained indexer's selections), not on random ones; block_q x H rounded
+      up to a power of two must be 16 .. 64. Not with the indexer target (that forward runs per
+      query).
 
     Backward:
     dkv_mode: "sorted" or "by_key" (the deterministic backwards of `gpu_backward`; "auto" takes
@@ -451,6 +452,7 @@ class SparseMLAGpuConfig:
     head_group: int | None = None
     num_warps: int = 8
     num_stages: int = 2
+    fwd_block_q: int = 1
     bwd_block_k: int | None = None
     bwd_num_stages: int | None = None
     bwd_head_group: int = 32
@@ -604,7 +606,7 @@ def sparse_mla(q: jax.Array, kv: jax.Array, indices: jax.Array, *, sm_scale: flo
         dkv_mode = "by_key"
     bwd = _backward_settings(c, dkv_mode, kv.dtype)
     settings = (float(sm_scale), int(v_dim), bk, splits, head_group, c.num_warps, c.num_stages, dkv_mode, bwd,
-                topk if return_target else None, bool(interpret))
+                topk if return_target else None, 1 if return_target else c.fwd_block_q, bool(interpret))
     want = {"sorted": transpose.TransposedIndex, "by_key": transpose.KeyBitmap}.get(dkv_mode)
     if want is None:
         if tindex is not None:
