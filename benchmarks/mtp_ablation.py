@@ -50,11 +50,17 @@ ROWS = {"a": ("no KVShare", False, "match"), "b": ("KVShare", True, "match"), "c
 MTP_PARAMS = nnx.All(nnx.Param, nnx.PathContains("mtp"))
 
 
+def heldout_documents(heldout: str | None):
+    """The held-out documents (indexable texts): `heldout` (JSON lines), or the standard
+    library's held-out split when None."""
+    return sources.open_documents([heldout]) if heldout else sources.TextFiles(
+        corpus.split_files(corpus.stdlib_source_files())[1])
+
+
 def heldout_prompts(tok, count: int, length: int, heldout: str | None) -> np.ndarray:
     """int32 [count, length]: the first `length` tokens of the first `count` held-out documents
     that have that many."""
-    docs = sources.open_documents([heldout]) if heldout else sources.TextFiles(
-        corpus.split_files(corpus.stdlib_source_files())[1])
+    docs = heldout_documents(heldout)
     rows = []
     for i in range(len(docs)):
         ids = tok.encode(docs[i]).ids

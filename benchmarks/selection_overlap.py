@@ -68,13 +68,14 @@ def random_indices(shape: tuple[int, int, int], rng: np.random.Generator) -> np.
 def block_unions(indices: np.ndarray, block: int, first_query: int) -> np.ndarray:
     """indices int32 [B, S, K] -> the size of the union of the valid indices of each block of
     `block` adjacent queries starting at or after first_query (one value per block)."""
-    batch, seq_len, _ = indices.shape
+    batch, seq_len, topk = indices.shape
+    count = max(0, (seq_len - first_query) // block)
+    blocks = indices[:, first_query:first_query + count * block].reshape(batch * count, block * topk)
     sizes = []
-    for b in range(batch):
-        for start in range(first_query, seq_len - block + 1, block):
-            rows = indices[b, start:start + block].reshape(-1)
-            sizes.append(len(np.unique(rows[rows >= 0])))
-    return np.asarray(sizes, np.float64)
+    for part in np.array_split(blocks, max(1, blocks.size // 2**24)):     # bounded sort temporaries
+        rows = np.sort(part, axis=1)                                        # -1 first
+        sizes.append(np.sum((rows[:, 1:] != rows[:, :-1]) & (rows[:, 1:] >= 0), axis=1) + (rows[:, 0] >= 0))
+    return np.concatenate(sizes).astype(np.float64)
 
 
 def overlap_rows(indices: np.ndarray, topk: int, blocks: list[int], first_query: int) -> list[dict]:
@@ -84,6 +85,15 @@ def overlap_rows(indices: np.ndarray, topk: int, blocks: list[int], first_query:
         rows.append({"block": block, "union_over_k": float(np.mean(union) / topk),
                      "reuse": float(np.mean(block * topk / union)), "useful": float(np.mean(topk / union))})
     return rows
+
+
+def overlap_table(named: list[tuple[str, list[dict]]]) -> list[str]:
+    """Markdown lines: a row per block size of each (selections' name, `overlap_rows` result)."""
+    lines = ["| block b | selections | union / K | reuse (b K / union) | useful (K / union) |", "|---|---|---|---|---|"]
+    for name, rows in named:
+        lines += [f"| {r['block']} | {name} | {r['union_over_k']:.2f} | {r['reuse']:.2f} | {r['useful']:.2f} |"
+                  for r in rows]
+    return lines
 
 
 def main() -> None:
@@ -110,17 +120,10 @@ def main() -> None:
     trained = full_layer_indices(model, tokens)
     rand = random_indices(trained[0].shape, np.random.default_rng(0))
     result = {"config": cfg.name, "topk": topk, "seq_len": seq_len, "prompts": args.prompts,
-              "random": overlap_rows(rand, topk, args.blocks, first), "layers": []}
-    print("| block b | selections | union / K | reuse (b K / union) | useful (K / union) |")
-    print("|---|---|---|---|---|")
-    for name, rows in ([("random", result["random"])] +
-                       [(f"trained, group {g}", overlap_rows(i, topk, args.blocks, first))
-                        for g, i in enumerate(trained)]):
-        if name != "random":
-            result["layers"].append(rows)
-        for row in rows:
-            print(f"| {row['block']} | {name} | {row['union_over_k']:.2f} | {row['reuse']:.2f} | "
-                  f"{row['useful']:.2f} |", flush=True)
+              "random": overlap_rows(rand, topk, args.blocks, first),
+              "layers": [overlap_rows(i, topk, args.blocks, first) for i in trained]}
+    print("\n".join(overlap_table([("random", result["random"])] +
+                                  [(f"trained, group {g}", rows) for g, rows in enumerate(result["layers"])])))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -15,6 +15,13 @@
 #                 4 layers): the 128K memory plan, a sparse and a dense
 #                 train step at 64K
 # training-glm52-128k  the same steps at 128K                                  6-9 min
+# training-shared sparse MLA with row sharing (gpu_shared) at 64K: on a trained  3-5 min
+#                 model's selections (benchmarks/real_selections.py) with blocks
+#                 of 2 and 4 queries, then on the indexer selections of random
+#                 inputs with blocks of 4, each beside the per-query kernels
+# serving-itl     host time per engine step (16K context), then the load      5-7 min
+#                 benchmark at 32K with a step token budget of 200: ITL p99
+#                 against p50 at 80% of saturation
 # kernels         the Mosaic GPU paged kernel's data path step by step;       4-6 min
 #                 paged sparse MLA and paged indexer top-k decode against
 #                 the gather path, beside the copy bandwidth
@@ -97,7 +104,7 @@ expand() {
         serving-all) echo serving serving-128k serving-full serving-1m serving-1m-full ;;
         train-parts|train-steps|train-steps-trained|train-steps-expanded|train-loop) echo "$1" ;;
         mtp-ablation|speculative|speculative-context) echo "$1" ;;
-        training-parts|training-memory|training-64k|training-128k|training-glm52-64k|training-glm52-128k|kernels|prefill|serving|host|layer-split|layer-split-1m|layer-split-serving|serving-128k|serving-full|serving-1m|serving-1m-full)
+        training-parts|training-shared|serving-itl|training-memory|training-64k|training-128k|training-glm52-64k|training-glm52-128k|kernels|prefill|serving|host|layer-split|layer-split-1m|layer-split-serving|serving-128k|serving-full|serving-1m|serving-1m-full)
             echo "$1" ;;
         *) return 1 ;;
     esac
@@ -250,6 +257,21 @@ for group in "${groups[@]}"; do
                 --seq-len 65536 --impls pallas_gpu --only attention --json "$stage/sparse_train_parts_64k.json"
             run sparse_train_kl_64k 390 "--seq-len 128 --smoke" "$py" benchmarks/sparse_train_parts.py \
                 --seq-len 65536 --only kl --json "$stage/sparse_train_kl_64k.json"
+            ;;
+        training-shared)
+            run sparse_train_shared_trained 300 "--seq-len 256 --smoke" "$py" benchmarks/sparse_train_parts.py \
+                --seq-len 65536 --impls pallas_gpu --only attention --selections trained --fwd-block-q 2 4 \
+                --json "$stage/sparse_train_shared_trained.json"
+            run sparse_train_shared_indexer 200 "--seq-len 128 --smoke" "$py" benchmarks/sparse_train_parts.py \
+                --seq-len 65536 --impls pallas_gpu --only attention --fwd-block-q 4 \
+                --json "$stage/sparse_train_shared_indexer.json"
+            ;;
+        serving-itl)
+            run engine_steps 120 "--config configs/tiny.yaml --max-context 256 --new-tokens 64" \
+                "$py" benchmarks/engine_steps.py --config configs/small-128k.yaml --max-context 16384 --new-tokens 6000
+            run serving_load_32k_budget_200 420 "--smoke --contexts 256" "$py" benchmarks/serving_load.py \
+                --contexts 32768 --sweep --max-rates 3 --patterns IndexShare --step-token-budget 200 \
+                --out "$stage/serving_load_32k_budget_200.json"
             ;;
         training-memory)
             run train_memory_128k 240 "--config configs/tiny.yaml --seq-len 256" "${mem95[@]}" "$py" \

@@ -74,3 +74,20 @@ def test_sparse_mla_with_shared_forward_meets_the_contract(dkv_mode):
     check_sparse_mla("pallas_gpu", q, kv, idx, sm_scale=0.125, v_dim=64, config=config)
     if dkv_mode == "sorted":
         check_sparse_mla_target("pallas_gpu", q, kv, idx, sm_scale=0.125, v_dim=64, config=config)
+
+
+def test_shared_backward_meets_the_contract():
+    """dkv_mode "shared": the row-sharing forward and backward (pair gradients per (block, union
+    row), summed by latent row) in 2 chunks of blocks, with a prebuilt `shared_index`."""
+    import pallas_kernels as pk
+    from kernel_contract import check_sparse_mla
+
+    q, kv, idx = sparse_inputs(5, B=2, S=7, T=50, K=24, H=16, Dk=80)
+    config = pk.SparseMLAGpuConfig(block_k=16, fwd_block_q=4, dkv_mode="shared", bwd_budget=2 * 128 * 80 * 4)
+    check_sparse_mla("pallas_gpu", q, kv, idx, sm_scale=0.125, v_dim=64, config=config)
+    index = gpu_shared.shared_index(idx, 50, block_q=4, dk=80, dtype=jnp.float32, budget=2 * 128 * 80 * 4)
+    assert index.transposed.num_chunks == 2
+    out, _ = pk.sparse_mla(q, kv, idx, sm_scale=0.125, v_dim=64, impl="pallas_gpu", config=config,
+                           tindex=index, interpret=True)
+    want, _ = reference.sparse_mla(q, kv, idx, sm_scale=0.125, v_dim=64)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=2e-5, rtol=2e-5)

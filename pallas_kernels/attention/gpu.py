@@ -74,9 +74,9 @@ DEFAULT_BWD_BLOCK_K = 16
 #: Programs the forward aims for (about two waves of an H100/H200's 132 SMs).
 TARGET_PROGRAMS = 264
 #: How the backward adds up the latent rows' gradient (module docstring).
-DKV_MODES = ("auto", "sorted", "by_key", "atomic", "scatter")
+DKV_MODES = ("auto", "sorted", "by_key", "shared", "atomic", "scatter")
 #: The modes whose backward takes a prebuilt index of the indices (`backward_index`).
-INDEXED_MODES = ("sorted", "by_key")
+INDEXED_MODES = ("sorted", "by_key", "shared")
 #: The keyword settings of `gpu_backward.backward` ("sorted") and `gpu_backward.backward_by_key`
 #: ("by_key") that `SparseMLAGpuConfig` sets: each `name` from its field `bwd_<name>`.
 INDEXED_KNOBS = {
@@ -84,6 +84,8 @@ INDEXED_KNOBS = {
                "reduce_block", "reduce_warps", "evict"),
     "by_key": ("block_k", "col_block", "fuse_dq", "num_warps", "num_stages", "dq_warps", "dq_stages",
                "block_rows", "tile_cols", "keys_warps", "keys_stages", "keys_paired"),
+    "shared": ("col_block", "fuse_dq", "num_warps", "num_stages", "dq_warps", "dq_stages", "reduce_block",
+               "reduce_warps"),
 }
 #: The config's fields that are block sizes of the backward kernels (powers of two).
 _POW2_FIELDS = ("bwd_block_k", "bwd_col_block", "bwd_reduce_block", "bwd_block_rows", "bwd_tile_cols")
@@ -358,9 +360,10 @@ def _op(sm_scale, v_dim, block_k, splits, head_group, num_warps, num_stages, dkv
     the forward is `gpu_shared`'s, over blocks of that many queries. "sorted" and "by_key": the op
     takes unpadded indices and the backward's index (`vjp.make_index_sparse_mla`); the others take
     indices padded for both kernels."""
-    def fwd(q, kv, idx):
+    def fwd(q, kv, idx, index=None):
         if fwd_block_q > 1:
-            shared = gpu_shared.shared_rows(idx, kv.shape[1], block_q=fwd_block_q)
+            shared = (index.rows if isinstance(index, gpu_shared.SharedIndex)
+                      else gpu_shared.shared_rows(idx, kv.shape[1], block_q=fwd_block_q))
             return gpu_shared.forward(q, kv, shared, sm_scale=sm_scale, v_dim=v_dim, interpret=interpret)
         if dkv_mode in INDEXED_MODES:
             idx = pad_slots(idx, block_k * splits)
@@ -370,7 +373,8 @@ def _op(sm_scale, v_dim, block_k, splits, head_group, num_warps, num_stages, dkv
                         num_stages=num_stages, interpret=interpret, topk=topk)
 
     if dkv_mode in INDEXED_MODES:
-        fn = gpu_backward.backward if dkv_mode == "sorted" else gpu_backward.backward_by_key
+        fn = {"sorted": gpu_backward.backward, "by_key": gpu_backward.backward_by_key,
+              "shared": gpu_shared.backward}[dkv_mode]
         return vjp.make_index_sparse_mla(fwd, functools.partial(fn, sm_scale=sm_scale, v_dim=v_dim,
                                                                 interpret=interpret, **dict(bwd)))
     bwd_fn = functools.partial(_backward, sm_scale=sm_scale, v_dim=v_dim, atomic=dkv_mode == "atomic",
@@ -414,7 +418,9 @@ class SparseMLAGpuConfig:
 
     Backward:
     dkv_mode: "sorted" or "by_key" (the deterministic backwards of `gpu_backward`; "auto" takes
-      one of them by `by_key_is_cheaper`), "atomic" (the per-(query, head group) backward adding
+      one of them by `by_key_is_cheaper`), "shared" (`gpu_shared.backward`: dkv with row sharing
+      over blocks of fwd_block_q queries, also deterministic; its index `gpu_shared.SharedIndex`
+      also serves the forward), "atomic" (the per-(query, head group) backward adding
       its rows' gradient into a float32 dkv) or "scatter" (per-slot contributions,
       scatter-added in XLA).
     The knobs below tune the backward that dkv_mode selects; those of another mode are unused.
@@ -424,9 +430,10 @@ class SparseMLAGpuConfig:
       "sorted" / "by_key" `gpu_backward.DEFAULT_BLOCK_K` = 64, 32 for 4-byte inputs; for
       "atomic" / "scatter" DEFAULT_BWD_BLOCK_K = 16.
     bwd_num_warps, bwd_num_stages: Triton settings of the per-query kernel ("sorted"'s pairs
-      kernel, "by_key"'s dq-only queries kernel, the kernel of "atomic" / "scatter"). None:
-      4 warps for "sorted" / "by_key" (`gpu_backward.DEFAULT_WARPS`), num_warps for "atomic" /
-      "scatter"; 2 stages where "sorted" / "by_key" fuse dq, else 1.
+      kernel, "by_key"'s dq-only queries kernel, the kernel of "atomic" / "scatter") or of
+      "shared"'s per-block pairs kernel. None: 4 warps for "sorted" / "by_key" / "shared"
+      (`gpu_backward.DEFAULT_WARPS`), num_warps for "atomic" / "scatter"; 2 stages where
+      "sorted" / "by_key" fuse dq, else 1 (and 1 for "shared").
     bwd_head_group: ("atomic", "scatter") heads per program (a power of two).
     bwd_col_block: ("sorted", "by_key") the widest column chunk of the gradient tiles (a power
       of two; 128).
@@ -499,6 +506,9 @@ class SparseMLAGpuConfig:
                              f"got {self.bwd_reduce_block}")
         if self.dkv_mode not in DKV_MODES:
             raise ValueError(f"dkv_mode must be one of {DKV_MODES}, got {self.dkv_mode!r}")
+        if self.dkv_mode == "shared" and self.fwd_block_q < 2:
+            raise ValueError(f"{name}: dkv_mode 'shared' sums the latent rows' gradient over blocks of "
+                             f"fwd_block_q queries; set fwd_block_q >= 2, got {self.fwd_block_q}")
 
 
 def _block_and_splits(c: SparseMLAGpuConfig, dtype, topk: int, programs_per_split: int) -> tuple[int, int]:
@@ -524,6 +534,9 @@ def _indexed_index(indices, num_keys: int, mode: str, *, dk: int, dtype, c: Spar
     """The index that mode's backward takes, built with the config's bwd_budget / bwd_block_rows."""
     if mode == "sorted":
         return gpu_backward.backward_index(indices, num_keys, dk=dk, dtype=dtype, budget=c.bwd_budget)
+    if mode == "shared":
+        return gpu_shared.shared_index(indices, num_keys, block_q=c.fwd_block_q, dk=dk, dtype=dtype,
+                                       budget=c.bwd_budget)
     return gpu_backward.key_index(indices, num_keys, dk=dk, block_rows=c.bwd_block_rows)
 
 
@@ -555,7 +568,7 @@ def resolve_dkv_mode(c: SparseMLAGpuConfig, **shape) -> str:
 
 def backward_index(indices: jax.Array, num_keys: int, *, dk: int, dtype,
                    config: SparseMLAGpuConfig = SparseMLAGpuConfig(), heads: int | None = None,
-                   v_dim: int | None = None) -> transpose.TransposedIndex | transpose.KeyBitmap | None:
+                   v_dim: int | None = None) -> transpose.TransposedIndex | transpose.KeyBitmap | gpu_shared.SharedIndex | None:
     """The index the backward takes for indices int32 [B, S, K] over num_keys rows of width dk in
     `dtype`, to build once per IndexShare group: the transposed index of "sorted"
     (`gpu_backward.backward_index`, chunked by config.bwd_budget), the key bitmap of "by_key"
@@ -575,7 +588,7 @@ def backward_index(indices: jax.Array, num_keys: int, *, dk: int, dtype,
 
 def sparse_mla(q: jax.Array, kv: jax.Array, indices: jax.Array, *, sm_scale: float, v_dim: int,
                return_target: bool = False, config: SparseMLAGpuConfig = SparseMLAGpuConfig(),
-               interpret: bool = False, tindex: transpose.TransposedIndex | transpose.KeyBitmap | None = None):
+               interpret: bool = False, tindex: transpose.TransposedIndex | transpose.KeyBitmap | gpu_shared.SharedIndex | None = None):
     """Sparse MLA forward/backward with Pallas Triton kernels; contract of
     `pallas_kernels.sparse_mla`.
 
@@ -607,7 +620,8 @@ def sparse_mla(q: jax.Array, kv: jax.Array, indices: jax.Array, *, sm_scale: flo
     bwd = _backward_settings(c, dkv_mode, kv.dtype)
     settings = (float(sm_scale), int(v_dim), bk, splits, head_group, c.num_warps, c.num_stages, dkv_mode, bwd,
                 topk if return_target else None, 1 if return_target else c.fwd_block_q, bool(interpret))
-    want = {"sorted": transpose.TransposedIndex, "by_key": transpose.KeyBitmap}.get(dkv_mode)
+    want = {"sorted": transpose.TransposedIndex, "by_key": transpose.KeyBitmap,
+            "shared": gpu_shared.SharedIndex}.get(dkv_mode)
     if want is None:
         if tindex is not None:
             raise ValueError(f"sparse_mla: tindex is taken by dkv_mode 'sorted' and 'by_key' only, not {dkv_mode!r}")

@@ -189,6 +189,33 @@ def store_heads(ref, lead: tuple, h0, heads: int, val, c0: int | None = None):
     plgpu.store(ref.at[(*lead, h, c0 + _iota(val.shape, 1))], val, mask=h < heads)
 
 
+def row_gradients(rows, qs, dos, lse, delta, sel, *, sm_scale):
+    """The latent rows' gradient from a tile of (query, head) columns, inside a kernel.
+
+    rows: the rows' column chunks [bk, cs] (the first len(dos) make up V); qs, dos: the
+    columns' q and dout chunks [n, cs]; lse (+inf where a column is empty or padding) / delta
+    float32 [n]; sel bool [bk, n]: the (row, column) pairs that count -> float32 [bk, cs] per
+    chunk: ds^T q, plus p^T dout in the V chunks."""
+    nv = len(dos)
+    dtype = rows[0].dtype
+    st = dot_nt(rows[0], qs[0])                                                       # s^T [bk, n]
+    for rc, qc in zip(rows[1:], qs[1:]):
+        st += dot_nt(rc, qc)
+    pt = jnp.where(sel, jnp.exp(st * sm_scale - lse[None, :]), 0.0)
+    dpt = dot_nt(rows[0], dos[0])
+    for rc, dc in zip(rows[1:nv], dos[1:]):
+        dpt += dot_nt(rc, dc)
+    dsc = (pt * (dpt - delta[None, :]) * sm_scale).astype(dtype)
+    pc = pt.astype(dtype)
+    out = []
+    for i, qc in enumerate(qs):
+        g = dot(dsc, qc)                                                              # [bk, cs]
+        if i < nv:
+            g += dot(pc, dos[i])
+        out.append(g)
+    return tuple(out)
+
+
 def _slot_block(idx_ref, r, k0, block_k, topk, num_keys, base):
     """Slots k0 .. k0 + block_k - 1 of query row r of idx [R, K] (slots >= K read -1) ->
     (valid bool [bk], kv row base + t [bk], `base` where invalid); base = b * T."""
@@ -448,7 +475,6 @@ def _keys_block(kv_ref, q_ref, do_ref, lse_ref, delta_ref, bits_ref, spans_ref, 
     t0 = blk * block_rows
     t = t0 + _iota((block_rows,), 0)
     n = tile_queries * slots
-    nv = len(vchunks)
     if num_keys % block_rows == 0:
         rows = [kv_ref[pl.ds(b * num_keys + t0, block_rows), pl.ds(c0, cs)] for c0, cs in kchunks]
         words_at = lambda w: bits_ref[pl.ds(b * num_keys + t0, block_rows), w]
@@ -457,7 +483,6 @@ def _keys_block(kv_ref, q_ref, do_ref, lse_ref, delta_ref, bits_ref, spans_ref, 
         krow = b * num_keys + jnp.minimum(t, num_keys - 1)
         rows = [jnp.where(live[:, None], kv_ref[krow, pl.ds(c0, cs)], 0) for c0, cs in kchunks]
         words_at = lambda w: jnp.where(live, bits_ref[krow, w], 0)
-    dtype = rows[0].dtype
     shift0 = _iota((n,), 0) // slots
     tile = functools.partial(_query_tile, b=b, seq_len=seq_len, heads=heads, slots=slots,
                              tile_queries=tile_queries)
@@ -474,22 +499,8 @@ def _keys_block(kv_ref, q_ref, do_ref, lse_ref, delta_ref, bits_ref, spans_ref, 
         delta = tile(delta_ref, s0=s0)
         word = words_at(s0 // tr.WORD_BITS)                                            # [rows]
         sel = ((word[:, None] >> (s0 % tr.WORD_BITS + shift0)[None, :]) & 1) != 0          # [rows, n]
-        st = dot_nt(rows[0], qs[0])                                                   # s^T [rows, n]
-        for rc, qc in zip(rows[1:], qs[1:]):
-            st += dot_nt(rc, qc)
-        pt = jnp.where(sel, jnp.exp(st * sm_scale - lse[None, :]), 0.0)
-        dpt = dot_nt(rows[0], dos[0])
-        for rc, dc in zip(rows[1:nv], dos[1:]):
-            dpt += dot_nt(rc, dc)
-        dsc = (pt * (dpt - delta[None, :]) * sm_scale).astype(dtype)
-        pc = pt.astype(dtype)
-        out = []
-        for i, (qc, acc) in enumerate(zip(qs, accs)):
-            acc = acc + dot(dsc, qc)                                                   # [rows, cs]
-            if i < nv:
-                acc = acc + dot(pc, dos[i])
-            out.append(acc)
-        return tuple(out)
+        grads = row_gradients(rows, qs, dos, lse, delta, sel, sm_scale=sm_scale)
+        return tuple(acc + g for acc, g in zip(accs, grads))
 
     accs = lax.fori_loop(lo, hi, body, tuple(jnp.zeros((block_rows, cs), jnp.float32) for _, cs in kchunks))
     for (c0, cs), acc in zip(kchunks, accs):
@@ -566,6 +577,23 @@ def query_major(q, kv, indices, dout, lse, delta):
             jnp.asarray(indices, jnp.int32).reshape(rows, -1))
 
 
+def query_major_dq(q2, do2, lse2, delta2, kv2, idx2, *, seq_len, sm_scale, block_k, col_block, fuse_dq, num_warps,
+                   num_stages, dq_warps, dq_stages, interpret):
+    """dq [R, H, Dk] alone from `query_major`'s views, by the pairs kernel without pair gradients
+    (dq fused into it) or its ds^T and the dq kernel (`_settings` fill the None settings)."""
+    block_k, fuse_dq, num_warps, num_stages, _ = _settings(kv2, q2.shape[1], block_k, fuse_dq, num_warps,
+                                                           num_stages)
+    common = dict(seq_len=seq_len, block_k=block_k, col_block=col_block, interpret=interpret)
+    if fuse_dq:
+        return pairs_call(q2, do2, lse2, delta2, kv2, idx2, sm_scale=sm_scale, fuse_dq=True,
+                          num_warps=num_warps, num_stages=num_stages, **common)
+    chunk = (jnp.zeros((1,), jnp.int32), q2.shape[0])
+    dst = pairs_call(q2, do2, lse2, delta2, kv2, idx2, sm_scale=sm_scale, fuse_dq=False,
+                     num_warps=num_warps, num_stages=num_stages, chunk=chunk, **common)
+    return dq_call(dst, kv2, idx2, jnp.zeros(q2.shape, q2.dtype), chunk, num_warps=dq_warps,
+                   num_stages=dq_stages, **common)
+
+
 def backward(q, kv, indices, dout, lse, delta, *, sm_scale, v_dim, tindex=None,
              budget=DEFAULT_BUDGET, block_k=None, col_block=DEFAULT_COL_BLOCK,
              fuse_dq=None, num_warps=None, num_stages=None, reduce_block=DEFAULT_REDUCE_BLOCK,
@@ -636,19 +664,10 @@ def backward_by_key(q, kv, indices, dout, lse, delta, *, sm_scale, v_dim, tindex
     elif (tindex.topk, tindex.num_keys, tindex.seq_len) != (indices.shape[-1], num_keys, seq_len):
         raise ValueError(f"tindex was built for K={tindex.topk}, T={tindex.num_keys}, S={tindex.seq_len}; "
                          f"got K={indices.shape[-1]}, T={num_keys}, S={seq_len}")
-    block_k, fuse_dq, num_warps, num_stages, _ = _settings(kv, heads, block_k, fuse_dq, num_warps,
-                                                           num_stages)
     q2, do2, lse2, delta2, kv2, idx2 = query_major(q, kv, indices, dout, lse, delta)
-    common = dict(seq_len=seq_len, block_k=block_k, col_block=col_block, interpret=interpret)
-    if fuse_dq:
-        dq = pairs_call(q2, do2, lse2, delta2, kv2, idx2, sm_scale=sm_scale, fuse_dq=True,
-                        num_warps=num_warps, num_stages=num_stages, **common)
-    else:
-        chunk = (jnp.zeros((1,), jnp.int32), q2.shape[0])
-        dst = pairs_call(q2, do2, lse2, delta2, kv2, idx2, sm_scale=sm_scale, fuse_dq=False,
-                         num_warps=num_warps, num_stages=num_stages, chunk=chunk, **common)
-        dq = dq_call(dst, kv2, idx2, jnp.zeros(q2.shape, q.dtype), chunk, num_warps=dq_warps,
-                     num_stages=dq_stages, **common)
+    dq = query_major_dq(q2, do2, lse2, delta2, kv2, idx2, seq_len=seq_len, sm_scale=sm_scale, block_k=block_k,
+                        col_block=col_block, fuse_dq=fuse_dq, num_warps=num_warps, num_stages=num_stages,
+                        dq_warps=dq_warps, dq_stages=dq_stages, interpret=interpret)
     dkv = keys_call(kv, q, dout.astype(q.dtype), lse, delta, tindex, sm_scale=sm_scale, v_dim=v_dim,
                     col_block=col_block, tile_cols=tile_cols, num_warps=keys_warps, num_stages=keys_stages,
                     interpret=interpret, paired=keys_paired)

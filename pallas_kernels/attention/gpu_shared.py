@@ -38,6 +38,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import dot_nt, online_softmax_step
+from pallas_kernels.attention import gpu_backward, transpose as tr
 from pallas_kernels.attention.gpu_backward import next_pow2, pow2_chunks
 
 #: Largest query-by-head tile of one program (its f32 accumulator [64, 512] and q [64, 576]
@@ -108,27 +109,50 @@ def _tile_index(block_q: int, slots: int):
     return m // slots, m % slots
 
 
+@dataclasses.dataclass(frozen=True)
+class _Tile:
+    """A program's block of queries as tile rows m = i * slots + h (query i of the block, head
+    h): where each row lives in [B*S, H, ...] arrays (rows past the sequence or the heads point
+    out of bounds and are masked)."""
+
+    qi: jax.Array          # int32 [M]
+    row: jax.Array         # int32 [M]: b * S + s, or B * S past the sequence
+    head: jax.Array        # int32 [M]
+    real: jax.Array        # bool [M]
+
+    @classmethod
+    def of(cls, n, *, seq_len, rows_total, blocks_per_seq, block_q, slots, heads) -> "_Tile":
+        b, s0 = n // blocks_per_seq, (n % blocks_per_seq) * block_q
+        qi, h = _tile_index(block_q, slots)
+        inside = s0 + qi < seq_len
+        return cls(qi=qi, row=jnp.where(inside, b * seq_len + s0 + qi, rows_total), head=h,
+                   real=inside & (h < heads))
+
+    def load(self, ref, cols=None, other=0.0):
+        """ref [B*S, H(, D)] -> the tile's [M] or its columns cols = (c0, cs) [M, cs]."""
+        if cols is None:
+            return plgpu.load(ref.at[self.row, self.head], mask=self.real, other=other)
+        c = cols[0] + lax.broadcasted_iota(jnp.int32, (self.row.shape[0], cols[1]), 1)
+        return plgpu.load(ref.at[self.row[:, None], self.head[:, None], c], mask=self.real[:, None], other=other)
+
+    def store(self, ref, val, c0=None):
+        """ref[row, head(, c0 + j)] = val[m(, j)] for the real rows m."""
+        if c0 is None:
+            plgpu.store(ref.at[self.row, self.head], val, mask=self.real)
+            return
+        c = c0 + lax.broadcasted_iota(jnp.int32, val.shape, 1)
+        plgpu.store(ref.at[self.row[:, None], self.head[:, None], c], val, mask=self.real[:, None])
+
+
 def _fwd_kernel(q_ref, kv_ref, rows_ref, bits_ref, count_ref, out_ref, lse_ref, *, seq_len, blocks_per_seq,
                 block_q, slots, heads, sm_scale, block_k, kchunks, vchunks):
     """One block of block_q queries: q [B*S, H, Dk], kv [B, T, Dk], rows / bits [N, U], count
     [N] -> out [B*S, H, v], lse [B*S, H] of the block's real (query, head) pairs."""
     n = pl.program_id(0)
     b = n // blocks_per_seq
-    s0 = (n % blocks_per_seq) * block_q
-    qi, h = _tile_index(block_q, slots)
-    real = (h < heads) & (s0 + qi < seq_len)                                 # [M]
-    # the tile's rows past the sequence or the heads point out of bounds, masked
-    q_row = jnp.where(s0 + qi < seq_len, b * seq_len + s0 + qi, q_ref.shape[0])
-
-    def tile_at(cols):
-        c0, cs = cols
-        c = c0 + lax.broadcasted_iota(jnp.int32, (block_q * slots, cs), 1)
-        return q_row[:, None], h[:, None], c, real[:, None]
-
-    qs = []
-    for cols in kchunks:
-        r, hh, c, mask = tile_at(cols)
-        qs.append(plgpu.load(q_ref.at[r, hh, c], mask=mask, other=0.0))     # [M, cs]
+    tile = _Tile.of(n, seq_len=seq_len, rows_total=q_ref.shape[0], blocks_per_seq=blocks_per_seq,
+                    block_q=block_q, slots=slots, heads=heads)
+    qs = [tile.load(q_ref, cols) for cols in kchunks]                         # [M, cs]
     nv = len(vchunks)
 
     def body(j, carry):
@@ -141,21 +165,31 @@ def _fwd_kernel(q_ref, kv_ref, rows_ref, bits_ref, count_ref, out_ref, lse_ref, 
         s = dot_nt(qs[0], rows[0])
         for qc, rc in zip(qs[1:], rows[1:]):
             s += dot_nt(qc, rc)
-        chosen = (jnp.right_shift(sel_bits[None, :], qi[:, None]) & 1) != 0   # [M, bk]
+        chosen = (jnp.right_shift(sel_bits[None, :], tile.qi[:, None]) & 1) != 0   # [M, bk]
         return online_softmax_step(carry, jnp.where(chosen & valid[None, :], s * sm_scale, -jnp.inf), rows[:nv])
 
-    tile = block_q * slots
-    init = (jnp.full((tile,), -jnp.inf, jnp.float32), jnp.zeros((tile,), jnp.float32),
-            tuple(jnp.zeros((tile, cs), jnp.float32) for _, cs in vchunks))
+    size = block_q * slots
+    init = (jnp.full((size,), -jnp.inf, jnp.float32), jnp.zeros((size,), jnp.float32),
+            tuple(jnp.zeros((size, cs), jnp.float32) for _, cs in vchunks))
     steps = (count_ref[n] + block_k - 1) // block_k
     m, l, accs = lax.fori_loop(0, steps, body, init)
     has_any = l > 0
     safe_l = jnp.where(has_any, l, 1.0)
-    for (c0, cs), a in zip(vchunks, accs):
-        r, hh, c, mask = tile_at((c0, cs))
-        plgpu.store(out_ref.at[r, hh, c], (a / safe_l[:, None]).astype(out_ref.dtype), mask=mask)
-    lse = jnp.where(has_any, jnp.where(m == -jnp.inf, 0.0, m) + jnp.log(safe_l), -jnp.inf)
-    plgpu.store(lse_ref.at[q_row, h], lse, mask=real)
+    for (c0, _), a in zip(vchunks, accs):
+        tile.store(out_ref, (a / safe_l[:, None]).astype(out_ref.dtype), c0)
+    tile.store(lse_ref, jnp.where(has_any, jnp.where(m == -jnp.inf, 0.0, m) + jnp.log(safe_l), -jnp.inf))
+
+
+def _check(shared: SharedRows, heads: int, block_k: int, who: str) -> int:
+    """The head slots of the tile (raises where the tile or block_k do not fit)."""
+    slots = next_pow2(heads)
+    size = shared.block_q * slots
+    if size > MAX_TILE_ROWS or size < 16:
+        raise ValueError(f"gpu_shared.{who}: block_q {shared.block_q} x {slots} head slots = {size} tile rows; "
+                         f"need 16 .. {MAX_TILE_ROWS}")
+    if shared.rows.shape[1] % block_k:
+        raise ValueError(f"gpu_shared.{who}: block_k {block_k} must divide the union width {shared.rows.shape[1]}")
+    return slots
 
 
 def forward(q: jax.Array, kv: jax.Array, shared: SharedRows, *, sm_scale: float, v_dim: int,
@@ -168,13 +202,7 @@ def forward(q: jax.Array, kv: jax.Array, shared: SharedRows, *, sm_scale: float,
     if (shared.seq_len, shared.num_keys) != (seq_len, kv.shape[1]):
         raise ValueError(f"gpu_shared.forward: shared rows built for S={shared.seq_len}, T={shared.num_keys}; "
                          f"got S={seq_len}, T={kv.shape[1]}")
-    slots = next_pow2(heads)
-    tile = shared.block_q * slots
-    if tile > MAX_TILE_ROWS or tile < 16:
-        raise ValueError(f"gpu_shared.forward: block_q {shared.block_q} x {slots} head slots = {tile} tile rows; "
-                         f"need 16 .. {MAX_TILE_ROWS}")
-    if shared.rows.shape[1] % block_k:
-        raise ValueError(f"gpu_shared.forward: block_k {block_k} must divide the union width {shared.rows.shape[1]}")
+    slots = _check(shared, heads, block_k, "forward")
     blocks_per_seq = -(-seq_len // shared.block_q)
     kernel = functools.partial(
         _fwd_kernel, seq_len=seq_len, blocks_per_seq=blocks_per_seq, block_q=shared.block_q, slots=slots,
@@ -191,3 +219,116 @@ def forward(q: jax.Array, kv: jax.Array, shared: SharedRows, *, sm_scale: float,
         name="sparse_mla_fwd_shared",
     )(q.reshape(rows_total, heads, dk), kv, shared.rows, shared.bits, shared.count)
     return out.reshape(batch, seq_len, heads, v_dim), lse.reshape(batch, seq_len, heads)
+
+
+# ----------------------------------------------------------------------------- backward
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SharedIndex:
+    """What the row-sharing forward and backward take, built once per set of indices (an
+    IndexShare group's layers share it): the union of each query block's rows, and the
+    transposed index of the (block, union slot) pairs by latent row (`transpose.TransposedIndex`
+    over rows [B, N / B, U] as if each block were a query selecting U rows), by which the
+    backward sums each latent row's per-block gradients in a fixed order."""
+
+    rows: SharedRows
+    transposed: tr.TransposedIndex
+
+
+def shared_index(indices: jax.Array, num_keys: int, *, block_q: int, dk: int, dtype,
+                 budget: int = gpu_backward.DEFAULT_BUDGET) -> SharedIndex:
+    """indices int32 [B, S, K] -> SharedIndex for blocks of block_q queries, its pair gradients
+    chunked by blocks so that one chunk's ([blocks, U, Dk] in dtype) fit `budget` bytes."""
+    shared = shared_rows(indices, num_keys, block_q=block_q)
+    batch = indices.shape[0]
+    union = shared.rows.reshape(batch, -1, shared.rows.shape[1])
+    chunk = gpu_backward.default_chunk_rows(shared.rows.shape[0], union.shape[-1], dk, dtype, budget)
+    return SharedIndex(rows=shared, transposed=tr.transpose_index(union, num_keys, chunk_rows=chunk))
+
+
+def _pairs_kernel(q_ref, do_ref, lse_ref, delta_ref, kv_ref, rows_ref, bits_ref, count_ref, chunk_ref, pos_ref,
+                  contrib_ref, *, sm_scale, seq_len, num_keys, blocks_per_seq, block_q, slots, heads, block_k,
+                  kchunks, vchunks, chunk_blocks, num_blocks, units):
+    """One block n = chunk * chunk_blocks + program (< N) of block_q queries: for each union row
+    of the block, the gradient its selecting (query, head) pairs send it, written at the
+    (block, slot) pair's place pos[chunk, local * U + slot] of contrib [P + spare, Dk].
+    q [B*S, H, Dk], do [B*S, H, v], lse / delta [B*S, H], kv [B*T, Dk], rows / bits [N, U],
+    count [N]."""
+    local = pl.program_id(0)
+    c = chunk_ref[0]
+    n = c * chunk_blocks + local
+
+    @pl.when(n < num_blocks)
+    def _():
+        tile = _Tile.of(n, seq_len=seq_len, rows_total=q_ref.shape[0], blocks_per_seq=blocks_per_seq,
+                        block_q=block_q, slots=slots, heads=heads)
+        qs = [tile.load(q_ref, cols) for cols in kchunks]                                 # [M, cs]
+        dos = [tile.load(do_ref, cols) for cols in vchunks]
+        lse = tile.load(lse_ref, other=jnp.inf)
+        lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)                                   # empty: p = 0
+        delta = tile.load(delta_ref)
+        base = (n // blocks_per_seq) * num_keys
+
+        def body(j, carry):
+            k0 = j * block_k
+            t = rows_ref[n, pl.ds(k0, block_k)]                                          # [bk]
+            sel_bits = bits_ref[n, pl.ds(k0, block_k)]
+            valid = t >= 0
+            safe = jnp.where(valid, base + t, base)
+            rows = [kv_ref[safe, pl.ds(c0, cs)] for c0, cs in kchunks]                  # [bk, cs]
+            sel = valid[:, None] & ((jnp.right_shift(sel_bits[:, None], tile.qi[None, :]) & 1) != 0)
+            grads = gpu_backward.row_gradients(rows, qs, dos, lse, delta, sel, sm_scale=sm_scale)
+            place = pos_ref[c, pl.ds(local * units + k0, block_k)]
+            for (c0, cs), g in zip(kchunks, grads):
+                contrib_ref[place, pl.ds(c0, cs)] = g.astype(contrib_ref.dtype)
+            return carry
+
+        lax.fori_loop(0, (count_ref[n] + block_k - 1) // block_k, body, 0)
+
+
+def backward(q, kv, indices, dout, lse, delta, *, sm_scale, v_dim, tindex: SharedIndex, block_k=DEFAULT_BLOCK_K,
+             col_block=gpu_backward.DEFAULT_COL_BLOCK, num_warps=None, num_stages=None, fuse_dq=None,
+             dq_warps=8, dq_stages=2, reduce_block=gpu_backward.DEFAULT_REDUCE_BLOCK, reduce_warps=4,
+             interpret=False):
+    """(dq [B, S, H, Dk] in q dtype, dkv float32 [B, T, Dk]) of sparse MLA, dkv with row sharing:
+    one program per block of queries walks its union of rows (as the forward) and writes one
+    gradient row per (block, union row) pair, summed per latent row by `gpu_backward`'s reduce
+    kernel through tindex.transposed; dq per query by `gpu_backward`'s query-major kernels.
+    Shapes as `gpu_backward.backward`'s; tindex: `shared_index` of these indices. Settings:
+    block_k union rows per step and num_warps / num_stages (None: 4, 1: the tile's q and dout,
+    136 KB at 64 x (576 + 512) bf16, leave room for one row block in shared memory) of the
+    pairs kernel; col_block, fuse_dq, dq_warps, dq_stages those of the dq kernels
+    (`gpu_backward.query_major_dq`); reduce_block, reduce_warps the reduce kernel's."""
+    batch, seq_len, heads, dk = q.shape
+    num_keys = kv.shape[1]
+    shared, tix = tindex.rows, tindex.transposed
+    slots = _check(shared, heads, block_k, "backward")
+    q2, do2, lse2, delta2, kv2, idx2 = gpu_backward.query_major(q, kv, indices, dout, lse, delta)
+    dq = gpu_backward.query_major_dq(q2, do2, lse2, delta2, kv2, idx2, seq_len=seq_len, sm_scale=sm_scale,
+                                     block_k=None, col_block=col_block, fuse_dq=fuse_dq, num_warps=None,
+                                     num_stages=None, dq_warps=dq_warps, dq_stages=dq_stages, interpret=interpret)
+    num_blocks, units = shared.rows.shape
+    kernel = functools.partial(
+        _pairs_kernel, sm_scale=float(sm_scale), seq_len=seq_len, num_keys=num_keys,
+        blocks_per_seq=num_blocks // batch, block_q=shared.block_q, slots=slots, heads=heads, block_k=block_k,
+        kchunks=pow2_chunks(0, v_dim, col_block) + pow2_chunks(v_dim, dk, col_block),
+        vchunks=pow2_chunks(0, v_dim, col_block), chunk_blocks=tix.chunk_rows, num_blocks=num_blocks, units=units)
+    wide = jnp.dtype(kv.dtype).itemsize >= 4
+
+    def step(dkv, c):
+        chunk = c.reshape(1)
+        contrib = pl.pallas_call(
+            kernel, grid=(tix.chunk_rows,),
+            out_shape=jax.ShapeDtypeStruct((tix.position.shape[1] + tr.SPARE_ROWS, dk),
+                                           jnp.float32 if wide else kv.dtype),
+            compiler_params=plgpu.CompilerParams(num_warps=num_warps or 4, num_stages=num_stages or 1),
+            interpret=interpret, name="sparse_mla_bwd_shared_pairs",
+        )(q2, do2, lse2, delta2, kv2, shared.rows, shared.bits, shared.count, chunk, tix.position)
+        return gpu_backward.reduce_call(contrib, tix.offsets, dkv, block=reduce_block, num_warps=reduce_warps,
+                                        interpret=interpret, chunk=chunk), None
+
+    dkv0 = jnp.zeros((batch * num_keys, dk), jnp.float32)
+    chunks = jnp.arange(tix.num_chunks, dtype=jnp.int32)
+    dkv, _ = step(dkv0, chunks[0]) if tix.num_chunks == 1 else lax.scan(step, dkv0, chunks)
+    return dq.reshape(q.shape), dkv.reshape(batch, num_keys, dk)

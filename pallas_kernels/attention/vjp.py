@@ -116,15 +116,15 @@ def make_index_sparse_mla(fwd: Callable, bwd: Callable):
     takes a prebuilt index of the indices (a pytree: `transpose.TransposedIndex` or
     `transpose.KeyBitmap`, shared by an IndexShare group's layers; no cotangent).
 
-    fwd(q, kv, indices) -> (out, lse[, target]); bwd(q, kv, indices, dout, lse, delta, tindex=index) ->
-    (dq, dkv float32 [B, T, Dk])."""
+    fwd(q, kv, indices, index) -> (out, lse[, target]); bwd(q, kv, indices, dout, lse, delta,
+    tindex=index) -> (dq, dkv float32 [B, T, Dk])."""
 
     @jax.custom_vjp
     def attend(q, kv, indices, index):
-        return fwd(q, kv, indices)
+        return fwd(q, kv, indices, index)
 
     def attend_fwd(q, kv, indices, index):
-        outs = fwd(q, kv, indices)
+        outs = fwd(q, kv, indices, index)
         return outs, (q, kv, indices, index) + tuple(outs[:2])
 
     def attend_bwd(res, cts):
@@ -140,8 +140,8 @@ def make_index_sparse_mla(fwd: Callable, bwd: Callable):
 def make_indexed_sparse_mla(fwd: Callable, bwd: Callable, *, chunk_rows: int):
     """`make_index_sparse_mla` for a `transpose.TransposedIndex` passed as its arrays:
     sparse_mla(q, kv, indices, position, offsets) -> (out, lse[, target]), the index built with
-    `chunk_rows`."""
-    attend = make_index_sparse_mla(fwd, bwd)
+    `chunk_rows`; fwd(q, kv, indices) does not take the index."""
+    attend = make_index_sparse_mla(lambda q, kv, indices, index: fwd(q, kv, indices), bwd)
 
     def indexed(q, kv, indices, position, offsets):
         tindex = transpose.TransposedIndex(position=position, offsets=offsets, chunk_rows=chunk_rows,
