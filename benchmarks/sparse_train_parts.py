@@ -163,6 +163,14 @@ def main() -> None:
         config = pallas_kernels.SparseMLAGpuConfig(fwd_block_q=block_q, dkv_mode="shared")
         index = lambda idx, n=block_q: shared_index(idx, s, block_q=n, dk=LATENT, dtype=jnp.bfloat16)
         name = f"sparse MLA (pallas_gpu, rows shared by {block_q} queries)"
+        errors = jax.jit(lambda q, kv, idx, c=config: [
+            jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))) / jnp.max(jnp.abs(b.astype(jnp.float32)))
+            for a, b in zip((attend("pallas_gpu", config=c)(q, kv, idx)[0],)
+                            + jax.grad(attention_loss("pallas_gpu", c), argnums=(0, 1))(q, kv, idx),
+                            (attend("pallas_gpu")(q, kv, idx)[0],)
+                            + jax.grad(attention_loss("pallas_gpu"), argnums=(0, 1))(q, kv, idx))])
+        print(f"{name} against the per-query kernels, max |difference| / max |value|: "
+              + ", ".join(f"{k} {float(e):.2g}" for k, e in zip(("out", "dq", "dkv"), errors(q, kv, indices))))
         # backward bytes: dq gathers every pair's row; dkv gathers each union row, writes its
         # gradient and reads it back
         parts += [(f"index of the rows of {block_q} queries (once per group)",
