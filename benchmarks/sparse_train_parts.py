@@ -161,7 +161,7 @@ def main() -> None:
         shared_bytes = total * (LATENT * BF16 + 8) + s * HEADS * (LATENT + VALUE) * BF16
         fwd_only = pallas_kernels.SparseMLAGpuConfig(fwd_block_q=block_q)
         config = pallas_kernels.SparseMLAGpuConfig(fwd_block_q=block_q, dkv_mode="shared")
-        index = lambda idx, n=block_q: shared_index(idx, s, block_q=n, dk=LATENT, dtype=jnp.bfloat16)
+        index = lambda idx, n=config.bwd_block_q: shared_index(idx, s, block_q=n, dk=LATENT, dtype=jnp.bfloat16)
         name = f"sparse MLA (pallas_gpu, rows shared by {block_q} queries)"
         errors = jax.jit(lambda q, kv, idx, c=config: [
             jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))) / jnp.max(jnp.abs(b.astype(jnp.float32)))
@@ -173,11 +173,11 @@ def main() -> None:
               + ", ".join(f"{k} {float(e):.2g}" for k, e in zip(("out", "dq", "dkv"), errors(q, kv, indices))))
         # backward bytes: dq gathers every pair's row; dkv gathers each union row, writes its
         # gradient and reads it back
-        parts += [(f"index of the rows of {block_q} queries (once per group)",
+        parts += [(f"index of the rows of {config.bwd_block_q} queries (once per group)",
                    lambda idx, f=index: f(idx).transposed.position, (indices,), 0, pairs * 4 * 4),
                   (f"{name} forward", lambda q, kv, idx, c=fwd_only: attend("pallas_gpu", config=c)(q, kv, idx)[0],
                    (q, kv, indices), attn_fwd, shared_bytes),
-                  (f"{name} forward + backward (dkv shared)",
+                  (f"{name} forward + backward (dkv by blocks of {config.bwd_block_q} queries)",
                    jax.grad(attention_loss("pallas_gpu", config), argnums=(0, 1)),
                    (q, kv, indices), 3 * attn_fwd, 3 * shared_bytes + attn_bytes)]
     # the new parts first, the old per-layer KL (the slowest) last, so a time limit cuts the baseline

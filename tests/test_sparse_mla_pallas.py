@@ -44,9 +44,8 @@ def test_gpu_unpadded_heads_match_the_contract(dkv_mode, heads):
     holes, an empty row, out-of-range and duplicated indices, 3 queries (several words and
     query tiles of the by_key kernel at 3 heads: 4 slots x 32 queries)."""
     q, kv, idx = sparse_inputs(heads * 10 + len(dkv_mode), B=2, S=3, T=50, K=40, H=heads, Dk=80)
-    block_q = 4 if dkv_mode == "shared" else 1       # "shared" sums dkv over blocks of queries
-    check_sparse_mla("pallas_gpu", q, kv, idx, sm_scale=0.125, v_dim=64,
-                     config=pk.SparseMLAGpuConfig(block_k=16, dkv_mode=dkv_mode, fwd_block_q=block_q))
+    check_sparse_mla("pallas_gpu", q, kv, idx, sm_scale=0.125, v_dim=64,     # "shared": tiles of 16, 32 rows
+                     config=pk.SparseMLAGpuConfig(block_k=16, dkv_mode=dkv_mode, bwd_block_q=4))
 
 
 def test_gpu_column_chunks():

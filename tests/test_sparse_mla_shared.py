@@ -78,15 +78,17 @@ def test_sparse_mla_with_shared_forward_meets_the_contract(dkv_mode):
 
 def test_shared_backward_meets_the_contract():
     """dkv_mode "shared": the row-sharing forward and backward (pair gradients per (block, union
-    row), summed by latent row) in 2 chunks of blocks, with a prebuilt `shared_index`."""
+    row), summed by latent row) in 4 chunks of 2 blocks, with a prebuilt `shared_index` that the
+    forward uses too (both over blocks of 2 queries: 16 heads x 2 = a 32-row tile)."""
     import pallas_kernels as pk
     from kernel_contract import check_sparse_mla
 
     q, kv, idx = sparse_inputs(5, B=2, S=7, T=50, K=24, H=16, Dk=80)
-    config = pk.SparseMLAGpuConfig(block_k=16, fwd_block_q=4, dkv_mode="shared", bwd_budget=2 * 128 * 80 * 4)
+    config = pk.SparseMLAGpuConfig(block_k=16, fwd_block_q=2, bwd_block_q=2, dkv_mode="shared",
+                                   bwd_budget=2 * 64 * 80 * 4)
     check_sparse_mla("pallas_gpu", q, kv, idx, sm_scale=0.125, v_dim=64, config=config)
-    index = gpu_shared.shared_index(idx, 50, block_q=4, dk=80, dtype=jnp.float32, budget=2 * 128 * 80 * 4)
-    assert index.transposed.num_chunks == 2
+    index = gpu_shared.shared_index(idx, 50, block_q=2, dk=80, dtype=jnp.float32, budget=2 * 64 * 80 * 4)
+    assert index.transposed.num_chunks == 4
     out, _ = pk.sparse_mla(q, kv, idx, sm_scale=0.125, v_dim=64, impl="pallas_gpu", config=config,
                            tindex=index, interpret=True)
     want, _ = reference.sparse_mla(q, kv, idx, sm_scale=0.125, v_dim=64)

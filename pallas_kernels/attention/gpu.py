@@ -362,7 +362,7 @@ def _op(sm_scale, v_dim, block_k, splits, head_group, num_warps, num_stages, dkv
     indices padded for both kernels."""
     def fwd(q, kv, idx, index=None):
         if fwd_block_q > 1:
-            shared = (index.rows if isinstance(index, gpu_shared.SharedIndex)
+            shared = (index.rows if isinstance(index, gpu_shared.SharedIndex) and index.rows.block_q == fwd_block_q
                       else gpu_shared.shared_rows(idx, kv.shape[1], block_q=fwd_block_q))
             return gpu_shared.forward(q, kv, shared, sm_scale=sm_scale, v_dim=v_dim, interpret=interpret)
         if dkv_mode in INDEXED_MODES:
@@ -419,8 +419,8 @@ class SparseMLAGpuConfig:
     Backward:
     dkv_mode: "sorted" or "by_key" (the deterministic backwards of `gpu_backward`; "auto" takes
       one of them by `by_key_is_cheaper`), "shared" (`gpu_shared.backward`: dkv with row sharing
-      over blocks of fwd_block_q queries, also deterministic; its index `gpu_shared.SharedIndex`
-      also serves the forward), "atomic" (the per-(query, head group) backward adding
+      over blocks of bwd_block_q queries, also deterministic; its index `gpu_shared.SharedIndex`
+      also serves the forward where fwd_block_q = bwd_block_q), "atomic" (the per-(query, head group) backward adding
       its rows' gradient into a float32 dkv) or "scatter" (per-slot contributions,
       scatter-added in XLA).
     The knobs below tune the backward that dkv_mode selects; those of another mode are unused.
@@ -429,6 +429,8 @@ class SparseMLAGpuConfig:
     bwd_block_k: rows per loop step of the per-query kernels (a power of two). None: for
       "sorted" / "by_key" `gpu_backward.DEFAULT_BLOCK_K` = 64, 32 for 4-byte inputs; for
       "atomic" / "scatter" DEFAULT_BWD_BLOCK_K = 16.
+    bwd_block_q: ("shared") queries per block of the backward's union (block_q x H rounded up
+      to a power of two must be 16 .. `gpu_shared.MAX_BWD_TILE_ROWS` = 32; 2 at 16 heads).
     bwd_num_warps, bwd_num_stages: Triton settings of the per-query kernel ("sorted"'s pairs
       kernel, "by_key"'s dq-only queries kernel, the kernel of "atomic" / "scatter") or of
       "shared"'s per-block pairs kernel. None: 4 warps for "sorted" / "by_key" / "shared"
@@ -460,6 +462,7 @@ class SparseMLAGpuConfig:
     num_warps: int = 8
     num_stages: int = 2
     fwd_block_q: int = 1
+    bwd_block_q: int = 2
     bwd_block_k: int | None = None
     bwd_num_stages: int | None = None
     bwd_head_group: int = 32
@@ -506,9 +509,9 @@ class SparseMLAGpuConfig:
                              f"got {self.bwd_reduce_block}")
         if self.dkv_mode not in DKV_MODES:
             raise ValueError(f"dkv_mode must be one of {DKV_MODES}, got {self.dkv_mode!r}")
-        if self.dkv_mode == "shared" and self.fwd_block_q < 2:
+        if self.dkv_mode == "shared" and self.bwd_block_q < 2:
             raise ValueError(f"{name}: dkv_mode 'shared' sums the latent rows' gradient over blocks of "
-                             f"fwd_block_q queries; set fwd_block_q >= 2, got {self.fwd_block_q}")
+                             f"bwd_block_q queries; set bwd_block_q >= 2, got {self.bwd_block_q}")
 
 
 def _block_and_splits(c: SparseMLAGpuConfig, dtype, topk: int, programs_per_split: int) -> tuple[int, int]:
@@ -535,7 +538,7 @@ def _indexed_index(indices, num_keys: int, mode: str, *, dk: int, dtype, c: Spar
     if mode == "sorted":
         return gpu_backward.backward_index(indices, num_keys, dk=dk, dtype=dtype, budget=c.bwd_budget)
     if mode == "shared":
-        return gpu_shared.shared_index(indices, num_keys, block_q=c.fwd_block_q, dk=dk, dtype=dtype,
+        return gpu_shared.shared_index(indices, num_keys, block_q=c.bwd_block_q, dk=dk, dtype=dtype,
                                        budget=c.bwd_budget)
     return gpu_backward.key_index(indices, num_keys, dk=dk, block_rows=c.bwd_block_rows)
 

@@ -44,6 +44,10 @@ from pallas_kernels.attention.gpu_backward import next_pow2, pow2_chunks
 #: Largest query-by-head tile of one program (its f32 accumulator [64, 512] and q [64, 576]
 #: bf16 are what the per-query kernel holds at 64 heads).
 MAX_TILE_ROWS = 64
+#: The backward's largest tile: its pairs kernel keeps q and dout in shared memory in the two
+#: layouts of its matmuls (2 x 64 x (576 + 512) bf16 = 272 KiB at 64 rows: more than Hopper's
+#: 227 KiB; 136 KiB at 32).
+MAX_BWD_TILE_ROWS = 32
 #: Union rows per loop step.
 DEFAULT_BLOCK_K = 32
 
@@ -180,13 +184,13 @@ def _fwd_kernel(q_ref, kv_ref, rows_ref, bits_ref, count_ref, out_ref, lse_ref, 
     tile.store(lse_ref, jnp.where(has_any, jnp.where(m == -jnp.inf, 0.0, m) + jnp.log(safe_l), -jnp.inf))
 
 
-def _check(shared: SharedRows, heads: int, block_k: int, who: str) -> int:
-    """The head slots of the tile (raises where the tile or block_k do not fit)."""
+def _check(shared: SharedRows, heads: int, block_k: int, who: str, most: int) -> int:
+    """The head slots of the tile (raises where the tile (at most `most` rows) or block_k do not fit)."""
     slots = next_pow2(heads)
     size = shared.block_q * slots
-    if size > MAX_TILE_ROWS or size < 16:
+    if size > most or size < 16:
         raise ValueError(f"gpu_shared.{who}: block_q {shared.block_q} x {slots} head slots = {size} tile rows; "
-                         f"need 16 .. {MAX_TILE_ROWS}")
+                         f"need 16 .. {most}")
     if shared.rows.shape[1] % block_k:
         raise ValueError(f"gpu_shared.{who}: block_k {block_k} must divide the union width {shared.rows.shape[1]}")
     return slots
@@ -202,7 +206,7 @@ def forward(q: jax.Array, kv: jax.Array, shared: SharedRows, *, sm_scale: float,
     if (shared.seq_len, shared.num_keys) != (seq_len, kv.shape[1]):
         raise ValueError(f"gpu_shared.forward: shared rows built for S={shared.seq_len}, T={shared.num_keys}; "
                          f"got S={seq_len}, T={kv.shape[1]}")
-    slots = _check(shared, heads, block_k, "forward")
+    slots = _check(shared, heads, block_k, "forward", MAX_TILE_ROWS)
     blocks_per_seq = -(-seq_len // shared.block_q)
     kernel = functools.partial(
         _fwd_kernel, seq_len=seq_len, blocks_per_seq=blocks_per_seq, block_q=shared.block_q, slots=slots,
@@ -294,7 +298,8 @@ def backward(q, kv, indices, dout, lse, delta, *, sm_scale, v_dim, tindex: Share
     """(dq [B, S, H, Dk] in q dtype, dkv float32 [B, T, Dk]) of sparse MLA, dkv with row sharing:
     one program per block of queries walks its union of rows (as the forward) and writes one
     gradient row per (block, union row) pair, summed per latent row by `gpu_backward`'s reduce
-    kernel through tindex.transposed; dq per query by `gpu_backward`'s query-major kernels.
+    kernel through tindex.transposed; dq per query by `gpu_backward`'s query-major kernels. The
+    tile, tindex's block_q x next_pow2(H), is 16 .. MAX_BWD_TILE_ROWS rows.
     Shapes as `gpu_backward.backward`'s; tindex: `shared_index` of these indices. Settings:
     block_k union rows per step and num_warps / num_stages (None: 4, 1: the tile's q and dout,
     136 KB at 64 x (576 + 512) bf16, leave room for one row block in shared memory) of the
@@ -303,7 +308,7 @@ def backward(q, kv, indices, dout, lse, delta, *, sm_scale, v_dim, tindex: Share
     batch, seq_len, heads, dk = q.shape
     num_keys = kv.shape[1]
     shared, tix = tindex.rows, tindex.transposed
-    slots = _check(shared, heads, block_k, "backward")
+    slots = _check(shared, heads, block_k, "backward", MAX_BWD_TILE_ROWS)
     q2, do2, lse2, delta2, kv2, idx2 = gpu_backward.query_major(q, kv, indices, dout, lse, delta)
     dq = gpu_backward.query_major_dq(q2, do2, lse2, delta2, kv2, idx2, seq_len=seq_len, sm_scale=sm_scale,
                                      block_k=None, col_block=col_block, fuse_dq=fuse_dq, num_warps=None,
