@@ -364,7 +364,8 @@ def _op(sm_scale, v_dim, block_k, splits, head_group, num_warps, num_stages, dkv
         if fwd_block_q > 1:
             shared = (index.rows if isinstance(index, gpu_shared.SharedIndex) and index.rows.block_q == fwd_block_q
                       else gpu_shared.shared_rows(idx, kv.shape[1], block_q=fwd_block_q))
-            return gpu_shared.forward(q, kv, shared, sm_scale=sm_scale, v_dim=v_dim, interpret=interpret)
+            return gpu_shared.forward(q, kv, shared, sm_scale=sm_scale, v_dim=v_dim, num_warps=num_warps,
+                                      num_stages=num_stages, interpret=interpret)
         if dkv_mode in INDEXED_MODES:
             idx = pad_slots(idx, block_k * splits)
         b, s, kp = idx.shape

@@ -197,7 +197,7 @@ def _check(shared: SharedRows, heads: int, block_k: int, who: str, most: int) ->
 
 
 def forward(q: jax.Array, kv: jax.Array, shared: SharedRows, *, sm_scale: float, v_dim: int,
-            block_k: int = DEFAULT_BLOCK_K, num_warps: int = 4, num_stages: int = 2,
+            block_k: int = DEFAULT_BLOCK_K, num_warps: int = 8, num_stages: int = 2,
             interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """q [B, S, H, Dk], kv [B, T, Dk], shared: `shared_rows` of the indices for these queries
     -> (out [B, S, H, v_dim] in q.dtype, lse float32 [B, S, H]), as `gpu.sparse_mla`'s forward.
