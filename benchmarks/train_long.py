@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from benchmarks import trace_summary
 from benchmarks._measure import ceilings
 from glm_jax import costs, ops
 from glm_jax.config import load_config
@@ -52,6 +53,10 @@ def main() -> None:
                     choices=ops.impl_choices("sparse_mla"), help="sparse attention kernels to time")
     ap.add_argument("--smoke", action="store_true", help="tiny model and sequence (CPU)")
     ap.add_argument("--json", help="also write the rows here")
+    ap.add_argument("--profile", metavar="DIR",
+                    help="also trace one more step of each stage into DIR/STAGE-IMPL and print where its GPU time "
+                         "goes (benchmarks/trace_summary.py; run with XLA_FLAGS=--xla_gpu_enable_command_buffer= "
+                         "so each kernel is named)")
     args = ap.parse_args()
     cfg = load_config(args.config)
     seq_len = args.seq_len
@@ -114,6 +119,16 @@ def main() -> None:
         rows.append(dict(stage=stage, attention=impl, step_s=step_s, tokens_per_s=batch * seq_len / step_s, model_flops=flops,
                          loss=float(terms["loss"])))
         save()
+        if args.profile:
+            trace_dir = f"{args.profile}/{stage}-{impl.replace(' ', '_')}"
+            with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+                p, opt_state, terms = run(p, opt_state)
+                jax.block_until_ready(terms)
+            try:
+                print(f"where the {stage} step's GPU time goes ({trace_dir}):\n{trace_summary.summarize(trace_dir)}",
+                      flush=True)
+            except ValueError as e:                      # e.g. a CPU trace: no device events
+                print(f"trace of the {stage} step: {e}", flush=True)
         del p, opt_state
     dense = [r["tokens_per_s"] for r in rows if r["stage"] == "dense" and "failed" not in r]
     for r in rows:

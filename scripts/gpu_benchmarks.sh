@@ -15,6 +15,9 @@
 #                 4 layers): the 128K memory plan, a sparse and a dense
 #                 train step at 64K
 # training-glm52-128k  the same steps at 128K                                  6-9 min
+# training-glm52-profile  the 64K sparse step at GLM-5.2's attention shape,    3-5 min
+#                 then one more traced (command buffers off): its GPU time by
+#                 part and by kernel
 # training-shared sparse MLA with row sharing (gpu_shared) at 64K: on a trained  3-5 min
 #                 model's selections (benchmarks/real_selections.py) with blocks
 #                 of 2 and 4 queries, then on the indexer selections of random
@@ -104,7 +107,7 @@ expand() {
         serving-all) echo serving serving-128k serving-full serving-1m serving-1m-full ;;
         train-parts|train-steps|train-steps-trained|train-steps-expanded|train-loop) echo "$1" ;;
         mtp-ablation|speculative|speculative-context) echo "$1" ;;
-        training-parts|training-shared|serving-itl|training-memory|training-64k|training-128k|training-glm52-64k|training-glm52-128k|kernels|prefill|serving|host|layer-split|layer-split-1m|layer-split-serving|serving-128k|serving-full|serving-1m|serving-1m-full)
+        training-parts|training-shared|serving-itl|training-glm52-profile|training-memory|training-64k|training-128k|training-glm52-64k|training-glm52-128k|kernels|prefill|serving|host|layer-split|layer-split-1m|layer-split-serving|serving-128k|serving-full|serving-1m|serving-1m-full)
             echo "$1" ;;
         *) return 1 ;;
     esac
@@ -289,6 +292,12 @@ for group in "${groups[@]}"; do
             run train_long_glm52_64k 400 "--smoke" "${mem95[@]}" "$py" benchmarks/train_long.py \
                 --config configs/glm-5.2-attn.yaml --seq-len 65536 --stages sparse dense --sparse-impls pallas_gpu \
                 --json "$stage/train_long_glm52_64k.json"
+            ;;
+        training-glm52-profile)
+            run train_long_glm52_64k_profile 330 "--smoke" "${mem95[@]}" XLA_FLAGS=--xla_gpu_enable_command_buffer= \
+                "$py" benchmarks/train_long.py --config configs/glm-5.2-attn.yaml --seq-len 65536 --stages sparse \
+                --sparse-impls pallas_gpu --steps 1 --profile "${RUNS_DIR:-runs}/glm52_profile" \
+                --json "$stage/train_long_glm52_64k_profile.json"
             ;;
         training-glm52-128k)
             run train_long_glm52_128k 540 "--smoke" "${mem95[@]}" "$py" benchmarks/train_long.py \
