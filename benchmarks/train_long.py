@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import pallas_kernels
 from benchmarks import trace_summary
 from benchmarks._measure import ceilings
 from glm_jax import costs, ops
@@ -53,6 +54,9 @@ def main() -> None:
                     choices=ops.impl_choices("sparse_mla"), help="sparse attention kernels to time")
     ap.add_argument("--smoke", action="store_true", help="tiny model and sequence (CPU)")
     ap.add_argument("--json", help="also write the rows here")
+    ap.add_argument("--sparse-config", metavar="JSON",
+                    help="settings of the pallas_gpu sparse MLA: a JSON dict of SparseMLAGpuConfig fields, or a file "
+                         "holding one (e.g. sparse_mla_fwd_sweep.py --best)")
     ap.add_argument("--profile", metavar="DIR",
                     help="also trace one more step of each stage into DIR/STAGE-IMPL and print where its GPU time "
                          "goes (benchmarks/trace_summary.py; run with XLA_FLAGS=--xla_gpu_enable_command_buffer= "
@@ -78,6 +82,14 @@ def main() -> None:
     print(f"device {jax.devices()[0].device_kind}; bf16 matmul {matmul / 1e12:.0f} TFLOP/s; "
           f"{cfg.name}: {sum(x.size for x in jax.tree.leaves(params)) / 1e6:.0f}M parameters, "
           f"{active / 1e6:.0f}M active; {batch} x {seq_len} tokens per step")
+    sparse_config = None
+    if args.sparse_config:
+        text = args.sparse_config
+        if not text.lstrip().startswith("{"):
+            with open(text) as f:
+                text = f.read()
+        sparse_config = pallas_kernels.SparseMLAGpuConfig(**json.loads(text))
+        print(f"pallas_gpu sparse MLA settings: {sparse_config}")
     print("| stage | attention | ms/step | tokens/s | TFLOP/s (model FLOPs) | MFU vs measured matmul | loss |")
     print("|---|---|---|---|---|---|---|")
     rows = []
@@ -91,7 +103,8 @@ def main() -> None:
             for impl in (args.sparse_impls if stage == "sparse" else ["fused dense"])]
     for stage, impl in runs:
         kernels = ops.KernelChoice(attention=impl if stage == "sparse" else "auto",
-                                   interpret=args.smoke and impl.startswith("pallas"))
+                                   interpret=args.smoke and impl.startswith("pallas"),
+                                   attention_config=sparse_config if impl == "pallas_gpu" else None)
         weights = LossWeights(indexer=1.0 if stage == "sparse" else 0.0, mtp=0.3)
         opt_state = tx.init(params)
         run = lambda p, o: train_step(graphdef, p, rest, o, inputs, targets, tx=tx, stage=stage,

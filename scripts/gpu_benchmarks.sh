@@ -15,6 +15,9 @@
 #                 4 layers): the 128K memory plan, a sparse and a dense
 #                 train step at 64K
 # training-glm52-128k  the same steps at 128K                                  6-9 min
+# training-glm52-tuned  the sparse MLA forward's settings swept at 64 heads      4-6 min
+#                 (16K queries over 64K keys), then the 64K sparse and dense
+#                 steps at GLM-5.2's attention shape with the fastest
 # training-glm52-profile  the 64K sparse step at GLM-5.2's attention shape,    3-5 min
 #                 then one more traced (command buffers off): its GPU time by
 #                 part and by kernel
@@ -107,7 +110,7 @@ expand() {
         serving-all) echo serving serving-128k serving-full serving-1m serving-1m-full ;;
         train-parts|train-steps|train-steps-trained|train-steps-expanded|train-loop) echo "$1" ;;
         mtp-ablation|speculative|speculative-context) echo "$1" ;;
-        training-parts|training-shared|serving-itl|training-glm52-profile|training-memory|training-64k|training-128k|training-glm52-64k|training-glm52-128k|kernels|prefill|serving|host|layer-split|layer-split-1m|layer-split-serving|serving-128k|serving-full|serving-1m|serving-1m-full)
+        training-parts|training-shared|serving-itl|training-glm52-profile|training-glm52-tuned|training-memory|training-64k|training-128k|training-glm52-64k|training-glm52-128k|kernels|prefill|serving|host|layer-split|layer-split-1m|layer-split-serving|serving-128k|serving-full|serving-1m|serving-1m-full)
             echo "$1" ;;
         *) return 1 ;;
     esac
@@ -292,6 +295,14 @@ for group in "${groups[@]}"; do
             run train_long_glm52_64k 400 "--smoke" "${mem95[@]}" "$py" benchmarks/train_long.py \
                 --config configs/glm-5.2-attn.yaml --seq-len 65536 --stages sparse dense --sparse-impls pallas_gpu \
                 --json "$stage/train_long_glm52_64k.json"
+            ;;
+        training-glm52-tuned)
+            run sparse_mla_fwd_sweep_64h 200 "--smoke" "$py" benchmarks/sparse_mla_fwd_sweep.py --heads 64 \
+                --queries 16384 --context 65536 --head-group 0 32 --best "$stage/sparse_mla_fwd_best.json"
+            best=$([ -f "$stage/sparse_mla_fwd_best.json" ] && cat "$stage/sparse_mla_fwd_best.json" || echo "{}")
+            run train_long_glm52_64k_tuned 330 "--smoke" "${mem95[@]}" "$py" benchmarks/train_long.py \
+                --config configs/glm-5.2-attn.yaml --seq-len 65536 --stages sparse dense --sparse-impls pallas_gpu \
+                --sparse-config "$best" --json "$stage/train_long_glm52_64k_tuned.json"
             ;;
         training-glm52-profile)
             run train_long_glm52_64k_profile 330 "--smoke" "${mem95[@]}" XLA_FLAGS=--xla_gpu_enable_command_buffer= \
