@@ -64,11 +64,11 @@ Log-probabilities. A request with `logprobs=k` (0..MAX_LOGPROBS) gets, with each
 events, the token's log-probability and the k most likely tokens' (`TokenLogprob`): the model's
 own distribution, log_softmax of the raw logits before temperature and the sampling filters.
 They come out of the same decode program that draws the token (`engine_programs.Scores`, always
-computed at the static size MAX_LOGPROBS), and are read back only in steps where a drawing
-request asked for them. With `prompt_logprobs` too, the request's first event carries its
-prompt tokens' log-probabilities (from the second token on), from a prefill program that also
-scores each chunk position (`prefill_scored`, used only for the chunks of such requests; a
-request recomputed after a preemption is not scored again).
+computed at the static size MAX_LOGPROBS), packed with the drawn tokens in the one array a
+decode step reads back (`engine_programs.pack_draws`). With `prompt_logprobs` too, the
+request's first event carries its prompt tokens' log-probabilities (from the second token on),
+from a prefill program that also scores each chunk position (`prefill_scored`, used only for
+the chunks of such requests; a request recomputed after a preemption is not scored again).
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ import numpy as np
 from glm_jax import ops
 from glm_jax.cache import CacheFullError, PagePool, shard_cache
 from glm_jax.decoding.engine_programs import (MAX_LOGPROBS, Placement, Scores, compiler_options, empty_slots,
-                                              engine_programs, serving_params)
+                                              drawn_scores, drawn_tokens, engine_programs, serving_params)
 from glm_jax.decoding.generate import ContextTooLongError, GeneratorBase, committed
 from glm_jax.decoding.sampling import GREEDY, SamplingParams
 from glm_jax.multihost import to_host
@@ -126,8 +126,9 @@ class Result:
     error: str | None = None
 
 
-@dataclasses.dataclass(frozen=True)
-class StepTime:
+class StepTime(NamedTuple):
+    """One decode step's timing (a NamedTuple: cheap to build once per step)."""
+
     context: int          # longest sequence among the decoding slots before the step
     host_s: float         # the step's host work: wall time minus the time blocked on the device
     step_s: float         # the step's wall time (with overlap, about one device step)
@@ -183,9 +184,9 @@ class _ScoredChunk:
 class _Launched:
     """A decode step in flight: what `_drain` reads back."""
 
-    tokens: jax.Array                    # int32 [B]
+    draws: jax.Array                     # int32 [B, 2 + 2K]: the drawn tokens and their Scores (`pack_draws`)
     runs: list[tuple[int, _Run]]         # (slot, run) of each slot that drew
-    scores: Scores | None                # [B], when a drawing request asked for log-probs
+    logprobs: bool                       # some drawing request asked for log-probs
     scored_chunks: list[_ScoredChunk]    # prefill chunks scored since the previous decode step
 
 
@@ -225,6 +226,8 @@ class ServingEngine(GeneratorBase):
             self.cache, self.slot_state, logical_sharding(mesh, ("batch",), (slots,), "tokens"))
         self.programs = engine_programs(self.graphdef, layout, kernels, shards, placement,
                                         compiler_options(jax.default_backend(), cuda_graphs))
+        # In one process every array is whole here: np.asarray skips to_host's check on each read-back.
+        self._to_host = np.asarray if jax.process_count() == 1 else to_host
         self.step_times: list[StepTime] = []
         self.preemptions = 0                        # requests preempted so far (recomputed later)
         self._slots: list[_Run | None] = [None] * slots
@@ -234,7 +237,7 @@ class ServingEngine(GeneratorBase):
         self._cancelled: set[int] = set()
         self._in_flight: _Launched | None = None
         self._scored_chunks: list[_ScoredChunk] = []  # read back with the next decode step
-        self._control = None                        # (int32 [B, 3] numpy, the same on the device)
+        self._control = None                        # (the last control's rows, it on the device): `_control_for`
         self._next_id = 0
         self._admissions = 0
         self._waited = 0.0
@@ -328,6 +331,8 @@ class ServingEngine(GeneratorBase):
         return slot * self.pool.data_shards // self.batch
 
     def _drop_cancelled(self) -> None:
+        if not self._cancelled:
+            return
         for rid in sorted(self._cancelled):
             run = self._runs.get(rid)
             if run is None:
@@ -407,13 +412,13 @@ class ServingEngine(GeneratorBase):
         tables = self.pool.page_table([None if r is None else r.id for r in chosen], self.width)
         sampling = SamplingParams.stack([GREEDY if r is None else r.request.sampling for r in chosen])
         batch, row = ("batch", None), ("batch",)
-        args = (self.params, self.cache, self.slot_state, self.put(rows, row), self.put(tables, batch),
-                self.put(starts, row), self.put(tokens, batch), self.put(num_valid, row), self.put(seeds, row),
-                self.put(drawn, row), jax.tree.map(lambda x: self.put(x, row), sampling))
+        values = [rows, tables, starts, tokens, num_valid, seeds, drawn, sampling] + ([targets] if scored else [])
+        names = [row, batch, row, batch, row, row, row, row] + ([batch] if scored else [])
+        args = (self.params, self.cache, self.slot_state, *self.call_inputs(values, names))
         if not scored:
             self.cache, self.slot_state = self.programs.prefill(*args)
             return int(num_valid.sum())
-        self.cache, self.slot_state, scores = self.programs.prefill_scored(*args, self.put(targets, batch))
+        self.cache, self.slot_state, scores = self.programs.prefill_scored(*args)
         for x in scores:
             x.copy_to_host_async()
         self._scored_chunks.append(_ScoredChunk(scores, scored))
@@ -422,44 +427,50 @@ class ServingEngine(GeneratorBase):
     def _dispatch_decode(self) -> tuple[_Launched | None, int]:
         """Dispatch one decode step for every drawing slot -> (what to read back, longest context
         before the step), or (None, 0) when no slot draws."""
-        self._grow_pages()
-        runs = [(b, r) for b, r in enumerate(self._slots) if r is not None and r.draws]
+        runs = self._grow_pages()
         if not runs:
             return None, 0
-        control = np.zeros((self.batch, 3), np.int32)
-        control[:, 1] = self.width                       # no new page
-        context = 0
+        newest = []                                      # (slot, table column, page id) of each slot's newest page
+        context, logprobs = 0, False
         for b, run in runs:
             held = self.pool.held[run.id]
-            control[b, 0] = 1
-            if len(held) > run.synced_pages:
-                control[b, 1:] = run.synced_pages, held[run.synced_pages]
+            if len(held) > run.synced_pages:             # a new page: the step installs it
                 run.synced_pages += 1
+            newest.append((b, run.synced_pages - 1, held[run.synced_pages - 1]))
             context = max(context, run.length)
+            logprobs = logprobs or run.request.logprobs is not None
             run.length += 1
             run.drawn += 1
-        if self._control is None or not np.array_equal(self._control[0], control):
-            self._control = control, self.put(control, ("batch", None))
-        tokens, scores, self.cache, self.slot_state = self.programs.decode(self.params, self.cache, self.slot_state,
-                                                                           self._control[1])
-        tokens.copy_to_host_async()                      # read back by the next step without a transfer wait
-        if any(run.request.logprobs is not None for _, run in runs):
-            for x in scores:
-                x.copy_to_host_async()
-        else:
-            scores = None                                # nobody asked: never transferred
-        launched = _Launched(tokens, runs, scores, self._scored_chunks)
+        control = self._control_for(newest)
+        draws, self.cache, self.slot_state = self.programs.decode(self.params, self.cache, self.slot_state, control)
+        draws.copy_to_host_async()                       # read back by the next step without a transfer wait
+        launched = _Launched(draws, runs, logprobs, self._scored_chunks)
         self._scored_chunks = []
         return launched, context
 
-    def _grow_pages(self) -> None:
+    def _control_for(self, newest: list[tuple[int, int, int]]) -> jax.Array:
+        """The decode step's control int32 [B, 3] on the device (`engine_programs`: active, table
+        column, page id per slot) from (slot, table column, page id) of each drawing slot's newest
+        page. A page already in the table is written again unchanged, so the control changes (and
+        is built and sent) only when a slot gets a page or the drawing slots change."""
+        key = tuple(newest)
+        if self._control is None or self._control[0] != key:
+            control = np.zeros((self.batch, 3), np.int32)
+            control[:, 1] = self.width                   # idle slots: no page
+            for b, column, page in newest:
+                control[b] = 1, column, page
+            self._control = key, self.put(control, ("batch", None))
+        return self._control[1]
+
+    def _grow_pages(self) -> list[tuple[int, _Run]]:
         """Give every drawing slot the page its next row lands in; when the pool is short, wait for
-        the step in flight, then preempt the youngest request of that data shard."""
+        the step in flight, then preempt the youngest request of that data shard. -> (slot, run)
+        of every drawing slot, in slot order."""
         while True:
-            short = [r for r in self._slots if r is not None and r.draws
-                     and self.pool.pages_for(r.length + 1) > len(self.pool.held[r.id])]
+            runs = [(b, r) for b, r in enumerate(self._slots) if r is not None and r.draws]
+            short = [r for _, r in runs if self.pool.pages_for(r.length + 1) > len(self.pool.held[r.id])]
             if not short:
-                return
+                return runs
             run = min(short, key=lambda r: r.order)
             shard = self._shard(run.slot)
             try:
@@ -488,31 +499,34 @@ class ServingEngine(GeneratorBase):
         if launched is None:
             return
         t0 = time.perf_counter()
-        launched.tokens.block_until_ready()
+        launched.draws.block_until_ready()
         self._waited += time.perf_counter() - t0
-        tokens = to_host(launched.tokens)
+        draws = self._to_host(launched.draws)
+        tokens = drawn_tokens(draws)
+        scores = drawn_scores(draws) if launched.logprobs else None
         for chunk in launched.scored_chunks:
             _record_prompt_scores(_scores_to_host(chunk.scores), chunk.rows)
-        scores = None if launched.scores is None else _scores_to_host(launched.scores)
         for b, run in launched.runs:
-            if run.gone or run.stopped:
-                continue
-            token, request = int(tokens[b]), run.request
-            first = request.prompt_logprobs and not run.emitted
-            event = Event(run.id, [], True, prompt_logprobs=list(run.prompt_scores) if first else None)
-            if token == request.stop_token:
-                run.stopped = True
-                event.logprobs = None if request.logprobs is None else []
-                self._events.append(event)
-                self._retire(run)
-                continue
-            run.emitted.append(token)
-            event.tokens, event.finished = [token], len(run.emitted) >= request.max_new_tokens
-            if request.logprobs is not None:
-                event.logprobs = [_token_logprob(scores, b, request.logprobs)]
-            self._events.append(event)
-            if event.finished:
-                self._retire(run)
+            if not (run.gone or run.stopped):
+                self._emit(run, tokens[b], scores, b)
+
+    def _emit(self, run: _Run, token: int, scores: Scores | None, slot: int) -> None:
+        """The event of the token `run` drew in `slot` (host `scores` [B] of the step's draws, if
+        a drawing request asked for log-probs); retires the run when it is done (its stop token,
+        or max_new_tokens reached)."""
+        request = run.request
+        prompt_scores = list(run.prompt_scores) if request.prompt_logprobs and not run.emitted else None
+        if token == request.stop_token:
+            run.stopped = True
+            self._events.append(Event(run.id, [], True, None, None if request.logprobs is None else [], prompt_scores))
+            self._retire(run)
+            return
+        run.emitted.append(token)
+        finished = len(run.emitted) >= request.max_new_tokens
+        logprobs = None if request.logprobs is None else [_token_logprob(scores, slot, request.logprobs)]
+        self._events.append(Event(run.id, [token], finished, None, logprobs, prompt_scores))
+        if finished:
+            self._retire(run)
 
 
 def budget_chunk(budget: int | None, *, slots: int, rows: int, page_size: int, prefill_chunk: int) -> int:
@@ -550,7 +564,10 @@ def _record_prompt_scores(scores: Scores, rows: list[tuple[int, _Run, int, int]]
 
 def _merged(events: list[Event]) -> list[Event]:
     """One event per request: tokens (and log-probs) concatenated in order, finished / error from
-    the last, prompt log-probs from the one that has them."""
+    the last, prompt log-probs from the one that has them. `events` itself when no request has
+    two (the usual step)."""
+    if len({e.request_id for e in events}) == len(events):
+        return events
     out: dict[int, Event] = {}
     for e in events:
         prev = out.get(e.request_id)

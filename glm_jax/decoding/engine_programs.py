@@ -6,7 +6,9 @@ decode, plus a prefill that scores the prompt for requests that ask).
     cache, slots = programs.prefill(params, cache, slots, rows, tables, starts, tokens, num_valid,
                                     seeds, drawn, sampling)
     cache, slots, scores = programs.prefill_scored(..., sampling, targets)   # prefill + prompt log-probs
-    tokens, scores, cache, slots = programs.decode(params, cache, slots, control)
+    draws, cache, slots = programs.decode(params, cache, slots, control)
+    host = np.asarray(draws)
+    tokens, scores = drawn_tokens(host), drawn_scores(host)      # B ints, Scores [B] of numpy
 
 The programs have fixed shapes (the engine's slots B, the page-table width W, the prefill
 chunk C, one prefill row per data shard R), so the whole engine runs on prefill and decode
@@ -26,9 +28,12 @@ once per chunk size, so at most two of each. The cache and the slot state are do
   draw count; its own sampling setting), runs it through the model and keeps the new logits.
   `control` int32 [B, 3] = (active, table column, page id) per slot: an inactive slot reads
   and writes only its shard's scratch page and does not advance; a slot whose sequence
-  crosses into a new page gets it at that column (column W: none). It also returns the
-  drawn tokens' `Scores` ([B] rows, MAX_LOGPROBS alternatives: a few hundred bytes), which the
-  engine reads back only in steps where some request asked for log-probabilities.
+  crosses into a new page gets it at that column (column W: none). Writing a page already at
+  its column changes nothing, so the engine names each drawing slot's newest page on every
+  step and sends a new control only when one changes. It returns the drawn tokens with their
+  `Scores` ([B] rows, MAX_LOGPROBS alternatives) packed in one int32 [B, 2 + 2K] array
+  (`pack_draws`): one output to copy, wait for and read back per step, whether or not some
+  request asked for log-probabilities.
 
 Log-probabilities are the model's own: log_softmax of the raw logits, BEFORE temperature and
 the top_k / top_p / min_p filters (what vLLM and OpenAI report by default), whatever the
@@ -62,6 +67,7 @@ from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from glm_jax import ops
@@ -101,6 +107,26 @@ def scores_of(logits: jnp.ndarray, tokens: jnp.ndarray) -> Scores:
     top_logprobs, top_ids = jax.lax.top_k(logprobs, min(MAX_LOGPROBS, logits.shape[-1]))
     chosen = jnp.take_along_axis(logprobs, tokens[..., None].astype(jnp.int32), axis=-1)[..., 0]
     return Scores(chosen, top_logprobs, top_ids.astype(jnp.int32))
+
+
+def pack_draws(tokens: jnp.ndarray, scores: Scores) -> jnp.ndarray:
+    """tokens int32 [B] and their Scores [B] -> int32 [B, 2 + 2K]: per row the token, its
+    log-prob, the K top log-probs and the K top ids (the floats' bits as int32, so exact)."""
+    bits = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.int32)
+    return jnp.concatenate([tokens[:, None], bits(scores.logprob)[:, None], bits(scores.top_logprobs),
+                            scores.top_ids], axis=1)
+
+
+def drawn_tokens(draws: np.ndarray) -> list[int]:
+    """The tokens of `pack_draws`' array on the host, int32 [B, 2 + 2K] -> B ints."""
+    return draws[:, 0].tolist()
+
+
+def drawn_scores(draws: np.ndarray) -> Scores:
+    """The Scores of `pack_draws`' array on the host, int32 [B, 2 + 2K] -> Scores [B] (numpy
+    views into `draws`)."""
+    k = (draws.shape[1] - 2) // 2
+    return Scores(draws[:, 1].view(np.float32), draws[:, 2:2 + k].view(np.float32), draws[:, 2 + k:])
 
 
 def empty_slots(batch: int, vocab: int) -> SlotState:
@@ -187,9 +213,9 @@ def engine_programs(graphdef, layout: ParamLayout, kernels: ops.KernelChoice, da
     if placement is not None:
         cache_out, slots_out = placement.trees()
         prefill_out.update(out_shardings=(cache_out, slots_out))
-        # Scores are split over `data` by their leading (row) dim, as the tokens.
+        # Scores and decode's packed draws are split over `data` by their leading (row) dim.
         scored_out.update(out_shardings=(cache_out, slots_out, placement.tokens))
-        decode_out.update(out_shardings=(placement.tokens, placement.tokens, cache_out, slots_out))
+        decode_out.update(out_shardings=(placement.tokens, cache_out, slots_out))
 
     def model_of(params):
         return nnx.merge(graphdef, layout.state(params))
@@ -233,8 +259,9 @@ def engine_programs(graphdef, layout: ParamLayout, kernels: ops.KernelChoice, da
 
     @functools.partial(jax.jit, donate_argnames=("cache", "slots"), **decode_out)
     def decode(params, cache: KVCache, slots: SlotState, control):
-        """control int32 [B, 3] (active, table column, page id) -> (tokens int32 [B], their Scores
-        [B] under the logits they were drawn from, cache, slots)."""
+        """control int32 [B, 3] (active, table column, page id) -> (the drawn tokens and their
+        Scores under the logits they were drawn from, int32 [B, 2 + 2K] (`pack_draws`), cache,
+        slots)."""
         batch = control.shape[0]
         active = control[:, 0] > 0
         table = cache.page_table.at[jnp.arange(batch), control[:, 1]].set(control[:, 2], mode="drop")
@@ -246,6 +273,6 @@ def engine_programs(graphdef, layout: ParamLayout, kernels: ops.KernelChoice, da
                                                           num_valid=active.astype(jnp.int32))
         slots = dataclasses.replace(slots, logits=jnp.where(active[:, None], logits[:, 0], slots.logits),
                                     drawn=slots.drawn + active)
-        return token, scores, dataclasses.replace(view, page_table=table), slots
+        return pack_draws(token, scores), dataclasses.replace(view, page_table=table), slots
 
     return EnginePrograms(prefill, prefill_scored, decode)
