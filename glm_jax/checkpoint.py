@@ -20,7 +20,7 @@ from flax import nnx
 
 from glm_jax import faults
 from glm_jax.checkpoint_damage import (MANIFEST_NAME, DamagedFilesError, check_file_manifest, damage_summary,
-                                      silence_orbax_leftovers, write_file_manifest)
+                                      restoring, write_file_manifest)
 from glm_jax.config import GLMConfig, load_config, save_config
 from glm_jax.convert import load_hf_checkpoint
 from glm_jax.model import GLMModel
@@ -130,7 +130,7 @@ def load_model_dir(directory: str | Path, *, config: GLMConfig | None = None, dt
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
                           nnx.to_pure_dict(abstract_state))
-    with ocp.StandardCheckpointer() as ckptr:
+    with restoring(), ocp.StandardCheckpointer() as ckptr:
         try:
             meta = ckptr.metadata(directory / "params")
         except Exception as e:  # noqa: BLE001 - orbax and tensorstore raise many kinds
@@ -140,7 +140,6 @@ def load_model_dir(directory: str | Path, *, config: GLMConfig | None = None, dt
         try:
             restored = ckptr.restore(directory / "params", target)
         except Exception as e:  # noqa: BLE001
-            silence_orbax_leftovers()
             raise CheckpointDamagedError(f"{directory}/params is damaged: {damage_summary(e)}; copy the model "
                                          "directory again (or re-export it from its training run)") from e
     restored = jax.tree.map(lambda x, t: jnp.asarray(x, t.dtype), restored, target)

@@ -10,7 +10,8 @@ Two layers:
   <coroutine object _read_array_index_and_device_put ...>") when its coroutine is collected,
   possibly at interpreter exit, and tensorstore's callbacks print tracebacks from their own
   threads. `silence_orbax_leftovers` drops exactly those reports (Python's unraisable hook) and
-  the other threads' stderr text, and `orbax_leftovers_seen` tells a front end to end the process without the
+  the other threads' stderr text (`restoring()` holds that text back during a restore, so none
+  escapes before the failure is known), and `orbax_leftovers_seen` tells a front end to end the process without the
   interpreter's final collection (`glm_jax.cli.exit_with`).
 `damage_summary` names the array and the cause of an orbax/tensorstore restore error,
 `os_reason` the operating system's reason for a failed write.
@@ -18,6 +19,8 @@ Two layers:
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import re
@@ -106,6 +109,33 @@ def silence_orbax_leftovers() -> None:
 
 def orbax_leftovers_seen() -> bool:
     return _orphaned["seen"]
+
+
+@contextlib.contextmanager
+def restoring():
+    """Around an orbax restore (the checkpointer's close included): what any thread writes to
+    stderr meanwhile is held back. If the block ends normally it is written out then, in order;
+    if it raises (the restore failed), it is dropped and `silence_orbax_leftovers` takes over,
+    so a read that fails on tensorstore's threads, or an event-loop callback reported while the
+    checkpointer closes, prints nothing before the one-line error either. Within another routing
+    of stderr (train.py's, or after an earlier failure): a plain block."""
+    from glm_jax.training.background_output import ThreadRoutedStream
+
+    original = sys.stderr
+    if isinstance(original, ThreadRoutedStream):
+        yield
+        return
+    held = sys.stderr = io.StringIO()
+    try:
+        yield
+    except BaseException:
+        if sys.stderr is held:
+            sys.stderr = ThreadRoutedStream(original, open(os.devnull, "w"))
+        silence_orbax_leftovers()
+        raise
+    if sys.stderr is held:
+        sys.stderr = original
+    original.write(held.getvalue())
 
 
 def _chain(error: BaseException, most: int = 16) -> list[BaseException]:

@@ -122,3 +122,37 @@ def test_damaged_model_directory_is_one_line_in_every_concurrent_run(tmp_path, w
     for code, lines in damaged_checkpoint.concurrent_runs(copy, 6):
         assert code == 2 and len(lines) == 1, lines[-40:]
         assert lines[0].startswith(f"error: {copy}/params is damaged: ") and "truncated" in lines[0], lines[0]
+
+
+def test_restoring_holds_stderr_back_and_drops_it_when_the_restore_fails(monkeypatch):
+    """`checkpoint_damage.restoring()`: text written to stderr during a restore (by any thread)
+    reaches stderr after a restore that succeeds, in order; after one that fails it never does,
+    and other threads stay silenced afterwards (their late tracebacks)."""
+    import io
+    import threading
+
+    from glm_jax import checkpoint_damage
+
+    terminal = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    monkeypatch.setattr(sys, "unraisablehook", sys.unraisablehook)
+    monkeypatch.setitem(checkpoint_damage._orphaned, "seen", False)
+
+    def from_a_thread(text):
+        t = threading.Thread(target=lambda: sys.stderr.write(text))
+        t.start()
+        t.join()
+
+    with checkpoint_damage.restoring():
+        sys.stderr.write("main 1\n")
+        from_a_thread("thread 1\n")
+        assert terminal.getvalue() == ""
+    assert terminal.getvalue() == "main 1\nthread 1\n" and sys.stderr is terminal
+    with pytest.raises(RuntimeError):
+        with checkpoint_damage.restoring():
+            from_a_thread("Traceback (most recent call last): ... Event loop is closed\n")
+            raise RuntimeError("the restore failed")
+    from_a_thread("a late traceback\n")
+    sys.stderr.write("error: one line\n")
+    assert terminal.getvalue() == "main 1\nthread 1\nerror: one line\n"
+    assert checkpoint_damage.orbax_leftovers_seen()

@@ -12,7 +12,7 @@ from pathlib import Path
 import jax
 import orbax.checkpoint as ocp
 
-from glm_jax.checkpoint_damage import damage_summary, silence_orbax_leftovers
+from glm_jax.checkpoint_damage import damage_summary, restoring
 from glm_jax.multihost import is_main_process
 
 
@@ -38,10 +38,10 @@ def restore_latest(mngr: ocp.CheckpointManager, abstract_state, log=print):
                           abstract_state)
     for step in sorted(mngr.all_steps(), reverse=True):
         try:
-            restored = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target),
-                                                                  meta=ocp.args.JsonRestore()))
+            with restoring():
+                restored = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target),
+                                                                      meta=ocp.args.JsonRestore()))
         except Exception as e:  # noqa: BLE001 - any failure means this checkpoint is unusable
-            silence_orbax_leftovers()
             aside = set_aside(mngr, step)
             log(f"checkpoint {step} cannot be restored: {damage_summary(e)}; "
                 + (f"moved to {aside.name}/ so it is not tried again; " if aside else "")
