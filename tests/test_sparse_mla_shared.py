@@ -39,10 +39,10 @@ def test_shared_rows_hold_each_querys_selection(block_q):
                 assert chosen == want[b][s]
 
 
-@pytest.mark.parametrize("heads,block_q", [(16, 4), (8, 8), (3, 4), (16, 1)])
+@pytest.mark.parametrize("heads,block_q", [(16, 4), (8, 8), (3, 4)])
 def test_forward_matches_the_reference(heads, block_q):
-    """Tiles of 64 (16 heads x 4 queries, 8 x 8) and 16 rows (3 heads in 4 slots x 4 queries;
-    16 heads alone), with the empty, out-of-range and duplicated selections of `sparse_inputs`."""
+    """Tiles of 64 (16 heads x 4 queries, 8 x 8) and 16 rows (3 heads in 4 slots x 4 queries),
+    with the empty, out-of-range and duplicated selections of `sparse_inputs`."""
     q, kv, idx = sparse_inputs(heads + block_q, B=2, S=7, T=50, K=24, H=heads, Dk=80)
     want_out, want_lse = reference.sparse_mla(q, kv, idx, sm_scale=0.125, v_dim=64)
     sr = gpu_shared.shared_rows(idx, 50, block_q=block_q)
@@ -61,19 +61,17 @@ def test_forward_refuses_mismatched_shapes():
         gpu_shared.shared_rows(idx, 50, block_q=32)
 
 
-@pytest.mark.parametrize("dkv_mode", ["sorted", "atomic"])
-def test_sparse_mla_with_shared_forward_meets_the_contract(dkv_mode):
+def test_sparse_mla_with_shared_forward_meets_the_contract():
     """`SparseMLAGpuConfig(fwd_block_q=4)`: the registry's GPU sparse MLA with the row-sharing
-    forward, forward and gradients (the backward is the per-query one of dkv_mode); with the
+    forward, forward and gradients (the backward is the per-query "sorted" one); with the
     indexer target the op keeps the per-query forward."""
     import pallas_kernels as pk
     from kernel_contract import check_sparse_mla, check_sparse_mla_target
 
     q, kv, idx = sparse_inputs(3, B=2, S=6, T=50, K=24, H=16, Dk=80)
-    config = pk.SparseMLAGpuConfig(block_k=16, fwd_block_q=4, dkv_mode=dkv_mode)
+    config = pk.SparseMLAGpuConfig(block_k=16, fwd_block_q=4, dkv_mode="sorted")
     check_sparse_mla("pallas_gpu", q, kv, idx, sm_scale=0.125, v_dim=64, config=config)
-    if dkv_mode == "sorted":
-        check_sparse_mla_target("pallas_gpu", q, kv, idx, sm_scale=0.125, v_dim=64, config=config)
+    check_sparse_mla_target("pallas_gpu", q, kv, idx, sm_scale=0.125, v_dim=64, config=config)
 
 
 def test_shared_backward_meets_the_contract():
