@@ -518,13 +518,14 @@ class ServingEngine(GeneratorBase):
         prompt_scores = list(run.prompt_scores) if request.prompt_logprobs and not run.emitted else None
         if token == request.stop_token:
             run.stopped = True
-            self._events.append(Event(run.id, [], True, None, None if request.logprobs is None else [], prompt_scores))
+            self._events.append(Event(run.id, [], True, logprobs=None if request.logprobs is None else [],
+                                      prompt_logprobs=prompt_scores))
             self._retire(run)
             return
         run.emitted.append(token)
         finished = len(run.emitted) >= request.max_new_tokens
         logprobs = None if request.logprobs is None else [_token_logprob(scores, slot, request.logprobs)]
-        self._events.append(Event(run.id, [token], finished, None, logprobs, prompt_scores))
+        self._events.append(Event(run.id, [token], finished, logprobs=logprobs, prompt_logprobs=prompt_scores))
         if finished:
             self._retire(run)
 

@@ -71,6 +71,11 @@ class SharedRows:
     num_keys: int = dataclasses.field(metadata=dict(static=True))
 
 
+def _run_starts(x: jax.Array) -> jax.Array:
+    """x [N, W] sorted along W -> bool [N, W]: where a run of equal values starts."""
+    return jnp.concatenate([jnp.ones((x.shape[0], 1), bool), x[:, 1:] != x[:, :-1]], axis=1)
+
+
 def shared_rows(indices: jax.Array, num_keys: int, *, block_q: int) -> SharedRows:
     """indices int32 [B, S, K] (-1 / out of range = skip) -> SharedRows for blocks of block_q
     adjacent queries (module docstring). block_q <= 31 (the bits of one int32)."""
@@ -89,28 +94,17 @@ def shared_rows(indices: jax.Array, num_keys: int, *, block_q: int) -> SharedRow
     keys = jnp.sort(keys, axis=-1)
     row, query = keys // block_q, keys % block_q
     valid = row < num_keys
-    first = valid & jnp.concatenate([jnp.ones((n, 1), bool), row[:, 1:] != row[:, :-1]], axis=1)
+    first = valid & _run_starts(row)
     place = jnp.cumsum(first, axis=1, dtype=jnp.int32) - 1                    # the run's union slot
     units = -(-width // 64) * 64
     block = lax.broadcasted_iota(jnp.int32, (n, width), 0)
     out_rows = jnp.full((n, units), -1, jnp.int32).at[block, jnp.where(first, place, units)].set(
         row, mode="drop")
-    new_pair = valid & jnp.concatenate([jnp.ones((n, 1), bool), keys[:, 1:] != keys[:, :-1]], axis=1)
+    new_pair = valid & _run_starts(keys)
     bits = jnp.zeros((n, units), jnp.int32).at[block, jnp.where(new_pair, place, units)].add(
         jnp.left_shift(jnp.int32(1), query), mode="drop")               # distinct bits: add = or
     return SharedRows(rows=out_rows, bits=bits, count=jnp.sum(first, axis=1, dtype=jnp.int32),
                       block_q=block_q, seq_len=seq_len, num_keys=num_keys)
-
-
-def default_block_q(heads: int) -> int:
-    """Queries per program: as many as fill a MAX_TILE_ROWS tile of (query, head slot) rows."""
-    return max(1, MAX_TILE_ROWS // next_pow2(heads))
-
-
-def _tile_index(block_q: int, slots: int):
-    """The tile's rows m = i * slots + h -> (query i of the block, head h), int32 [M] each."""
-    m = lax.broadcasted_iota(jnp.int32, (block_q * slots,), 0)
-    return m // slots, m % slots
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,7 +121,8 @@ class _Tile:
     @classmethod
     def of(cls, n, *, seq_len, rows_total, blocks_per_seq, block_q, slots, heads) -> "_Tile":
         b, s0 = n // blocks_per_seq, (n % blocks_per_seq) * block_q
-        qi, h = _tile_index(block_q, slots)
+        m = lax.broadcasted_iota(jnp.int32, (block_q * slots,), 0)
+        qi, h = m // slots, m % slots
         inside = s0 + qi < seq_len
         return cls(qi=qi, row=jnp.where(inside, b * seq_len + s0 + qi, rows_total), head=h,
                    real=inside & (h < heads))
@@ -301,9 +296,9 @@ def backward(q, kv, indices, dout, lse, delta, *, sm_scale, v_dim, tindex: Share
     kernel through tindex.transposed; dq per query by `gpu_backward`'s query-major kernels. The
     tile, tindex's block_q x next_pow2(H), is 16 .. MAX_BWD_TILE_ROWS rows.
     Shapes as `gpu_backward.backward`'s; tindex: `shared_index` of these indices. Settings:
-    block_k union rows per step and num_warps / num_stages (None: 4, 1: the tile's q and dout,
-    136 KB at 64 x (576 + 512) bf16, leave room for one row block in shared memory) of the
-    pairs kernel; col_block, fuse_dq, dq_warps, dq_stages those of the dq kernels
+    block_k union rows per step and num_warps / num_stages (None: 4, 1: the tile's q and dout in
+    two layouts, 136 KiB at 32 x (576 + 512) bf16, leave room for one row block in shared
+    memory) of the pairs kernel; col_block, fuse_dq, dq_warps, dq_stages those of the dq kernels
     (`gpu_backward.query_major_dq`); reduce_block, reduce_warps the reduce kernel's."""
     batch, seq_len, heads, dk = q.shape
     num_keys = kv.shape[1]
