@@ -44,8 +44,8 @@ from glm_jax.layers.segments import count_segments, segment_bound
 from glm_jax.model import GLMModel, abstract_model, count_params, init_model
 from glm_jax.training import background_output, checkpointing
 from glm_jax.training.compiles import CompileWatch
-from glm_jax.training.step import (LossWeights, attention_form, eval_step, make_optimizer, train_step,
-                                   train_step_keeping)
+from glm_jax.training.step import (LearningRateSchedule, LossWeights, attention_form, eval_step, make_optimizer,
+                                   train_step, train_step_keeping)
 
 DEFAULT_CONFIG = "configs/tiny.yaml"
 TOKENIZER_DOCS = 20_000  # documents the tokenizer is trained on (and the most held-out ones encoded)
@@ -67,7 +67,7 @@ class Run:
     rest: nnx.State
     opt_state: optax.OptState
     tx: optax.GradientTransformation
-    schedule: optax.Schedule
+    schedule: LearningRateSchedule
     feed: _BatchPlacement
     batches: pipeline.PackedBatches   # wrapped in `Prefetched` while the loop runs, if --prefetch-batches
     heldout: list
@@ -280,7 +280,7 @@ def _loop(run: Run, stop_requested: "StopSignals", compiles: CompileWatch) -> in
             weights=run.weights, kernels=run.kernels, remat=args.remat, form=run.form,
             max_segments=segment_bounds.for_step(batch.segment_ids, stage, run.form))
         faults.reached("step", step)
-        record = log.step(step, stage, lambda: host_learning_rate(run.schedule, step - 1), terms, batch,
+        record = log.step(step, stage, lambda: run.schedule.on_host(step - 1), terms, batch,
                           full=step % args.log_every == 0 or step == args.steps or step == run.start + 1)
         if step % args.eval_every == 0 or step == args.steps:
             log.validation(record, evaluate(run, stage))
@@ -299,13 +299,6 @@ def _loop(run: Run, stop_requested: "StopSignals", compiles: CompileWatch) -> in
     export(run)
     print(f"done: {step} steps; model written to {run.out} (decode with: python decode.py --checkpoint {run.out})")
     return 0
-
-
-def host_learning_rate(schedule: optax.Schedule, count: int) -> float:
-    """schedule(count) computed on the host's CPU device: on the default device it would queue
-    behind the step just dispatched, and reading it back would wait for that step to end."""
-    with jax.default_device(jax.devices("cpu")[0]):
-        return float(schedule(count))
 
 
 class StopSignals:

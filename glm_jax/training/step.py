@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -40,26 +41,65 @@ class LossWeights:
     tv: float = 0.0
 
 
+@dataclasses.dataclass(frozen=True)
+class LearningRateSchedule:
+    """The learning rate by optimizer step: a linear warm-up from 0 to `lr` over `warmup_steps`,
+    then either a cosine to lr/10 at `total_steps` (decay_steps == 0) or `lr` held until a linear
+    decay to lr/10 over the last `decay_steps`. Called with a step count it is the optax schedule
+    the optimizer runs on the device; `on_host(count)` gives the same value in plain Python, so
+    that logging it neither waits behind the step in flight nor needs a CPU backend (JAX_PLATFORMS
+    may name only the accelerator)."""
+
+    lr: float
+    total_steps: int
+    warmup_steps: int
+    decay_steps: int = 0
+
+    @property
+    def stable_steps(self) -> int:
+        return max(0, self.total_steps - self.warmup_steps - self.decay_steps)
+
+    @functools.cached_property
+    def optax(self) -> optax.Schedule:
+        if self.decay_steps > 0:
+            return optax.join_schedules(
+                [optax.linear_schedule(0.0, self.lr, self.warmup_steps), optax.constant_schedule(self.lr),
+                 optax.linear_schedule(self.lr, self.lr * 0.1, self.decay_steps)],
+                [self.warmup_steps, self.warmup_steps + self.stable_steps])
+        return optax.warmup_cosine_decay_schedule(0.0, self.lr, self.warmup_steps,
+                                                  max(self.total_steps, self.warmup_steps + 1),
+                                                  end_value=self.lr * 0.1)
+
+    def __call__(self, count):
+        return self.optax(count)
+
+    def on_host(self, count: int) -> float:
+        """The rate at optimizer step `count` (0-based), computed in Python floats."""
+        lr, warmup = self.lr, self.warmup_steps
+        if count < warmup:
+            return lr * count / warmup
+        if self.decay_steps > 0:
+            into_decay = count - warmup - self.stable_steps
+            if into_decay <= 0:
+                return lr
+            return lr + (lr * 0.1 - lr) * min(into_decay, self.decay_steps) / self.decay_steps
+        cosine_steps = max(self.total_steps, warmup + 1) - warmup
+        progress = min(count - warmup, cosine_steps) / cosine_steps
+        return lr * 0.1 + (lr - lr * 0.1) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
 def make_optimizer(lr: float, total_steps: int, warmup_steps: int, weight_decay: float = 0.1,
-                   decay_steps: int = 0):
-    """AdamW with gradient clipping. The learning rate warms up linearly over `warmup_steps`, then
-    follows a cosine to lr/10 at `total_steps`; with `decay_steps` > 0 it instead stays at `lr`
-    and decays linearly to lr/10 over the last `decay_steps` (warmup-stable-decay: every step
-    before the decay is the same whatever `total_steps` is, so a run may be lengthened or
-    shortened on resume while it is still stable)."""
+                   decay_steps: int = 0) -> tuple[optax.GradientTransformation, LearningRateSchedule]:
+    """AdamW with gradient clipping, and its learning-rate schedule (`LearningRateSchedule`). With
+    `decay_steps` > 0 the schedule is warmup-stable-decay: every step before the decay is the same
+    whatever `total_steps` is, so a run may be lengthened or shortened on resume while it is still
+    stable."""
     warmup_steps = max(1, min(warmup_steps, total_steps - 1))
     if decay_steps > 0:
         decay_steps = min(decay_steps, max(1, total_steps - warmup_steps))
-        stable = max(0, total_steps - warmup_steps - decay_steps)
-        schedule = optax.join_schedules(
-            [optax.linear_schedule(0.0, lr, warmup_steps), optax.constant_schedule(lr),
-             optax.linear_schedule(lr, lr * 0.1, decay_steps)],
-            [warmup_steps, warmup_steps + stable])
-    else:
-        schedule = optax.warmup_cosine_decay_schedule(0.0, lr, warmup_steps, max(total_steps, warmup_steps + 1),
-                                                      end_value=lr * 0.1)
+    schedule = LearningRateSchedule(lr, total_steps, warmup_steps, decay_steps)
     tx = optax.chain(optax.clip_by_global_norm(1.0),
-                     optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=weight_decay))
+                     optax.adamw(schedule.optax, b1=0.9, b2=0.95, weight_decay=weight_decay))
     return tx, schedule
 
 
