@@ -65,28 +65,47 @@ def check(impl, interpret):
     return same
 
 
+def device_bytes() -> int | None:
+    """The memory the default device lets one program use (None where it does not say)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("bytes_limit")
+
+
+def paged_batch(batch: int, context: int, memory: int | None, itemsize: int = 2) -> int:
+    """Sequences of `context` keys that one paged decode row measures: `batch`, or fewer where the
+    store and the baseline's gathered copy (twice the key bytes) would take more than half of the
+    device's `memory` (an 80 GB card takes 64 sequences of 1M keys: 32 GiB)."""
+    if memory is None:
+        return batch
+    per_sequence = 2 * context * D * itemsize
+    return max(1, min(batch, memory // 2 // per_sequence))
+
+
 def paged_decode(impl, interpret, bw, contexts, batch, topk, page):
     """Paged decode rows: paged kernel vs pages copied then the contiguous kernel, with the floor
-    key bytes / copy bandwidth."""
-    print(f"\n| paged decode: {batch} seq x 1 query, pages of {page} keys (shuffled) | paged ms | "
+    key bytes / copy bandwidth. Each row's batch is sized to the device (`paged_batch`)."""
+    print(f"\n| paged decode: 1 query a sequence, pages of {page} keys (shuffled) | sequences | paged ms | "
           f"copy + kernel ms | speedup | floor ms (key bytes / copy BW) | % of copy BW |")
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
+    memory = None if interpret else device_bytes()
     rows = []
     for T in contexts:
-        q, k, w, q_pos, kv_len = decode_inputs(jax.random.key(4), batch, 1, T)
+        b = paged_batch(batch, T, memory)
+        q, _, w, q_pos, kv_len = decode_inputs(jax.random.key(4), b, 1, page)
+        q_pos, kv_len = q_pos + (T - page), kv_len + (T - page)
         n = -(-T // page)
-        table = (1 + jax.random.permutation(jax.random.key(5), batch * n)).reshape(batch, n).astype(jnp.int32)
-        store = jnp.zeros((1, batch * n + 1, page, D), k.dtype).at[0, table].set(k.reshape(batch, n, page, D))
-        del k
+        table = (1 + jax.random.permutation(jax.random.key(5), b * n)).reshape(b, n).astype(jnp.int32)
+        store = jax.random.normal(jax.random.key(6), (1, b * n + 1, page, D), jnp.bfloat16)   # no contiguous copy
         args = dict(topk=topk, q_pos=q_pos, kv_len=kv_len, impl=impl, interpret=interpret)
         paged_fn = jax.jit(lambda q, st, t, w: pk.paged_indexer_topk(q, st, t, w, **args))
-        copy_fn = jax.jit(lambda q, st, t, w: pk.indexer_topk(q, st[0][t].reshape(batch, n * page, D), w, **args))
+        copy_fn = jax.jit(lambda q, st, t, w: pk.indexer_topk(q, st[0][t].reshape(b, n * page, D), w, **args))
         ours = bench(paged_fn, q, store, table, w)
         base = bench(copy_fn, q, store, table, w)
-        key_bytes = batch * T * D * jnp.dtype(store.dtype).itemsize
-        print(f"| {T} | {ours * 1e3:.3f} | {base * 1e3:.3f} | {base / ours:.2f}x | {key_bytes / bw * 1e3:.3f} | "
+        key_bytes = b * T * D * jnp.dtype(store.dtype).itemsize
+        print(f"| {T} | {b} | {ours * 1e3:.3f} | {base * 1e3:.3f} | {base / ours:.2f}x | {key_bytes / bw * 1e3:.3f} | "
               f"{100 * key_bytes / ours / bw:.0f}% |", flush=True)
-        rows.append(dict(kind="paged_decode", T=T, ours_s=ours, baseline_s=base, key_bytes=key_bytes, page=page))
+        rows.append(dict(kind="paged_decode", T=T, batch=b, ours_s=ours, baseline_s=base, key_bytes=key_bytes,
+                         page=page))
         del store
     return rows
 

@@ -172,14 +172,61 @@ def mosaic_paged_decode(bw, smoke, context):
                 diff = float(jnp.max(jnp.abs(fn(q, store, table, idx)[0].astype(jnp.float32)
                                              - want.astype(jnp.float32))))
             except Exception as e:       # report, don't abort the run
-                first = (str(e).strip().splitlines() or [""])[0][:300]
-                rows.append(dict(impl="mosaic_gpu", batch=B, config=cfg, error=f"{type(e).__name__}: {first}"))
-                print(f"| {B} | failed | {cfg} | {moved / bw * 1e6:.1f} | {type(e).__name__}: {first} | |", flush=True)
+                last = (str(e).strip().splitlines() or [""])[-1][:300]
+                rows.append(dict(impl="mosaic_gpu", batch=B, config=cfg, error=f"{type(e).__name__}: {last}"))
+                print(f"| {B} | failed | {cfg} | {moved / bw * 1e6:.1f} | {type(e).__name__}: {last} | |", flush=True)
                 continue
             rows.append(dict(impl="mosaic_gpu", batch=B, paged=t, config=cfg, floor=moved / bw, pct=moved / t / bw,
                              max_abs_diff=diff))
             print(f"| {B} | {t * 1e6:.1f} | {cfg} | {moved / bw * 1e6:.1f} | {100 * moved / t / bw:.0f}% | "
                   f"{diff:.3g} |", flush=True)
+    return rows
+
+
+def mosaic_prefill_forward(mm, smoke, queries, context, heads):
+    """The prefill forward at one shape (1 x queries over `context` keys, top-2048): the Triton
+    kernel of the registry against the Mosaic GPU kernel (`gpu_mosaic.sparse_mla`: a producer
+    warpgroup gathering rows by TMA, two wgmma warpgroups), each as a share of the measured bf16
+    matmul rate, with the Mosaic kernel's largest differences from the Triton kernel's out and
+    lse; a config that fails is a row with its error's type and last line."""
+    from pallas_kernels.attention import gpu_mosaic
+    S, T, K = (4, 256, 64) if smoke else (queries, context, 2048)
+    q, kv, idx = inputs(jax.random.key(21), 1, S, T, K, heads=heads)
+    flops = 2 * S * heads * K * (DK + DV)
+    print(f"\n## prefill forward: 1 x {S} queries, H={heads}, top-k {K}, context {T}, bf16: Triton vs Mosaic GPU")
+    print("| kernel | config | ms | TFLOP/s | % of matmul | max abs diff out / lse from Triton |")
+    print("|---|---|---|---|---|---|")
+    triton_cfgs = [dict()] if smoke else [dict(), dict(block_k=64, num_warps=8, num_stages=2)]
+    mosaic_cfgs = [dict()] if smoke else [dict(), dict(num_splits=2), dict(num_splits=4), dict(stages=3)]
+    cfg_type = pk.REGISTRY["sparse_mla"]["pallas_gpu"].config
+    cases = [("triton", c, lambda c: jax.jit(lambda q, kv, i: pk.sparse_mla(
+        q, kv, i, sm_scale=SCALE, v_dim=DV, impl="pallas_gpu", config=cfg_type(**c), interpret=smoke)))
+        for c in triton_cfgs]
+    cases += [("mosaic", c, lambda c: jax.jit(lambda q, kv, i: gpu_mosaic.sparse_mla(
+        q, kv, i, sm_scale=SCALE, v_dim=DV, config=gpu_mosaic.SparseMLAMosaicConfig(**c), interpret=smoke)))
+        for c in mosaic_cfgs]
+    rows, want = [], None
+    for kernel, cfg, make in cases:
+        if kernel == "mosaic" and smoke and not gpu_mosaic.interpret_available():
+            print("| mosaic | | skipped: this jax has no Mosaic GPU interpret mode | | | |")
+            continue
+        try:
+            fn = make(cfg)
+            t = bench(fn, q, kv, idx, reps=3)
+            out, lse = fn(q, kv, idx)
+        except Exception as e:       # report, don't abort the run
+            last = (str(e).strip().splitlines() or [""])[-1][:300]
+            rows.append(dict(kernel=kernel, config=cfg, error=f"{type(e).__name__}: {last}"))
+            print(f"| {kernel} | {cfg} | failed | | | {type(e).__name__}: {last} |", flush=True)
+            continue
+        if want is None:
+            want = (out.astype(jnp.float32), lse)
+        d_out = float(jnp.max(jnp.abs(out.astype(jnp.float32) - want[0])))
+        d_lse = float(jnp.max(jnp.abs(jnp.where(jnp.isfinite(want[1]), lse - want[1], 0.0))))
+        rows.append(dict(kernel=kernel, config=cfg, seconds=t, tflops=flops / t / 1e12, pct_matmul=flops / t / mm,
+                         max_abs_diff_out=d_out, max_abs_diff_lse=d_lse))
+        print(f"| {kernel} | {cfg} | {t * 1e3:.2f} | {flops / t / 1e12:.0f} | {100 * flops / t / mm:.0f}% | "
+              f"{d_out:.3g} / {d_lse:.3g} |", flush=True)
     return rows
 
 
@@ -226,6 +273,9 @@ def main():
     ap.add_argument("--prefill-heads", type=int, default=H)
     ap.add_argument("--prefill-only", action="store_true", help="skip the decode measurements")
     ap.add_argument("--paged-only", action="store_true", help="only the ceilings and the paged decode")
+    ap.add_argument("--mosaic-prefill", action="store_true",
+                    help="only the ceilings and the prefill forward, Triton against Mosaic GPU "
+                         "(--prefill-queries, --prefill-context, --prefill-heads)")
     args = ap.parse_args()
     smoke = args.smoke
     backend = jax.default_backend()
@@ -241,6 +291,13 @@ def main():
     report["copy_bw"], report["matmul"] = bw, mm
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s (read+write); bf16 matmul {mm / 1e12:.0f} TFLOP/s")
 
+    if args.mosaic_prefill:
+        report["prefill_forward_mosaic"] = mosaic_prefill_forward(mm, smoke, args.prefill_queries,
+                                                                  args.prefill_context, args.prefill_heads)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=1, default=str)
+        return
     if args.paged_only:
         report["paged_decode"] = paged_decode(impl, config_type, interpret, bw, smoke, args.decode_context)
         if impl == "pallas_gpu":         # the Mosaic GPU kernel beside the Triton one

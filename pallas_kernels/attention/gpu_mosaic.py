@@ -141,7 +141,7 @@ class SparseMLAMosaicConfig:
     num_splits: int | None = None
     stages: int = 2
     buffers: int = 1
-    stage_layout: str = "rows"
+    stage_layout: str = "chunks"
 
     def __post_init__(self):
         check_positive_fields(self)
@@ -458,3 +458,15 @@ def paged_sparse_mla(q: jax.Array, kv_pages: jax.Array, page_table: jax.Array, i
         w = jnp.where(finite, jnp.exp(lse_all - jnp.where(finite, lse, 0.0)), 0.0)
         out = jnp.sum(out * w[..., None], axis=1, keepdims=True).astype(q.dtype)
     return out.reshape(batch, seq_len, heads, v_dim), lse.reshape(batch, seq_len, heads)
+
+
+def sparse_mla(q: jax.Array, kv: jax.Array, indices: jax.Array, *, sm_scale: float, v_dim: int,
+               config: SparseMLAMosaicConfig = SparseMLAMosaicConfig(), interpret: bool = False):
+    """The forward of `pallas_kernels.sparse_mla` (contiguous latent rows) with the same kernel:
+    q [B, S, H, Dk], kv [B, T, Dk], indices int32 [B, S, K] (-1 or >= T = skip) -> (out
+    [B, S, H, v_dim] in q.dtype, lse f32 [B, S, H]). Each sequence's rows are one page of T rows
+    of a one-slot store, so the row ids are b * T + t."""
+    batch, seq_len, dk = kv.shape
+    table = jnp.arange(batch, dtype=jnp.int32)[:, None]
+    return paged_sparse_mla(q, kv.reshape(1, batch, seq_len, dk), table, indices, slot=0, sm_scale=sm_scale,
+                            v_dim=v_dim, config=config, interpret=interpret)

@@ -210,12 +210,12 @@ def _backward_kernel(*refs, layers, heads, index_heads, kchunks, ichunks, sm_sca
         dq_ref[b, pl.ds(s0, block), h, :] = dqs[h]
         dw_ref[b, pl.ds(s0, block), h] = dws[h]
 
-    def zero(kb, _):                 # key blocks this query block does not reach
+    def zero(kb, carry):             # key blocks this query block does not reach
         dk_ref[i, b, pl.ds(kb * block, block), :] = jnp.zeros((block, di), jnp.float32)
-        return 0
+        return carry                 # a carried value: a constant one does not lower on jax 0.11's Triton
 
-    lax.fori_loop(0, lo, zero, 0)
-    lax.fori_loop(hi, n, zero, 0)
+    lax.fori_loop(0, lo, zero, jnp.int32(0))
+    lax.fori_loop(hi, n, zero, jnp.int32(0))
 
 
 def _width(n: int) -> int:
