@@ -169,3 +169,25 @@ def test_loss_terms_dense_stage_absorbed_equals_expanded(monkeypatch, packed, re
         indexer_grads += "indexer" in name and float(jnp.max(jnp.abs(w))) > 0
         np.testing.assert_allclose(g, w, rtol=1e-3, atol=1e-5 * max(float(jnp.max(jnp.abs(w))), 1e-3), err_msg=name)
     assert indexer_grads >= 8        # wq_b, wk, k_norm, weights_proj of the stacked groups and MTP
+
+
+def test_pallas_kernels_lower_to_triton_for_h100():
+    """The forward and backward kernels at the default model's widths (4 layers of 8 heads over
+    160-wide latent rows, 8 indexer heads of 64, tiles of 64), lowered to Triton for an H100."""
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=jax.sharding.AbstractDevice(
+        device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu"))
+    s = jax.ShapeDtypeStruct
+    batch, seq = 2, 512
+    targets = [DenseTarget(s((batch, seq, 8, 160), jnp.bfloat16), s((batch, seq, 160), jnp.bfloat16))
+               for _ in range(4)]
+    idx = (s((batch, seq, 8, 64), jnp.bfloat16), s((batch, seq, 64), jnp.bfloat16), s((batch, seq, 8), jnp.float32))
+
+    def kl(targets, iq, ik, iw):
+        return dense_group_kl(targets, idx_q=iq, idx_keys=ik, idx_w=iw, sm_scale=SCALE,
+                              kv_len=jnp.full((batch,), seq, jnp.int32), impl="pallas_gpu",
+                              gpu_config=pk.dense_kl.gpu.DenseKLGpuConfig(block=64))
+
+    with jax.sharding.use_abstract_mesh(mesh):
+        for fn, kernels in ((kl, 1), (jax.grad(kl, argnums=(1, 2, 3)), 2)):
+            text = jax.jit(fn).trace(targets, *idx).lower(lowering_platforms=("cuda",)).as_text()
+            assert text.count("xla.gpu.triton") == kernels
