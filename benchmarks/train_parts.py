@@ -109,16 +109,33 @@ def main(args, recipe: dict) -> None:
             traceback.print_exc()
             continue
         limit_s, limit_what = limit
+        first = None
         for impl, fn, fn_args in cases:
             try:
                 t = bench(fn, *fn_args, reps=5, inner=1)
                 row = dict(part=name, impl=impl, ms=t * 1e3, limit_ms=limit_s * 1e3, limit_what=limit_what)
+                outputs = jax.tree.leaves(fn(*fn_args))
+                first = outputs if first is None else first
+                row["rel_diff_from_first"] = _relative_difference(outputs, first)
             except Exception as e:  # noqa: BLE001 - e.g. out of memory in the old form
-                row = dict(part=name, impl=impl, failed=f"{type(e).__name__}: {str(e)[:300]}")
+                traceback.print_exc()
+                last = (str(e).strip().splitlines() or [""])[-1][:300]
+                row = dict(part=name, impl=impl, failed=f"{type(e).__name__}: {last}")
             rows.append(row)
             print(row, flush=True)
             _write(args.json, dict(device=_device(), copy_gbs=bw / 1e9, matmul_tflops=mm / 1e12, rows=rows))
     _write(args.json, dict(device=_device(), copy_gbs=bw / 1e9, matmul_tflops=mm / 1e12, rows=rows))
+
+
+def _relative_difference(outputs, reference) -> float | None:
+    """The largest ||a - b|| / ||b|| over the output arrays (the loss and its gradients) of one
+    implementation of a part against those of its first; None where their shapes differ."""
+    if [o.shape for o in outputs] != [r.shape for r in reference]:
+        return None
+    diffs = [float(jnp.linalg.norm((o.astype(jnp.float32) - r.astype(jnp.float32)).ravel())
+                   / max(float(jnp.linalg.norm(r.astype(jnp.float32).ravel())), 1e-30))
+             for o, r in zip(outputs, reference)]
+    return max(diffs, default=0.0)
 
 
 def _normal(key, shape, dtype, scale=1.0):
@@ -220,9 +237,11 @@ def dense_kl_part(cfg, recipe, bw, mm):
     if jax.default_backend() == "gpu":
         from pallas_kernels.dense_kl.gpu import DenseKLGpuConfig
 
-        cases.append(("fused, Pallas GPU forward (tiles of 64), XLA backward",
-                      fwd_bwd(lambda *a: fused(*a, impl="pallas_gpu", gpu_config=DenseKLGpuConfig(block=64)),
-                              (0, 1, 2)), args))
+        for tile in (64, 32, 16):
+            cases.append((f"fused, Pallas GPU kernels (tiles of {tile})",
+                          fwd_bwd(lambda *a, tile=tile: fused(*a, impl="pallas_gpu",
+                                                              gpu_config=DenseKLGpuConfig(block=tile)), (0, 1, 2)),
+                          args))
     pairs = b * s * (s + 1) / 2
     flops = pairs * 2 * (layers * h * dk + 3 * hi * di)
     return cases, (flops / mm, "each layer's causal logits once, the indexer's scores and 2 gradients")

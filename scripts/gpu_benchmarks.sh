@@ -28,9 +28,10 @@
 # serving-itl     host time per engine step (16K context), then the load      5-7 min
 #                 benchmark at 32K with a step token budget of 200: ITL p99
 #                 against p50 at 80% of saturation
-# kernels         the Mosaic GPU paged kernel's data path step by step;       4-6 min
-#                 paged sparse MLA and paged indexer top-k decode against
-#                 the gather path, beside the copy bandwidth
+# kernels         paged sparse MLA decode (Triton and Mosaic GPU) and paged   4-6 min
+#                 indexer top-k decode against the gather path, beside the
+#                 copy bandwidth; the prefill forward at 64 heads (16K
+#                 queries over 64K keys), Triton against Mosaic GPU
 # prefill         one 200K-token prompt, IndexShare against all Full          2-4 min
 # serving         host time per engine step (16K context, 12,000 tokens);    6-8 min
 #                 the load benchmark at 32K, IndexShare: a rate sweep to
@@ -320,10 +321,10 @@ for group in "${groups[@]}"; do
                 --stages sparse dense --sparse-impls pallas_gpu --json "$stage/train_long_128k.json"
             ;;
         kernels)
-            # where the Mosaic GPU paged kernel goes wrong: its data path step by step
-            run mosaic_paged_probe 150 "--interpret" "$py" benchmarks/mosaic_paged_probe.py
             run sparse_mla_paged 240 "--smoke" "$py" benchmarks/sparse_mla.py --paged-only \
                 --json "$stage/sparse_mla_paged.json"
+            run sparse_mla_prefill_mosaic 240 "--smoke" "$py" benchmarks/sparse_mla.py --mosaic-prefill \
+                --prefill-queries 16384 --prefill-context 65536 --json "$stage/sparse_mla_prefill_mosaic.json"
             run indexer_topk_paged 240 "--smoke" "$py" benchmarks/indexer_topk.py --paged-only \
                 --json "$stage/indexer_topk_paged.json"
             ;;

@@ -1,10 +1,10 @@
-"""The Mosaic GPU paged sparse MLA kernel (`pallas_kernels.attention.gpu_mosaic`), run by
+"""The Mosaic GPU sparse MLA kernel (`pallas_kernels.experimental.mosaic_sparse_mla`), run by
 test_paged_mosaic_gpu.py in a process of its own: in GPU interpret mode on a CPU against the
 reference and a per-slot numpy oracle (which counts a duplicated index once per occurrence, as
-the kernel does), its lowering to a Mosaic GPU kernel for an H100 (no GPU needed) and its config
-checks. Skipped where this jax has no GPU interpret mode (jax < 0.12). Compiled on an H100 the
-kernel does not yet match the reference, so it is not in the registry
-(docs/kernels-sparse-mla.md)."""
+the kernel does), paged and contiguous; its lowering to a Mosaic GPU kernel for an H100 (no GPU
+needed) and its config checks. Skipped where this jax has no GPU interpret mode (jax < 0.12).
+On an H100 `benchmarks/sparse_mla.py --paged-only` and `--mosaic-prefill` compare it with the
+Triton kernel (docs/kernels-sparse-mla.md)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.attention import gpu_mosaic as gm, reference
+from pallas_kernels.attention import reference
+from pallas_kernels.experimental import mosaic_sparse_mla as gm
 
 pytestmark = pytest.mark.skipif(not gm.interpret_available(),
                                 reason="this jax has no Mosaic GPU interpret mode (jax >= 0.12 has it)")
@@ -147,8 +148,6 @@ def test_config_is_checked():
         gm.SparseMLAMosaicConfig(block_k=32)
     with pytest.raises(ValueError, match="positive int"):
         gm.SparseMLAMosaicConfig(stages=0)
-    with pytest.raises(ValueError, match="stage_layout"):
-        gm.SparseMLAMosaicConfig(stage_layout="cols")
     q, store, table, idx = _inputs(4, B=1, S=1, H=64, Dk=576, K=64)
     with pytest.raises(ValueError, match="shared memory"):
         gm.paged_sparse_mla(q, store, table, idx, slot=1, sm_scale=0.1, v_dim=512,

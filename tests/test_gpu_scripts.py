@@ -90,16 +90,16 @@ def test_benchmarks_usage_and_bad_arguments_run_nothing(tmp_path):
 def test_a_failing_benchmark_does_not_stop_the_next_and_fails_the_run(tmp_path):
     out = tmp_path / "out"
     result = run_script("gpu_benchmarks.sh", [str(out), "kernels"], tmp_path, stub(tmp_path, BENCH_STUB))
-    assert result.returncode == 1 and "1 benchmark(s) failed" in result.stderr
+    assert result.returncode == 1 and "2 benchmark(s) failed" in result.stderr
     benchmarks = [c for c in calls(tmp_path) if "benchmarks/" in c]
     assert len(benchmarks) == 3 and all(c.startswith("JAX_PLATFORMS=cuda ") for c in benchmarks)
     assert [p.name for p in out.iterdir()] == ["gpu_benchmarks-kernels.tar.gz"]
     files = archive_members(out / "gpu_benchmarks-kernels.tar.gz")
-    assert {"environment.txt", "summary.txt", "mosaic_paged_probe.txt", "sparse_mla_paged.txt",
+    assert {"environment.txt", "summary.txt", "sparse_mla_paged.txt", "sparse_mla_prefill_mosaic.txt",
             "indexer_topk_paged.txt", "indexer_topk_paged.json"} <= set(files)
     assert "sparse_mla broke" in files["sparse_mla_paged.txt"]
     summary = [line.split()[:2] for line in files["summary.txt"].splitlines()]
-    assert summary[0] == ["mosaic_paged_probe", "ok"] and summary[1] == ["sparse_mla_paged", "failed"]
+    assert summary[0] == ["sparse_mla_paged", "failed"] and summary[1] == ["sparse_mla_prefill_mosaic", "failed"]
     assert summary[2] == ["indexer_topk_paged", "ok"]
 
 

@@ -1,4 +1,4 @@
-"""The Mosaic GPU paged sparse MLA kernel's checks (`mosaic_gpu_checks.py`: GPU interpret mode
+"""The Mosaic GPU sparse MLA kernel's checks (`mosaic_gpu_checks.py`: GPU interpret mode
 against the reference, the lowering for an H100, the config checks), run in a process of their
 own, so that lowering and interpreting Mosaic GPU kernels leaves no state in a test worker."""
 

@@ -1,34 +1,27 @@
-"""Paged sparse MLA decode on Hopper with the Mosaic GPU Pallas backend.
+"""Sparse MLA forward on Hopper with the Mosaic GPU Pallas backend, paged (decode) and
+contiguous (prefill): warp-specialised, a TMA producer warpgroup and two wgmma warpgroups.
 
-Status: not yet correct on hardware, so not in the registry (no `impl` selects it). In GPU
-interpret mode it matches the reference (tests/test_paged_mosaic_gpu.py); compiled on an H100
-(jax 0.11.2) it runs at 31-33% of the copy bandwidth, against the Triton kernel's 35-41%, but
-its output differs from the reference (largest error 1.4 on outputs of size ~1, lse off by up
-to 0.5, with distinct indices) where the Triton kernel's is within 0.004. Interpret mode
-ignores register layouts and barrier phases, so the fault is in one of those (the staging ->
-tiled copy's layout is the first suspect). `benchmarks/sparse_mla.py --paged-only` times it
-beside the Triton kernel and prints its largest difference from it; `benchmarks/
-mosaic_paged_probe.py` checks the data path step by step (row gather, staging -> tiled copy,
-wgmma, the whole kernel) with the alternatives (`SparseMLAMosaicConfig.stage_layout`).
+Status: correct, slower than the registry's Triton kernel, so outside the registry. Measured on
+an H100 (jax 0.11.2) in the same runs as the Triton kernel: paged decode (64 heads, Dk 576,
+v 512, top-2048, 32K context) 433 / 887-930 us at batch 64 / 128, 12-13% of copy bandwidth,
+against the Triton kernel's 155 / 268 us (36% / 41%), largest difference from the Triton
+kernel's output 0.002; prefill forward (16,384 queries over 65,536 keys, 64 heads) 106 ms, 6% of
+the bf16 matmul rate, against the Triton kernel's 21.5 ms (29%), lse within 2e-6.
+`benchmarks/sparse_mla.py --paged-only` and `--mosaic-prefill` print both.
 
-The Triton kernel of `gpu.py` gathers the selected latent rows with pointer loads; Mosaic GPU
-moves data with TMA. The TMA row gather (gather4) only exists on Blackwell, so on Hopper every
-selected row is fetched by its own TMA: one 1152-byte copy per row (Dk = 576 bf16 columns),
-issued by a producer warpgroup from a scalar row id. A TMA box is limited to 256 elements per
-dimension, so the store is viewed (a free reshape outside the kernel) as rows of
-[Dk // 64, 64] and each copy writes one [Dk // 64, 64] row of a staging buffer.
-
-Why per-row TMA into an untiled staging buffer, then a second copy. The tensor-core operands
-(wgmma) must sit in shared memory tiled (8, 64) and 128-byte swizzled, where 8 consecutive
-rows share a tile; Pallas does not slice one row out of a tiled buffer, so a TMA cannot write
-a single row there. The rows land in an untiled staging ring of `stages` slots of
-STAGE_ROWS = 32 rows, [stages, 32, Dk // 64, 64]; the producer moves each [32, 64] column
-chunk through registers into the tiled, swizzled block [bk, Dk] the matmuls read. The register
-layout of that copy is `Layout.SMEM_GMEM_COPY` (16-byte vectors, 8 lanes along a 128-byte
-row): the staging rows are 1152 bytes apart, all starting on the same bank, so the WGMMA
-layout (8 rows x 16 bytes a warp access) would be an 8-way bank conflict. As soon as a slot
-has been read into registers, its next rows' TMAs are issued, so rows stay in flight while a
-block is converted and multiplied.
+Where its time goes (the design's limits, for the next one): Hopper has no TMA row gather (gather4
+is Blackwell's), so every selected row is fetched by TMAs issued one at a time by one thread of
+the producer; a TMA box is limited to 256 elements a dimension, and Pallas does not slice one row
+out of a tiled (8, 64) buffer, so each row arrives as Dk / 64 = 9 copies of 128 bytes into an
+untiled staging ring, and the producer's 128 threads then move it through registers into the
+tiled, swizzled block the wgmma reads. At Dk = 576 the shared memory (q 72 KiB, 2 staging slots
+of 32 rows 72 KiB, one tiled block of 64 rows 72 KiB) leaves no room for a second tiled block, so
+that move and the matmuls of a block do not overlap. Fetching each row as one TMA of [9, 64]
+into a staging row and reading its 64-column chunks as strided views gave wrong results on the
+H100 (up to 1.4 off; right in interpret mode): reading a strided view of the staging buffer into
+registers is where it went wrong, so the staging slots are chunk-major, [Dk / 64, 32, 64], each
+chunk read contiguously. Kernels that reach the matmul rate write the gathered rows straight into
+the swizzled layout from the threads of producer warps (16-byte copies, no staging).
 
 Layout. One CUDA block per (query row b * S + s, K split, group of 64 heads); three
 warpgroups:
@@ -41,10 +34,10 @@ warpgroups:
     O[:, w v/2 : (w + 1) v/2] += P V for its half of the value columns, P (bf16) the A operand
     from registers (an f32 accumulator [64, 512] would need 256 registers a thread in one
     warpgroup; [64, 256] needs 128), then frees the tiled block.
-Shared memory at Dk = 576, bf16: q 72 KiB, a staging slot 36 KiB, a tiled block of 64 rows 72
-KiB, the split's ids 4 bytes a row: the defaults (block_k 64, 2 slots, 1 tiled block) use 216
-KiB + the ids, under Hopper's 227 KiB (`smem_bytes`; one split of 2048 rows does not fit, so
-the default splits are raised to 2 there).
+The staging copy into the tiled block uses `Layout.SMEM_GMEM_COPY` (16-byte vectors, 8 lanes
+along a 128-byte row). Shared memory at Dk = 576, bf16, with the defaults (block_k 64, 2 slots,
+1 tiled block): 216 KiB + the split's ids (4 bytes a row), under Hopper's 227 KiB (`smem_bytes`;
+one split of 2048 rows does not fit, so the default splits are raised to 2 there).
 
 Page translation and masking. The logical indices are turned into row ids of the store
 flattened to [slots * pages * P, Dk] in XLA (`row_ids`: an int32 gather over the [B, S, K]
@@ -52,13 +45,14 @@ indices, 4 bytes per selected row next to the 1152 the kernel reads): id = (slot
 page_table[b, t // P]) * P + t % P for a valid t (0 <= t < n * P); a skipped t gets ~id of
 (page_table[b, 0], row 0), a readable address made negative. The producer copies row id if
 id >= 0 else ~id; the compute warpgroups give ids < 0 the logit -inf. A duplicated index counts
-once per occurrence (as in the Triton kernel; the reference counts it once).
+once per occurrence (as in the Triton kernel; the reference counts it once). The contiguous
+form (`sparse_mla`) is the paged one with one page of T rows a sequence.
 
 Heads. The matmul M dimension is 64 heads: q is padded to a multiple of 64 heads in XLA when H
 is not one (8 or 16 heads: 64 rows of work, most of them zeros; a grid axis takes each group
 of 64); out and lse are written for the padded heads and sliced to H in XLA. K splits: with
 fewer blocks than SMs, the K rows of a query are split over `num_splits` blocks writing partial
-(out, lse) in float32, merged with a log-sum-exp in XLA as in `gpu._forward`.
+(out, lse) in float32, merged with a log-sum-exp in XLA.
 
 Forward only; bf16 (or f16) q and store, Dk a multiple of 64, v_dim a multiple of 128
 (`supports`); other inputs take the `xla` implementation. GPU interpret mode (jax >= 0.12,
@@ -97,8 +91,6 @@ SMEM_LIMIT = 227 * 1024
 SMEM_OVERHEAD = 3 * 1024
 #: Blocks the K splits aim for (one wave of an H100/H200's 132 SMs: one block per SM fits).
 TARGET_BLOCKS = 132
-#: Staging slot layouts (`SparseMLAMosaicConfig.stage_layout`).
-STAGE_LAYOUTS = ("rows", "chunks")
 #: Registers a thread of the compute / producer warpgroups asks for (setmaxnreg): 2 x 128 x
 #: 224 + 128 x 56 = 64512 <= 65536.
 COMPUTE_REGISTERS = 224
@@ -124,15 +116,10 @@ class SparseMLAMosaicConfig:
       of 64, which Mosaic's wgmma takes for a bf16 A operand in registers; at most 256).
     num_splits: blocks per query over its K rows (None: about TARGET_BLOCKS blocks in all,
       raised until the shared memory fits).
-    stages: staging slots of STAGE_ROWS rows (the per-row TMAs in flight): the producer
-      refills a slot as soon as it has moved it to the tiled block.
+    stages: staging slots of STAGE_ROWS rows (the per-row TMAs in flight), each [Dk / 64,
+      STAGE_ROWS, 64]: the producer refills a slot as soon as it has moved it to the tiled block.
     buffers: tiled blocks of block_k rows (the matmul operands); 2 lets the producer fill
       block j + 1 while block j is multiplied.
-    stage_layout: the staging slot's layout (a diagnostic knob while the kernel is wrong on
-      hardware; `benchmarks/mosaic_paged_probe.py` compares them): "rows" [STAGE_ROWS, Dk / 64,
-      64], one [Dk / 64, 64] TMA a row, each [32, 64] column chunk a strided view (rows 2 Dk
-      bytes apart); "chunks" [Dk / 64, STAGE_ROWS, 64], one 128-byte TMA per row and chunk (Dk /
-      64 times the TMAs), each [32, 64] chunk contiguous.
     Shared memory (`smem_bytes`: q, the staging slots, the tiled blocks, the split's row ids)
     must fit in SMEM_LIMIT; checked when the shapes are known. At Dk = 576 the defaults use
     216 KiB + the ids (4 bytes a row of a split)."""
@@ -141,13 +128,9 @@ class SparseMLAMosaicConfig:
     num_splits: int | None = None
     stages: int = 2
     buffers: int = 1
-    stage_layout: str = "chunks"
 
     def __post_init__(self):
         check_positive_fields(self)
-        if self.stage_layout not in STAGE_LAYOUTS:
-            raise ValueError(f"SparseMLAMosaicConfig.stage_layout must be one of {STAGE_LAYOUTS}, "
-                             f"got {self.stage_layout!r}")
         if self.block_k % 64 or self.block_k > 256:
             raise ValueError(f"SparseMLAMosaicConfig.block_k must be a multiple of 64 and at most 256, "
                              f"got {self.block_k}")
@@ -224,7 +207,7 @@ def _pv(acc, p, v_ref, p_ref):
 
 
 def _kernel(q_ref, kv_ref, ids_ref, out_ref, lse_ref, smem, bars, *, sm_scale, block_k, blocks, stages, buffers,
-            chunks, v_half, stage_layout="rows"):
+            chunks, v_half):
     """One block of 3 warpgroups (module docstring). q_ref [R, Hp, Dk]; kv_ref [rows, Dk / 64,
     64]; ids_ref int32 [R, splits * blocks, bk]; out_ref [R, splits, Hp, v]; lse_ref f32 [R,
     splits, Hp]."""
@@ -248,7 +231,7 @@ def _kernel(q_ref, kv_ref, ids_ref, out_ref, lse_ref, smem, bars, *, sm_scale, b
 
         def issue(g):
             """The TMAs of granule g's STAGE_ROWS rows (block g // per_block) into staging slot
-            g % stages: one copy of [Dk / 64, 64] per row, all arriving on the slot's barrier."""
+            g % stages: one 128-byte copy per row and chunk, all arriving on the slot's barrier."""
             s = lax.rem(g, stages)
             j = lax.div(g, per_block)
             r0 = lax.rem(g, per_block) * STAGE_ROWS
@@ -257,17 +240,13 @@ def _kernel(q_ref, kv_ref, ids_ref, out_ref, lse_ref, smem, bars, *, sm_scale, b
             def _row(i):
                 rid = ids_smem[j, r0 + i]
                 rid = jnp.where(rid >= 0, rid, ~rid)
-                if stage_layout == "rows":
-                    plgpu.copy_gmem_to_smem(kv_ref.at[rid], stage.at[s, i], stage_bar.at[s])
-                else:                                        # one 128-byte TMA per chunk
-                    for c in range(chunks):
-                        plgpu.copy_gmem_to_smem(kv_ref.at[rid, pl.ds(c, 1)], stage.at[s, c, pl.ds(i, 1)],
-                                                 stage_bar.at[s])
+                for c in range(chunks):
+                    plgpu.copy_gmem_to_smem(kv_ref.at[rid, pl.ds(c, 1)], stage.at[s, c, pl.ds(i, 1)],
+                                             stage_bar.at[s])
 
         for g in range(min(stages, granules)):
             issue(jnp.int32(g))
-        # 16-byte vectors, 8 lanes along each 128-byte row of a chunk: conflict-free reads of the
-        # staging rows (1152 bytes apart, all on the same banks) and swizzled writes
+        # 16-byte vectors, 8 lanes along each 128-byte row of a chunk
         copy_layout = plgpu.Layout.SMEM_GMEM_COPY((STAGE_ROWS, CHUNK), stage.dtype, 128)
 
         @pl.loop(0, granules)
@@ -283,8 +262,7 @@ def _kernel(q_ref, kv_ref, ids_ref, out_ref, lse_ref, smem, bars, *, sm_scale, b
                 plgpu.barrier_wait(free_bar.at[t])          # block j - buffers multiplied
 
             for c in range(chunks):
-                src = stage.at[s, :, c, :] if stage_layout == "rows" else stage.at[s, c]
-                part = plgpu.load(src, layout=copy_layout)                      # [32, 64]
+                part = plgpu.load(stage.at[s, c], layout=copy_layout)            # [32, 64]
                 tiled.at[t, pl.ds(k * STAGE_ROWS, STAGE_ROWS), pl.ds(c * CHUNK, CHUNK)][...] = part
 
             @pl.when(g + stages < granules)
@@ -347,7 +325,7 @@ def _kernel(q_ref, kv_ref, ids_ref, out_ref, lse_ref, smem, bars, *, sm_scale, b
             plgpu.wait_smem_to_gmem(0)
 
 
-def _forward(q, kv, ids, *, sm_scale, v_dim, block_k, splits, stages, buffers, interpret, stage_layout="rows"):
+def _forward(q, kv, ids, *, sm_scale, v_dim, block_k, splits, stages, buffers, interpret):
     """q [R, Hp, Dk] (Hp a multiple of 64); kv [rows, Dk] (the flattened store); ids int32
     [R, Kp] (Kp a multiple of block_k * splits) -> (out [R, splits, Hp, v] (q.dtype when one
     split, else f32), lse f32 [R, splits, Hp])."""
@@ -360,7 +338,7 @@ def _forward(q, kv, ids, *, sm_scale, v_dim, block_k, splits, stages, buffers, i
     tiling = plgpu.TilingTransform((8, CHUNK))
     swizzle = plgpu.SwizzleTransform(128)
     kernel = functools.partial(_kernel, sm_scale=sm_scale, block_k=block_k, blocks=blocks, stages=stages,
-                               buffers=buffers, chunks=chunks, v_half=v_dim // 2, stage_layout=stage_layout)
+                               buffers=buffers, chunks=chunks, v_half=v_dim // 2)
     # interpret mode: a P buffer per compute warpgroup (`_pv`)
     p_scratch = [] if interpret is False else [
         plgpu.SMEM((2, HEAD_TILE, block_k), dtype, transforms=(tiling, swizzle))]
@@ -370,15 +348,14 @@ def _forward(q, kv, ids, *, sm_scale, v_dim, block_k, splits, stages, buffers, i
         pl.run_scoped(
             lambda *refs: kernel(q_ref, kv_ref, ids_ref, out_ref, lse_ref, refs[:nsmem], refs[nsmem:]),
             plgpu.SMEM((HEAD_TILE, dk), dtype, transforms=(tiling, swizzle)),
-            plgpu.SMEM((stages, STAGE_ROWS, chunks, CHUNK) if stage_layout == "rows"
-                       else (stages, chunks, STAGE_ROWS, CHUNK), dtype),
+            plgpu.SMEM((stages, chunks, STAGE_ROWS, CHUNK), dtype),
             plgpu.SMEM((buffers, block_k, dk), dtype, transforms=(tiling, swizzle)),
             plgpu.SMEM((blocks, block_k), jnp.int32),
             plgpu.SMEM((HEAD_TILE,), jnp.float32),
             *p_scratch,
             plgpu.Barrier(),
             plgpu.Barrier(),
-            plgpu.Barrier(num_arrivals=STAGE_ROWS * (1 if stage_layout == "rows" else chunks), num_barriers=stages),
+            plgpu.Barrier(num_arrivals=STAGE_ROWS * chunks, num_barriers=stages),
             plgpu.Barrier(num_barriers=buffers),
             plgpu.Barrier(num_arrivals=2, num_barriers=buffers),
             collective_axes="wg",
@@ -449,7 +426,7 @@ def paged_sparse_mla(q: jax.Array, kv_pages: jax.Array, page_table: jax.Array, i
         qf = jnp.pad(qf, ((0, 0), (0, hp - heads), (0, 0)))
     out, lse = _forward(qf, kv_pages.reshape(slots * pages * page_size, dk), ids, sm_scale=float(sm_scale),
                         v_dim=int(v_dim), block_k=bk, splits=splits, stages=c.stages, buffers=c.buffers,
-                        stage_layout=c.stage_layout, interpret=plgpu.InterpretGPUParams() if interpret else False)
+                        interpret=plgpu.InterpretGPUParams() if interpret else False)
     out, lse = out[:, :, :heads], lse[:, :, :heads]
     if splits > 1:
         lse_all = lse
