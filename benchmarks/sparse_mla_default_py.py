@@ -30,7 +30,7 @@ SMOKE = dict(batch=1, seq_len=64, heads=8, dk=160, v_dim=128, topk=16, layers=12
 SCALE = 96 ** -0.5
 #: The HBM bandwidth the copy floor is counted at, by device kind (datasheet figures).
 NOMINAL_BW = {"H200": 4.8e12, "H100": 3.35e12}
-MODES = ("by_key", "sorted", "atomic", "scatter")
+MODES = ("by_key", "sorted")
 #: Settings of the keys kernel timed by --sweep (gpu_backward.keys_call's).
 SWEEP = [dict(block_rows=64, tile_cols=64, num_warps=4, num_stages=2, paired=True),
          dict(block_rows=64, tile_cols=64, num_warps=4, num_stages=3, paired=True),

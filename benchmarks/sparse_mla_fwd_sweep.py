@@ -72,7 +72,7 @@ def main() -> None:
              for bk, w, st, hg in itertools.product(args.block_k, args.warps, args.stages, args.head_group)]
     results = []
     for settings in grid:
-        config = pallas_kernels.SparseMLAGpuConfig(dkv_mode="atomic", **settings)   # a backward without an index
+        config = pallas_kernels.SparseMLAGpuConfig(**settings)
         fn = jax.jit(lambda q, kv, idx, c=config: pallas_kernels.sparse_mla(
             q, kv, idx, sm_scale=0.05, v_dim=VALUE, impl="pallas_gpu", config=c, interpret=args.smoke)[0])
         label = " | ".join(str(settings[f] or "default") for f in ("block_k", "num_warps", "num_stages", "head_group"))

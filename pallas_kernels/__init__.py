@@ -177,7 +177,7 @@ def sparse_mla_backward_index(indices: jax.Array, num_keys: int, *, dk: int, dty
     Returns:
       A `attention.transpose.TransposedIndex` (dkv_mode "sorted", the TPU kernel), a
       `attention.transpose.KeyBitmap` (pallas_gpu's "by_key"), or None where the implementation's
-      backward takes none (reference, xla, pallas_gpu's "atomic" and "scatter"): pass it on to
+      backward takes none (reference, xla): pass it on to
       sparse_mla.
     """
     entry, config = registry.select("sparse_mla", impl, config, interpret)
