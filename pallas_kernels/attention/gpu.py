@@ -56,7 +56,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._common import dot, dot_nt, online_softmax_step, pad_slots
+from pallas_kernels._common import dot_nt, online_softmax_step, pad_slots
 from pallas_kernels.attention import gpu_backward, transpose, vjp
 from pallas_kernels.attention.gpu_backward import head_rows, next_pow2, pow2_chunks
 
