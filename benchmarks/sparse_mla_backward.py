@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import time
 
 import jax
@@ -45,7 +44,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels as pk
-from benchmarks import sparse_mla_default_py
+from benchmarks import _sparse_mla_default_py as default_py
+from benchmarks._report import failure, write_json
+from benchmarks._sparse_mla_default_py import grad_fn
 from benchmarks._measure import bench, ceilings
 from pallas_kernels.attention import gpu, gpu_backward as gb
 from pallas_kernels.attention import transpose as tr
@@ -89,14 +90,6 @@ def impls(interpret, heads, bwd_cfg):
         "xla": lambda q, kv, i: pk.sparse_mla(q, kv, i, impl="xla", sm_scale=SCALE, v_dim=DV),
     }
     return out
-
-
-def grad_fn(fn, dout):
-    def loss(q, kv, i):
-        out, lse = fn(q, kv, i)
-        lse_term = jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0)) * 0.1
-        return jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32)) + lse_term
-    return jax.jit(jax.grad(loss, argnums=(0, 1)))
 
 
 def check(interpret, key, bwd_cfg):
@@ -167,7 +160,7 @@ def run_shape(name, S, T, K, heads, bw, mm, interpret, bwd_cfg, which, report, r
             grads[impl] = a
             del b
         except Exception as e:  # noqa: BLE001 - e.g. out of memory: report it, go on
-            r["failed"] = f"{type(e).__name__}: {str(e)[:300]}"
+            r["failed"] = failure(e)
         row["impls"][impl] = r
     base = "xla" if "xla" in grads else None
     for impl, r in row["impls"].items():
@@ -225,7 +218,7 @@ def sweep(bw, mm, interpret, configs, shapes):
                 print(f"sweep ({name}) {cfg}: {t * 1e3:.2f} ms, {100 * flops / t / mm:.1f}% of matmul",
                       flush=True)
             except Exception as e:  # noqa: BLE001
-                print(f"sweep ({name}) {cfg}: failed {type(e).__name__}: {str(e)[:200]}", flush=True)
+                print(f"sweep ({name}) {cfg}: failed {failure(e)}", flush=True)
 
 
 def parts(bw, mm, interpret, cfg, shape):
@@ -288,10 +281,10 @@ def main():
     ap.add_argument("--parts", action="store_true", help="with --sweep: time each kernel alone too")
     ap.add_argument("--shape", default=None, choices=["default-py"],
                     help="time one layer of the default training recipe instead (module docstring)")
-    sparse_mla_default_py.add_arguments(ap)
+    default_py.add_arguments(ap)
     args = ap.parse_args()
     if args.shape == "default-py":
-        sparse_mla_default_py.main(args)
+        default_py.main(args)
         return
     interpret = args.smoke
     cfg = {} if args.sweep else eval(args.cfg)  # noqa: S307 - a command-line dict of kernel settings
@@ -326,7 +319,7 @@ def main():
                     try:
                         parts(bw, mm, interpret, c, s)
                     except Exception as e:  # noqa: BLE001
-                        print(f"parts ({s[0]}) {c}: failed {type(e).__name__}: {str(e)[:200]}")
+                        print(f"parts ({s[0]}) {c}: failed {failure(e)}")
             else:
                 sweep(bw, mm, interpret, mine, [s])
         return
@@ -334,9 +327,7 @@ def main():
         which = ["new", "pallas_gpu by_key", "xla"]
         run_shape(name, S, T, K, heads, bw, mm, interpret, cfgs[16 if heads <= 32 else 64], which,
                   report, reps=3)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(report, f, indent=1, default=str)
+        write_json(args.json, report)
 
 
 if __name__ == "__main__":

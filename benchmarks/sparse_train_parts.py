@@ -28,14 +28,14 @@ matmul rate, and the bytes it must move at the device's copy bandwidth (read + w
 from __future__ import annotations
 
 import argparse
-import json
 
 import jax
 import jax.numpy as jnp
 
 import pallas_kernels
 from benchmarks._measure import bench, ceilings
-from pallas_kernels._common import choose_q_chunk, map_query_chunks
+from benchmarks._report import Table, failure, write_json
+from pallas_kernels.chunking import choose_q_chunk, map_query_chunks
 from pallas_kernels.attention.xla import gather_rows
 
 HEADS, LATENT, VALUE, TOPK, INDEX_HEADS, INDEX_DIM = 16, 576, 512, 2048, 16, 128
@@ -92,7 +92,7 @@ def main() -> None:
         return pallas_kernels.indexer_topk(a, b, c, topk=TOPK, q_pos=positions, kv_len=kv_len)
 
     if args.selections == "trained":
-        from benchmarks.real_selections import trained_selections
+        from benchmarks._selections import trained_selections
 
         indices = jnp.asarray(trained_selections(s, topk=TOPK))
     else:
@@ -168,25 +168,21 @@ def main() -> None:
         parts += kl_parts
     print(f"sparse attention parts at {s} tokens; bf16 matmul {matmul / 1e12:.0f} TFLOP/s, "
           f"copy {copy_rate / 1e12:.2f} TB/s")
-    print("| part | ms | matmul limit ms | copy limit ms |")
-    print("|---|---|---|---|")
+    table = Table("part", "ms", "matmul limit ms", "copy limit ms")
     rows = []
 
     def save():         # after every part, so a run cut short keeps what it measured
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"seq_len": s, "matmul_flops": matmul, "copy_bytes_per_s": copy_rate, "rows": rows}, f,
-                          indent=1)
+        write_json(args.json, {"seq_len": s, "matmul_flops": matmul, "copy_bytes_per_s": copy_rate, "rows": rows})
 
     for name, fn, inputs, flops, nbytes in parts:
         row = {"part": name.strip(), "limit_ms": flops / matmul * 1e3, "copy_limit_ms": nbytes / copy_rate * 1e3}
-        limits = f"{row['limit_ms']:.1f} | {row['copy_limit_ms']:.1f}"
+        limits = f"{row['limit_ms']:.1f}", f"{row['copy_limit_ms']:.1f}"
         try:
             row["ms"] = bench(jax.jit(fn), *inputs, reps=3, inner=1) * 1e3
-            print(f"| {name} | {row['ms']:.1f} | {limits} |", flush=True)
+            table.row(name, f"{row['ms']:.1f}", *limits)
         except Exception as e:  # noqa: BLE001 - e.g. out of memory: report it, time the next part
-            row["failed"] = f"{type(e).__name__}: {str(e)[:300]}"
-            print(f"| {name} | failed: {row['failed'][:160]} | {limits} |", flush=True)
+            row["failed"] = failure(e)
+            table.row(name, f"failed: {row['failed']}", *limits)
         rows.append(row)
         save()
     ms = {r["part"]: r.get("ms") for r in rows}
