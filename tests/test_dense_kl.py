@@ -14,6 +14,7 @@ import pytest
 from flax import nnx
 
 import pallas_kernels as pk
+from pallas_kernels.dense_kl import gpu, gpu_vjp
 from conftest import ROOT, jaxpr_equations
 from kernel_contract import check_dense_indexer_kl, dense_kl_inputs
 from glm_jax import ops
@@ -21,7 +22,6 @@ from glm_jax.config import load_config
 from glm_jax.layers.decoder import head_summed_target, _Rows, indexer_kl
 from glm_jax.layers.dense_kl import DenseTarget, dense_group_kl
 from glm_jax.layers.segments import segment_layout
-from pallas_kernels.dense_kl import gpu, gpu_vjp
 from glm_jax.model import GLMModel
 from glm_jax.training.step import LossWeights, loss_terms
 
@@ -166,8 +166,8 @@ def test_loss_terms_dense_stage_absorbed_equals_expanded(packed, remat):
 
     def loss(params, form):
         return loss_terms(nnx.merge(graphdef, params, rest), inputs, targets, stage="dense", weights=weights,
-                          kernels=ops.KernelChoice(dense_kl_config=pk.DenseKLXlaConfig(block=8)), form=form, remat=remat and form == "absorbed",
-                          segment_ids=segments)
+                          kernels=ops.KernelChoice(dense_kl_config=pk.DenseKLXlaConfig(block=8)), form=form,
+                          remat=remat and form == "absorbed", segment_ids=segments)
 
     step = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)
     (_, got), got_grads = step(params, "absorbed")
