@@ -598,7 +598,8 @@ def check_dense_indexer_kl(impl, qs, latents, idx_q, idx_keys, idx_w, *, sm_scal
     rows, pull = jax.vjp(lambda *a: call("dense_indexer_kl", impl, *a, **kw), qs, latents, idx_q, idx_keys, idx_w)
     assert rows.shape == idx_q.shape[:2] and rows.dtype == jnp.float32
     g = jnp.asarray(np.random.default_rng(5).normal(size=rows.shape), jnp.float32)
-    want = np_dense_indexer_kl(qs, latents, idx_q, idx_keys, idx_w, g=g, **{k: v for k, v in kw.items() if k != "config"})
+    want = np_dense_indexer_kl(qs, latents, idx_q, idx_keys, idx_w, sm_scale=sm_scale, kv_len=kv_len,
+                               kv_start=kv_start, shares=shares, g=g)
     empty = np.asarray(kv_len) == 0
     assert empty.any() and (np.asarray(rows)[empty] == 0).all()
     dqs, dlatents, *grads = pull(g)

@@ -43,7 +43,8 @@ def _tiny_args(op):
         "sparse_mla": ((q, k, jnp.zeros((1, 2, 2), jnp.int32)), dict(sm_scale=1.0, v_dim=2)),
         "causal_attention": ((x, x, x), dict(scale=1.0)),
         "indexer_cross_entropy": ((q, k, w, jnp.zeros((1, 2, 2), jnp.int32), jnp.ones((1, 2, 2))), {}),
-        "dense_indexer_kl": (([q], [jnp.zeros((1, 2, 4))], q, jnp.zeros((1, 2, 4)), w), dict(sm_scale=1.0, kv_len=kv_len)),
+        "dense_indexer_kl": (([q], [jnp.zeros((1, 2, 4))], q, jnp.zeros((1, 2, 4)), w),
+                             dict(sm_scale=1.0, kv_len=kv_len)),
     }[op]
 
 
