@@ -260,7 +260,6 @@ for group in "${groups[@]}"; do
             run sparse_train_kl_64k 390 "--seq-len 128 --smoke" "$py" benchmarks/sparse_train_parts.py \
                 --seq-len 65536 --only kl --json "$stage/sparse_train_kl_64k.json"
             ;;
-            ;;
         serving-itl)
             run engine_steps 120 "--config configs/tiny.yaml --max-context 256 --new-tokens 64" \
                 "$py" benchmarks/engine_steps.py --config configs/small-128k.yaml --max-context 16384 --new-tokens 6000
