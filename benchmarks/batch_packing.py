@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks._report import Table
 from glm_jax.data import corpus, pipeline, sources
 from glm_jax.data.prefetch import Prefetched
 from glm_jax.data.tokenizer import load_tokenizer
@@ -53,12 +54,10 @@ def main(argv=None) -> None:
     docs = sources.TextFiles(corpus.split_files(corpus.stdlib_source_files(), seed=0)[0])
     print(f"{args.batch_size} x {args.seq_len} tokens a batch, {args.batches} batches, a {args.step_ms:.0f} ms "
           "step between them")
-    print("| batches packed ahead | wait median ms | wait mean ms | wait max ms | mean wait / step |")
-    print("|---:|---:|---:|---:|---:|")
+    table = Table("batches packed ahead", "wait median ms", "wait mean ms", "wait max ms", "mean wait / step")
     for depth in args.depths:
         w = waits(depth, docs, encode, args) * 1e3
-        print(f"| {depth} | {np.median(w):.1f} | {w.mean():.1f} | {w.max():.1f} | {w.mean() / args.step_ms:.2f} |",
-              flush=True)
+        table.row(depth, f"{np.median(w):.1f}", f"{w.mean():.1f}", f"{w.max():.1f}", f"{w.mean() / args.step_ms:.2f}")
 
 
 if __name__ == "__main__":

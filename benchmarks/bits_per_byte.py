@@ -73,6 +73,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from benchmarks._report import write_json
+
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MAX_BYTES = 2_000_000
 MEASURES = ("gzip -9", "xz -9e")
@@ -384,8 +386,7 @@ def main(argv=None) -> int:
         return 2
     result["model"]["dir"] = str(model_dir)
     print(format_table(result))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    write_json(args.json, result)
     return 0
 
 

@@ -12,7 +12,6 @@ steady-state tokens/s decode.py reports, and which decoding the default chose.
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import shlex
 import subprocess
@@ -21,6 +20,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from benchmarks._report import Table, write_json
 
 DECODE = Path(__file__).resolve().parents[1] / "decode.py"
 STEADY = re.compile(r"^steady state: (\d+\.\d+) tokens/s", re.MULTILINE)
@@ -52,18 +53,15 @@ def main() -> None:
         for v in args.variants:
             runs[v].append(run_once(shlex.split(args.args) + shlex.split(v)))
     print(f"decode.py {args.args}: median of {args.repeat} round(s)")
-    print("| flags | decoding chosen | wall time (s) | steady-state tokens/s |")
-    print("|---|---|---|---|")
+    table = Table("flags", "decoding chosen", "wall time (s)", "steady-state tokens/s")
     rows = []
     for v, results in runs.items():
         wall = float(np.median([r[0] for r in results]))
         rate = float(np.median([r[1] for r in results]))
-        print(f"| {v or '(none)'} | {results[0][2]} | {wall:.1f} | {rate:.1f} |")
+        table.row(v or "(none)", results[0][2], f"{wall:.1f}", f"{rate:.1f}")
         rows.append(dict(flags=v, decoding=results[0][2], wall_s=wall, tokens_per_s=rate,
                          rounds=[dict(wall_s=r[0], tokens_per_s=r[1]) for r in results]))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(args=args.args, repeat=args.repeat, rows=rows), f, indent=1)
+    write_json(args.json, dict(args=args.args, repeat=args.repeat, rows=rows))
 
 
 if __name__ == "__main__":

@@ -56,7 +56,7 @@ def per_call_us(fn, calls: int = 200) -> float:
 def model_config(name: str):
     """A config file's config, or for 'serving-load' the model benchmarks/serving_load.py serves."""
     if name == "serving-load":
-        from benchmarks.long_context import PATTERNS, model_config as serving_model
+        from benchmarks._serving_model import PATTERNS, model_config as serving_model
 
         return serving_model(PATTERNS["IndexShare"], smoke=False)
     from glm_jax.config import load_config

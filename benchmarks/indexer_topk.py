@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +28,7 @@ import numpy as np
 
 import pallas_kernels as pk
 from benchmarks._measure import bench, ceilings
+from benchmarks._report import write_json
 from pallas_kernels.indexer import gpu as gpu_kernels
 
 H, D, TOPK = 32, 128, 2048
@@ -134,9 +134,7 @@ def main():
     page = 16 if args.smoke else 64
     if args.paged_only:
         rows = paged_decode(impl, interpret, bw, contexts, batch, topk, page)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(dict(copy_bytes_per_s=bw, matmul_flops=mm, rows=rows), f, indent=1)
+        write_json(args.json, dict(copy_bytes_per_s=bw, matmul_flops=mm, rows=rows))
         return
     ok = check(impl, interpret)
     rows = []
@@ -198,9 +196,7 @@ def main():
               f"{t_fused / (flops / mm):.1f}x |", flush=True)
         rows.append(dict(kind="prefill", S=S, T=T, scores_s=t_scores, ours_s=ours, baseline_s=base, fused_s=t_fused,
                          matmul_limit_s=flops / mm))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(copy_bytes_per_s=bw, matmul_flops=mm, exact=ok, rows=rows), f, indent=1)
+    write_json(args.json, dict(copy_bytes_per_s=bw, matmul_flops=mm, exact=ok, rows=rows))
 
 
 if __name__ == "__main__":

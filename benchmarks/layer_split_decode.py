@@ -24,10 +24,11 @@ overlap with compute in xprof). --json FILE writes the rows.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
+
+from benchmarks._report import write_json
 
 #: Tokens per decode block (one jitted call): the first block compiles and is not timed.
 BLOCK = 16
@@ -103,7 +104,7 @@ def main() -> None:
     import numpy as np
     from flax import nnx
 
-    from benchmarks.long_context import PATTERNS, model_config
+    from benchmarks._serving_model import PATTERNS, model_config
     from glm_jax.model import GLMModel
     from glm_jax.sharding import make_mesh
 
@@ -139,9 +140,7 @@ def main() -> None:
         print(f"| {context} | {one[1]:.2f} | {split[1]:.2f} | {split[1] / one[1]:.2f} | "
               f"{one[2] / 1e6:.1f} / {split[2] / 1e6:.1f} | {moved / 1e6:.1f} | {row['moved_ms']:.3f} | {equal} |",
               flush=True)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(dict(mesh=args.mesh, device=devices[0].device_kind, rate=rate, rows=rows), f, indent=1)
+        write_json(args.json, dict(mesh=args.mesh, device=devices[0].device_kind, rate=rate, rows=rows))
     if not ok:
         sys.exit("the split decode's tokens differ from one device's")
 

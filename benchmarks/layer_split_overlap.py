@@ -11,6 +11,8 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+from benchmarks._report import Table  # noqa: E402 - after JAX_PLATFORMS (it imports no jax)
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -32,10 +34,9 @@ def main() -> None:
     pairs = async_pairs(compiled.as_text())
     print(f"{cfg.name}: decode step, batch {args.batch}, cache {args.max_len} rows, mesh {args.mesh} on "
           f"{args.topology}, owner broadcast by {args.collective}")
-    print("| async op | start/done pairs | with compute in flight |")
-    print("|---|---|---|")
+    table = Table("async op", "start/done pairs", "with compute in flight")
     for kind, row in sorted(summarize(pairs).items()):
-        print(f"| {kind} | {row['pairs']} | {row['overlapped']} |")
+        table.row(kind, row["pairs"], row["overlapped"])
     permutes = [p for p in pairs if p.kind == "collective-permute"]
     if permutes:
         print("\ncollective-permute pairs (start -> done: compute ops scheduled between):")

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import json
 import time
 
 import jax
@@ -39,29 +38,17 @@ from flax import nnx
 
 import pallas_kernels as pk
 from benchmarks._measure import bench, ceilings
+from benchmarks._report import Table, write_json
+from benchmarks._serving_model import PATTERNS, model_config
 from glm_jax import costs
 from glm_jax.cache import KVCache, contiguous_page_table, create_cache
-from glm_jax.config import load_config
 from glm_jax.decoding.generate import Generator
 from glm_jax.info import params_by_part
 from glm_jax.model import GLMModel, abstract_model
 
-PATTERNS = {"all Full": "FFFFFFFF", "IndexShare": "FSSSFSSS"}
 #: IndexCache's prefill speed-up of IndexShare over every layer Full at 200K tokens (H100).
 PUBLISHED_PREFILL_RATIO = 1.82
 
-
-def model_config(pattern: str, smoke: bool):
-    cfg = load_config("configs/glm-5.2.yaml").replace(
-        num_hidden_layers=8, first_k_dense_replace=0, n_routed_experts=8, num_experts_per_tok=2,
-        moe_intermediate_size=512, vocab_size=4096, num_nextn_predict_layers=0,
-        index_topk_pattern=pattern)
-    if smoke:
-        cfg = cfg.replace(hidden_size=64, q_lora_rank=32, num_attention_heads=4, num_key_value_heads=4,
-                          kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, head_dim=32,
-                          v_head_dim=16, moe_intermediate_size=32, index_n_heads=4, index_head_dim=16,
-                          index_topk=64, dtype="float32")
-    return cfg
 
 
 def filled_cache(cfg, batch: int, context: int, extra: int, key) -> KVCache:
@@ -138,23 +125,20 @@ def prefill_seconds(cfg, length: int, chunk: int) -> float:
 def prefill_main(length: int, chunk: int, smoke: bool, out: str | None) -> None:
     print(f"device {jax.devices()[0].device_kind}; prefill of one {length}-token prompt in chunks of {chunk}; "
           f"8 layers; patterns {PATTERNS}")
-    print("| pattern | prefill s | tokens/s | forward TFLOP |")
-    print("|---|---|---|---|")
+    table = Table("pattern", "prefill s", "tokens/s", "forward TFLOP")
     rows = {}
     for name, pattern in PATTERNS.items():
         cfg = model_config(pattern, smoke)
         active = costs.active_params(cfg, params_by_part(abstract_model(cfg)))
         seconds, flops = prefill_seconds(cfg, length, chunk), costs.prefill_flops(cfg, length, active)
         rows[name] = dict(pattern=name, prefill_s=seconds, tokens_per_s=length / seconds, flops=flops)
-        print(f"| {name} | {seconds:.3f} | {length / seconds:.0f} | {flops / 1e12:.1f} |", flush=True)
+        table.row(name, f"{seconds:.3f}", f"{length / seconds:.0f}", f"{flops / 1e12:.1f}")
     full, share = rows["all Full"], rows["IndexShare"]
     ratio, flop_ratio = full["prefill_s"] / share["prefill_s"], full["flops"] / share["flops"]
     print(f"IndexShare prefill speed-up over all Full: {ratio:.2f}x measured; published "
           f"{PUBLISHED_PREFILL_RATIO:.2f}x (200K tokens, H100); {flop_ratio:.2f}x if time followed the FLOPs")
-    if out:
-        with open(out, "w") as f:
-            json.dump(dict(length=length, chunk=chunk, rows=list(rows.values()), ratio=ratio,
-                           flop_ratio=flop_ratio, published_ratio=PUBLISHED_PREFILL_RATIO), f, indent=1)
+    write_json(out, dict(length=length, chunk=chunk, rows=list(rows.values()), ratio=ratio, flop_ratio=flop_ratio,
+                         published_ratio=PUBLISHED_PREFILL_RATIO))
 
 
 def main() -> None:
@@ -200,9 +184,7 @@ def main() -> None:
         (s_full, a_full), (s_share, a_share) = measured[context, "all Full"], measured[context, "IndexShare"]
         print(f"| {context} | ratio all Full / IndexShare | {s_full / s_share:.2f}x | | "
               f"{a_full / a_share:.2f}x | | |", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(copy_bytes_per_s=bw, batch=args.batch, rows=rows), f, indent=1)
+    write_json(args.json, dict(copy_bytes_per_s=bw, batch=args.batch, rows=rows))
 
 
 if __name__ == "__main__":

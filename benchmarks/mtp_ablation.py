@@ -33,6 +33,8 @@ import jax
 import numpy as np
 from flax import nnx
 
+from benchmarks._heldout import heldout_prompts
+from benchmarks._report import device_kind, write_json
 from glm_jax import ops
 from glm_jax.checkpoint import load_model_dir
 from glm_jax.data import corpus, pipeline, sources
@@ -48,27 +50,6 @@ METHODS = {"a": "base MTP", "b": "+ IndexShare + KVShare", "c": "+ rejection sam
 ROWS = {"a": ("no KVShare", False, "match"), "b": ("KVShare", True, "match"), "c": ("KVShare", True, "rejection"),
         "d": ("KVShare + TV", True, "rejection")}
 MTP_PARAMS = nnx.All(nnx.Param, nnx.PathContains("mtp"))
-
-
-def heldout_documents(heldout: str | None):
-    """The held-out documents (indexable texts): `heldout` (JSON lines), or the standard
-    library's held-out split when None."""
-    return sources.open_documents([heldout]) if heldout else sources.TextFiles(
-        corpus.split_files(corpus.stdlib_source_files())[1])
-
-
-def heldout_prompts(tok, count: int, length: int, heldout: str | None) -> np.ndarray:
-    """int32 [count, length]: the first `length` tokens of the first `count` held-out documents
-    that have that many."""
-    docs = heldout_documents(heldout)
-    rows = []
-    for i in range(len(docs)):
-        ids = tok.encode(docs[i]).ids
-        if len(ids) >= length:
-            rows.append(ids[:length])
-        if len(rows) == count:
-            return np.asarray(rows, np.int32)
-    raise ValueError(f"only {len(rows)} held-out documents have {length} tokens; lower --prompts or --prompt-len")
 
 
 def finetune_mtp(model, docs, tok, weights: LossWeights, args) -> tuple[nnx.State, list[float]]:
@@ -205,13 +186,10 @@ def main(argv=None) -> None:
     print_gains(rows, temps)
     for name, f in finetune.items():
         print(f"fine-tuned MTP layer '{name}': loss {f['first_loss']:.3f} -> {f['last_loss']:.3f}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(smoke=args.smoke, device=jax.devices()[0].device_kind, checkpoint=args.checkpoint,
-                           prompts=len(ids), prompt_len=args.prompt_len, new_tokens=args.new_tokens,
-                           draft=args.draft, finetune_steps=args.finetune_steps, train_depth=args.train_depth,
-                           seq_len=args.seq_len, batch_size=args.batch_size, finetune=finetune, rows=rows), f,
-                      indent=1)
+    write_json(args.json, dict(smoke=args.smoke, device=device_kind(), checkpoint=args.checkpoint,
+                               prompts=len(ids), prompt_len=args.prompt_len, new_tokens=args.new_tokens,
+                               draft=args.draft, finetune_steps=args.finetune_steps, train_depth=args.train_depth,
+                               seq_len=args.seq_len, batch_size=args.batch_size, finetune=finetune, rows=rows))
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ against the unpacked causal kernel.
 from __future__ import annotations
 
 import argparse
-import json
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +23,7 @@ import numpy as np
 
 import pallas_kernels
 from benchmarks._measure import bench, ceilings
+from benchmarks._report import Table, write_json
 from glm_jax.layers.segments import count_segments, segment_bound, segment_layout, segment_table
 
 HEADS, WIDTH = 16, 192          # small-128k's heads and MLA q/k head width
@@ -115,14 +115,11 @@ def main() -> None:
                      "temp_gib": temp_gib(packed, q, k, v), "limit_ms": 7 * 2 * pairs * HEADS * WIDTH / peak * 1e3})
     print(f"one row of {s} tokens, {HEADS} heads of width {WIDTH}, forward + backward "
           f"(limit: the visible pairs' matmuls at the measured {peak / 1e12:.0f} TFLOP/s):")
-    print("| layout | documents | segment bound | ms | limit ms | temporaries GiB |")
-    print("|---|---|---|---|---|---|")
+    table = Table("layout", "documents", "segment bound", "ms", "limit ms", "temporaries GiB")
     for r in rows:
-        print(f"| {r['layout']} | {r['documents']} | {r['bound'] or '-'} | {r['fwd_bwd_ms']:.1f} | "
-              f"{r['limit_ms']:.1f} | {r['temp_gib']:.1f} |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"seq_len": s, "matmul_tflops": peak / 1e12, "max_error": worst, "rows": rows}, f, indent=1)
+        table.row(r["layout"], r["documents"], r["bound"] or "-", f"{r['fwd_bwd_ms']:.1f}", f"{r['limit_ms']:.1f}",
+                  f"{r['temp_gib']:.1f}")
+    write_json(args.json, {"seq_len": s, "matmul_tflops": peak / 1e12, "max_error": worst, "rows": rows})
 
 
 def temp_gib(fn, *args) -> float:

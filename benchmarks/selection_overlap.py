@@ -21,79 +21,15 @@ causal prefix is at least 2K keys long count (shorter ones select nearly everyth
 from __future__ import annotations
 
 import argparse
-import json
 
-import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from benchmarks.mtp_ablation import heldout_prompts
+from benchmarks._heldout import heldout_prompts
+from benchmarks._report import write_json
+from benchmarks._selections import full_layer_indices, overlap_rows, overlap_table, random_indices
 from glm_jax.checkpoint import load_model_dir
 from glm_jax.data.tokenizer import load_tokenizer
-from glm_jax.layers.decoder import AttentionSettings
-
-
-def full_layer_indices(model, tokens: jax.Array) -> list[np.ndarray]:
-    """tokens int32 [B, S] -> each IndexShare group's top-k indices, int32 [B, S, K] (-1 = none),
-    in layer order, from the model's sparse forward."""
-    b, s = tokens.shape
-    positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-    kv_len = jnp.full((b,), s, jnp.int32)
-    x = model.embed_tokens(tokens)
-    found = []
-    for stack in model.stacks:
-        graphdef, state = nnx.split(stack)
-
-        def body(x, group_state, graphdef=graphdef):
-            x, _, _, indices = nnx.merge(graphdef, group_state).forward(x, positions, kv_len, AttentionSettings())
-            return x, indices
-
-        x, indices = jax.lax.scan(body, x, state)                   # [groups, B, S, K]
-        found += [np.asarray(i) for i in indices]
-    return found
-
-
-def random_indices(shape: tuple[int, int, int], rng: np.random.Generator) -> np.ndarray:
-    """int32 [B, S, K]: for query s, min(K, s + 1) distinct keys drawn uniformly from [0, s]."""
-    batch, seq_len, topk = shape
-    out = np.full(shape, -1, np.int32)
-    for s in range(seq_len):
-        n = min(topk, s + 1)
-        for b in range(batch):
-            out[b, s, :n] = rng.choice(s + 1, size=n, replace=False)
-    return out
-
-
-def block_unions(indices: np.ndarray, block: int, first_query: int) -> np.ndarray:
-    """indices int32 [B, S, K] -> the size of the union of the valid indices of each block of
-    `block` adjacent queries starting at or after first_query (one value per block)."""
-    batch, seq_len, topk = indices.shape
-    count = max(0, (seq_len - first_query) // block)
-    blocks = indices[:, first_query:first_query + count * block].reshape(batch * count, block * topk)
-    sizes = []
-    for part in np.array_split(blocks, max(1, blocks.size // 2**24)):     # bounded sort temporaries
-        rows = np.sort(part, axis=1)                                        # -1 first
-        sizes.append(np.sum((rows[:, 1:] != rows[:, :-1]) & (rows[:, 1:] >= 0), axis=1) + (rows[:, 0] >= 0))
-    return np.concatenate(sizes).astype(np.float64)
-
-
-def overlap_rows(indices: np.ndarray, topk: int, blocks: list[int], first_query: int) -> list[dict]:
-    rows = []
-    for block in blocks:
-        union = block_unions(indices, block, first_query)
-        rows.append({"block": block, "union_over_k": float(np.mean(union) / topk),
-                     "reuse": float(np.mean(block * topk / union)), "useful": float(np.mean(topk / union))})
-    return rows
-
-
-def overlap_table(named: list[tuple[str, list[dict]]]) -> list[str]:
-    """Markdown lines: a row per block size of each (selections' name, `overlap_rows` result)."""
-    lines = ["| block b | selections | union / K | reuse (b K / union) | useful (K / union) |", "|---|---|---|---|---|"]
-    for name, rows in named:
-        lines += [f"| {r['block']} | {name} | {r['union_over_k']:.2f} | {r['reuse']:.2f} | {r['useful']:.2f} |"
-                  for r in rows]
-    return lines
 
 
 def main() -> None:
@@ -124,9 +60,7 @@ def main() -> None:
               "layers": [overlap_rows(i, topk, args.blocks, first) for i in trained]}
     print("\n".join(overlap_table([("random", result["random"])] +
                                   [(f"trained, group {g}", rows) for g, rows in enumerate(result["layers"])])))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    write_json(args.json, result)
 
 
 if __name__ == "__main__":

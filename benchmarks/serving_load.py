@@ -62,11 +62,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 import time
 from collections import deque
+
+from benchmarks._report import device_kind, failure, write_json
 
 
 @dataclasses.dataclass
@@ -261,7 +262,7 @@ class WaveServer:
             padded[b, :len(a.prompt)] = a.prompt
         cache = dataclasses.replace(self.cache, lengths=jnp.zeros((self.gen.batch,), jnp.int32),
                                     page_table=jnp.asarray(self.pool.page_table(ids, self.width)))
-        logits, cache = self.gen._prefill(cache, padded, lengths)
+        logits, cache = self.gen.prefill(cache, padded, lengths)
         key, sampling = self.gen.sampling_args(0, GREEDY)
         left = [a.new_tokens for _, a in wave]
         while any(left):
@@ -304,7 +305,7 @@ def _next_rate(rates, throughput: float | None) -> float | None:
 
 
 def _failed(context: int, pattern: str, server: str, rate: float, error: Exception) -> dict:
-    row = dict(context=context, pattern=pattern, server=server, rate=rate, error=str(error).splitlines()[0])
+    row = dict(context=context, pattern=pattern, server=server, rate=rate, error=failure(error))
     print(f"| {context} | {pattern} | {server} | {rate:g} | failed: {row['error']} | | | | | |", flush=True)
     return row
 
@@ -388,7 +389,7 @@ def main() -> None:
     import numpy as np
     from flax import nnx
 
-    from benchmarks.long_context import PATTERNS, model_config
+    from benchmarks._serving_model import PATTERNS, model_config
     from glm_jax.decoding.engine import ServingEngine, budget_chunk
     from glm_jax.model import GLMModel
     from glm_jax.sharding import make_mesh
@@ -416,10 +417,10 @@ def main() -> None:
     rows = []
 
     def save():             # after every row, so a run cut short keeps what it measured
-        with open(args.out, "w") as f:
-            json.dump(dict(requests=requests, rate=rate, new_tokens=new_tokens, slots=slots, page_size=args.page_size,
-                           prefill_chunk=chunk, step_token_budget=args.step_token_budget, smoke=smoke,
-                           device=jax.devices()[0].device_kind, rows=rows), f, indent=1)
+        write_json(args.out, dict(requests=requests, rate=rate, new_tokens=new_tokens, slots=slots,
+                                  page_size=args.page_size, prefill_chunk=chunk,
+                                  step_token_budget=args.step_token_budget, smoke=smoke, device=device_kind(),
+                                  rows=rows))
 
     for context in contexts:
         vocab = model_config(PATTERNS["IndexShare"], smoke).vocab_size
@@ -453,7 +454,7 @@ def main() -> None:
                     try:
                         profile = prefill_profile(server, arrivals, ceiling_points)
                     except jax.errors.JaxRuntimeError as e:
-                        print(f"device ceiling n/a: prefill profile failed: {str(e).splitlines()[0]}", flush=True)
+                        print(f"device ceiling n/a: prefill profile failed: {failure(e)}", flush=True)
 
                 def replay_at(at, **extra):
                     row = dict(context=context, pattern=pattern_name, server=name, rate=at, **extra)

@@ -407,8 +407,8 @@ def main():
 
     tg = bench(grad_fn(ours(**cfg)), q, kv, idx, reps=3)
     modes = {}
-    if impl == "pallas_gpu":      # the other way of adding up the latent rows' gradient
-        for mode in ("atomic", "scatter"):
+    if impl == "pallas_gpu":      # each way of adding up the latent rows' gradient
+        for mode in ("sorted", "by_key"):
             modes[mode] = bench(grad_fn(ours(dkv_mode=mode, **cfg)), q, kv, idx, reps=3)
     txf = bench(xla_fn, q, kv, idx, reps=3)
     txg = bench(grad_fn(lambda q, kv, i: pk.sparse_mla(q, kv, i, sm_scale=SCALE, v_dim=DV, impl="xla")),

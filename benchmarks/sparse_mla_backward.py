@@ -1,5 +1,5 @@
 """Sparse MLA backward: the deterministic GPU backward (`attention.gpu_backward`) against the
-current GPU kernel (`impl="pallas_gpu"`, both dkv modes) and the XLA impl, next to the ceilings.
+GPU kernel's "by_key" dkv mode (`impl="pallas_gpu"`) and the XLA impl, next to the ceilings.
 
     PYTHONPATH=. python3 benchmarks/sparse_mla_backward.py --json out.json     # on a GPU
     PYTHONPATH=. python3 benchmarks/sparse_mla_backward.py --smoke             # CPU, interpret
@@ -12,7 +12,7 @@ indices: no two neighbouring queries share rows, the worst case for caches) the 
 forward + backward and backward (= the difference) of each implementation with ms, TFLOP/s
 and % of the matmul rate; the new backward alone (its kernels, given the transposed index)
 and the transposed index build; the bandwidth floor of the new design and of any design;
-the largest |difference| of dq and dkv against the current kernel; and whether two runs of
+the largest |difference| of dq and dkv against the XLA impl; and whether two runs of
 each backward give bitwise equal gradients.
 
     PYTHONPATH=. python3 benchmarks/sparse_mla_backward.py --shape default-py       # on a GPU
@@ -21,7 +21,7 @@ each backward give bitwise equal gradients.
 `--shape default-py` times instead the attention of one layer of the default training recipe
 (configs/default-py.yaml: B=16 x S=4096 queries, 8 heads, Dk 160 = kv_lora 128 + rope 32, v
 128, top-256 of the sequence's 4096 keys, bf16), once per dkv mode of `impl="pallas_gpu"`
-("by_key", "sorted", "atomic", "scatter"; `--modes`) and the XLA impl: forward and forward +
+("by_key", "sorted"; `--modes`) and the XLA impl: forward and forward +
 backward (`jax.grad` in q and kv of a loss of out and lse), "old" (the queries padded to 16
 heads in memory before the kernels, as they were: `jnp.pad` of q, the outputs sliced back)
 beside "new" (the kernels read the 8 heads and pad inside the program), with the copy floor
@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import time
 
 import jax
@@ -45,7 +44,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels as pk
-from benchmarks import sparse_mla_default_py
+from benchmarks import _sparse_mla_default_py as default_py
+from benchmarks._report import failure, write_json
+from benchmarks._sparse_mla_default_py import grad_fn
 from benchmarks._measure import bench, ceilings
 from pallas_kernels.attention import gpu, gpu_backward as gb
 from pallas_kernels.attention import transpose as tr
@@ -78,28 +79,17 @@ def new_config(bwd_cfg):
 
 
 def impls(interpret, heads, bwd_cfg):
-    """name -> sparse_mla(q, kv, idx) -> (out, lse). "pallas_gpu ...": the older
-    backward of `attention.gpu.sparse_mla` (dkv_mode "atomic" and "scatter"); "new" is this
-    backward ("sorted", `new_config`), which `pk.sparse_mla(impl="pallas_gpu")` takes by default
-    at these shapes."""
+    """name -> sparse_mla(q, kv, idx) -> (out, lse). "pallas_gpu by_key": the other backward of
+    `attention.gpu.sparse_mla`; "new" is this backward ("sorted", `new_config`), which
+    `pk.sparse_mla(impl="pallas_gpu")` takes by default at these shapes."""
     common = dict(sm_scale=SCALE, v_dim=DV, interpret=interpret)
     out = {
         "new": lambda q, kv, i: gpu.sparse_mla(q, kv, i, config=new_config(bwd_cfg), **common),
-        "pallas_gpu atomic": lambda q, kv, i: gpu.sparse_mla(q, kv, i, config=gpu.SparseMLAGpuConfig(
-            dkv_mode="atomic"), **common),
-        "pallas_gpu scatter": lambda q, kv, i: gpu.sparse_mla(q, kv, i, config=gpu.SparseMLAGpuConfig(
-            dkv_mode="scatter"), **common),
+        "pallas_gpu by_key": lambda q, kv, i: gpu.sparse_mla(q, kv, i, config=gpu.SparseMLAGpuConfig(
+            dkv_mode="by_key"), **common),
         "xla": lambda q, kv, i: pk.sparse_mla(q, kv, i, impl="xla", sm_scale=SCALE, v_dim=DV),
     }
     return out
-
-
-def grad_fn(fn, dout):
-    def loss(q, kv, i):
-        out, lse = fn(q, kv, i)
-        lse_term = jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0)) * 0.1
-        return jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32)) + lse_term
-    return jax.jit(jax.grad(loss, argnums=(0, 1)))
 
 
 def check(interpret, key, bwd_cfg):
@@ -150,8 +140,8 @@ def run_shape(name, S, T, K, heads, bw, mm, interpret, bwd_cfg, which, report, r
           f"{'' if fuse else ', rows re-gathered for dq'}) {row['bw_limit_new_ms']:.1f} ms ({ours / 1e9:.0f} GB)")
     fns = impls(interpret, heads, bwd_cfg)
     grads = {}
-    print("| impl | fwd ms | fwd+bwd ms | bwd ms | bwd TFLOP/s | % of matmul | max|d dq| vs current | "
-          "max|d dkv| vs current | bitwise repeatable |")
+    print("| impl | fwd ms | fwd+bwd ms | bwd ms | bwd TFLOP/s | % of matmul | max|d dq| vs xla | "
+          "max|d dkv| vs xla | bitwise repeatable |")
     print("|---|---|---|---|---|---|---|---|---|")
     for impl in which:
         fn = fns[impl]
@@ -170,23 +160,23 @@ def run_shape(name, S, T, K, heads, bw, mm, interpret, bwd_cfg, which, report, r
             grads[impl] = a
             del b
         except Exception as e:  # noqa: BLE001 - e.g. out of memory: report it, go on
-            r["failed"] = f"{type(e).__name__}: {str(e)[:300]}"
+            r["failed"] = failure(e)
         row["impls"][impl] = r
-    base = next((k for k in ("pallas_gpu atomic", "pallas_gpu scatter") if k in grads), None)
+    base = "xla" if "xla" in grads else None
     for impl, r in row["impls"].items():
         if impl in grads and base is not None:
-            r["max_abs_dq_vs_current"] = float(jnp.max(jnp.abs(grads[impl][0].astype(jnp.float32)
+            r["max_abs_dq_vs_xla"] = float(jnp.max(jnp.abs(grads[impl][0].astype(jnp.float32)
                                                                - grads[base][0].astype(jnp.float32))))
-            r["max_abs_dkv_vs_current"] = float(jnp.max(jnp.abs(grads[impl][1].astype(jnp.float32)
+            r["max_abs_dkv_vs_xla"] = float(jnp.max(jnp.abs(grads[impl][1].astype(jnp.float32)
                                                                 - grads[base][1].astype(jnp.float32))))
-            r["rel_dkv_vs_current"] = rel(grads[impl][1], grads[base][1])
+            r["rel_dkv_vs_xla"] = rel(grads[impl][1], grads[base][1])
         if "failed" in r:
             print(f"| {impl} | failed: {r['failed'][:200]} |")
             continue
         print(f"| {impl} | {r['fwd_ms']:.2f} | {r['grad_ms']:.2f} | {r['bwd_ms']:.2f} | "
               f"{r['bwd_tflops']:.0f} | {r['bwd_pct_matmul']:.1f}% | "
-              f"{r.get('max_abs_dq_vs_current', float('nan')):.3g} | "
-              f"{r.get('max_abs_dkv_vs_current', float('nan')):.3g} | {r['bitwise_repeatable']} |")
+              f"{r.get('max_abs_dq_vs_xla', float('nan')):.3g} | "
+              f"{r.get('max_abs_dkv_vs_xla', float('nan')):.3g} | {r['bitwise_repeatable']} |")
     grads.clear()
 
     # the new backward's parts: the transposed index (once per IndexShare group) and the kernels
@@ -228,7 +218,7 @@ def sweep(bw, mm, interpret, configs, shapes):
                 print(f"sweep ({name}) {cfg}: {t * 1e3:.2f} ms, {100 * flops / t / mm:.1f}% of matmul",
                       flush=True)
             except Exception as e:  # noqa: BLE001
-                print(f"sweep ({name}) {cfg}: failed {type(e).__name__}: {str(e)[:200]}", flush=True)
+                print(f"sweep ({name}) {cfg}: failed {failure(e)}", flush=True)
 
 
 def parts(bw, mm, interpret, cfg, shape):
@@ -291,10 +281,10 @@ def main():
     ap.add_argument("--parts", action="store_true", help="with --sweep: time each kernel alone too")
     ap.add_argument("--shape", default=None, choices=["default-py"],
                     help="time one layer of the default training recipe instead (module docstring)")
-    sparse_mla_default_py.add_arguments(ap)
+    default_py.add_arguments(ap)
     args = ap.parse_args()
     if args.shape == "default-py":
-        sparse_mla_default_py.main(args)
+        default_py.main(args)
         return
     interpret = args.smoke
     cfg = {} if args.sweep else eval(args.cfg)  # noqa: S307 - a command-line dict of kernel settings
@@ -329,17 +319,15 @@ def main():
                     try:
                         parts(bw, mm, interpret, c, s)
                     except Exception as e:  # noqa: BLE001
-                        print(f"parts ({s[0]}) {c}: failed {type(e).__name__}: {str(e)[:200]}")
+                        print(f"parts ({s[0]}) {c}: failed {failure(e)}")
             else:
                 sweep(bw, mm, interpret, mine, [s])
         return
     for name, S, T, K, heads in shapes:
-        which = ["new", "pallas_gpu atomic"] + (["pallas_gpu scatter"] if heads > 32 else []) + ["xla"]
+        which = ["new", "pallas_gpu by_key", "xla"]
         run_shape(name, S, T, K, heads, bw, mm, interpret, cfgs[16 if heads <= 32 else 64], which,
                   report, reps=3)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(report, f, indent=1, default=str)
+        write_json(args.json, report)
 
 
 if __name__ == "__main__":

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 
 import jax
 import jax.numpy as jnp
 
 import pallas_kernels
 from benchmarks._measure import bench, ceilings
+from benchmarks._report import Table, failure, write_json
 
 LATENT, VALUE = 576, 512
 
@@ -64,31 +64,28 @@ def main() -> None:
     flops = 2 * s * h * k * (LATENT + VALUE)
     print(f"sparse MLA forward, {h} heads, {s} queries over {t} keys, top-{k}; bf16 matmul {matmul / 1e12:.0f} "
           f"TFLOP/s; {flops / 1e12:.1f} TFLOP a call")
-    print("| block_k | num_warps | num_stages | head_group | ms | TFLOP/s | % of matmul |")
-    print("|---|---|---|---|---|---|---|")
+    table = Table("block_k", "num_warps", "num_stages", "head_group", "ms", "TFLOP/s", "% of matmul")
     default = pallas_kernels.SparseMLAGpuConfig()
     grid = [dict(block_k=None, num_warps=default.num_warps, num_stages=default.num_stages, head_group=None)]
     grid += [dict(block_k=bk, num_warps=w, num_stages=st, head_group=hg or None)
              for bk, w, st, hg in itertools.product(args.block_k, args.warps, args.stages, args.head_group)]
     results = []
     for settings in grid:
-        config = pallas_kernels.SparseMLAGpuConfig(dkv_mode="atomic", **settings)   # a backward without an index
+        config = pallas_kernels.SparseMLAGpuConfig(**settings)
         fn = jax.jit(lambda q, kv, idx, c=config: pallas_kernels.sparse_mla(
             q, kv, idx, sm_scale=0.05, v_dim=VALUE, impl="pallas_gpu", config=c, interpret=args.smoke)[0])
-        label = " | ".join(str(settings[f] or "default") for f in ("block_k", "num_warps", "num_stages", "head_group"))
+        label = [str(settings[f] or "default") for f in ("block_k", "num_warps", "num_stages", "head_group")]
         try:
             ms = bench(fn, q, kv, idx, reps=3, inner=1) * 1e3
         except Exception as e:  # noqa: BLE001 - e.g. shared memory exceeded: report, try the next
-            print(f"| {label} | failed: {type(e).__name__}: {str(e).splitlines()[0][:120]} | | |", flush=True)
+            table.row(*label, f"failed: {failure(e)}")
             continue
         results.append((ms, settings))
-        print(f"| {label} | {ms:.2f} | {flops / ms / 1e9:.0f} | {flops / ms / 1e9 / (matmul / 1e12):.0%} |", flush=True)
+        table.row(*label, f"{ms:.2f}", f"{flops / ms / 1e9:.0f}", f"{flops / ms / 1e9 / (matmul / 1e12):.0%}")
     if results:
         ms, best = min(results, key=lambda r: r[0])
         print(f"fastest: {best} at {ms:.2f} ms ({results[0][0] / ms:.2f}x the default settings)")
-        if args.best:
-            with open(args.best, "w") as f:
-                json.dump({key: v for key, v in best.items() if v is not None}, f)
+        write_json(args.best, {key: v for key, v in best.items() if v is not None})
 
 
 if __name__ == "__main__":

@@ -18,10 +18,7 @@ and, per group of --group layers, the old cost (group x per-layer KL) beside the
 
 The selections are the indexer top-k of the random inputs (`--selections indexer`), or a trained
 model's (`--selections trained`: `benchmarks/real_selections.py`, checkpoints/default's first
-IndexShare group on held-out text), where adjacent queries share most rows. `--fwd-block-q N`
-adds the GPU sparse MLA with row sharing (`gpu_shared`: N adjacent queries load the union of
-their rows once): its index build, the forward alone with it, and forward + backward with
-dkv_mode "shared"; and the union's size.
+IndexShare group on held-out text), where adjacent queries share most rows.
 
 `--only attention` times the top-k and sparse MLA parts, `--only kl` the indexer KL parts (so
 that each can run under its own time limit). Each line also gives two limits measured in the same run: the part's matmul FLOPs at the bf16
@@ -31,15 +28,14 @@ matmul rate, and the bytes it must move at the device's copy bandwidth (read + w
 from __future__ import annotations
 
 import argparse
-import json
 
 import jax
 import jax.numpy as jnp
 
 import pallas_kernels
 from benchmarks._measure import bench, ceilings
-from pallas_kernels._common import choose_q_chunk, map_query_chunks
-from pallas_kernels.attention.gpu_shared import shared_index, shared_rows
+from benchmarks._report import Table, failure, write_json
+from pallas_kernels.chunking import choose_q_chunk, map_query_chunks
 from pallas_kernels.attention.xla import gather_rows
 
 HEADS, LATENT, VALUE, TOPK, INDEX_HEADS, INDEX_DIM = 16, 576, 512, 2048, 16, 128
@@ -77,8 +73,6 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=4, help="layers per IndexShare group (GLM-5.2: 4)")
     ap.add_argument("--selections", choices=["indexer", "trained"], default="indexer",
                     help="the indexer top-k of the random inputs, or a trained model's (real_selections.py)")
-    ap.add_argument("--fwd-block-q", type=int, nargs="*", default=[],
-                    help="also the row-sharing forward with blocks of these many queries (pallas_gpu)")
     ap.add_argument("--only", choices=["attention", "kl"], default=None,
                     help="time only the top-k and sparse MLA parts, or only the indexer KL parts")
     ap.add_argument("--smoke", action="store_true", help="a small ceiling measurement; Pallas interpreted (CPU check)")
@@ -98,7 +92,7 @@ def main() -> None:
         return pallas_kernels.indexer_topk(a, b, c, topk=TOPK, q_pos=positions, kv_len=kv_len)
 
     if args.selections == "trained":
-        from benchmarks.real_selections import trained_selections
+        from benchmarks._selections import trained_selections
 
         indices = jnp.asarray(trained_selections(s, topk=TOPK))
     else:
@@ -153,33 +147,6 @@ def main() -> None:
                    (q, kv, indices), 3 * attn_fwd, 3 * attn_bytes),
                   ("  the same without the latent rows' gradient", jax.grad(attention_loss(impl), argnums=0),
                    (q, kv, indices), 2 * attn_fwd, 2 * attn_bytes)]
-    for block_q in args.fwd_block_q if args.only != "kl" else ():
-        union = jax.jit(lambda idx, block_q=block_q: shared_rows(idx, s, block_q=block_q))
-        total, selected = int(jnp.sum(union(indices).count)), int(jnp.sum(indices >= 0))
-        print(f"rows shared by {block_q} queries: union {total / (-(-s // block_q)) / TOPK:.2f} x K per block "
-              f"(reuse {selected / max(1, total):.2f}: selected pairs per row loaded)")
-        shared_bytes = total * (LATENT * BF16 + 8) + s * HEADS * (LATENT + VALUE) * BF16
-        fwd_only = pallas_kernels.SparseMLAGpuConfig(fwd_block_q=block_q)
-        config = pallas_kernels.SparseMLAGpuConfig(fwd_block_q=block_q, dkv_mode="shared")
-        index = lambda idx, n=config.bwd_block_q: shared_index(idx, s, block_q=n, dk=LATENT, dtype=jnp.bfloat16)
-        name = f"sparse MLA (pallas_gpu, rows shared by {block_q} queries)"
-        errors = jax.jit(lambda q, kv, idx, c=config: [
-            jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))) / jnp.max(jnp.abs(b.astype(jnp.float32)))
-            for a, b in zip((attend("pallas_gpu", config=c)(q, kv, idx)[0],)
-                            + jax.grad(attention_loss("pallas_gpu", c), argnums=(0, 1))(q, kv, idx),
-                            (attend("pallas_gpu")(q, kv, idx)[0],)
-                            + jax.grad(attention_loss("pallas_gpu"), argnums=(0, 1))(q, kv, idx))])
-        print(f"{name} against the per-query kernels, max |difference| / max |value|: "
-              + ", ".join(f"{k} {float(e):.2g}" for k, e in zip(("out", "dq", "dkv"), errors(q, kv, indices))))
-        # backward bytes: dq gathers every pair's row; dkv gathers each union row, writes its
-        # gradient and reads it back
-        parts += [(f"index of the rows of {config.bwd_block_q} queries (once per group)",
-                   lambda idx, f=index: f(idx).transposed.position, (indices,), 0, pairs * 4 * 4),
-                  (f"{name} forward", lambda q, kv, idx, c=fwd_only: attend("pallas_gpu", config=c)(q, kv, idx)[0],
-                   (q, kv, indices), attn_fwd, shared_bytes),
-                  (f"{name} forward + backward (dkv by blocks of {config.bwd_block_q} queries)",
-                   jax.grad(attention_loss("pallas_gpu", config), argnums=(0, 1)),
-                   (q, kv, indices), 3 * attn_fwd, 3 * shared_bytes + attn_bytes)]
     # the new parts first, the old per-layer KL (the slowest) last, so a time limit cuts the baseline
     side_inputs = (idx_q, idx_k, idx_w, indices, target)
     kl_parts = [("sparse MLA (pallas_gpu) forward, no target",
@@ -201,25 +168,21 @@ def main() -> None:
         parts += kl_parts
     print(f"sparse attention parts at {s} tokens; bf16 matmul {matmul / 1e12:.0f} TFLOP/s, "
           f"copy {copy_rate / 1e12:.2f} TB/s")
-    print("| part | ms | matmul limit ms | copy limit ms |")
-    print("|---|---|---|---|")
+    table = Table("part", "ms", "matmul limit ms", "copy limit ms")
     rows = []
 
     def save():         # after every part, so a run cut short keeps what it measured
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"seq_len": s, "matmul_flops": matmul, "copy_bytes_per_s": copy_rate, "rows": rows}, f,
-                          indent=1)
+        write_json(args.json, {"seq_len": s, "matmul_flops": matmul, "copy_bytes_per_s": copy_rate, "rows": rows})
 
     for name, fn, inputs, flops, nbytes in parts:
         row = {"part": name.strip(), "limit_ms": flops / matmul * 1e3, "copy_limit_ms": nbytes / copy_rate * 1e3}
-        limits = f"{row['limit_ms']:.1f} | {row['copy_limit_ms']:.1f}"
+        limits = f"{row['limit_ms']:.1f}", f"{row['copy_limit_ms']:.1f}"
         try:
             row["ms"] = bench(jax.jit(fn), *inputs, reps=3, inner=1) * 1e3
-            print(f"| {name} | {row['ms']:.1f} | {limits} |", flush=True)
+            table.row(name, f"{row['ms']:.1f}", *limits)
         except Exception as e:  # noqa: BLE001 - e.g. out of memory: report it, time the next part
-            row["failed"] = f"{type(e).__name__}: {str(e)[:300]}"
-            print(f"| {name} | failed: {row['failed'][:160]} | {limits} |", flush=True)
+            row["failed"] = failure(e)
+            table.row(name, f"failed: {row['failed']}", *limits)
         rows.append(row)
         save()
     ms = {r["part"]: r.get("ms") for r in rows}

@@ -20,7 +20,6 @@ with the device's copy bandwidth measured in the same run.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import jax
@@ -28,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from benchmarks._report import Table, write_json
 from glm_jax.checkpoint import load_model_dir
 from glm_jax.data import corpus
 from glm_jax.data.tokenizer import load_tokenizer
@@ -103,8 +103,7 @@ def main() -> None:
     print(f"device {device}; copy bandwidth {bandwidth / 1e9:.1f} GB/s; model {model.cfg.name}; prompt "
           f"{args.prompt_len} tokens; {args.new_tokens} new tokens per sequence; {mode}; median of "
           f"{args.repeat} round(s)")
-    print("| batch | decoding | tokens/s | acceptance length | accept rate per draft position | speedup |")
-    print("|---|---|---|---|---|---|")
+    table = Table("batch", "decoding", "tokens/s", "acceptance length", "accept rate per draft position", "speedup")
     rows = []
     sampling = dict(max_new_tokens=args.new_tokens, sampling=SamplingParams(temperature=args.temperature))
     for batch in args.batch:
@@ -133,8 +132,8 @@ def main() -> None:
                 spec_rates[c].append(batch * args.new_tokens / spec.stats.decode_s)
         plain_rate = float(np.median(plain_rates))
         limit = batch * bandwidth / bytes_per_step(model, batch, args.prompt_len + args.new_tokens)
-        print(f"| {batch} | plain | {plain_rate:.1f} | 1.00 | - | 1.00x |", flush=True)
-        print(f"| {batch} | limit: copy bandwidth / bytes read per step | {limit:.0f} | | | |", flush=True)
+        table.row(batch, "plain", f"{plain_rate:.1f}", "1.00", "-", "1.00x")
+        table.row(batch, "limit: copy bandwidth / bytes read per step", f"{limit:.0f}")
         rows.append(dict(batch=batch, decoding="plain", draft=0, tokens_per_s=plain_rate, rounds=plain_rates,
                          speedup=1.0, limit_tokens_per_s=limit))
         for (k, kv_share), spec in specs.items():
@@ -143,16 +142,13 @@ def main() -> None:
             speedup = float(np.median(np.asarray(spec_rates[(k, kv_share)]) / np.asarray(plain_rates)))
             rates = " ".join(f"{r:.2f}" for r in s.acceptance_rate)
             name = f"speculative K={k}" + ("" if kv_share else ", KVShare off")
-            print(f"| {batch} | {name} | {rate:.1f} | {s.acceptance_length:.2f} | {rates} | {speedup:.2f}x |",
-                  flush=True)
+            table.row(batch, name, f"{rate:.1f}", f"{s.acceptance_length:.2f}", rates, f"{speedup:.2f}x")
             rows.append(dict(batch=batch, decoding=name, draft=k, kv_share=kv_share, tokens_per_s=rate,
                              rounds=spec_rates[(k, kv_share)], acceptance_length=s.acceptance_length,
                              speedup=speedup))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(device=device, backend=jax.default_backend(), checkpoint=args.checkpoint,
-                           prompt_len=args.prompt_len, new_tokens=args.new_tokens, temperature=args.temperature,
-                           repeat=args.repeat, rows=rows), f, indent=1)
+    write_json(args.json, dict(device=device, backend=jax.default_backend(), checkpoint=args.checkpoint,
+                               prompt_len=args.prompt_len, new_tokens=args.new_tokens, temperature=args.temperature,
+                               repeat=args.repeat, rows=rows))
 
 
 if __name__ == "__main__":

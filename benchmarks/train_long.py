@@ -34,7 +34,8 @@ import numpy as np
 from flax import nnx
 
 import pallas_kernels
-from benchmarks import trace_summary
+from benchmarks._report import failure, write_json
+from benchmarks._traces import summarize
 from benchmarks._measure import ceilings
 from glm_jax import costs, ops
 from glm_jax.config import load_config
@@ -95,9 +96,7 @@ def main() -> None:
     rows = []
 
     def save():             # after every stage, so a run cut short keeps what it measured
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(dict(matmul_flops=matmul, seq_len=seq_len, batch_size=batch, rows=rows), f, indent=1)
+        write_json(args.json, dict(matmul_flops=matmul, seq_len=seq_len, batch_size=batch, rows=rows))
 
     runs = [(stage, impl) for stage in args.stages
             for impl in (args.sparse_impls if stage == "sparse" else ["fused dense"])]
@@ -114,9 +113,10 @@ def main() -> None:
             p, opt_state, terms = run(p, opt_state)             # compile
             jax.block_until_ready(terms)
         except Exception as e:  # noqa: BLE001 - e.g. out of memory: report it, measure the next stage
-            print(f"| {stage} | {impl} | failed: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]} "
+            failed = failure(e)
+            print(f"| {stage} | {impl} | failed: {failed} "
                   "| | | | |", flush=True)
-            rows.append(dict(stage=stage, attention=impl, failed=f"{type(e).__name__}: {str(e)[:300]}"))
+            rows.append(dict(stage=stage, attention=impl, failed=failed))
             save()
             continue
         times = []
@@ -138,7 +138,7 @@ def main() -> None:
                 p, opt_state, terms = run(p, opt_state)
                 jax.block_until_ready(terms)
             try:
-                print(f"where the {stage} step's GPU time goes ({trace_dir}):\n{trace_summary.summarize(trace_dir)}",
+                print(f"where the {stage} step's GPU time goes ({trace_dir}):\n{summarize(trace_dir)}",
                       flush=True)
             except ValueError as e:                      # e.g. a CPU trace: no device events
                 print(f"trace of the {stage} step: {e}", flush=True)

@@ -37,6 +37,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks._report import child_failure, device_kind, write_json
+from benchmarks._traces import summarize
+
 RECIPE = dict(config="configs/default-py.yaml", seq_len=4096, batch_size=16, mtp_depth=3, mtp_weight=0.3,
               tv_weight=0.5, lr=1e-3, warmup_steps=200, steps=4000)
 SMOKE = dict(RECIPE, config="configs/tiny.yaml", seq_len=128, batch_size=2, mtp_depth=2)
@@ -151,12 +154,11 @@ def steps_main(args, recipe: dict) -> None:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
         lines = [l for l in done.stdout.splitlines() if l.startswith("{")]
         if done.returncode or not lines:
-            err = (done.stderr.strip().splitlines() or ["no output"])[-1][:300]
-            rows.append(dict(variant=variant, failed=err))
+            rows.append(dict(variant=variant, failed=child_failure(done.stderr, done.returncode)))
         else:
             rows.append(json.loads(lines[-1]))
         print(json.dumps(rows[-1]), flush=True)
-        _write(args.json, dict(device=_device(), recipe=recipe, rows=rows))
+        write_json(args.json, dict(device=device_kind(), recipe=recipe, rows=rows))
     if args.profile:
         for variant in args.variants:
             profile_variant(variant, args)
@@ -174,8 +176,6 @@ def profile_variant(variant: str, args) -> None:
     """Two steps of `variant` traced in a child process with XLA command buffers off (so each
     kernel is its own device event) into runs/step-traces/<variant>/, summarized into
     PROFILE/<variant>.txt."""
-    from benchmarks import trace_summary
-
     name = (variant.replace(":", "-") + ("" if args.dense_kl == "xla" else f"-kl-{args.dense_kl}")
             + ("-trained" if args.params else ""))
     trace_dir = Path("runs/step-traces") / name
@@ -185,10 +185,10 @@ def profile_variant(variant: str, args) -> None:
     print(f"== profile {variant}", flush=True)
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
     if done.returncode:
-        print(f"profile of {variant} failed: {(done.stderr.strip().splitlines() or ['?'])[-1][:300]}", flush=True)
+        print(f"profile of {variant} failed: {child_failure(done.stderr, done.returncode)}", flush=True)
         return
     try:
-        text = trace_summary.summarize(str(trace_dir), steps=TRACED_STEPS)
+        text = summarize(str(trace_dir), steps=TRACED_STEPS)
     except ValueError as e:
         print(f"profile of {variant}: {e}", flush=True)
         return
@@ -232,15 +232,15 @@ def loop_main(args, recipe: dict) -> None:
                              step_ms=recipe["seq_len"] * recipe["batch_size"] / np.median(rates) * 1e3
                              if rates else None))
         runs.append(dict(command=" ".join(cmd), returncode=done.returncode, wall_s=wall))
-        _write(args.json, dict(device=_device(), recipe=recipe, runs=runs, rows=rows))
+        write_json(args.json, dict(device=device_kind(), recipe=recipe, runs=runs, rows=rows))
         print(json.dumps(rows[-2:]), flush=True)
 
 
 # ---------------------------------------------------------------------------------- parts
 def parts_main(args, recipe: dict) -> None:
-    from benchmarks import train_parts
+    from benchmarks import _train_parts
 
-    train_parts.main(args, recipe)
+    _train_parts.main(args, recipe)
 
 
 # ---------------------------------------------------------------------------------- table
@@ -299,17 +299,6 @@ def table_main(args) -> None:
     print(text)
     if args.markdown:
         Path(args.markdown).write_text(text + "\n")
-
-
-# ---------------------------------------------------------------------------------- helpers
-def _device() -> str:
-    return jax.devices()[0].device_kind
-
-
-def _write(path, obj) -> None:
-    if path:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(obj, indent=1))
 
 
 def main() -> None:

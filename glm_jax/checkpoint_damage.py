@@ -27,6 +27,8 @@ import re
 import sys
 from pathlib import Path
 
+from glm_jax.thread_streams import ThreadRoutedStream
+
 #: The file beside params/ that lists params/'s files and their sizes.
 MANIFEST_NAME = "params.files.json"
 
@@ -97,8 +99,6 @@ def silence_orbax_leftovers() -> None:
     write to stderr is dropped (tensorstore's callbacks print "Event loop is closed" tracebacks
     from its threads; train.py's loop later routes such output to background.log), and
     `orbax_leftovers_seen()` is True."""
-    from glm_jax.training.background_output import ThreadRoutedStream
-
     _orphaned["seen"] = True
     if sys.unraisablehook is not _drop_orphaned_reads:
         _orphaned["previous_hook"] = sys.unraisablehook
@@ -119,8 +119,6 @@ def restoring():
     so a read that fails on tensorstore's threads, or an event-loop callback reported while the
     checkpointer closes, prints nothing before the one-line error either. Within another routing
     of stderr (train.py's, or after an earlier failure): a plain block."""
-    from glm_jax.training.background_output import ThreadRoutedStream
-
     original = sys.stderr
     if isinstance(original, ThreadRoutedStream):
         yield

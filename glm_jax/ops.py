@@ -23,7 +23,7 @@ from glm_jax.sharding import context_size, split_queries
 
 __all__ = ["KernelChoice", "impl_choices", "indexer_scores", "indexer_topk", "sparse_mla", "sparse_mla_backward_index",
            "indexer_cross_entropy",
-           "causal_attention", "paged_indexer_topk", "paged_sparse_mla"]
+           "causal_attention", "paged_indexer_topk", "paged_sparse_mla", "dense_indexer_kl"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,12 +31,12 @@ class KernelChoice:
     """Which implementation each op uses (`impl_choices`): `indexer` for the indexer's scores and
     top-k with `indexer_config` its tuning, `attention` for sparse MLA with `attention_config`,
     `indexer_kl` for the indexer side of the sparse-stage KL (`indexer_cross_entropy`) with
-    `indexer_kl_config` (each that implementation's config dataclass, e.g.
+    `indexer_kl_config`, `dense_kl` for the dense stage's absorbed-form indexer KL
+    (`dense_indexer_kl`; "xla" by default: its "pallas_gpu" is not yet measured against it) with
+    `dense_kl_config` (each config that implementation's dataclass, e.g.
     `pallas_kernels.IndexerGpuConfig`, `pallas_kernels.SparseMLAGpuConfig`,
-    `pallas_kernels.IndexerKLGpuConfig`; None: its defaults), `dense_kl` for the dense stage's
-    absorbed-form indexer KL (`layers.dense_kl.dense_group_kl`: "xla", or "pallas_gpu" for its
-    forward passes, not yet measured against "xla") with `dense_kl_config`
-    (`pallas_kernels.dense_kl.gpu.DenseKLGpuConfig`); `interpret` runs Pallas kernels on the CPU."""
+    `pallas_kernels.IndexerKLGpuConfig`, `pallas_kernels.DenseKLXlaConfig`; None: its defaults);
+    `interpret` runs Pallas kernels on the CPU."""
 
     indexer: str = "auto"
     attention: str = "auto"
@@ -113,3 +113,10 @@ def causal_attention(q, k, v, *, scale, kv_len=None, mask=None, segments=None):
     impl = "xla" if context_size() > 1 else "auto"
     return pallas_kernels.causal_attention(q, k, v, scale=scale, kv_len=kv_len, mask=mask, segments=segments,
                                            impl=impl)
+
+
+def dense_indexer_kl(qs, latents, idx_q, idx_keys, idx_w, **kwargs):
+    """qs L x [B, S, H, Dk], latents L x [B, S, Dk], idx_q [B, S, Hi, Di], idx_keys [B, S, Di],
+    idx_w [B, S, Hi] -> float32 [B, S] (`pallas_kernels.dense_indexer_kl`). Not split per query
+    shard: its queries are the keys' own rows, and XLA partitions it."""
+    return pallas_kernels.dense_indexer_kl(qs, latents, idx_q, idx_keys, idx_w, **kwargs)

@@ -10,6 +10,7 @@ static):
     sparse_mla_backward_index(indices, num_keys, *, dk, dtype, ...)  -> its backward's index or None
     indexer_cross_entropy(q, k, weights, indices, target, ...)            -> float32 [B, S]
     causal_attention(q, k, v, *, scale, kv_len, mask, segments, ...)      -> [B, S, N, d]
+    dense_indexer_kl(qs, latents, idx_q, idx_keys, idx_w, *, sm_scale, kv_len, ...) -> float32 [B, S]
 
 Paged decode forms read a paged store ([slots, pages, P, D], `paging`) through a page table
 instead of a contiguous [B, T, D] copy (forward only):
@@ -34,7 +35,8 @@ Every op takes
 All arithmetic is float32 internally; inputs may be bfloat16.
 
 Implementations live in one folder per op family (indexer/, attention/ for sparse MLA,
-indexer_kl/ for the indexer's selected-set loss, dense/ for causal attention) and are listed in `registry.REGISTRY`, the one table from which
+indexer_kl/ for the indexer's selected-set loss, dense/ for causal attention, dense_kl/ for the
+dense-stage indexer KL) and are listed in `registry.REGISTRY`, the one table from which
 the valid names, "auto", the command-line choices and the contract tests derive: adding an
 implementation is a module with the op's function and its config dataclass, plus one entry
 there (docs/kernels.md).
@@ -51,6 +53,8 @@ from pallas_kernels._common import NoConfig, XlaConfig, start_or_zero
 from pallas_kernels.attention.gpu import SparseMLAGpuConfig
 from pallas_kernels.attention.tpu import SparseMLATpuConfig
 from pallas_kernels.dense import cudnn as _cudnn
+from pallas_kernels.dense_kl.gpu import DenseKLGpuConfig
+from pallas_kernels.dense_kl.xla import DenseKLXlaConfig
 from pallas_kernels.indexer.gpu import IndexerGpuConfig
 from pallas_kernels.indexer.tpu import IndexerTpuConfig
 from pallas_kernels.indexer_kl.gpu import IndexerKLGpuConfig
@@ -60,7 +64,7 @@ __all__ = ["REGISTRY", "impl_choices", "resolve_impl", "indexer_scores", "indexe
            "sparse_mla_backward_index",
            "indexer_cross_entropy", "causal_attention", "paged_indexer_topk", "paged_sparse_mla", "NoConfig",
            "XlaConfig", "IndexerGpuConfig", "IndexerTpuConfig", "IndexerKLGpuConfig", "SparseMLAGpuConfig",
-           "SparseMLATpuConfig"]
+           "SparseMLATpuConfig", "dense_indexer_kl", "DenseKLXlaConfig", "DenseKLGpuConfig"]
 
 
 def indexer_scores(q: jax.Array, k: jax.Array, weights: jax.Array, *, q_pos: jax.Array,
@@ -177,7 +181,7 @@ def sparse_mla_backward_index(indices: jax.Array, num_keys: int, *, dk: int, dty
     Returns:
       A `attention.transpose.TransposedIndex` (dkv_mode "sorted", the TPU kernel), a
       `attention.transpose.KeyBitmap` (pallas_gpu's "by_key"), or None where the implementation's
-      backward takes none (reference, xla, pallas_gpu's "atomic" and "scatter"): pass it on to
+      backward takes none (reference, xla): pass it on to
       sparse_mla.
     """
     entry, config = registry.select("sparse_mla", impl, config, interpret)
@@ -301,3 +305,57 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float,
     entry, config = registry.select("causal_attention", impl, config, interpret)
     return entry.fn(q, k, v, scale=scale, kv_len=kv_len, mask=mask, segments=segments, config=config,
                     interpret=interpret)
+
+
+def dense_indexer_kl(qs, latents, idx_q: jax.Array, idx_keys: jax.Array, idx_w: jax.Array, *, sm_scale: float,
+                     kv_len: jax.Array, kv_start: jax.Array | None = None, shares=None, impl: str = "auto",
+                     config=None, interpret: bool = False) -> jax.Array:
+    """The dense warm-up's indexer KL of an IndexShare group, per query, without [S, S] arrays
+    (but impl="reference").
+
+    Layer j of the group (weight share_j) attends causally with its absorbed queries q_jh over
+    its latent rows c_t: p_jh,t = softmax_t(sm_scale q_jh . c_t) over the visible keys, and
+    t_j = mean_h p_jh is the target it sets the indexer, whose scores are
+    s_t = sum_h idx_w_h relu(idx_q_h . idx_keys_t). Key t is visible to query s (the queries
+    are the sequence's own rows) iff kv_start[s] <= t <= s and t < kv_len.
+
+    Args:
+      qs: L arrays [B, S, H, Dk], the layers' absorbed queries (constants: no gradient).
+      latents: L arrays [B, S, Dk], their latent rows (constants).
+      idx_q: [B, S, Hi, Di] indexer queries;  idx_keys: [B, S, Di] indexer keys;
+      idx_w: [B, S, Hi] indexer head weights (every scale folded in).
+      sm_scale: the attention's softmax scale (static).
+      kv_len: int32 [B] valid keys (capped at S).
+      kv_start: int32 [B, S] the row where each query's document starts, or None for 0.
+      shares: one weight per layer (static), default 1 / L each.
+      impl, config, interpret: see the package docstring ("auto" takes "pallas_gpu" on a GPU).
+
+    Returns:
+      float32 [B, S]: per query sum_j share_j sum_t t_j,t log t_j,t - sum_t tbar_t s_t + LSE_s
+      with tbar = sum_j share_j t_j and LSE_s the log-sum-exp of s over the visible keys (0
+      where no key is visible); with shares summing to 1 that is sum_j share_j KL(t_j ||
+      softmax(s)). Differentiable in idx_q, idx_keys and idx_w (d/ds_t = softmax(s)_t - tbar_t);
+      no gradient reaches qs or latents.
+    """
+    entry, config = registry.select("dense_indexer_kl", impl, config, interpret)
+    qs, latents = tuple(qs), tuple(latents)
+    if not qs or len(latents) != len(qs):
+        raise ValueError(f"pallas_kernels.dense_indexer_kl: one latent array per layer's queries and at least one "
+                         f"layer, got {len(qs)} queries and {len(latents)} latents")
+    batch, seq_len = idx_q.shape[:2]
+    for q, latent in zip(qs, latents):
+        if q.shape[:2] != (batch, seq_len) or latent.shape[:2] != (batch, seq_len):
+            raise ValueError(f"pallas_kernels.dense_indexer_kl: every layer's queries and latent rows must be "
+                             f"[{batch}, {seq_len}, ...] (the indexer's queries), got {q.shape} and {latent.shape}")
+    if idx_keys.shape[:2] != (batch, seq_len):
+        raise ValueError(f"pallas_kernels.dense_indexer_kl: the indexer keys must be [{batch}, {seq_len}, Di] (one "
+                         f"per query row), got {idx_keys.shape}")
+    shares = (1.0 / len(qs),) * len(qs) if shares is None else tuple(float(s) for s in shares)
+    if len(shares) != len(qs):
+        raise ValueError(f"pallas_kernels.dense_indexer_kl: {len(shares)} shares for {len(qs)} layers")
+    qs = tuple(jax.lax.stop_gradient(q) for q in qs)
+    latents = tuple(jax.lax.stop_gradient(c.astype(q.dtype)) for c, q in zip(latents, qs))
+    kv_len = jnp.minimum(jnp.asarray(kv_len, jnp.int32), seq_len)
+    kv_start = None if kv_start is None else jnp.asarray(kv_start, jnp.int32)
+    return entry.fn(qs, latents, idx_q, idx_keys, idx_w.astype(jnp.float32), sm_scale=float(sm_scale),
+                    kv_len=kv_len, kv_start=kv_start, shares=shares, config=config, interpret=interpret)

@@ -1,21 +1,16 @@
-"""Helpers shared by the implementations: the knob-less and `xla` configs, query chunking,
-key masks and top-k padding."""
+"""Helpers shared by the implementations: the knob-less and `xla` configs, key masks, top-k
+padding and the GPU kernels' dots (query chunking: `pallas_kernels.chunking`)."""
 
 from __future__ import annotations
 
 import dataclasses
-import operator
-from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas import tpu as pltpu
 
-#: Upper bound on the bytes of the per-chunk intermediates of the `xla` impls.
-CHUNK_BUDGET_BYTES = 256 * 2**20
-#: Upper bound on the default query chunk.
-MAX_Q_CHUNK = 256
+from pallas_kernels.chunking import positive_int
 
 
 def check_positive_fields(config) -> None:
@@ -24,7 +19,7 @@ def check_positive_fields(config) -> None:
     for field in dataclasses.fields(config):
         value = getattr(config, field.name)
         if value is not None and not isinstance(value, (bool, str)):
-            _positive_int(f"{type(config).__name__}.{field.name}", value, " or None")
+            positive_int(f"{type(config).__name__}.{field.name}", value, " or None")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,56 +45,6 @@ def tpu_interpret(interpret: bool):
     """The `interpret` argument of a Mosaic TPU `pallas_call`: the TPU interpreter (which also
     simulates the DMAs and semaphores) when interpret, else False (compile)."""
     return pltpu.InterpretParams() if interpret else False
-
-
-def choose_q_chunk(seq_len: int, bytes_per_query: int, q_chunk: int | None = None, *,
-                   budget: int = CHUNK_BUDGET_BYTES, max_chunk: int = MAX_Q_CHUNK) -> int:
-    """The number of queries processed at once, in [1, max(seq_len, 1)].
-
-    An explicit `q_chunk` wins (capped at seq_len). Otherwise the largest power of two
-    <= max_chunk whose intermediates (bytes_per_query each) fit in `budget`."""
-    seq_len = int(seq_len)
-    if q_chunk is not None:
-        return max(1, min(_positive_int("q_chunk", q_chunk, " or None"), seq_len))
-    c = max(1, min(int(budget) // max(1, int(bytes_per_query)), int(max_chunk)))
-    c = 1 << (c.bit_length() - 1)
-    return max(1, min(c, seq_len))
-
-
-def map_query_chunks(fn: Callable, args: Sequence[jax.Array], pad_values: Sequence, chunk: int, *,
-                     remat: bool = False):
-    """Applies fn(*chunk_args) to consecutive chunks of `chunk` queries and concatenates.
-
-    Every array in `args` has the query axis at position 1 ([B, S, ...]); every output leaf of
-    fn has it at position 1 too. S need not be a multiple of `chunk`: the tail is padded with
-    `pad_values` (one per arg) and the outputs sliced back to S. Chunks run sequentially
-    (lax.map), so only one chunk's intermediates are live; with remat=True each chunk is
-    rematerialised in the backward pass, so its intermediates are not stored either."""
-    seq_len = args[0].shape[1]
-    if seq_len <= chunk:
-        return fn(*args)
-    n = -(-seq_len // chunk)
-
-    def merge(y):
-        y = jnp.moveaxis(y, 0, 1)
-        y = y.reshape((y.shape[0], n * chunk) + y.shape[3:])
-        return y[:, :seq_len]
-
-    body = jax.checkpoint(fn) if remat else fn
-    xs = tuple(split_query_chunks(a, v, chunk) for a, v in zip(args, pad_values))
-    ys = lax.map(lambda chunk_args: body(*chunk_args), xs)
-    return jax.tree.map(merge, ys)
-
-
-def split_query_chunks(x: jax.Array, pad_value, chunk: int) -> jax.Array:
-    """[B, S, ...] -> [n, B, chunk, ...] with n = ceil(S / chunk), the tail padded with pad_value."""
-    seq_len = x.shape[1]
-    n = -(-seq_len // chunk)
-    pad = n * chunk - seq_len
-    if pad:
-        widths = [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)
-        x = jnp.pad(x, widths, constant_values=jnp.asarray(pad_value, x.dtype))
-    return jnp.moveaxis(x.reshape((x.shape[0], n, chunk) + x.shape[2:]), 1, 0)
 
 
 def dot(a, b):
@@ -185,14 +130,4 @@ def normalize_zero(x: jax.Array) -> jax.Array:
 
 def check_topk(topk) -> int:
     """Validates the static `topk` and returns it as a Python int."""
-    return _positive_int("topk", topk)
-
-
-def _positive_int(name: str, value, alternatives: str = "") -> int:
-    try:
-        result = operator.index(value)
-    except TypeError:
-        result = 0
-    if result < 1:
-        raise ValueError(f"{name} must be a positive int{alternatives}, got {value!r}")
-    return result
+    return positive_int("topk", topk)

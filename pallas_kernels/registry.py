@@ -15,7 +15,7 @@ from typing import Callable
 
 import jax
 
-from pallas_kernels import attention, dense, indexer, indexer_kl
+from pallas_kernels import attention, dense, dense_kl, indexer, indexer_kl
 from pallas_kernels._common import NoConfig, XlaConfig
 
 #: The name that picks an implementation by backend.
@@ -92,6 +92,11 @@ REGISTRY: dict[str, dict[str, Implementation]] = {
         "reference": Implementation(dense.reference.causal_attention, NoConfig),
         "xla": Implementation(dense.xla.causal_attention, NoConfig),
         "cudnn": Implementation(dense.cudnn.causal_attention, NoConfig, "gpu", interpretable=False),
+    },
+    "dense_indexer_kl": {
+        "reference": Implementation(dense_kl.reference.dense_indexer_kl, NoConfig),
+        "xla": Implementation(dense_kl.xla.dense_indexer_kl, dense_kl.xla.DenseKLXlaConfig),
+        "pallas_gpu": Implementation(dense_kl.gpu_vjp.dense_indexer_kl, dense_kl.gpu.DenseKLGpuConfig, "gpu"),
     },
 }
 

@@ -21,10 +21,6 @@
 # training-glm52-profile  the 64K sparse step at GLM-5.2's attention shape,    3-5 min
 #                 then one more traced (command buffers off): its GPU time by
 #                 part and by kernel
-# training-shared sparse MLA with row sharing (gpu_shared) at 64K: on a trained  3-5 min
-#                 model's selections (benchmarks/real_selections.py) with blocks
-#                 of 2 and 4 queries, then on the indexer selections of random
-#                 inputs with blocks of 4, each beside the per-query kernels
 # serving-itl     host time per engine step (16K context), then the load      5-7 min
 #                 benchmark at 32K with a step token budget of 200: ITL p99
 #                 against p50 at 80% of saturation
@@ -111,7 +107,7 @@ expand() {
         serving-all) echo serving serving-128k serving-full serving-1m serving-1m-full ;;
         train-parts|train-steps|train-steps-trained|train-steps-expanded|train-loop) echo "$1" ;;
         mtp-ablation|speculative|speculative-context) echo "$1" ;;
-        training-parts|training-shared|serving-itl|training-glm52-profile|training-glm52-tuned|training-memory|training-64k|training-128k|training-glm52-64k|training-glm52-128k|kernels|prefill|serving|host|layer-split|layer-split-1m|layer-split-serving|serving-128k|serving-full|serving-1m|serving-1m-full)
+        training-parts|serving-itl|training-glm52-profile|training-glm52-tuned|training-memory|training-64k|training-128k|training-glm52-64k|training-glm52-128k|kernels|prefill|serving|host|layer-split|layer-split-1m|layer-split-serving|serving-128k|serving-full|serving-1m|serving-1m-full)
             echo "$1" ;;
         *) return 1 ;;
     esac
@@ -195,8 +191,8 @@ run() {
 mem95=(env XLA_PYTHON_CLIENT_MEM_FRACTION=0.95)   # the training steps need the card's memory
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$(cd "${RUNS_DIR:-runs}" && pwd)/jax_cache}
 parts=benchmarks/train_step_parts.py
-if [[ " ${groups[*]}" == *" train-"* || " ${groups[*]}" == *" training-shared"* ]] && ! "$py" -c 'import grain' 2>/dev/null; then
-    # the train-* groups read real packed batches through grain, and training-shared held-out text: from wheels/ (scripts/gpu_wheels.sh)
+if [[ " ${groups[*]}" == *" train-"* ]] && ! "$py" -c 'import grain' 2>/dev/null; then
+    # the train-* groups read real packed batches through grain: from wheels/ (scripts/gpu_wheels.sh)
     "$py" -m pip install -q --no-index --find-links wheels grain \
         || echo "grain does not import and could not be installed from wheels/" >&2
 fi
@@ -264,14 +260,6 @@ for group in "${groups[@]}"; do
                 --seq-len 65536 --impls pallas_gpu --only attention --json "$stage/sparse_train_parts_64k.json"
             run sparse_train_kl_64k 390 "--seq-len 128 --smoke" "$py" benchmarks/sparse_train_parts.py \
                 --seq-len 65536 --only kl --json "$stage/sparse_train_kl_64k.json"
-            ;;
-        training-shared)
-            run sparse_train_shared_trained 300 "--seq-len 256 --smoke" "$py" benchmarks/sparse_train_parts.py \
-                --seq-len 65536 --impls pallas_gpu --only attention --selections trained --fwd-block-q 2 4 \
-                --json "$stage/sparse_train_shared_trained.json"
-            run sparse_train_shared_indexer 200 "--seq-len 128 --smoke" "$py" benchmarks/sparse_train_parts.py \
-                --seq-len 65536 --impls pallas_gpu --only attention --fwd-block-q 4 \
-                --json "$stage/sparse_train_shared_indexer.json"
             ;;
         serving-itl)
             run engine_steps 120 "--config configs/tiny.yaml --max-context 256 --new-tokens 64" \

@@ -28,7 +28,7 @@ import pallas_kernels as pk
 #: The static keyword arguments of each op (jitted once per value).
 STATIC = {"indexer_scores": (), "indexer_topk": ("topk",), "sparse_mla": ("sm_scale", "v_dim", "return_target"),
           "causal_attention": ("scale",), "indexer_cross_entropy": (), "paged_indexer_topk": ("topk",),
-          "paged_sparse_mla": ("sm_scale", "v_dim")}
+          "paged_sparse_mla": ("sm_scale", "v_dim"), "dense_indexer_kl": ("sm_scale", "shares")}
 _OPS = {op: jax.jit(getattr(pk, op), static_argnames=STATIC[op] + ("impl", "config", "interpret"))
         for op in pk.REGISTRY}
 
@@ -540,3 +540,70 @@ def check_causal_attention(impl, q, k, v, *, scale, kv_len, mask, segments, docu
     for got, want in zip(grads, np_causal(q, k, v, scale, visible, cot)[1:]):
         close(f64(got), want)
 
+
+# ----------------------------------------------------------------------------- dense indexer KL
+
+
+def dense_kl_inputs(seed, B=3, S=40, L=2, H=3, Dk=24, Hi=2, Di=16):
+    """L layers' normal queries [B, S, H, Dk] and latent rows [B, S, Dk], the indexer's queries
+    [B, S, Hi, Di], keys [B, S, Di] and positive weights [B, S, Hi], kv_len int32 [B] (row 0
+    whole, row 1 ragged, row 2 empty: kv_len 0) and packed documents kv_start int32 [B, S]
+    -> (qs, latents, idx_q, idx_keys, idx_w, kv_len, kv_start)."""
+    rng = np.random.default_rng(seed)
+    normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
+    qs = [normal(B, S, H, Dk) for _ in range(L)]
+    latents = [normal(B, S, Dk) for _ in range(L)]
+    idx_w = jnp.asarray(rng.uniform(0.1, 1.0, (B, S, Hi)), jnp.float32)
+    kv_len = jnp.asarray([S, S - 9] + [0] * (B - 2), jnp.int32)
+    kv_start = doc_starts(rng, np.tile(np.arange(S), (B, 1)))
+    return qs, latents, normal(B, S, Hi, Di), normal(B, S, Di), idx_w, kv_len, kv_start
+
+
+def np_dense_indexer_kl(qs, latents, idx_q, idx_keys, idx_w, *, sm_scale, kv_len, kv_start, shares, g=None):
+    """float64 [B, S]: per query sum_j share_j sum_t t_j log t_j - sum_t tbar s_t + LSE_s over the
+    visible keys (kv_start <= t <= s, t < kv_len; LSE_s 0 where none), t_j the head mean of layer
+    j's softmax and tbar = sum_j share_j t_j; with g [B, S] also (dq, dk, dw) of sum(g * rows),
+    d rows / d s_t = softmax(s)_t - tbar_t."""
+    B, S = idx_q.shape[:2]
+    q_pos = np.tile(np.arange(S), (B, 1))
+    visible = np_key_mask(q_pos, kv_len, S, kv_start)                          # [B, S, T]
+
+    def softmax(z):                     # over the last axis, 0 where nothing is visible
+        m = np.max(z, -1, keepdims=True)
+        e = np.exp(z - np.where(np.isfinite(m), m, 0.0))
+        total = e.sum(-1, keepdims=True)
+        return e / np.where(total > 0, total, 1.0), np.where(np.isfinite(m), m, 0.0) + np.log(np.maximum(total, 1e-300))
+
+    tbar, neg_entropy = np.zeros(visible.shape), np.zeros((B, S))
+    for q, latent, share in zip(qs, latents, shares):
+        logits = sm_scale * np.einsum("bshd,btd->bsht", f64(q), f64(latent))
+        t = softmax(np.where(visible[:, :, None], logits, -np.inf))[0].mean(axis=2)
+        tbar += share * t
+        neg_entropy += share * np.sum(np.where(t > 0, t * np.log(np.where(t > 0, t, 1.0)), 0.0), axis=-1)
+    scores = np_scores(idx_q, idx_keys, idx_w, q_pos, kv_len, kv_start)
+    p, lse = softmax(scores)
+    lse = np.where(visible.any(-1), lse[..., 0], 0.0)
+    rows = neg_entropy - np.sum(np.where(visible, tbar * np.where(visible, scores, 0.0), 0.0), -1) + lse
+    if g is None:
+        return rows
+    return (rows,) + np_scores_grads(idx_q, idx_keys, idx_w, q_pos, kv_len, kv_start, f64(g)[..., None] * (p - tbar))
+
+
+def check_dense_indexer_kl(impl, qs, latents, idx_q, idx_keys, idx_w, *, sm_scale, kv_len, kv_start, shares,
+                           config=None, tol=1e-5):
+    """dense_indexer_kl: float32 [B, S] equal to the oracle, 0 on rows that see no key; gradients
+    into the indexer's queries, keys and weights equal to the oracle's (0 on those rows), none
+    into the layers' queries and latent rows. `tol` relative to the largest value."""
+    kw = dict(sm_scale=sm_scale, kv_len=kv_len, kv_start=kv_start, shares=shares, config=config)
+    rows, pull = jax.vjp(lambda *a: call("dense_indexer_kl", impl, *a, **kw), qs, latents, idx_q, idx_keys, idx_w)
+    assert rows.shape == idx_q.shape[:2] and rows.dtype == jnp.float32
+    g = jnp.asarray(np.random.default_rng(5).normal(size=rows.shape), jnp.float32)
+    want = np_dense_indexer_kl(qs, latents, idx_q, idx_keys, idx_w, sm_scale=sm_scale, kv_len=kv_len,
+                               kv_start=kv_start, shares=shares, g=g)
+    empty = np.asarray(kv_len) == 0
+    assert empty.any() and (np.asarray(rows)[empty] == 0).all()
+    dqs, dlatents, *grads = pull(g)
+    assert not any(np.any(np.asarray(x)) for x in jax.tree.leaves((dqs, dlatents)))
+    for got, w in zip([rows] + grads, want):
+        np.testing.assert_allclose(f64(got), w, rtol=tol, atol=tol * np.abs(w).max())
+    assert not np.asarray(grads[0])[empty].any() and not np.asarray(grads[2])[empty].any()

@@ -1,5 +1,7 @@
-"""The dense warm-up's indexer KL in the absorbed form (`glm_jax.layers.dense_kl`): blockwise,
-equal in value and gradients to the expanded form's per-layer KL on [S, T] matrices."""
+"""The dense warm-up's indexer KL in the absorbed form (`glm_jax.layers.dense_kl` over
+`pallas_kernels.dense_indexer_kl`): blockwise, equal in value and gradients to the expanded
+form's per-layer KL on [S, T] matrices. (The op's contract, every implementation against a
+numpy oracle: test_kernel_contract.py.)"""
 
 from __future__ import annotations
 
@@ -12,12 +14,12 @@ import pytest
 from flax import nnx
 
 import pallas_kernels as pk
-import pallas_kernels.dense_kl.gpu
+from pallas_kernels.dense_kl import gpu, gpu_vjp
 from conftest import ROOT, jaxpr_equations
+from kernel_contract import check_dense_indexer_kl, dense_kl_inputs
 from glm_jax import ops
 from glm_jax.config import load_config
-from glm_jax.layers import decoder, dense_kl
-from glm_jax.layers.decoder import _head_summed_target, _Rows, indexer_kl
+from glm_jax.layers.decoder import head_summed_target, _Rows, indexer_kl
 from glm_jax.layers.dense_kl import DenseTarget, dense_group_kl
 from glm_jax.layers.segments import segment_layout
 from glm_jax.model import GLMModel
@@ -53,13 +55,13 @@ def _expanded_kl(targets, idx_q, idx_keys, idx_w, rows: _Rows):
     for t in targets:
         logits = jnp.einsum("bshd,btd->bhst", t.q, t.latent) * SCALE
         probs = jnp.where(mask[:, None], jax.nn.softmax(jnp.where(mask[:, None], logits, -jnp.inf), -1), 0.0)
-        total = total + indexer_kl(_head_summed_target(probs), scores, mask) / len(targets)
+        total = total + indexer_kl(head_summed_target(probs), scores, mask) / len(targets)
     return total
 
 
 def _fused_kl(targets, idx_q, idx_keys, idx_w, rows: _Rows, block: int):
     return dense_group_kl(targets, idx_q=idx_q, idx_keys=idx_keys, idx_w=idx_w, sm_scale=SCALE, kv_len=rows.kv_len,
-                          kv_start=rows.kv_start, block=block)
+                          kv_start=rows.kv_start, kernels=ops.KernelChoice(dense_kl_config=pk.DenseKLXlaConfig(block)))
 
 
 @pytest.mark.parametrize("layers,packed,block", [(3, False, 16), (2, False, 24), (3, True, 16), (2, True, 64)])
@@ -85,10 +87,10 @@ def test_pallas_kernels_equal_the_expanded_form(monkeypatch, packed, pallas_back
     to 48, widths 48 = 32 + 16 columns): the expanded form's value and gradients; with the
     backward buffer over its limit, the XLA backward from the forward kernel's lse."""
     calls = []
-    backward = pk.dense_kl.gpu.backward
-    monkeypatch.setattr(pk.dense_kl.gpu, "backward", lambda *a, **k: calls.append(1) or backward(*a, **k))
+    backward = gpu.backward
+    monkeypatch.setattr(gpu, "backward", lambda *a, **k: calls.append(1) or backward(*a, **k))
     if not pallas_backward:
-        monkeypatch.setattr(dense_kl, "PALLAS_BACKWARD_BYTES", 0)
+        monkeypatch.setattr(gpu_vjp, "PALLAS_BACKWARD_BYTES", 0)
     targets, idx, rows = _case(2, packed, seed=2)
     s = 40
     targets = [DenseTarget(t.q[:, :s], t.latent[:, :s]) for t in targets]
@@ -98,8 +100,8 @@ def test_pallas_kernels_equal_the_expanded_form(monkeypatch, packed, pallas_back
 
     def fused(targets, *idx):
         return dense_group_kl(targets, idx_q=idx[0], idx_keys=idx[1], idx_w=idx[2], sm_scale=SCALE,
-                              kv_len=rows.kv_len, kv_start=rows.kv_start, block=16, impl="pallas_gpu",
-                              gpu_config=pk.dense_kl.gpu.DenseKLGpuConfig(block=16), interpret=True)
+                              kv_len=rows.kv_len, kv_start=rows.kv_start, kernels=ops.KernelChoice(
+                                  dense_kl="pallas_gpu", dense_kl_config=pk.DenseKLGpuConfig(block=16), interpret=True))
 
     got, got_grads = jax.value_and_grad(fused, (1, 2, 3))(targets, *idx)
     want, want_grads = jax.value_and_grad(functools.partial(_expanded_kl, rows=rows), (1, 2, 3))(targets, *idx)
@@ -110,12 +112,23 @@ def test_pallas_kernels_equal_the_expanded_form(monkeypatch, packed, pallas_back
     assert bool(calls) == pallas_backward
 
 
+@pytest.mark.parametrize("impl,config", [("xla", pk.DenseKLXlaConfig(block=16)),
+                                         ("pallas_gpu", pk.DenseKLGpuConfig(block=16))])
+def test_small_tiles_match_the_contract(impl, config):
+    """The op's contract (test_kernel_contract.py) with tiles of 16: several query and key blocks,
+    the last one padded."""
+    *arrays, kv_len, kv_start = dense_kl_inputs(4)
+    check_dense_indexer_kl(impl, *arrays, sm_scale=0.2, kv_len=kv_len, kv_start=kv_start, shares=(0.5, 0.5),
+                           config=config)
+
+
 def test_shares_weigh_the_layers():
     """Unequal shares: the fused KL is the shares' weighted sum of the layers' single-layer KLs."""
     targets, idx, rows = _case(2, packed=True, seed=1)
     single = [_fused_kl([t], *idx, rows, block=16) for t in targets]
     got = dense_group_kl(targets, idx_q=idx[0], idx_keys=idx[1], idx_w=idx[2], sm_scale=SCALE, kv_len=rows.kv_len,
-                         kv_start=rows.kv_start, shares=(0.25, 0.75), block=16)
+                         kv_start=rows.kv_start, shares=(0.25, 0.75),
+                         kernels=ops.KernelChoice(dense_kl_config=pk.DenseKLXlaConfig(block=16)))
     np.testing.assert_allclose(got, 0.25 * single[0] + 0.75 * single[1], rtol=2e-6)
 
 
@@ -141,11 +154,10 @@ def _tiny_model():
 
 
 @pytest.mark.parametrize("packed,remat", [(True, True)])     # the plain causal case: the tests above
-def test_loss_terms_dense_stage_absorbed_equals_expanded(monkeypatch, packed, remat):
+def test_loss_terms_dense_stage_absorbed_equals_expanded(packed, remat):
     """`loss_terms` with stage="dense" on configs/tiny.yaml: the absorbed form (fused causal
     attention, blockwise KL over tiles of 8) gives the expanded form's indexer KL terms (the
     decoder's groups and the MTP layer's) and the same gradients, the indexer's included."""
-    monkeypatch.setattr(decoder, "dense_group_kl", functools.partial(dense_kl.dense_group_kl, block=8))
     graphdef, params, rest = _tiny_model()
     tokens = jax.random.randint(jax.random.key(3), (2, 21), 0, 4096)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
@@ -154,8 +166,8 @@ def test_loss_terms_dense_stage_absorbed_equals_expanded(monkeypatch, packed, re
 
     def loss(params, form):
         return loss_terms(nnx.merge(graphdef, params, rest), inputs, targets, stage="dense", weights=weights,
-                          kernels=ops.KernelChoice(), form=form, remat=remat and form == "absorbed",
-                          segment_ids=segments)
+                          kernels=ops.KernelChoice(dense_kl_config=pk.DenseKLXlaConfig(block=8)), form=form,
+                          remat=remat and form == "absorbed", segment_ids=segments)
 
     step = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)
     (_, got), got_grads = step(params, "absorbed")
@@ -178,16 +190,16 @@ def test_pallas_kernels_lower_to_triton_for_h100():
         device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu"))
     s = jax.ShapeDtypeStruct
     batch, seq = 2, 512
-    targets = [DenseTarget(s((batch, seq, 8, 160), jnp.bfloat16), s((batch, seq, 160), jnp.bfloat16))
-               for _ in range(4)]
+    qs = tuple(s((batch, seq, 8, 160), jnp.bfloat16) for _ in range(4))
+    latents = tuple(s((batch, seq, 160), jnp.bfloat16) for _ in range(4))
     idx = (s((batch, seq, 8, 64), jnp.bfloat16), s((batch, seq, 64), jnp.bfloat16), s((batch, seq, 8), jnp.float32))
 
-    def kl(targets, iq, ik, iw):
-        return dense_group_kl(targets, idx_q=iq, idx_keys=ik, idx_w=iw, sm_scale=SCALE,
-                              kv_len=jnp.full((batch,), seq, jnp.int32), impl="pallas_gpu",
-                              gpu_config=pk.dense_kl.gpu.DenseKLGpuConfig(block=64))
+    def kl(qs, latents, iq, ik, iw):
+        rows = pk.dense_indexer_kl(qs, latents, iq, ik, iw, sm_scale=SCALE, kv_len=jnp.full((batch,), seq, jnp.int32),
+                                   impl="pallas_gpu", config=pk.DenseKLGpuConfig(block=64))
+        return jnp.sum(rows)
 
     with jax.sharding.use_abstract_mesh(mesh):
-        for fn, kernels in ((kl, 1), (jax.grad(kl, argnums=(1, 2, 3)), 2)):
-            text = jax.jit(fn).trace(targets, *idx).lower(lowering_platforms=("cuda",)).as_text()
+        for fn, kernels in ((kl, 1), (jax.grad(kl, argnums=(2, 3, 4)), 2)):
+            text = jax.jit(fn).trace(qs, latents, *idx).lower(lowering_platforms=("cuda",)).as_text()
             assert text.count("xla.gpu.triton") == kernels

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 import pallas_kernels as pk
-from kernel_contract import (call, float_score_inputs, check_causal_attention, check_indexer_cross_entropy,
+from kernel_contract import (call, float_score_inputs, check_causal_attention, check_dense_indexer_kl,
+                             check_indexer_cross_entropy, dense_kl_inputs,
                              check_paged_sparse_mla, check_paged_topk, check_scores, check_sparse_mla,
                              check_sparse_mla_target, check_topk, cross_entropy_inputs, doc_starts,
                              f64, impl_params, int_inputs, np_scores, np_scores_grads, np_topk, packed_documents,
@@ -42,6 +43,8 @@ def _tiny_args(op):
         "sparse_mla": ((q, k, jnp.zeros((1, 2, 2), jnp.int32)), dict(sm_scale=1.0, v_dim=2)),
         "causal_attention": ((x, x, x), dict(scale=1.0)),
         "indexer_cross_entropy": ((q, k, w, jnp.zeros((1, 2, 2), jnp.int32), jnp.ones((1, 2, 2))), {}),
+        "dense_indexer_kl": (([q], [jnp.zeros((1, 2, 4))], q, jnp.zeros((1, 2, 4)), w),
+                             dict(sm_scale=1.0, kv_len=kv_len)),
     }[op]
 
 
@@ -383,3 +386,24 @@ def test_causal_attention(impl, layout):
     check_causal_attention(impl, q, k, v, scale=d ** -0.5, kv_len=kv_len, mask=mask if layout == "mask" else None,
                            segments=segments if layout == "segments" else None,
                            documents=None if layout == "ragged" else mask)
+
+
+# ----------------------------------------------------------------------------- dense indexer KL
+
+
+@pytest.mark.parametrize("impl", impl_params("dense_indexer_kl"))
+def test_dense_indexer_kl(impl):
+    """Two layers of unequal shares, packed documents, a ragged row and a row that sees no key
+    (kv_len 0); S = 40, not a multiple of the Pallas tile; value and gradients."""
+    *arrays, kv_len, kv_start = dense_kl_inputs(9)
+    check_dense_indexer_kl(impl, *arrays, sm_scale=0.2, kv_len=kv_len, kv_start=kv_start, shares=(0.25, 0.75))
+
+
+def test_dense_indexer_kl_shapes_are_checked():
+    qs, latents, idx_q, idx_keys, idx_w, kv_len, _ = dense_kl_inputs(1, B=2, S=4, H=2, Dk=8, Hi=2, Di=4)
+    with pytest.raises(ValueError, match="one latent array per layer"):
+        pk.dense_indexer_kl(qs, latents[:1], idx_q, idx_keys, idx_w, sm_scale=1.0, kv_len=kv_len)
+    with pytest.raises(ValueError, match="indexer keys must be"):
+        pk.dense_indexer_kl(qs, latents, idx_q, idx_keys[:, :3], idx_w, sm_scale=1.0, kv_len=kv_len)
+    with pytest.raises(ValueError, match="3 shares for 2 layers"):
+        pk.dense_indexer_kl(qs, latents, idx_q, idx_keys, idx_w, sm_scale=1.0, kv_len=kv_len, shares=(1, 1, 1))

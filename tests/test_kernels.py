@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import pallas_kernels as pk
 from kernel_contract import (call, float_score_inputs, check_scores, check_sparse_mla, check_topk, int_inputs, np_scores, np_topk,
                              positions, sparse_inputs)
-from pallas_kernels._common import CHUNK_BUDGET_BYTES, choose_q_chunk
+from pallas_kernels.chunking import CHUNK_BUDGET_BYTES, choose_q_chunk
 
 
 def test_choose_q_chunk():

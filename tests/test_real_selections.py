@@ -1,13 +1,12 @@
-"""benchmarks/real_selections.py: the trained default model's indexer selections, and their cache."""
+"""benchmarks/_selections.py (real_selections.py's): the trained default model's indexer selections, and their cache."""
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks import real_selections
-from benchmarks.real_selections import cache_path, heldout_tokens, trained_selections
-from benchmarks.selection_overlap import full_layer_indices
+from benchmarks import _selections
+from benchmarks._selections import cache_path, full_layer_indices, heldout_tokens, trained_selections
 from glm_jax.checkpoint import load_model_dir
 from glm_jax.data.tokenizer import load_tokenizer
 
@@ -36,7 +35,7 @@ def test_selections_are_causal_distinct_padded_deterministic_and_cached(tmp_path
     def no_model_run(*args, **kwargs):
         raise AssertionError("a cached selection was computed again")
 
-    monkeypatch.setattr(real_selections, "select_group", no_model_run)
+    monkeypatch.setattr(_selections, "select_group", no_model_run)
     loaded = trained_selections(seq_len, topk=topk, checkpoint=CHECKPOINT, batch=2, cache_dir=tmp_path / "a")
     assert loaded.dtype == np.int32 and np.array_equal(idx, loaded)
 

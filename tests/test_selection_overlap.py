@@ -1,10 +1,10 @@
-"""The block-union counts of benchmarks/selection_overlap.py on hand-made selections."""
+"""The block-union counts of benchmarks/_selections.py (selection_overlap.py's) on hand-made selections."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from benchmarks.selection_overlap import block_unions, overlap_rows, random_indices
+from benchmarks._selections import block_unions, overlap_rows, random_indices
 
 
 def test_block_unions_count_distinct_valid_rows_per_block():

@@ -1,10 +1,10 @@
-"""benchmarks/trace_summary.py on a small hand-made trace: device events only, summed by
-kernel and by part."""
+"""benchmarks/_traces.py (trace_summary.py's summary) on a small hand-made trace: device events
+only, summed by kernel and by part."""
 
 import gzip
 import json
 
-from benchmarks import trace_summary
+from benchmarks._traces import summarize
 
 
 def test_summary_sums_device_events_by_kernel_and_part(tmp_path):
@@ -18,7 +18,7 @@ def test_summary_sums_device_events_by_kernel_and_part(tmp_path):
         {"ph": "X", "pid": 2, "ts": 0, "dur": 9000, "name": "host work", "args": {}},
     ]
     (tmp_path / "perfetto_trace.json.gz").write_bytes(gzip.compress(json.dumps({"traceEvents": events}).encode()))
-    text = trace_summary.summarize(str(tmp_path), steps=2)
+    text = summarize(str(tmp_path), steps=2)
     assert "busy 2.5 ms a step" in text                        # 5 ms of device events over 2 steps
     assert "| sparse MLA kernels | 2.0 | 80% |" in text
     assert "| MoE | 0.5 | 20% |" in text

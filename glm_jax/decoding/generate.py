@@ -148,7 +148,7 @@ class GeneratorBase:
             padded[i, :len(r)] = r
         return padded, lengths
 
-    def _prefill(self, cache: KVCache, padded: np.ndarray, lengths: np.ndarray, progress=None):
+    def prefill(self, cache: KVCache, padded: np.ndarray, lengths: np.ndarray, progress=None):
         """Chunked prefill of padded int32 [B, P] (real lengths [B]), one jitted call per chunk
         -> (logits float32 [B, V] after each row's last prompt token, cache)."""
         logits = None
@@ -198,7 +198,7 @@ class Generator(GeneratorBase):
         cache = self.new_cache(b, cache_len, self.cache_dtype)
 
         t0 = time.perf_counter()
-        logits, cache = self._prefill(cache, padded, lengths, progress)
+        logits, cache = self.prefill(cache, padded, lengths, progress)
         logits.block_until_ready()
         self.stats = {"prompt_tokens": int(lengths.sum()), "prefill_s": time.perf_counter() - t0, "new_tokens": 0}
 

@@ -106,7 +106,7 @@ class DecoderLayer(nnx.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-def _head_summed_target(probs: jnp.ndarray) -> jnp.ndarray:
+def head_summed_target(probs: jnp.ndarray) -> jnp.ndarray:
     """probs [B, nh, S, T] -> L1-normalised head sum [B, S, T], no gradient."""
     p = jax.lax.stop_gradient(jnp.sum(probs, axis=1))
     return p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)
@@ -220,8 +220,7 @@ class IndexShareGroup(nnx.Module):
             idx_q, idx_keys, idx_w = found.index_inputs
             kl = kl + dense_group_kl(dense_targets, idx_q=idx_q, idx_keys=idx_keys, idx_w=idx_w,
                                      sm_scale=self.layers[0].self_attn.sm_scale, kv_len=kv_len, kv_start=kv_start,
-                                     impl=settings.kernels.dense_kl, gpu_config=settings.kernels.dense_kl_config,
-                                     interpret=settings.kernels.interpret)
+                                     kernels=settings.kernels)
         return split_tokens(x), kl, first_latent, found.indices
 
     def forward_cached(self, x, positions, view, kernels: ops.KernelChoice):
@@ -279,52 +278,86 @@ def _layer_forward(layer: DecoderLayer, x, found: _IndexerOutputs, *, j: int, sh
                    settings: AttentionSettings, shared_kv):
     """Layer j of an IndexShare group whose layers each weigh `share` in its indexer KL
     (`IndexShareGroup.forward`). The Full layer (j = 0) runs the indexer unless shared_kv is
-    given; the later layers read its outputs from `found`.
+    given; the later layers read its outputs from `found`. The attention runs in the form of
+    `settings` (`_ATTEND`).
     -> (x [B, S, hidden], this layer's weighted indexer KL (expanded form; else 0), its part
         of the group's KL (absorbed form with the indexer loss: sparse mode its selected-set
         target float32 [B, S, K], dense mode its `DenseTarget`; else None), its latent rows
         (gathered), the indexer outputs)."""
-    positions, kv_len, kv_start = rows.positions, rows.kv_len, rows.kv_start
-    h, q_resid, q_nope, q_rope, latent = layer.attention_inputs(x, positions)
+    h, q_resid, q_nope, q_rope, latent = layer.attention_inputs(x, rows.positions)
     if j == 0 and shared_kv is not None:
         latent = shared_kv[0]
     elif j == 0:
-        hd, qd = jax.lax.stop_gradient(h), jax.lax.stop_gradient(q_resid)
-        keys = gather_keys(layer.indexer.keys(hd, positions))
-        indices = index_logits = index_inputs = None
-        if settings.mode == "sparse":
-            indices = checkpoint_name(
-                layer.indexer.select(hd, qd, positions, keys, kv_len, settings.kernels, kv_start),
-                _TOPK_NAME)
-        if settings.indexer_loss and settings.form == "expanded":
-            index_logits = layer.indexer.scores(hd, qd, positions, keys, kv_len, settings.kernels, kv_start)
-        elif settings.indexer_loss:
-            index_inputs = (layer.indexer.queries(qd, positions), keys, layer.indexer.head_weights(hd))
-        found = _IndexerOutputs(indices, index_logits, index_inputs)
+        found = _run_indexer(layer, h, q_resid, rows, settings)
     latent = gather_keys(latent)
-    if j == 0 and settings.mode == "sparse" and settings.form == "absorbed":
+    form = settings.form if settings.form == "expanded" else f"{settings.form} {settings.mode}"
+    out, kl, target, found = _ATTEND[form](layer, q_nope, q_rope, latent, found, j=j, share=share, rows=rows,
+                                           settings=settings)
+    return layer.finish(x, out), kl, target, latent, found
+
+
+def _run_indexer(layer: DecoderLayer, h, q_resid, rows: _Rows, settings: AttentionSettings) -> _IndexerOutputs:
+    """The Full layer's indexer on its detached inputs h [B, S, hidden], q_resid [B, S, q_lora]:
+    the top-k (sparse mode) and what the indexer loss of the form needs."""
+    positions, kv_len, kv_start = rows.positions, rows.kv_len, rows.kv_start
+    hd, qd = jax.lax.stop_gradient(h), jax.lax.stop_gradient(q_resid)
+    keys = gather_keys(layer.indexer.keys(hd, positions))
+    indices = index_logits = index_inputs = None
+    if settings.mode == "sparse":
+        indices = checkpoint_name(layer.indexer.select(hd, qd, positions, keys, kv_len, settings.kernels, kv_start),
+                                  _TOPK_NAME)
+    if settings.indexer_loss and settings.form == "expanded":
+        index_logits = layer.indexer.scores(hd, qd, positions, keys, kv_len, settings.kernels, kv_start)
+    elif settings.indexer_loss:
+        index_inputs = (layer.indexer.queries(qd, positions), keys, layer.indexer.head_weights(hd))
+    return _IndexerOutputs(indices, index_logits, index_inputs)
+
+
+def _attend_expanded(layer: DecoderLayer, q_nope, q_rope, latent, found: _IndexerOutputs, *, j: int, share: float,
+                     rows: _Rows, settings: AttentionSettings):
+    """Per-head K and V over the causal (dense mode) or selected (sparse mode) keys; the layer's
+    indexer KL from its probabilities. -> (out, weighted KL, None, found)."""
+    mask = rows.causal()
+    if settings.mode == "sparse":
+        mask = split_tokens(indices_to_mask(found.indices, rows.length)) & mask
+    out, probs = layer.self_attn.attend_expanded(q_nope, q_rope, latent, mask, return_probs=True)
+    kl = jnp.zeros((), jnp.float32)
+    if found.index_logits is not None:
+        kl = indexer_kl(head_summed_target(probs), found.index_logits, mask) * share
+    return out, kl, None, found
+
+
+def _attend_dense_causal(layer: DecoderLayer, q_nope, q_rope, latent, found: _IndexerOutputs, *, j: int,
+                         share: float, rows: _Rows, settings: AttentionSettings):
+    """Dense causal attention over every visible key (`attend_causal`); with the indexer loss
+    the layer's `DenseTarget` for the group's dense KL. -> (out, 0, target or None, found)."""
+    packed = rows.kv_start is not None
+    segments = segment_table(rows.positions, settings.max_segments) if packed and settings.max_segments else None
+    out = layer.self_attn.attend_causal(q_nope, q_rope, latent, rows.kv_len, mask=rows.causal() if packed else None,
+                                        segments=segments)
+    target = None
+    if found.index_inputs is not None:
+        q_abs = layer.self_attn.absorbed_queries(q_nope, q_rope)
+        target = jax.lax.stop_gradient(DenseTarget(q_abs, latent.astype(q_abs.dtype)))
+    return out, jnp.zeros((), jnp.float32), target, found
+
+
+def _attend_absorbed_sparse(layer: DecoderLayer, q_nope, q_rope, latent, found: _IndexerOutputs, *, j: int,
+                            share: float, rows: _Rows, settings: AttentionSettings):
+    """Sparse attention over the selected latent rows (`ops.sparse_mla`); the Full layer sorts
+    the backward's index once for the group. With the indexer loss the layer's selected-set
+    target. -> (out, 0, target or None, found)."""
+    if j == 0:
         tindex = layer.self_attn.backward_index(found.indices, rows.length, q_nope.dtype, settings.kernels)
         found = found._replace(tindex=jax.tree.map(lambda a: checkpoint_name(a, _TOPK_NAME), tindex))
-    kl, target = jnp.zeros((), jnp.float32), None
-    if settings.form == "expanded":
-        mask = rows.causal()
-        if settings.mode == "sparse":
-            mask = split_tokens(indices_to_mask(found.indices, rows.length)) & mask
-        out, probs = layer.self_attn.attend_expanded(q_nope, q_rope, latent, mask, return_probs=True)
-        if found.index_logits is not None:
-            kl = indexer_kl(_head_summed_target(probs), found.index_logits, mask) * share
-    elif settings.mode == "dense":
-        packed = kv_start is not None
-        segments = segment_table(positions, settings.max_segments) if packed and settings.max_segments else None
-        out = layer.self_attn.attend_causal(q_nope, q_rope, latent, kv_len, mask=rows.causal() if packed else None,
-                                            segments=segments)
-        if found.index_inputs is not None:
-            q_abs = layer.self_attn.absorbed_queries(q_nope, q_rope)
-            target = jax.lax.stop_gradient(DenseTarget(q_abs, latent.astype(q_abs.dtype)))
-    elif found.index_inputs is not None:
-        out, target = layer.self_attn.attend_absorbed(q_nope, q_rope, latent, found.indices, settings.kernels,
-                                                      return_target=True, tindex=found.tindex)
-    else:
-        out = layer.self_attn.attend_absorbed(q_nope, q_rope, latent, found.indices, settings.kernels,
-                                              tindex=found.tindex)
-    return layer.finish(x, out), kl, target, latent, found
+    attend = functools.partial(layer.self_attn.attend_absorbed, q_nope, q_rope, latent, found.indices,
+                               settings.kernels, tindex=found.tindex)
+    if found.index_inputs is None:
+        return attend(), jnp.zeros((), jnp.float32), None, found
+    out, target = attend(return_target=True)
+    return out, jnp.zeros((), jnp.float32), target, found
+
+
+#: The attention of `_layer_forward` by form ("expanded", or "absorbed" and the mode).
+_ATTEND = {"expanded": _attend_expanded, "absorbed dense": _attend_dense_causal,
+           "absorbed sparse": _attend_absorbed_sparse}

@@ -17,25 +17,7 @@ import sys
 import threading
 from pathlib import Path
 
-
-class ThreadRoutedStream:
-    """A text stream that writes the main thread's text to `main` and the others' to `other`."""
-
-    def __init__(self, main, other):
-        self.main, self.other = main, other
-
-    def _target(self):
-        return self.main if threading.current_thread() is threading.main_thread() else self.other
-
-    def write(self, text: str) -> int:
-        return self._target().write(text)
-
-    def flush(self) -> None:
-        self.main.flush()
-        self.other.flush()
-
-    def __getattr__(self, name):
-        return getattr(self.main, name)
+from glm_jax.thread_streams import ThreadRoutedStream
 
 
 _main_thread_logs_to_file = [0]      # > 0 within library_logs_too()

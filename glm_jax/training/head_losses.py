@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from glm_jax.training.losses import head_chunk, masked_mean
-from pallas_kernels._common import split_query_chunks
+from pallas_kernels.chunking import split_query_chunks
 
 F32 = jnp.float32
 

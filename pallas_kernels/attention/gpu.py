@@ -31,27 +31,23 @@ and writes target[j] = mean over the real heads of exp(s[h, j] - lse[h]): per se
 another gather (Dk * itemsize bytes) and the Q.K matmul (2 H Dk FLOPs), no P.V, and 4 bytes
 written. It needs the final lse in the program, so the forward then runs one split per query.
 
-Backward (`dkv_mode`), all reading q, dout, lse and delta unpadded like the forward.
-"sorted" and "by_key" are `gpu_backward`'s deterministic backwards (no atomics, the same bits
-on every run); "auto" takes "by_key" where `by_key_is_cheaper` says so (few heads, a top-k that
-is a large share of the keys: the default model's shape), else "sorted". "sorted": per-query
-kernels write each (query, selected row) gradient at its place in a key-sorted list
-(`transpose.transpose_index`), and one program per latent row sums its run in a fixed order;
-on an H200 3.4x (64 heads, 8K queries) to 4.1x (16 heads, 64K queries) faster than "atomic" /
-"scatter" (docs/kernels-sparse-mla.md). "by_key": dq per query as in "sorted" without the pair
-gradients, dkv per block of latent rows over contiguous tiles of the queries that selected
-them (`transpose.key_bitmap`), summed on chip. The older kernel, one program per (query, group
-of heads) writing dq, stays selectable: its dkv rows are added atomically into a float32 dkv
-("atomic": the order of the sum varies from run to run) or written per (query, slot) for
-`vjp.backward` to scatter-add in XLA ("scatter"). The config's `bwd_` fields tune whichever
-backward runs (`SparseMLAGpuConfig`).
+Backward (`dkv_mode`), all reading q, dout, lse and delta unpadded like the forward: the
+deterministic backwards of `gpu_backward` (no atomics, the same bits on every run); "auto" takes
+"by_key" where `by_key_is_cheaper` says so (few heads, a top-k that is a large share of the
+keys: the default model's shape), else "sorted". "sorted": per-query kernels write each (query,
+selected row) gradient at its place in a key-sorted list (`transpose.transpose_index`), and one
+program per latent row sums its run in a fixed order; on an H200 3.4x (64 heads, 8K queries) to
+4.1x (16 heads, 64K queries) faster than the atomic backward it replaced
+(docs/kernels-sparse-mla.md). "by_key": dq per query as in "sorted" without the pair gradients,
+dkv per block of latent rows over contiguous tiles of the queries that selected them
+(`transpose.key_bitmap`), summed on chip. The config's `bwd_` fields tune whichever backward
+runs (`SparseMLAGpuConfig`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import operator
 
 import jax
@@ -60,23 +56,18 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._common import dot, dot_nt, online_softmax_step, pad_slots
-from pallas_kernels.attention import gpu_backward, gpu_shared, transpose, vjp
+from pallas_kernels._common import dot_nt, online_softmax_step, pad_slots
+from pallas_kernels.attention import gpu_backward, transpose, vjp
 from pallas_kernels.attention.gpu_backward import head_rows, next_pow2, pow2_chunks
 
-#: Rows per loop step of the forward and the backward for 2-byte inputs (halved for 4-byte).
-#: Sized for Hopper's 227 KiB of shared memory at 64 heads x 576: the forward keeps q
-#: ([64, 576] bf16, 72 KiB) and 2 row blocks ([64, 576], 72 KiB each) there. The backward
-#: uses q and dout as operands in two layouts each and did not fit at 64 heads (316 KiB asked
-#: at 64 heads x 32 rows), so it runs 32 heads per program, 16 rows per step, unpipelined.
+#: Rows per loop step of the forward for 2-byte inputs (halved for 4-byte). Sized for Hopper's
+#: 227 KiB of shared memory at 64 heads x 576: the forward keeps q ([64, 576] bf16, 72 KiB) and
+#: 2 row blocks ([64, 576], 72 KiB each) there.
 DEFAULT_BLOCK_K = 64
-DEFAULT_BWD_BLOCK_K = 16
 #: Programs the forward aims for (about two waves of an H100/H200's 132 SMs).
 TARGET_PROGRAMS = 264
 #: How the backward adds up the latent rows' gradient (module docstring).
-DKV_MODES = ("auto", "sorted", "by_key", "shared", "atomic", "scatter")
-#: The modes whose backward takes a prebuilt index of the indices (`backward_index`).
-INDEXED_MODES = ("sorted", "by_key", "shared")
+DKV_MODES = ("auto", "sorted", "by_key")
 #: The keyword settings of `gpu_backward.backward` ("sorted") and `gpu_backward.backward_by_key`
 #: ("by_key") that `SparseMLAGpuConfig` sets: each `name` from its field `bwd_<name>`.
 INDEXED_KNOBS = {
@@ -84,8 +75,6 @@ INDEXED_KNOBS = {
                "reduce_block", "reduce_warps", "evict"),
     "by_key": ("block_k", "col_block", "fuse_dq", "num_warps", "num_stages", "dq_warps", "dq_stages",
                "block_rows", "tile_cols", "keys_warps", "keys_stages", "keys_paired"),
-    "shared": ("col_block", "fuse_dq", "num_warps", "num_stages", "dq_warps", "dq_stages", "reduce_block",
-               "reduce_warps"),
 }
 #: The config's fields that are block sizes of the backward kernels (powers of two).
 _POW2_FIELDS = ("bwd_block_k", "bwd_col_block", "bwd_reduce_block", "bwd_block_rows", "bwd_tile_cols")
@@ -236,151 +225,22 @@ def _forward(q, kv, idx, *, sm_scale, v_dim, block_k, splits, num_warps, num_sta
     return out, lse, target[0][:, :topk].reshape(batch, seq_len, topk)
 
 
-def _add_rows(dkv_ref, rows, valid, c0, val, *, interpret):
-    """dkv_ref[rows[i], c0 + c] += val[i, c] for the valid i, atomically. rows, valid [bk];
-    val float32 [bk, cs]. The interpreter's atomic add takes no mask: there the invalid slots
-    add zeros into the spare last row of dkv_ref (valid rows of one block are distinct)."""
-    shape = val.shape
-    cols = c0 + lax.broadcasted_iota(jnp.int32, shape, 1)
-    if interpret:
-        rows = jnp.where(valid, rows, dkv_ref.shape[0] - 1)
-        plgpu.atomic_add(dkv_ref, (jnp.broadcast_to(rows[:, None], shape), cols),
-                         jnp.where(valid[:, None], val, 0.0))
-    else:
-        plgpu.atomic_add(dkv_ref, (jnp.broadcast_to(rows[:, None], shape), cols), val,
-                         mask=jnp.broadcast_to(valid[:, None], shape))
-
-
-def _bwd_kernel(q_ref, do_ref, lse_ref, delta_ref, kv_ref, idx_ref, *refs, seq_len, num_keys, sm_scale,
-                block_k, num_blocks, kchunks, vchunks, group, heads, atomic, interpret):
-    """One (query, head group) program over q [B*S, H, Dk], do [B*S, H, v], lse / delta
-    [B*S, H] (the group's `group` heads in a tile, those >= H masked)."""
-    if atomic:
-        _, dq_ref, dkv_ref = refs          # dkv float32 [B*T + 1, Dk], aliased to its zero input
-    else:
-        dq_ref, contrib_ref = refs          # contributions [B*S, groups, Kp, Dk]
-    row = pl.program_id(0)
-    g = pl.program_id(1)                    # head group
-    b = row // seq_len
-    h0 = g * group
-    load = functools.partial(gpu_backward.load_heads, lead=(row,), h0=h0, rows=group, heads=heads)
-    qs = [load(q_ref, cols=cols) for cols in kchunks]
-    dos = [load(do_ref, cols=cols) for cols in vchunks]
-    lse = load(lse_ref, other=jnp.inf)
-    lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)                      # empty row: p = 0
-    delta = load(delta_ref)
-    nv = len(vchunks)
-
-    def body(j, dqs):
-        k0 = j * block_k
-        valid, idx, rows = _load_block(idx_ref, kv_ref, b=b, row=row, k0=k0, block_k=block_k,
-                                       num_keys=num_keys, chunks=kchunks)
-        dtype = rows[0].dtype
-        s = dot_nt(qs[0], rows[0])
-        for qc, rc in zip(qs[1:], rows[1:]):
-            s += dot_nt(qc, rc)
-        p = jnp.where(valid[None, :], jnp.exp(s * sm_scale - lse[:, None]), 0.0)
-        dp = dot_nt(dos[0], rows[0])
-        for dc, rc in zip(dos[1:], rows[1:nv]):
-            dp += dot_nt(dc, rc)
-        ds = p * (dp - delta[:, None]) * sm_scale
-        dsc = ds.astype(dtype)
-        dst = dsc.T
-        pt = p.astype(dtype).T
-        new = []
-        for i, ((c0, cs), qc, rc, dq) in enumerate(zip(kchunks, qs, rows, dqs)):
-            new.append(dq + dot(dsc, rc))
-            dkv = dot(dst, qc)                                          # [bk, cs]
-            if i < nv:
-                dkv += dot(pt, dos[i])
-            if atomic:
-                _add_rows(dkv_ref, b * num_keys + idx, valid, c0, dkv, interpret=interpret)
-            else:
-                contrib_ref[row, g, pl.ds(k0, block_k), pl.ds(c0, cs)] = dkv.astype(contrib_ref.dtype)
-        return tuple(new)
-
-    init = tuple(jnp.zeros((group, cs), jnp.float32) for _, cs in kchunks)
-    dqs = lax.fori_loop(0, num_blocks, body, init)
-    for (c0, _), dq in zip(kchunks, dqs):
-        gpu_backward.store_heads(dq_ref, (row,), h0, heads, dq.astype(dq_ref.dtype), c0)
-
-
-def _backward(q, kv, idx, dout, lse, delta, *, sm_scale, v_dim, block_k, num_warps, num_stages,
-              head_group, atomic, interpret):
-    """-> (dq [B, S, H, Dk] in q.dtype, dkv float32 [B, T, Dk]) when atomic, else
-    (dq, contributions [B, S, Kp, Dk]) for `vjp.backward`. Reads q, dout, lse, delta unpadded."""
-    batch, seq_len, heads, dk = q.shape
-    rows_total = batch * seq_len
-    hp = head_rows(heads)
-    flat = lambda x: x.reshape((rows_total, heads) + x.shape[3:])
-    kchunks = pow2_chunks(0, v_dim) + pow2_chunks(v_dim, dk)
-    vchunks = pow2_chunks(0, v_dim)
-    topk = idx.shape[-1]
-    group = min(hp, head_group)
-    groups = -(-heads // group)
-    num_keys = kv.shape[1]
-    kernel = functools.partial(
-        _bwd_kernel, seq_len=seq_len, num_keys=num_keys, sm_scale=sm_scale, block_k=block_k,
-        num_blocks=topk // block_k, kchunks=kchunks, vchunks=vchunks, group=group, heads=heads, atomic=atomic,
-        interpret=interpret)
-    args = (flat(q), flat(dout.astype(q.dtype)), flat(lse), flat(delta), kv, idx.reshape(rows_total, topk))
-    # each program sums its query's dq in float32 registers; written in q's dtype (half the
-    # bytes of an f32 [S, H, Dk] at bf16, 2.25 GiB per layer at 128K x 16 heads)
-    dq_shape = jax.ShapeDtypeStruct((rows_total, heads, dk), q.dtype)
-    if atomic:
-        dkv_rows = batch * num_keys + 1                                  # + the spare row
-        dq, dkv = pl.pallas_call(
-            kernel,
-            grid=(rows_total, groups),
-            out_shape=[dq_shape, jax.ShapeDtypeStruct((dkv_rows, dk), jnp.float32)],
-            input_output_aliases={len(args): 1},
-            compiler_params=_params(num_warps, num_stages),
-            interpret=interpret,
-            name="sparse_mla_bwd_atomic",
-        )(*args, jnp.zeros((dkv_rows, dk), jnp.float32))
-        return dq.reshape(q.shape), dkv[:-1].reshape(batch, num_keys, dk)
-    dq, contrib = pl.pallas_call(
-        kernel,
-        grid=(rows_total, groups),
-        out_shape=[dq_shape, jax.ShapeDtypeStruct((rows_total, groups, topk, dk), kv.dtype)],
-        compiler_params=_params(num_warps, num_stages),
-        interpret=interpret,
-        name="sparse_mla_bwd",
-    )(*args)
-    if groups > 1:
-        contrib = jnp.sum(contrib, axis=1, dtype=jnp.float32)
-    return dq.reshape(q.shape), contrib.reshape(batch, seq_len, topk, dk)
-
-
 @functools.lru_cache(maxsize=None)
-def _op(sm_scale, v_dim, block_k, splits, head_group, num_warps, num_stages, dkv_mode, bwd, topk, fwd_block_q,
-        interpret):
-    """bwd: the backward's keyword settings for dkv_mode, ((name, value), ...) (`_backward_settings`).
-    topk: the unpadded K when the op also returns the indexer target, else None. fwd_block_q > 1:
-    the forward is `gpu_shared`'s, over blocks of that many queries. "sorted" and "by_key": the op
-    takes unpadded indices and the backward's index (`vjp.make_index_sparse_mla`); the others take
-    indices padded for both kernels."""
-    def fwd(q, kv, idx, index=None):
-        if fwd_block_q > 1:
-            shared = (index.rows if isinstance(index, gpu_shared.SharedIndex) and index.rows.block_q == fwd_block_q
-                      else gpu_shared.shared_rows(idx, kv.shape[1], block_q=fwd_block_q))
-            return gpu_shared.forward(q, kv, shared, sm_scale=sm_scale, v_dim=v_dim, num_warps=num_warps,
-                                      num_stages=num_stages, interpret=interpret)
-        if dkv_mode in INDEXED_MODES:
-            idx = pad_slots(idx, block_k * splits)
+def _op(sm_scale, v_dim, block_k, splits, head_group, num_warps, num_stages, dkv_mode, bwd, topk, interpret):
+    """The differentiable op on unpadded indices and the backward's index
+    (`vjp.make_index_sparse_mla`). bwd: the backward's keyword settings for dkv_mode, ((name,
+    value), ...) (`_backward_settings`). topk: the unpadded K when the op also returns the
+    indexer target, else None."""
+    def fwd(q, kv, idx, index):
+        idx = pad_slots(idx, block_k * splits)
         b, s, kp = idx.shape
         return _forward(q, kv, idx.reshape(b * s, kp), sm_scale=sm_scale, v_dim=v_dim,
                         block_k=block_k, splits=splits, head_group=head_group, num_warps=num_warps,
                         num_stages=num_stages, interpret=interpret, topk=topk)
 
-    if dkv_mode in INDEXED_MODES:
-        fn = {"sorted": gpu_backward.backward, "by_key": gpu_backward.backward_by_key,
-              "shared": gpu_shared.backward}[dkv_mode]
-        return vjp.make_index_sparse_mla(fwd, functools.partial(fn, sm_scale=sm_scale, v_dim=v_dim,
-                                                                interpret=interpret, **dict(bwd)))
-    bwd_fn = functools.partial(_backward, sm_scale=sm_scale, v_dim=v_dim, atomic=dkv_mode == "atomic",
-                               interpret=interpret, **dict(bwd))
-    return vjp.make_sparse_mla(fwd, bwd_fn, bwd_adds_dkv=dkv_mode == "atomic")
+    fn = {"sorted": gpu_backward.backward, "by_key": gpu_backward.backward_by_key}[dkv_mode]
+    return vjp.make_index_sparse_mla(fwd, functools.partial(fn, sm_scale=sm_scale, v_dim=v_dim,
+                                                            interpret=interpret, **dict(bwd)))
 
 
 def default_head_group(num_queries: int, heads: int) -> int:
@@ -411,33 +271,18 @@ class SparseMLAGpuConfig:
       for `paged_sparse_mla`, enough head groups to fill the GPU before the K slots are split
       (`default_head_group`).
     num_warps, num_stages: Triton settings.
-    fwd_block_q: queries per forward program that load the union of their selected rows once
-      (`gpu_shared`; 1: one program per query). Worth it where adjacent queries select mostly
-      the same rows (a trained indexer's selections), not on random ones; block_q x H rounded
-      up to a power of two must be 16 .. 64. Not with the indexer target (that forward runs per
-      query).
 
     Backward:
-    dkv_mode: "sorted" or "by_key" (the deterministic backwards of `gpu_backward`; "auto" takes
-      one of them by `by_key_is_cheaper`), "shared" (`gpu_shared.backward`: dkv with row sharing
-      over blocks of bwd_block_q queries, also deterministic; its index `gpu_shared.SharedIndex`
-      also serves the forward where fwd_block_q = bwd_block_q), "atomic" (the per-(query, head group) backward adding
-      its rows' gradient into a float32 dkv) or "scatter" (per-slot contributions,
-      scatter-added in XLA).
-    The knobs below tune the backward that dkv_mode selects; those of another mode are unused.
-    For "sorted" and "by_key" the field `bwd_<name>` is the keyword `name` of
-    `gpu_backward.backward` / `backward_by_key` (INDEXED_KNOBS), with the same default.
-    bwd_block_k: rows per loop step of the per-query kernels (a power of two). None: for
-      "sorted" / "by_key" `gpu_backward.DEFAULT_BLOCK_K` = 64, 32 for 4-byte inputs; for
-      "atomic" / "scatter" DEFAULT_BWD_BLOCK_K = 16.
-    bwd_block_q: ("shared") queries per block of the backward's union (block_q x H rounded up
-      to a power of two must be 16 .. `gpu_shared.MAX_BWD_TILE_ROWS` = 32; 2 at 16 heads).
+    dkv_mode: "sorted" or "by_key" (the deterministic backwards of `gpu_backward`), or "auto":
+      one of them by `by_key_is_cheaper`.
+    The knobs below tune the backward that dkv_mode selects; those of the other mode are unused.
+    The field `bwd_<name>` is the keyword `name` of `gpu_backward.backward` / `backward_by_key`
+    (INDEXED_KNOBS), with the same default.
+    bwd_block_k: rows per loop step of the per-query kernels (a power of two). None:
+      `gpu_backward.DEFAULT_BLOCK_K` = 64, 32 for 4-byte inputs.
     bwd_num_warps, bwd_num_stages: Triton settings of the per-query kernel ("sorted"'s pairs
-      kernel, "by_key"'s dq-only queries kernel, the kernel of "atomic" / "scatter") or of
-      "shared"'s per-block pairs kernel. None: 4 warps for "sorted" / "by_key" / "shared"
-      (`gpu_backward.DEFAULT_WARPS`), num_warps for "atomic" / "scatter"; 2 stages where
-      "sorted" / "by_key" fuse dq, else 1 (and 1 for "shared").
-    bwd_head_group: ("atomic", "scatter") heads per program (a power of two).
+      kernel, "by_key"'s dq-only queries kernel). None: 4 warps (`gpu_backward.DEFAULT_WARPS`);
+      2 stages where dq is fused, else 1.
     bwd_col_block: ("sorted", "by_key") the widest column chunk of the gradient tiles (a power
       of two; 128).
     bwd_fuse_dq: ("sorted", "by_key") keep dq's accumulator in the per-query kernel (True), or
@@ -462,11 +307,8 @@ class SparseMLAGpuConfig:
     head_group: int | None = None
     num_warps: int = 8
     num_stages: int = 2
-    fwd_block_q: int = 1
-    bwd_block_q: int = 2
     bwd_block_k: int | None = None
     bwd_num_stages: int | None = None
-    bwd_head_group: int = 32
     dkv_mode: str = "auto"
     bwd_num_warps: int | None = None
     bwd_col_block: int = gpu_backward.DEFAULT_COL_BLOCK
@@ -510,9 +352,6 @@ class SparseMLAGpuConfig:
                              f"got {self.bwd_reduce_block}")
         if self.dkv_mode not in DKV_MODES:
             raise ValueError(f"dkv_mode must be one of {DKV_MODES}, got {self.dkv_mode!r}")
-        if self.dkv_mode == "shared" and self.bwd_block_q < 2:
-            raise ValueError(f"{name}: dkv_mode 'shared' sums the latent rows' gradient over blocks of "
-                             f"bwd_block_q queries; set bwd_block_q >= 2, got {self.bwd_block_q}")
 
 
 def _block_and_splits(c: SparseMLAGpuConfig, dtype, topk: int, programs_per_split: int) -> tuple[int, int]:
@@ -522,25 +361,16 @@ def _block_and_splits(c: SparseMLAGpuConfig, dtype, topk: int, programs_per_spli
     return bk, int(c.num_splits or default_splits(programs_per_split, topk, bk))
 
 
-def _backward_settings(c: SparseMLAGpuConfig, dkv_mode: str, dtype) -> tuple[tuple[str, object], ...]:
+def _backward_settings(c: SparseMLAGpuConfig, dkv_mode: str) -> tuple[tuple[str, object], ...]:
     """The keyword settings of dkv_mode's backward from the config: `gpu_backward.backward`'s /
-    `backward_by_key`'s (INDEXED_KNOBS; None: their defaults), or `_backward`'s."""
-    if dkv_mode in INDEXED_MODES:
-        return tuple((name, getattr(c, "bwd_" + name)) for name in INDEXED_KNOBS[dkv_mode])
-    shrink = max(1, jnp.dtype(dtype).itemsize // 2)
-    return (("block_k", int(c.bwd_block_k or max(16, DEFAULT_BWD_BLOCK_K // shrink))),
-            ("num_warps", c.num_warps if c.bwd_num_warps is None else c.bwd_num_warps),
-            ("num_stages", 1 if c.bwd_num_stages is None else c.bwd_num_stages),
-            ("head_group", c.bwd_head_group))
+    `backward_by_key`'s (INDEXED_KNOBS; None: their defaults)."""
+    return tuple((name, getattr(c, "bwd_" + name)) for name in INDEXED_KNOBS[dkv_mode])
 
 
 def _indexed_index(indices, num_keys: int, mode: str, *, dk: int, dtype, c: SparseMLAGpuConfig):
     """The index that mode's backward takes, built with the config's bwd_budget / bwd_block_rows."""
     if mode == "sorted":
         return gpu_backward.backward_index(indices, num_keys, dk=dk, dtype=dtype, budget=c.bwd_budget)
-    if mode == "shared":
-        return gpu_shared.shared_index(indices, num_keys, block_q=c.bwd_block_q, dk=dk, dtype=dtype,
-                                       budget=c.bwd_budget)
     return gpu_backward.key_index(indices, num_keys, dk=dk, block_rows=c.bwd_block_rows)
 
 
@@ -572,27 +402,23 @@ def resolve_dkv_mode(c: SparseMLAGpuConfig, **shape) -> str:
 
 def backward_index(indices: jax.Array, num_keys: int, *, dk: int, dtype,
                    config: SparseMLAGpuConfig = SparseMLAGpuConfig(), heads: int | None = None,
-                   v_dim: int | None = None) -> transpose.TransposedIndex | transpose.KeyBitmap | gpu_shared.SharedIndex | None:
+                   v_dim: int | None = None) -> transpose.TransposedIndex | transpose.KeyBitmap:
     """The index the backward takes for indices int32 [B, S, K] over num_keys rows of width dk in
     `dtype`, to build once per IndexShare group: the transposed index of "sorted"
     (`gpu_backward.backward_index`, chunked by config.bwd_budget), the key bitmap of "by_key"
-    (`gpu_backward.key_index`, blocks of config.bwd_block_rows), None
-    for the other dkv modes, which take none. Under "auto" the choice needs the heads and v_dim of
+    (`gpu_backward.key_index`, blocks of config.bwd_block_rows). Under "auto" the choice needs the heads and v_dim of
     the queries (`by_key_is_cheaper`); without them it is "sorted"'s index, which `sparse_mla`
     leaves unused (building its own bitmap) where it resolves "auto" to "by_key"."""
     batch, seq_len, topk = indices.shape
     shape = {} if heads is None or v_dim is None else dict(
         seq_len=seq_len, num_keys=num_keys, heads=heads, dk=dk, v_dim=v_dim, topk=topk,
         itemsize=jnp.dtype(dtype).itemsize)
-    mode = resolve_dkv_mode(config, **shape)
-    if mode in INDEXED_MODES:
-        return _indexed_index(indices, num_keys, mode, dk=dk, dtype=dtype, c=config)
-    return None
+    return _indexed_index(indices, num_keys, resolve_dkv_mode(config, **shape), dk=dk, dtype=dtype, c=config)
 
 
 def sparse_mla(q: jax.Array, kv: jax.Array, indices: jax.Array, *, sm_scale: float, v_dim: int,
                return_target: bool = False, config: SparseMLAGpuConfig = SparseMLAGpuConfig(),
-               interpret: bool = False, tindex: transpose.TransposedIndex | transpose.KeyBitmap | gpu_shared.SharedIndex | None = None):
+               interpret: bool = False, tindex: transpose.TransposedIndex | transpose.KeyBitmap | None = None):
     """Sparse MLA forward/backward with Pallas Triton kernels; contract of
     `pallas_kernels.sparse_mla`.
 
@@ -621,16 +447,9 @@ def sparse_mla(q: jax.Array, kv: jax.Array, indices: jax.Array, *, sm_scale: flo
                          topk=topk, itemsize=jnp.dtype(kv.dtype).itemsize)
     if c.dkv_mode == "auto" and isinstance(tindex, transpose.KeyBitmap):
         dkv_mode = "by_key"
-    bwd = _backward_settings(c, dkv_mode, kv.dtype)
-    settings = (float(sm_scale), int(v_dim), bk, splits, head_group, c.num_warps, c.num_stages, dkv_mode, bwd,
-                topk if return_target else None, 1 if return_target else c.fwd_block_q, bool(interpret))
-    want = {"sorted": transpose.TransposedIndex, "by_key": transpose.KeyBitmap,
-            "shared": gpu_shared.SharedIndex}.get(dkv_mode)
-    if want is None:
-        if tindex is not None:
-            raise ValueError(f"sparse_mla: tindex is taken by dkv_mode 'sorted' and 'by_key' only, not {dkv_mode!r}")
-        bwd_block_k = dict(bwd)["block_k"]
-        return _op(*settings)(q, kv, pad_slots(indices, math.lcm(bk * splits, bwd_block_k)))
+    settings = (float(sm_scale), int(v_dim), bk, splits, head_group, c.num_warps, c.num_stages, dkv_mode,
+                _backward_settings(c, dkv_mode), topk if return_target else None, bool(interpret))
+    want = {"sorted": transpose.TransposedIndex, "by_key": transpose.KeyBitmap}[dkv_mode]
     idx = jnp.asarray(indices, jnp.int32)
     if tindex is not None and not isinstance(tindex, want):
         if c.dkv_mode != "auto":

@@ -6,7 +6,7 @@ and `backward_by_key` is the config's field `bwd_<name>`, with the same default.
 
 Shapes: q [B, S, H, Dk], kv [B, T, Dk] (V = kv[..., :v]), indices int32 [B, S, K] (-1 or out of
 range = skip), dout [B, S, H, v], lse / delta float32 [B, S, H] -> dq [B, S, H, Dk] (q dtype),
-dkv float32 [B, T, Dk]: the `bwd_adds_dkv=True` contract of `vjp.make_sparse_mla`.
+dkv float32 [B, T, Dk]: the backward contract of `vjp.make_sparse_mla`.
 
 Heads. Triton's matmul tiles are powers of two of at least 16 rows, but no kernel here pads
 the heads in memory: each reads q, dout, lse and delta as given ([.., H, ..]) into a tile of

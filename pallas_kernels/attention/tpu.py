@@ -228,7 +228,7 @@ def _op(sm_scale, v_dim, block_k, bwd_settings, chunk_rows, topk, interpret):
     bwd = functools.partial(tpu_backward.backward, sm_scale=sm_scale, v_dim=v_dim,
                             interpret=interpret, **dict(bwd_settings))
     if chunk_rows is None:
-        return vjp.make_sparse_mla(fwd, bwd, bwd_adds_dkv=True)
+        return vjp.make_sparse_mla(fwd, bwd)
     return vjp.make_indexed_sparse_mla(fwd, bwd, chunk_rows=chunk_rows)
 
 

@@ -2,7 +2,7 @@
 
 Shapes: q [B, S, H, Dk], kv [B, T, Dk] (V = kv[..., :v]), indices int32 [B, S, K] (-1 or out of
 range = skip), dout [B, S, H, v], lse / delta float32 [B, S, H] -> dq [B, S, H, Dk] (q dtype),
-dkv float32 [B, T, Dk]: the `bwd_adds_dkv=True` contract of `vjp.make_sparse_mla`.
+dkv float32 [B, T, Dk]: the backward contract of `vjp.make_sparse_mla`.
 
 Why this shape of computation. Call one (query, selected row) a pair. As on a GPU
 (`gpu_backward`), every pair needs the query's q and dout (H x (Dk + v) values, 34 KB at 16

@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._common import XlaConfig, choose_q_chunk, map_query_chunks
+from pallas_kernels._common import XlaConfig
+from pallas_kernels.chunking import choose_q_chunk, map_query_chunks
 from pallas_kernels.paging import gather_pages
 
 

@@ -1,6 +1,7 @@
-"""The dense warm-up's indexer KL of an IndexShare group: Pallas kernels for its forward tiles
-(`gpu`); the op itself, its XLA passes and its backward are `glm_jax.layers.dense_kl`."""
+"""dense_indexer_kl, the dense warm-up's indexer KL of an IndexShare group: reference (dense
+[S, T] matrices), xla (blockwise passes, custom VJP), Pallas GPU (`gpu`: the kernels of those
+passes; `gpu_vjp`: them as a differentiable op)."""
 
-from pallas_kernels.dense_kl import gpu
+from pallas_kernels.dense_kl import gpu, gpu_vjp, reference, xla
 
-__all__ = ["gpu"]
+__all__ = ["gpu", "gpu_vjp", "reference", "xla"]

@@ -34,8 +34,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._common import (check_positive_fields, check_topk, map_query_chunks, pad_axis, pad_topk,
-                                    start_or_zero)
+from pallas_kernels._common import check_positive_fields, check_topk, pad_axis, pad_topk, start_or_zero
+from pallas_kernels.chunking import map_query_chunks
 from pallas_kernels.indexer import pallas_ops, threshold
 
 #: Key tiles per score program.

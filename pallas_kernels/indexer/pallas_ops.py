@@ -18,7 +18,8 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels._common import XlaConfig, check_topk, map_query_chunks, pad_topk, start_or_zero
+from pallas_kernels._common import XlaConfig, check_topk, pad_topk, start_or_zero
+from pallas_kernels.chunking import map_query_chunks
 from pallas_kernels.indexer import xla
 
 #: Upper bound on the score bytes of one query chunk of the top-k (longer prefills are chunked).

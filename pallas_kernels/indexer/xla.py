@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._common import (XlaConfig, check_topk, choose_q_chunk, key_mask, map_query_chunks,
-                                    normalize_zero, pad_topk, start_or_zero)
+from pallas_kernels._common import XlaConfig, check_topk, key_mask, normalize_zero, pad_topk, start_or_zero
+from pallas_kernels.chunking import choose_q_chunk, map_query_chunks
 from pallas_kernels.paging import read_pages
 
 _INT32_MAX = jnp.iinfo(jnp.int32).max

@@ -7,7 +7,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels._common import XlaConfig, choose_q_chunk, map_query_chunks
+from pallas_kernels._common import XlaConfig
+from pallas_kernels.chunking import choose_q_chunk, map_query_chunks
 from pallas_kernels.attention.xla import gather_rows
 from pallas_kernels.indexer_kl.reference import slot_cross_entropy
 

@@ -8,13 +8,13 @@ code the step ran before (kept here, and only here, as the baseline).
 
 from __future__ import annotations
 
-import traceback
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from benchmarks._measure import bench, ceilings
+from benchmarks._report import failure
 
 
 # ---------------------------------------------------------------------------------- old forms
@@ -22,7 +22,7 @@ def old_head_cross_entropy(kernel, hidden, targets, chunk=2048):
     """The vocabulary head as it ran before: per chunk of positions, logits = (h @ W) in the
     model dtype converted to float32, log-softmax, rematerialised in the backward pass.
     kernel [D, V], hidden [B, S, D], targets int32 [B, S] -> mean CE."""
-    from pallas_kernels._common import map_query_chunks
+    from pallas_kernels.chunking import map_query_chunks
 
     def nll(h, t):
         logits = (h @ kernel).astype(jnp.float32)
@@ -34,7 +34,7 @@ def old_head_cross_entropy(kernel, hidden, targets, chunk=2048):
 
 def old_head_tv(kernel, p_hidden, q_hidden, chunk=2048):
     """The TV term as it ran before: its own chunked pass, logits of both sides again."""
-    from pallas_kernels._common import map_query_chunks
+    from pallas_kernels.chunking import map_query_chunks
 
     def tv(p, q):
         ps = jax.lax.stop_gradient(jax.nn.softmax((p @ kernel).astype(jnp.float32), axis=-1))
@@ -92,12 +92,12 @@ def fwd_bwd(loss, argnums):
 
 
 def main(args, recipe: dict) -> None:
-    from benchmarks.train_step_parts import _device, _write
+    from benchmarks._report import device_kind, write_json
     from glm_jax.config import load_config
 
     cfg = load_config(recipe["config"])
     bw, mm = ceilings(args.smoke)
-    print(f"device {_device()}: copy {bw / 1e9:,.0f} GB/s, bf16 matmul {mm / 1e12:.0f} TFLOP/s", flush=True)
+    print(f"device {device_kind()}: copy {bw / 1e9:,.0f} GB/s, bf16 matmul {mm / 1e12:.0f} TFLOP/s", flush=True)
     rows = []
     for name, part in PARTS.items():
         if args.parts and name not in args.parts:
@@ -105,8 +105,7 @@ def main(args, recipe: dict) -> None:
         try:
             cases, limit = part(cfg, recipe, bw, mm)
         except Exception as e:  # noqa: BLE001 - a part that cannot be set up is reported, not fatal
-            rows.append(dict(part=name, impl="-", failed=f"{type(e).__name__}: {e}"))
-            traceback.print_exc()
+            rows.append(dict(part=name, impl="-", failed=failure(e)))
             continue
         limit_s, limit_what = limit
         first = None
@@ -118,13 +117,11 @@ def main(args, recipe: dict) -> None:
                 first = outputs if first is None else first
                 row["rel_diff_from_first"] = _relative_difference(outputs, first)
             except Exception as e:  # noqa: BLE001 - e.g. out of memory in the old form
-                traceback.print_exc()
-                last = (str(e).strip().splitlines() or [""])[-1][:300]
-                row = dict(part=name, impl=impl, failed=f"{type(e).__name__}: {last}")
+                row = dict(part=name, impl=impl, failed=failure(e))
             rows.append(row)
             print(row, flush=True)
-            _write(args.json, dict(device=_device(), copy_gbs=bw / 1e9, matmul_tflops=mm / 1e12, rows=rows))
-    _write(args.json, dict(device=_device(), copy_gbs=bw / 1e9, matmul_tflops=mm / 1e12, rows=rows))
+            write_json(args.json, dict(device=device_kind(), copy_gbs=bw / 1e9, matmul_tflops=mm / 1e12, rows=rows))
+    write_json(args.json, dict(device=device_kind(), copy_gbs=bw / 1e9, matmul_tflops=mm / 1e12, rows=rows))
 
 
 def _relative_difference(outputs, reference) -> float | None:
@@ -201,8 +198,7 @@ def moe_part(cfg, recipe, bw, mm):
 def dense_kl_part(cfg, recipe, bw, mm):
     """One IndexShare group's dense-stage indexer KL (its 4 layers' head-summed attention against
     the indexer over every earlier key), forward + backward into the indexer's inputs."""
-    from glm_jax.layers.decoder import _head_summed_target, indexer_kl
-    from glm_jax.layers.dense_kl import DenseTarget, dense_group_kl
+    from glm_jax.layers.decoder import head_summed_target, indexer_kl
     import pallas_kernels as pk
 
     b, s, layers = recipe["batch_size"], recipe["seq_len"], cfg.index_topk_freq
@@ -215,9 +211,10 @@ def dense_kl_part(cfg, recipe, bw, mm):
     iw = jax.random.uniform(jax.random.key(4), (b, s, hi), jnp.float32) * (hi * di) ** -0.5
     kv_len = jnp.full((b,), s, jnp.int32)
 
-    def fused(iq, ik, iw, qs, latent, block=256, **impl):
-        return dense_group_kl([DenseTarget(q, c) for q, c in zip(qs, latent)], idx_q=iq, idx_keys=ik, idx_w=iw,
-                              sm_scale=scale, kv_len=kv_len, block=block, **impl)
+    def fused(iq, ik, iw, qs, latent, impl="xla", config=None):
+        rows = pk.dense_indexer_kl(tuple(qs), tuple(latent), iq, ik, iw, sm_scale=scale, kv_len=kv_len, impl=impl,
+                                   config=config)
+        return jnp.sum(rows) / b
 
     def expanded(iq, ik, iw, qs, latent):
         pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
@@ -227,20 +224,19 @@ def dense_kl_part(cfg, recipe, bw, mm):
         for q, c in zip(qs, latent):
             logits = jnp.einsum("bshd,btd->bhst", q, c, preferred_element_type=jnp.float32) * scale
             probs = jax.nn.softmax(jnp.where(mask[:, None], logits, -jnp.inf), axis=-1)
-            total = total + indexer_kl(_head_summed_target(probs), scores, mask) / layers
+            total = total + indexer_kl(head_summed_target(probs), scores, mask) / layers
         return total
 
     args = (iq, ik, iw, qs, latent)      # arguments, not constants: XLA would fold the work away
     cases = [("expanded: [B, H, S, S] float32 per layer", fwd_bwd(expanded, (0, 1, 2)), args),
              ("fused blockwise (XLA), tiles of 256", fwd_bwd(fused, (0, 1, 2)), args),
-             ("fused blockwise (XLA), tiles of 512", fwd_bwd(lambda *a: fused(*a, block=512), (0, 1, 2)), args)]
+             ("fused blockwise (XLA), tiles of 512",
+              fwd_bwd(lambda *a: fused(*a, config=pk.DenseKLXlaConfig(block=512)), (0, 1, 2)), args)]
     if jax.default_backend() == "gpu":
-        from pallas_kernels.dense_kl.gpu import DenseKLGpuConfig
-
         for tile in (64, 32, 16):
             cases.append((f"fused, Pallas GPU kernels (tiles of {tile})",
                           fwd_bwd(lambda *a, tile=tile: fused(*a, impl="pallas_gpu",
-                                                              gpu_config=DenseKLGpuConfig(block=tile)), (0, 1, 2)),
+                                                              config=pk.DenseKLGpuConfig(block=tile)), (0, 1, 2)),
                           args))
     pairs = b * s * (s + 1) / 2
     flops = pairs * 2 * (layers * h * dk + 3 * hi * di)

@@ -21,6 +21,7 @@ from jax import lax
 
 import pallas_kernels as pk
 from benchmarks._measure import bench, ceilings
+from benchmarks._report import failure, write_json
 from pallas_kernels.attention import gpu, gpu_backward as gb, transpose as tr
 
 #: configs/default-py.yaml's attention: batch, sequence, heads, kv_lora + rope, kv_lora, top-k, layers.
@@ -30,7 +31,7 @@ SMOKE = dict(batch=1, seq_len=64, heads=8, dk=160, v_dim=128, topk=16, layers=12
 SCALE = 96 ** -0.5
 #: The HBM bandwidth the copy floor is counted at, by device kind (datasheet figures).
 NOMINAL_BW = {"H200": 4.8e12, "H100": 3.35e12}
-MODES = ("by_key", "sorted", "atomic", "scatter")
+MODES = ("by_key", "sorted")
 #: Settings of the keys kernel timed by --sweep (gpu_backward.keys_call's).
 SWEEP = [dict(block_rows=64, tile_cols=64, num_warps=4, num_stages=2, paired=True),
          dict(block_rows=64, tile_cols=64, num_warps=4, num_stages=3, paired=True),
@@ -124,7 +125,7 @@ def check(modes, interpret: bool) -> dict:
                 res[f"{mode} H={heads}"] = {"out": rel(out, want_out), "dq": rel(dq, want[0]),
                                             "dkv": rel(dkv, want[1])}
             except Exception as e:  # noqa: BLE001 - a kernel that does not compile: report it, go on
-                res[f"{mode} H={heads}"] = {"failed": f"{type(e).__name__}: {str(e)[:300]}"}
+                res[f"{mode} H={heads}"] = {"failed": failure(e)}
     return res
 
 
@@ -146,7 +147,7 @@ def time_modes(shape, modes, q, kv, idx, dout, *, reps, interpret) -> dict:
         try:
             r[key] = bench(fn, q, kv, idx, reps=reps, inner=1) * 1e3
         except Exception as e:  # noqa: BLE001 - e.g. out of memory: report it, go on
-            r[key.replace("_ms", "_failed")] = f"{type(e).__name__}: {str(e)[:300]}"
+            r[key.replace("_ms", "_failed")] = failure(e)
 
     fwd = {}
     for label, pad in (("new", False), ("old", True)):
@@ -188,7 +189,7 @@ def parts(shape, q, kv, idx, dout, *, reps, interpret) -> dict:
             res[name] = bench(fn, *args, reps=reps, inner=1) * 1e3
         except Exception as e:  # noqa: BLE001 - report it, go on
             res[name] = float("nan")
-            res[name.replace("_ms", "_failed")] = f"{type(e).__name__}: {str(e)[:300]}"
+            res[name.replace("_ms", "_failed")] = failure(e)
 
     timed("key_index_ms", key_index, idx)
     timed("sorted_index_ms", sorted_index, idx)
@@ -243,7 +244,7 @@ def sweep(shape, q, kv, idx, dout, *, interpret) -> None:
             rate = keys_flops(shape, kmap, cfg["tile_cols"]) / t / 1e12
             print(f"sweep keys kernel {cfg}: {t * 1e3:.3f} ms, {rate:.0f} TFLOP/s on its tiles", flush=True)
         except Exception as e:  # noqa: BLE001 - a setting that does not fit: report it, go on
-            print(f"sweep keys kernel {cfg}: failed {type(e).__name__}: {str(e)[:300]}", flush=True)
+            print(f"sweep keys kernel {cfg}: failed {failure(e)}", flush=True)
     args = gb.query_major(q, kv, idx, dout, lse, delta)
     for cfg in DQ_SWEEP:
         fn = jax.jit(lambda *a, cfg=cfg: gb.pairs_call(*a, seq_len=shape["seq_len"], sm_scale=SCALE,
@@ -252,7 +253,7 @@ def sweep(shape, q, kv, idx, dout, *, interpret) -> None:
         try:
             print(f"sweep dq kernel {cfg}: {bench(fn, *args, reps=5, inner=1) * 1e3:.3f} ms", flush=True)
         except Exception as e:  # noqa: BLE001
-            print(f"sweep dq kernel {cfg}: failed {type(e).__name__}: {str(e)[:300]}", flush=True)
+            print(f"sweep dq kernel {cfg}: failed {failure(e)}", flush=True)
 
 
 def _fmt(r, key):
@@ -321,6 +322,4 @@ def main(args) -> None:
           f"{p['dq_kernel_ms']:.2f} + keys kernel {p['keys_kernel_ms']:.2f}; sorted {p['sorted_backward_ms']:.2f} "
           f"({p['sorted_chunks']} query chunks); index builds: key bitmap {p['key_index_ms']:.2f}, "
           f"sorted {p['sorted_index_ms']:.2f} (once per IndexShare group)")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1, default=str)
+    write_json(args.json, report)
