@@ -15,7 +15,7 @@ from typing import Callable
 
 import jax
 
-from pallas_kernels import attention, dense, indexer, indexer_kl
+from pallas_kernels import attention, checks, dense, indexer, indexer_kl
 from pallas_kernels._common import NoConfig, XlaConfig
 
 #: The name that picks an implementation by backend.
@@ -138,4 +138,5 @@ def select(op: str, impl: str, config, interpret: bool):
     if interpret and not entry.interpretable:
         raise ValueError(f"pallas_kernels.{op}: impl={name!r} has no interpret mode; it runs only on "
                          f"{entry.platform}")
+    checks.runnable(op, name, entry.platform, entry.interpretable, interpret)
     return entry, config
