@@ -48,6 +48,13 @@ class KernelChoice:
     dense_kl: str = "xla"
     dense_kl_config: Any = None
 
+    def __post_init__(self):
+        for field, op in (("indexer", "indexer_topk"), ("attention", "sparse_mla"),
+                          ("indexer_kl", "indexer_cross_entropy")):
+            if getattr(self, field) not in impl_choices(op):
+                raise ValueError(f"KernelChoice.{field}={getattr(self, field)!r}: valid choices are "
+                                 f"{', '.join(map(repr, impl_choices(op)))}")
+
 
 def indexer_scores(q, k, weights, *, q_pos, kv_len, kv_start=None, **static):
     """q [B, S, H, D], k [B, T, D], weights [B, S, H] -> float32 [B, S, T] (`pallas_kernels.indexer_scores`)."""
