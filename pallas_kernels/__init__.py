@@ -31,7 +31,9 @@ Every op takes
                another implementation is a ValueError.
     interpret  run a Pallas implementation on the CPU (tests); ignored by the plain-jnp ones,
                refused by "cudnn".
-All arithmetic is float32 internally; inputs may be bfloat16.
+All arithmetic is float32 internally; inputs may be bfloat16. Each op checks its arguments before
+tracing (`checks`: ranks, matching dimensions, integer indices / positions / lengths, float32
+weights, static arguments): one ValueError or TypeError naming the argument and what was expected.
 
 Implementations live in one folder per op family (indexer/, attention/ for sparse MLA,
 indexer_kl/ for the indexer's selected-set loss, dense/ for causal attention) and are listed in `registry.REGISTRY`, the one table from which

@@ -232,8 +232,8 @@ def runnable(op: str, impl: str, platform: str | None, interpretable: bool, inte
     if target != "cpu":
         return
     fix = "pass interpret=True to run it in the Pallas interpreter, or " if interpretable else ""
-    raise ValueError(f"pallas_kernels.{op}: impl={impl!r} compiles for {platform}, but this runs on the CPU: "
-                     f"{fix}pick impl='xla' (or 'auto')")
+    raise ValueError(f"pallas_kernels.{op}: impl={impl!r} compiles for {platform}, but this runs on the CPU (the "
+                     f"default backend, and no mesh of {platform} devices is set): {fix}pick impl='xla' (or 'auto')")
 
 
 def _target_platform() -> str:
