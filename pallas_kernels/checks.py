@@ -21,15 +21,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-#: Dtype kinds of array arguments.
-FLOAT = "a floating dtype (float32 or bfloat16)"
+#: Dtype kinds of array arguments (the documented ones; integer arrays are cast to int32).
+FLOAT = "float32 or bfloat16"
 STORE = "a floating dtype (float32, bfloat16 or float8)"
 FLOAT32 = "float32"
 INT = "an integer dtype (int32)"
 BOOL = "bool"
 
 _KIND_TEST = {
-    FLOAT: lambda d: jnp.issubdtype(d, jnp.floating),
+    FLOAT: lambda d: d in (np.float32, jnp.bfloat16),
     STORE: lambda d: jnp.issubdtype(d, jnp.floating),
     FLOAT32: lambda d: d == np.float32,
     INT: lambda d: jnp.issubdtype(d, jnp.integer),
@@ -56,9 +56,9 @@ class Signature:
     def fail(self, message: str, error: type[Exception] = ValueError):
         raise error(f"pallas_kernels.{self.op}: {message}")
 
-    def array(self, name: str, x, dims: str, kind: str) -> tuple[int, ...]:
+    def array(self, name: str, x, dims: str, kind: str) -> None:
         """Checks x against dims (letters separated by spaces, one per axis) and kind (`FLOAT`,
-        `FLOAT32`, `INT`, ...); binds the letters not seen yet. -> x's shape."""
+        `FLOAT32`, `INT`, ...); binds the letters not seen yet."""
         shape, dtype = _shape_dtype(x)
         letters = dims.split()
         if len(shape) != len(letters):
@@ -70,7 +70,6 @@ class Signature:
                           f"{bound[1]} has {letter}={bound[0]}; they must agree")
         if not _KIND_TEST[kind](dtype):
             self.fail(f"{name} must have {kind}, got {dtype} (shape {shape})", TypeError)
-        return shape
 
     def optional(self, name: str, x, dims: str, kind: str) -> None:
         """`array` for an argument that may be None."""

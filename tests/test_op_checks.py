@@ -44,7 +44,7 @@ INDEXER_CASES = {
                      r"weights must have float32, got bfloat16"),
     "kv_start shape": (dict(kv_start=jnp.zeros((B, 1), jnp.int32)), ValueError,
                        r"kv_start has shape \(2, 1\) for \[B, S\], so S=1, but q has S=3"),
-    "int q": (dict(q=jnp.ones((B, S, H, D), jnp.int32)), TypeError, r"q must have a floating dtype"),
+    "int q": (dict(q=jnp.ones((B, S, H, D), jnp.int32)), TypeError, r"q must have float32 or bfloat16, got int32"),
     "topk 0": (dict(topk=0), ValueError, r"topk=0 must be >= 1"),
     "float topk": (dict(topk=2.0), TypeError, r"topk must be a Python int, got 2.0"),
 }
