@@ -23,6 +23,7 @@ import glm_jax
 from glm_jax.config import PRESETS_DIR, ConfigError, load_config, preset_names
 from glm_jax.extras import EXTRA_OF
 from glm_jax.layers import AttentionSettings, IndexShareGroup, LayerKind
+from glm_jax.model import GLMModel
 from glm_jax.ops import KernelChoice
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -98,7 +99,7 @@ def test_settings_and_layer_constructors_check_their_arguments():
 def test_public_names():
     from glm_jax import layers
 
-    assert glm_jax.GLMModel is __import__("glm_jax.model").model.GLMModel
+    assert glm_jax.GLMModel is GLMModel
     assert glm_jax.load_config is load_config and glm_jax.AttentionSettings is AttentionSettings
     assert all(getattr(layers, name) for name in layers.__all__) and set(glm_jax.__all__) <= set(dir(glm_jax))
     with pytest.raises(AttributeError, match="has no attribute 'Model'"):
