@@ -15,7 +15,6 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import orbax.checkpoint as ocp
 from flax import nnx
 
 from glm_jax import faults
@@ -23,8 +22,11 @@ from glm_jax.checkpoint_damage import (MANIFEST_NAME, DamagedFilesError, check_f
                                       restoring, write_file_manifest)
 from glm_jax.config import GLMConfig, load_config, save_config
 from glm_jax.convert import load_hf_checkpoint
+from glm_jax.extras import require
 from glm_jax.model import GLMModel
 from glm_jax.multihost import barrier, is_main_process
+
+ocp = require("orbax.checkpoint")
 
 
 class CheckpointMismatchError(ValueError):

@@ -1,7 +1,8 @@
 """Model configuration: one frozen dataclass holding every key of a `glm_moe_dsa` checkpoint.
 
-Load a preset with `GLMConfig.from_yaml("configs/glm-5.2.yaml")` or a Hugging Face checkpoint's
-config with `GLMConfig.from_hf_json("path/config.json")`. Field names are the checkpoint's own,
+Load a preset by name with `load_config("glm-5.2")` (the presets ship with the package:
+`preset_names()`), a YAML file with `load_config("path/to/config.yaml")`, or a Hugging Face
+checkpoint's config with `load_config("path/config.json")`. Field names are the checkpoint's own,
 so a `config.json` maps one to one. Validation happens on construction: a bad config raises
 `ConfigError` naming the key and the fix.
 
@@ -159,7 +160,8 @@ class GLMConfig:
     def from_yaml(cls, path: str | Path) -> "GLMConfig":
         path = Path(path)
         if not path.exists():
-            raise ConfigError(f"config file {path} does not exist; presets live in configs/*.yaml")
+            raise ConfigError(f"config file {path} does not exist; give a path, or a preset name: "
+                              f"{', '.join(preset_names())}")
         values = yaml.safe_load(path.read_text()) or {}
         if not isinstance(values, dict):
             raise ConfigError(f"{path}: expected a mapping of config keys, got {type(values).__name__}")
@@ -282,9 +284,27 @@ def _validate(c: GLMConfig) -> None:
              f"{c.index_skip_topk_offset} layer 0 would be Shared", "use an offset >= 1")
 
 
+#: The preset configs shipped with the package (in a clone, `glm_jax/configs` links to the
+#: top-level `configs/`, so `configs/tiny.yaml` and `load_config("tiny")` read the same file).
+PRESETS_DIR = Path(__file__).parent / "configs"
+
+
+def preset_names() -> tuple[str, ...]:
+    """The names `load_config` takes for the shipped presets ("tiny", "glm-5.2", ...)."""
+    return tuple(sorted(p.stem for p in PRESETS_DIR.glob("*.yaml")))
+
+
 def load_config(spec: str | Path) -> GLMConfig:
-    """Load a config from a YAML preset, a config.json, or a directory holding one of them."""
+    """Load a config from a preset name (`preset_names()`), a YAML file, a config.json, or a
+    directory holding one of them. A name is a string without "/" or a .yaml / .json suffix
+    that is not an existing path."""
     path = Path(spec)
+    if isinstance(spec, str) and "/" not in spec and not spec.endswith((".yaml", ".yml", ".json")) \
+            and not path.exists():
+        if spec not in preset_names():
+            raise ConfigError(f"no preset named {spec!r}; the presets are {', '.join(preset_names())}, "
+                              "or give the path of a YAML file, a config.json or a directory")
+        path = PRESETS_DIR / f"{spec}.yaml"
     if path.is_dir():
         for candidate in ("config.yaml", "config.json"):
             if (path / candidate).exists():

@@ -18,7 +18,7 @@ import functools
 from typing import Any
 
 import pallas_kernels
-from pallas_kernels import impl_choices
+from pallas_kernels import checks, impl_choices
 from glm_jax.sharding import context_size, split_queries
 
 __all__ = ["KernelChoice", "impl_choices", "indexer_scores", "indexer_topk", "sparse_mla", "sparse_mla_backward_index",
@@ -48,15 +48,24 @@ class KernelChoice:
     dense_kl: str = "xla"
     dense_kl_config: Any = None
 
+    def __post_init__(self):
+        for field, op in (("indexer", "indexer_topk"), ("attention", "sparse_mla"),
+                          ("indexer_kl", "indexer_cross_entropy")):
+            if getattr(self, field) not in impl_choices(op):
+                raise ValueError(f"KernelChoice.{field}={getattr(self, field)!r}: valid choices are "
+                                 f"{', '.join(map(repr, impl_choices(op)))}")
+
 
 def indexer_scores(q, k, weights, *, q_pos, kv_len, kv_start=None, **static):
     """q [B, S, H, D], k [B, T, D], weights [B, S, H] -> float32 [B, S, T] (`pallas_kernels.indexer_scores`)."""
+    checks.indexer("indexer_scores", q, k, weights, q_pos, kv_len, kv_start)
     return split_queries(functools.partial(pallas_kernels.indexer_scores, **static),
                          dict(q=q, weights=weights, q_pos=q_pos, kv_start=kv_start), dict(k=k, kv_len=kv_len))
 
 
 def indexer_topk(q, k, weights, *, q_pos, kv_len, kv_start=None, **static):
     """q [B, S, H, D], k [B, T, D], weights [B, S, H] -> int32 [B, S, topk] (`pallas_kernels.indexer_topk`)."""
+    checks.indexer("indexer_topk", q, k, weights, q_pos, kv_len, kv_start)
     return split_queries(functools.partial(pallas_kernels.indexer_topk, **static),
                          dict(q=q, weights=weights, q_pos=q_pos, kv_start=kv_start), dict(k=k, kv_len=kv_len))
 
@@ -64,6 +73,7 @@ def indexer_topk(q, k, weights, *, q_pos, kv_len, kv_start=None, **static):
 def sparse_mla(q, kv, indices, *, tindex=None, **static):
     """q [B, S, H, Dk], kv [B, T, Dk], indices [B, S, K] -> (out [B, S, H, v_dim], lse [B, S, H]
     [, target [B, S, K]]) (`pallas_kernels.sparse_mla`); tindex from `sparse_mla_backward_index`."""
+    checks.sparse_mla("sparse_mla", q, kv, indices, static.get("sm_scale"), static.get("v_dim"))
     if tindex is not None and context_size() > 1:
         raise ValueError("ops.sparse_mla: a prebuilt tindex covers every query; under context "
                          "parallelism each shard builds its own (sparse_mla_backward_index gives None)")
@@ -86,6 +96,7 @@ def sparse_mla_backward_index(indices, num_keys, *, dk, dtype, kernels: KernelCh
 def indexer_cross_entropy(q, k, weights, indices, target, **static):
     """q [B, S, H, D], k [B, T, D], weights [B, S, H], indices, target [B, S, K] -> float32 [B, S]
     (`pallas_kernels.indexer_cross_entropy`)."""
+    checks.cross_entropy(q, k, weights, indices, target)
     return split_queries(functools.partial(pallas_kernels.indexer_cross_entropy, **static),
                          dict(q=q, weights=weights, indices=indices, target=target), dict(k=k))
 

@@ -32,7 +32,9 @@ Every op takes
                another implementation is a ValueError.
     interpret  run a Pallas implementation on the CPU (tests); ignored by the plain-jnp ones,
                refused by "cudnn".
-All arithmetic is float32 internally; inputs may be bfloat16.
+All arithmetic is float32 internally; inputs may be bfloat16. Each op checks its arguments before
+tracing (`checks`: ranks, matching dimensions, integer indices / positions / lengths, float32
+weights, static arguments): one ValueError or TypeError naming the argument and what was expected.
 
 Implementations live in one folder per op family (indexer/, attention/ for sparse MLA,
 indexer_kl/ for the indexer's selected-set loss, dense/ for causal attention, dense_kl/ for the
@@ -47,7 +49,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import registry
+from pallas_kernels import checks, registry
 from pallas_kernels import paging
 from pallas_kernels._common import NoConfig, XlaConfig, start_or_zero
 from pallas_kernels.attention.gpu import SparseMLAGpuConfig
@@ -87,6 +89,7 @@ def indexer_scores(q: jax.Array, k: jax.Array, weights: jax.Array, *, q_pos: jax
       kv_start[b,s] <= t <= q_pos[b,s] and t < kv_len[b]; -inf elsewhere. Differentiable in
       q, k and weights.
     """
+    checks.indexer("indexer_scores", q, k, weights, q_pos, kv_len, kv_start)
     entry, config = registry.select("indexer_scores", impl, config, interpret)
     q_pos = jnp.asarray(q_pos, jnp.int32)
     return entry.fn(q, k, weights, q_pos=q_pos, kv_len=jnp.asarray(kv_len, jnp.int32),
@@ -113,6 +116,7 @@ def indexer_topk(q: jax.Array, k: jax.Array, weights: jax.Array, *, topk: int, q
       differentiated: a function that also uses q, k or weights elsewhere can be (the
       indices count as constants).
     """
+    checks.indexer("indexer_topk", q, k, weights, q_pos, kv_len, kv_start).static_int("topk", topk)
     entry, config = registry.select("indexer_topk", impl, config, interpret)
     # Indices carry no gradient; stopping it here keeps autodiff out of the kernels.
     q, k, weights = (jax.lax.stop_gradient(x) for x in (q, k, weights))
@@ -149,9 +153,8 @@ def sparse_mla(q: jax.Array, kv: jax.Array, indices: jax.Array, *, sm_scale: flo
       A query with no valid index gets out 0 and lse -inf. Differentiable in q and kv, with
       finite gradients also for such rows (mask the -inf lse before using it in a loss).
     """
+    checks.sparse_mla("sparse_mla", q, kv, indices, sm_scale, v_dim).static_bool("return_target", return_target)
     entry, config = registry.select("sparse_mla", impl, config, interpret)
-    if not 0 < v_dim <= kv.shape[-1]:
-        raise ValueError(f"pallas_kernels.sparse_mla: v_dim={v_dim} must be in [1, {kv.shape[-1]}]")
     extra = {}
     if tindex is not None:
         if entry.backward_index is None:
@@ -184,6 +187,7 @@ def sparse_mla_backward_index(indices: jax.Array, num_keys: int, *, dk: int, dty
       backward takes none (reference, xla): pass it on to
       sparse_mla.
     """
+    checks.backward_index(indices, num_keys, dk)
     entry, config = registry.select("sparse_mla", impl, config, interpret)
     if entry.backward_index is None:
         return None
@@ -213,10 +217,8 @@ def indexer_cross_entropy(q: jax.Array, k: jax.Array, weights: jax.Array, indice
       0 for a query with no valid slot. Differentiable in q, k and weights (finite gradients
       everywhere, 0 for queries with no valid slot); no gradient reaches target.
     """
+    checks.cross_entropy(q, k, weights, indices, target)
     entry, config = registry.select("indexer_cross_entropy", impl, config, interpret)
-    if indices.shape != target.shape or indices.shape[:2] != q.shape[:2]:
-        raise ValueError(f"pallas_kernels.indexer_cross_entropy: indices {indices.shape} and target "
-                         f"{target.shape} must both be [B, S, K] with q's [B, S] {q.shape[:2]}")
     return entry.fn(q, k, weights, jnp.asarray(indices, jnp.int32), target, config=config, interpret=interpret)
 
 
@@ -238,6 +240,7 @@ def paged_indexer_topk(q: jax.Array, k_pages: jax.Array, page_table: jax.Array, 
       int32 [B, S, topk]: `indexer_topk` of the keys k[b, t] (T = n * P), cast to q's dtype.
       Not differentiated.
     """
+    checks.paged_indexer(q, k_pages, page_table, weights, q_pos, kv_len, slot).static_int("topk", topk)
     entry, config = registry.select("paged_indexer_topk", impl, config, interpret)
     k_pages = paging.as_slots(k_pages, "paged_indexer_topk")
     page_table = paging.check_page_table(page_table, q.shape[0], "paged_indexer_topk")
@@ -266,11 +269,10 @@ def paged_sparse_mla(q: jax.Array, kv_pages: jax.Array, page_table: jax.Array, i
       rows kv[b, t] (cast to q's dtype). Forward only (decode reads the cache; nothing
       differentiates through it).
     """
+    checks.paged_sparse_mla(q, kv_pages, page_table, indices, sm_scale, v_dim, slot)
     entry, config = registry.select("paged_sparse_mla", impl, config, interpret)
     kv_pages = paging.as_slots(kv_pages, "paged_sparse_mla")
     page_table = paging.check_page_table(page_table, q.shape[0], "paged_sparse_mla")
-    if not 0 < v_dim <= kv_pages.shape[-1]:
-        raise ValueError(f"pallas_kernels.paged_sparse_mla: v_dim={v_dim} must be in [1, {kv_pages.shape[-1]}]")
     return entry.fn(q, kv_pages, page_table, jnp.asarray(indices, jnp.int32), slot=jnp.asarray(slot, jnp.int32),
                     sm_scale=sm_scale, v_dim=v_dim, config=config, interpret=interpret)
 
@@ -299,6 +301,7 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float,
       inside the documents) of scale * q[b,s,n] . k[b,t,n], times v[b,t,n]. Rows s >= kv_len[b]
       and rows that see no key are unspecified (finite). Differentiable in q, k and v.
     """
+    checks.causal_attention(q, k, v, scale, kv_len, mask, segments)
     if impl == registry.AUTO and resolve_impl("causal_attention", impl) == "cudnn" \
             and not _cudnn.supports(q.shape[-1], q.dtype):
         impl = registry.FALLBACK
@@ -328,7 +331,8 @@ def dense_indexer_kl(qs, latents, idx_q: jax.Array, idx_keys: jax.Array, idx_w: 
       kv_len: int32 [B] valid keys (capped at S).
       kv_start: int32 [B, S] the row where each query's document starts, or None for 0.
       shares: one weight per layer (static), default 1 / L each.
-      impl, config, interpret: see the package docstring ("auto" takes "pallas_gpu" on a GPU).
+      impl, config, interpret: see the package docstring ("auto" takes "xla" everywhere: the
+        Pallas GPU kernels measured slower).
 
     Returns:
       float32 [B, S]: per query sum_j share_j sum_t t_j,t log t_j,t - sum_t tbar_t s_t + LSE_s

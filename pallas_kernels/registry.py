@@ -15,7 +15,7 @@ from typing import Callable
 
 import jax
 
-from pallas_kernels import attention, dense, dense_kl, indexer, indexer_kl
+from pallas_kernels import attention, checks, dense, dense_kl, indexer, indexer_kl
 from pallas_kernels._common import NoConfig, XlaConfig
 
 #: The name that picks an implementation by backend.
@@ -36,13 +36,16 @@ class Implementation:
       vendor library (cuDNN) runs only on its platform.
     backward_index: (sparse_mla) builds the transposed index its backward takes,
       fn(indices, num_keys, *, dk, dtype, config) -> TransposedIndex or None, so that layers
-      sharing indices build it once (`fn`'s `tindex=`); None: the implementation takes none."""
+      sharing indices build it once (`fn`'s `tindex=`); None: the implementation takes none.
+    auto: whether "auto" picks it on its platform (False where it measured slower there than
+      the portable implementation, which "auto" then takes)."""
 
     fn: Callable
     config: type
     platform: str | None = None
     interpretable: bool = True
     backward_index: Callable | None = None
+    auto: bool = True
 
 
 def _pallas_scores(scores_fn: Callable) -> Callable:
@@ -96,7 +99,10 @@ REGISTRY: dict[str, dict[str, Implementation]] = {
     "dense_indexer_kl": {
         "reference": Implementation(dense_kl.reference.dense_indexer_kl, NoConfig),
         "xla": Implementation(dense_kl.xla.dense_indexer_kl, dense_kl.xla.DenseKLXlaConfig),
-        "pallas_gpu": Implementation(dense_kl.gpu_vjp.dense_indexer_kl, dense_kl.gpu.DenseKLGpuConfig, "gpu"),
+        # 196 ms against the XLA form's 83 ms for 4 layers of the default recipe on an H100
+        # (docs/training.md): "auto" keeps the XLA form
+        "pallas_gpu": Implementation(dense_kl.gpu_vjp.dense_indexer_kl, dense_kl.gpu.DenseKLGpuConfig, "gpu",
+                                     auto=False),
     },
 }
 
@@ -116,12 +122,13 @@ def impl_choices(op: str) -> tuple[str, ...]:
 
 def resolve_impl(op: str, impl: str) -> str:
     """The implementation `impl` names for op: itself, or for "auto" the first one whose platform
-    is the current backend, else FALLBACK. Raises ValueError listing the valid choices for a
+    is the current backend (and that "auto" may pick), else FALLBACK. Raises ValueError listing the valid choices for a
     name the op does not have."""
     entries = _entries(op)
     if impl == AUTO:
         backend = jax.default_backend()
-        return next((name for name, entry in entries.items() if entry.platform == backend), FALLBACK)
+        return next((name for name, entry in entries.items() if entry.platform == backend and entry.auto),
+                    FALLBACK)
     if not isinstance(impl, str) or impl not in entries:
         choices = ", ".join(repr(c) for c in impl_choices(op))
         raise ValueError(f"pallas_kernels.{op}: unknown impl {impl!r}; valid choices are {choices}")
@@ -143,4 +150,5 @@ def select(op: str, impl: str, config, interpret: bool):
     if interpret and not entry.interpretable:
         raise ValueError(f"pallas_kernels.{op}: impl={name!r} has no interpret mode; it runs only on "
                          f"{entry.platform}")
+    checks.runnable(op, name, entry.platform, entry.interpretable, interpret)
     return entry, config

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Create .venv with a Python >= 3.12 interpreter and install glm-jax into it.
-#   bash scripts/setup.sh          runtime dependencies
-#   bash scripts/setup.sh --dev    plus the test dependencies
+#   bash scripts/setup.sh          everything the README uses (the `all` extra)
+#   bash scripts/setup.sh --dev    plus the test dependencies (the `dev` extra)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-extras=""
+extras="[all]"
 [[ "${1:-}" == "--dev" ]] && extras="[dev]"
 
 is_312_plus() {

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import numpy as np
-from tokenizers import Tokenizer
 
 from glm_jax.data.tokenizer import eos_id
+from glm_jax.extras import require
+
+Tokenizer = require("tokenizers").Tokenizer
 
 
 def encode_documents(tok: Tokenizer, texts: list[str]) -> np.ndarray:

@@ -29,11 +29,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NamedTuple
 
-import grain
 import numpy as np
-from tokenizers import Tokenizer
 
 from glm_jax.data.tokenizer import eos_id
+from glm_jax.extras import require
+
+grain = require("grain")
+Tokenizer = require("tokenizers").Tokenizer
 
 STATE_KIND = "grain-packed"
 

@@ -17,6 +17,8 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+from glm_jax.extras import require
+
 
 class DataError(ValueError):
     """Training data that cannot be used: missing file, no text, malformed record."""
@@ -74,7 +76,7 @@ class ArrayRecords:
     """Records of array_record files (UTF-8 text, or JSON objects with a "text" field)."""
 
     def __init__(self, path: Path):
-        import grain
+        grain = require("grain")
 
         self.path = Path(path)
         self.source = grain.sources.ArrayRecordDataSource([str(self.path)])

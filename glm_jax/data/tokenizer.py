@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from glm_jax.extras import require
+
+require("tokenizers")
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402 (after the check)
 
 EOS = "<|endoftext|>"
 PAD = "<|pad|>"

@@ -71,9 +71,13 @@ def plan_groups(cfg: GLMConfig) -> tuple[GroupStackPlan, ...]:
     return tuple(stacks)
 
 
+MODES = ("sparse", "dense")
+FORMS = ("absorbed", "expanded")
+
+
 @dataclasses.dataclass(frozen=True)
 class AttentionSettings:
-    """Static choices for a full-sequence call (no cache)."""
+    """Static choices for a full-sequence call (no cache); ValueError for a value outside them."""
 
     mode: str = "sparse"          # "sparse" | "dense"
     form: str = "absorbed"        # "absorbed" (ops.sparse_mla) | "expanded" (per-head K/V)
@@ -83,9 +87,30 @@ class AttentionSettings:
                                      # then runs cuDNN's packed kernel, see `attend_causal`)
     kernels: ops.KernelChoice = ops.KernelChoice()
 
+    def __post_init__(self):
+        for name, allowed in (("mode", MODES), ("form", FORMS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"AttentionSettings.{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        for name in ("indexer_loss", "remat"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"AttentionSettings.{name} must be True or False, got {getattr(self, name)!r}")
+        if self.max_segments is not None and (not isinstance(self.max_segments, int) or self.max_segments < 1):
+            raise ValueError(f"AttentionSettings.max_segments must be a positive int or None, got {self.max_segments!r}")
+        if not isinstance(self.kernels, ops.KernelChoice):
+            raise TypeError(f"AttentionSettings.kernels must be an ops.KernelChoice, got {type(self.kernels).__name__}")
+
+
+def _check_layer_args(owner: str, cfg: GLMConfig, kinds: tuple[LayerKind, ...]) -> None:
+    """TypeError unless cfg is a GLMConfig and kinds one or more LayerKinds."""
+    if not isinstance(cfg, GLMConfig):
+        raise TypeError(f"{owner}: cfg must be a GLMConfig (glm_jax.load_config), got {type(cfg).__name__}")
+    if not kinds or not all(isinstance(k, LayerKind) for k in kinds):
+        raise TypeError(f"{owner}: the layer kinds must be LayerKind(is_full, is_moe) values, got {kinds!r}")
+
 
 class DecoderLayer(nnx.Module):
     def __init__(self, cfg: GLMConfig, kind: LayerKind, *, rngs: nnx.Rngs, dtype):
+        _check_layer_args("DecoderLayer", cfg, (kind,))
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
         self.self_attn = MLAProjection(cfg, rngs=rngs, dtype=dtype)
         self.indexer = Indexer(cfg, rngs=rngs, dtype=dtype) if kind.is_full else None
@@ -168,7 +193,11 @@ class IndexShareGroup(nnx.Module):
     """One Full layer and the Shared layers that reuse its indices."""
 
     def __init__(self, cfg: GLMConfig, kinds: tuple[LayerKind, ...], *, rngs: nnx.Rngs, dtype):
-        assert kinds[0].is_full and not any(k.is_full for k in kinds[1:])
+        kinds = tuple(kinds)
+        _check_layer_args("IndexShareGroup", cfg, kinds)
+        if not kinds[0].is_full or any(k.is_full for k in kinds[1:]):
+            raise ValueError(f"IndexShareGroup: a group is one Full layer followed by Shared ones; got is_full "
+                             f"{[k.is_full for k in kinds]}")
         self.layers = nnx.List([DecoderLayer(cfg, k, rngs=rngs, dtype=dtype) for k in kinds])
         self.cfg = cfg
 
@@ -194,6 +223,9 @@ class IndexShareGroup(nnx.Module):
         attends (and selects from) its whole causal prefix.
         -> (x [B, S, hidden], indexer KL summed over the group's layers (scalar float32),
             the Full layer's latent rows [B, S, latent], its indices [B, S, topk] or None)."""
+        if x.shape[1] > self.cfg.max_position_embeddings:
+            raise ValueError(f"a sequence of {x.shape[1]} tokens is longer than max_position_embeddings="
+                             f"{self.cfg.max_position_embeddings}; shorten it or raise max_position_embeddings")
         rows = _Rows(x.shape[1], positions, kv_len, kv_start)
         x = split_tokens(x)
         found = _IndexerOutputs() if shared_kv is None else _IndexerOutputs(indices=shared_kv[1])

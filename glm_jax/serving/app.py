@@ -35,6 +35,9 @@ import time
 import uuid
 from typing import Callable, NamedTuple
 
+from glm_jax.extras import require
+
+require("starlette")
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect

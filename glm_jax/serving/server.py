@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 import sys
 
-import uvicorn
+from glm_jax.extras import require
+
+uvicorn = require("uvicorn")
 
 
 def serve(app, *, host: str, port: int, about: str = "") -> int:

@@ -10,10 +10,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import jax
-import orbax.checkpoint as ocp
 
 from glm_jax.checkpoint_damage import damage_summary, restoring
+from glm_jax.extras import require
 from glm_jax.multihost import is_main_process
+
+ocp = require("orbax.checkpoint")
 
 
 def manager(run_dir: str | Path, *, keep: int = 3) -> ocp.CheckpointManager:
