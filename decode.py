@@ -87,7 +87,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.compile_only:
         return _compile_only(args)
-    cli.join_processes(args)      # before the first jax computation
+    cli.join_processes(args, args.mesh)      # before the first jax computation
     if args.serve:
         return serve_from_args(args)
     from glm_jax.multihost import is_main_process, stdout_of_main_process_only

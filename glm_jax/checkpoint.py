@@ -95,6 +95,13 @@ class ModelSource:
     def tokenizer_file(self) -> Path:
         return self.path / "tokenizer.json"
 
+    @classmethod
+    def of(cls, *, checkpoint: str | None = None, hf_checkpoint: str | None = None) -> "ModelSource | None":
+        """The source a front end names: a Hugging Face checkpoint, else a model directory, else None."""
+        if hf_checkpoint:
+            return cls(Path(hf_checkpoint), hf=True)
+        return cls(Path(checkpoint)) if checkpoint else None
+
 
 def load_model(source: ModelSource, *, config: GLMConfig | None = None, dtype: str | None = None) -> GLMModel:
     """The model of `source`, on this process's first device.

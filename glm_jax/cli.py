@@ -119,11 +119,7 @@ def model_source(args):
     """-> the glm_jax.checkpoint.ModelSource of --hf-checkpoint or --checkpoint, or None."""
     from glm_jax.checkpoint import ModelSource
 
-    if args.hf_checkpoint:
-        return ModelSource(Path(args.hf_checkpoint), hf=True)
-    if getattr(args, "checkpoint", None):
-        return ModelSource(Path(args.checkpoint))
-    return None
+    return ModelSource.of(checkpoint=getattr(args, "checkpoint", None), hf_checkpoint=args.hf_checkpoint)
 
 
 # ---------------------------------------------------------------------- mesh and kernels
@@ -176,11 +172,11 @@ def add_distributed_flags(ap: argparse.ArgumentParser, writes: str) -> None:
                             "Open MPI, or JAX_COORDINATOR_ADDRESS in the environment, which also turns this on)")
 
 
-def join_processes(args) -> None:
+def join_processes(args, mesh: str | None) -> None:
     """Join the run that the distributed flags or the environment describe, after choosing the
     platforms (`choose_platforms`) and letting the CPU platform simulate this process's share of
-    the devices of --mesh (if any). Call before anything else uses jax; flags that describe no
-    run (or a bad --mesh) raise UserError."""
+    the devices of `mesh` (the --mesh spec, if any). Call before anything else uses jax; flags
+    that describe no run (or a bad mesh) raise UserError."""
     from glm_jax.multihost import DistributedSetup, initialize_distributed
     from glm_jax.sharding import simulate_cpu_devices
 
@@ -190,9 +186,25 @@ def join_processes(args) -> None:
                                  process_id=args.process_id,
                                  auto=args.distributed or bool(os.environ.get("JAX_COORDINATOR_ADDRESS")))
         setup.check()
-        if args.mesh:
-            simulate_cpu_devices(args.mesh, setup.num_processes or 1)
+        if mesh:
+            simulate_cpu_devices(mesh, setup.num_processes or 1)
         initialize_distributed(setup)
+
+
+# ---------------------------------------------------------------------- hints
+def shown_path(path: str | Path) -> str:
+    """`path` as a hint shows it: relative to the working directory where it is inside it."""
+    path = Path(path).absolute()
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def python_command() -> str:
+    """The interpreter running this program, as a command that runs from the working directory
+    (e.g. .venv/bin/python): a hint that names it runs as printed."""
+    return shown_path(sys.executable) if sys.executable else "python"
 
 
 # ---------------------------------------------------------------------- platforms

@@ -139,6 +139,49 @@ def _assert_resume_is_exact(tmp_path, extra: list[str]) -> None:
     assert losses(tmp_path / "b") == losses(tmp_path / "a")
 
 
+_TRAINED_FLAGS = ["--steps", "12", "--batch-size", "4", "--seq-len", "32", "--dense-steps", "6", "--warmup-steps", "2",
+                  "--lr", "1e-2", "--max-files", "6", "--eval-every", "6", "--save-every", "6", "--eval-batches", "2"]
+
+
+def _copy_of(trained_run, tmp_path):
+    import shutil
+
+    out, cfg_path = trained_run
+    copy = tmp_path / "run"
+    shutil.copytree(out, copy)
+    return copy, ["--config", str(cfg_path), "--out", str(copy), *_TRAINED_FLAGS, "--resume"]
+
+
+def test_run_settings_are_written_and_a_resume_names_a_changed_one(trained_run, tmp_path, capsys):
+    from glm_jax.training import run_config
+
+    written = run_config.load(trained_run[0] / run_config.FILE_NAME)
+    assert (written.schedule.lr, written.data.seq_len, written.data.data_shards) == (1e-2, 32, 1)
+    copy, flags = _copy_of(trained_run, tmp_path)
+    assert train.main(flags + ["--lr", "5e-3"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line for line in out if line.startswith("resume: ") and "->" in line] == \
+        ["resume: schedule.lr (--lr) 0.01 -> 0.005"]
+    assert run_config.load(copy / run_config.FILE_NAME).schedule.lr == 5e-3
+
+
+def test_resume_refuses_a_new_sequence_length_in_one_line(trained_run, tmp_path, capsys):
+    _, flags = _copy_of(trained_run, tmp_path)
+    assert train.main(flags + ["--seq-len", "64"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --resume cannot change data.seq_len (--seq-len) 32 -> 64: ")
+
+
+def test_resume_of_a_run_without_settings_file_says_so(trained_run, tmp_path, capsys):
+    from glm_jax.training import run_config
+
+    copy, flags = _copy_of(trained_run, tmp_path)
+    (copy / run_config.FILE_NAME).unlink()
+    assert train.main(flags) == 0
+    assert sum("no run_config.yaml" in line for line in capsys.readouterr().out.splitlines()) == 1
+    assert (copy / run_config.FILE_NAME).exists()
+
+
 def test_missing_data_file_is_refused(tmp_path, capsys):
     assert train.main(["--out", str(tmp_path / "run"), "--data", str(tmp_path / "nope.jsonl")]) == 2
     assert "nope.jsonl does not exist" in capsys.readouterr().err
