@@ -20,7 +20,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from glm_jax import cli, multihost, settings as settings_lib
+from glm_jax import multihost, settings as settings_lib
+from glm_jax.frontends import cli
 from glm_jax.training import run, run_config
 from glm_jax.training.run_config import TrainConfig
 from glm_jax.training.step import EXPANDED_MAX_LEN

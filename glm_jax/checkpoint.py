@@ -118,6 +118,10 @@ def load_model_dir(directory: str | Path, *, config: GLMConfig | None = None, dt
     """Rebuild the model saved in `directory`; `config`, if given, must match the saved one;
     `dtype`: the compute dtype in place of the saved config's."""
     directory = Path(directory).absolute()
+    if (directory / "checkpoints").is_dir() and not (directory / "params").exists():
+        raise FileNotFoundError(f"{directory} holds a training run that has not exported its weights yet (no "
+                                "params/): continue it with train.py --resume (add --stop-after N to stop after N "
+                                "more steps; such a stop exports the weights)")
     if not (directory / "config.yaml").exists() or not (directory / "params").exists():
         raise FileNotFoundError(f"{directory} is not a model directory (expected config.yaml and params/; "
                                 "train.py writes them, and checkpoints/default ships one)")

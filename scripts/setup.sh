@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Create .venv with a Python >= 3.12 interpreter and install glm-jax into it.
-#   bash scripts/setup.sh          runtime dependencies
+#   bash scripts/setup.sh          runtime dependencies, the HTTP server's (decode.py --serve) among them
 #   bash scripts/setup.sh --dev    plus the test dependencies
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-extras=""
-[[ "${1:-}" == "--dev" ]] && extras="[dev]"
+extras="[serve]"
+[[ "${1:-}" == "--dev" ]] && extras="[dev]"   # dev holds serve's packages too
 
 is_312_plus() {
   "$1" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 12) else 1)' 2>/dev/null

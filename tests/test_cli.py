@@ -14,7 +14,8 @@ from flax import nnx
 import decode
 import hf_fixtures as hf
 import train
-from glm_jax import cli, ops
+from glm_jax import ops
+from glm_jax.frontends import cli
 from glm_jax.checkpoint import ModelSource, load_model
 from glm_jax.config import load_config, save_config
 from glm_jax.decoding import display, generate, policy
@@ -95,7 +96,7 @@ def test_unknown_config_key_is_refused(tmp_path, capsys):
 
 
 def test_info_prints_counts(capsys):
-    from glm_jax.info import main
+    from glm_jax.frontends.info import main
     assert main([str(ROOT / "configs/glm-5.2.yaml")]) == 0
     text = capsys.readouterr().out
     assert "753,329,921,024" in text
@@ -134,6 +135,7 @@ def _assert_resume_is_exact(tmp_path, extra: list[str]) -> None:
     assert train.main(common + ["--out", str(tmp_path / "a"), "--steps", "5", "--save-every", "100"]) == 0
     assert train.main(common + ["--out", str(tmp_path / "b"), "--steps", "5", "--save-every", "100",
                                 "--stop-after", "3"]) == 0
+    assert (tmp_path / "b" / "params").is_dir()                 # a --stop-after stop decodes as it stands
     assert train.main(common + ["--out", str(tmp_path / "b"), "--steps", "5", "--save-every", "100",
                                 "--resume"]) == 0
     assert losses(tmp_path / "b") == losses(tmp_path / "a")
@@ -162,6 +164,7 @@ def test_run_settings_are_written_and_a_resume_names_a_changed_one(trained_run, 
     out = capsys.readouterr().out.splitlines()
     assert [line for line in out if line.startswith("resume: ") and "->" in line] == \
         ["resume: schedule.lr (--lr) 0.01 -> 0.005"]
+    assert out[-1] == f"decode with: {cli.python_command()} decode.py --checkpoint {cli.shown_path(copy)}"
     assert run_config.load(copy / run_config.FILE_NAME).schedule.lr == 5e-3
 
 
@@ -350,7 +353,7 @@ def test_cpu_runs_do_not_start_the_tpu_runtime():
     if importlib.util.find_spec("libtpu") is None:
         pytest.skip("libtpu is not installed: jax would not start the TPU runtime anyway")
     env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
-    code = "from glm_jax import cli; print(cli.choose_platforms()); import jax; print(jax.default_backend())"
+    code = "from glm_jax.frontends import cli; print(cli.choose_platforms()); import jax; print(jax.default_backend())"
     done = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0 and done.stdout.split() == ["cpu", "cpu"]

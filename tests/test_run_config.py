@@ -11,19 +11,30 @@ from glm_jax.training import run_config
 from glm_jax.training.run_config import TrainConfig
 
 
-@pytest.mark.parametrize("flags,message", [
-    (["--steps", "-5"], "--steps (schedule.steps) must be >= 1, got -5"),
-    (["--batch-size", "0"], "--batch-size (data.batch_size) must be >= 1, got 0"),
-    (["--lr", "-1"], "--lr (schedule.lr) must be >= 0, got -1.0"),
-    (["--stop-after", "-1"], "--stop-after (stop_after) must be >= 1, got -1"),
-    (["--seq-len", "0"], "--seq-len (data.seq_len) must be >= 1, got 0"),
-    (["--mtp-weight", "-0.5"], "--mtp-weight (losses.mtp_weight) must be >= 0, got -0.5"),
-    (["--eval-batches", "0"], "--eval-batches (logging.eval_batches) must be >= 1, got 0"),
-    (["--peak-tflops", "0"], "--peak-tflops (logging.peak_tflops) must be > 0, got 0.0"),
-    (["--prefetch-batches", "-1"], "--prefetch-batches (data.prefetch_batches) must be >= 0, got -1"),
+@pytest.mark.parametrize("program,flags,message", [
+    ("train", ["--steps", "-5"], "--steps (schedule.steps) must be >= 1, got -5"),
+    ("train", ["--batch-size", "0"], "--batch-size (data.batch_size) must be >= 1, got 0"),
+    ("train", ["--lr", "-1"], "--lr (schedule.lr) must be >= 0, got -1.0"),
+    ("train", ["--stop-after", "-1"], "--stop-after (stop_after) must be >= 1, got -1"),
+    ("train", ["--seq-len", "0"], "--seq-len (data.seq_len) must be >= 1, got 0"),
+    ("train", ["--mtp-weight", "-0.5"], "--mtp-weight (losses.mtp_weight) must be >= 0, got -0.5"),
+    ("train", ["--eval-batches", "0"], "--eval-batches (logging.eval_batches) must be >= 1, got 0"),
+    ("train", ["--peak-tflops", "0"], "--peak-tflops (logging.peak_tflops) must be > 0, got 0.0"),
+    ("train", ["--prefetch-batches", "-1"], "--prefetch-batches (data.prefetch_batches) must be >= 0, got -1"),
+    ("decode", ["--serve", "--port", "-1"], "--port (port) must be >= 0, got -1"),
+    ("decode", ["--serve", "--port", "70000"], "--port (port) must be <= 65535, got 70000"),
+    ("decode", ["--serve", "--page-size", "0"], "--page-size (page_size) must be >= 1, got 0"),
+    ("decode", ["--max-new-tokens", "0"], "--max-new-tokens (max_new_tokens) must be > 0, got 0"),
+    ("decode", ["--speculative", "-1"], "--speculative (speculative) must be >= 0, got -1"),
+    ("decode", ["--max-batch", "0"], "--max-batch (max_batch) must be >= 1, got 0"),
+    ("decode", ["--prefill-chunk", "0"], "--prefill-chunk (prefill_chunk) must be >= 1, got 0"),
 ])
-def test_bad_numbers_are_one_line_and_exit_2(tmp_path, capsys, flags, message):
-    assert train.main(["--out", str(tmp_path / "run"), *flags]) == 2
+def test_bad_numbers_are_one_line_and_exit_2_before_any_work(tmp_path, capsys, program, flags, message):
+    """train.py creates no run directory; decode.py (--serve too) loads no model: it names none that exists."""
+    import decode
+
+    where = {"train": ["--out", str(tmp_path / "run")], "decode": ["--checkpoint", str(tmp_path / "no-model")]}
+    assert {"train": train, "decode": decode}[program].main(where[program] + flags) == 2
     assert capsys.readouterr().err.splitlines() == [f"error: {message}"]
     assert not (tmp_path / "run").exists()
 
@@ -70,3 +81,13 @@ def test_resume_names_each_change_and_refuses_the_data_order():
                                                     r"it fixes the order of the batches"):
         run_config.resume_changes(old, settings.with_values(new, {"seq_len": 128}))
     assert "no run_config.yaml" in run_config.resume_changes(None, new)[0]
+
+
+def test_hints_name_the_interpreter_as_run_from_the_working_directory(tmp_path, monkeypatch):
+    from glm_jax.frontends import cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.executable", str(tmp_path / ".venv" / "bin" / "python"))
+    assert cli.python_command() == ".venv/bin/python"
+    monkeypatch.setattr("sys.executable", "/usr/bin/python3")
+    assert cli.python_command() == "/usr/bin/python3"

@@ -1,4 +1,4 @@
-"""Print the size and cost of a configuration: `python -m glm_jax.info configs/glm-5.2.yaml`.
+"""Print the size and cost of a configuration: `python -m glm_jax.frontends.info configs/glm-5.2.yaml`.
 
 Parameter counts come from abstract initialisation of the real module tree (no memory used);
 cost figures (KV bytes, FLOPs) come from `glm_jax.costs`.
@@ -9,7 +9,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from glm_jax import cli, costs
+from glm_jax import costs
+from glm_jax.frontends import cli
 from glm_jax.cache import cache_bytes_per_token
 from glm_jax.config import ConfigError, load_config
 from glm_jax.model import abstract_model, params_by_part

@@ -1,0 +1,43 @@
+"""`DecodeConfig`: the settings of a decode (decode.py's numbers, sampling, speculation,
+placement and kernels), checked on construction (`glm_jax.settings`): a bad value is one
+SettingError naming the setting and its flag, before any model is loaded."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from glm_jax import ops
+from glm_jax.decoding.sampling import SamplingError, SamplingParams
+from glm_jax.settings import Settings, SettingError, setting
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig(Settings):
+    max_new_tokens: int = setting(128, above=0)
+    max_len: int | None = setting(None, at_least=1)
+    temperature: float = setting(0.7)
+    top_p: float = setting(0.9)
+    top_k: int = setting(0)
+    min_p: float = setting(0.0)
+    seed: int = setting(0)
+    speculative: int | None = setting(None, at_least=0)
+    kv_share: bool = setting(True, flag="--no-kv-share")
+    prefill_chunk: int = setting(256, at_least=1)
+    max_batch: int | None = setting(None, at_least=1)
+    mesh: str | None = setting(None)
+    collective: str = setting("permute")
+    attention_impl: str = setting("auto")
+    indexer_impl: str = setting("auto")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.sampling()               # its rules are SamplingParams'
+
+    def sampling(self) -> SamplingParams:
+        try:
+            return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p)
+        except SamplingError as e:
+            raise SettingError(f"--{e.field.replace('_', '-')} must be {e.rule}, got {e.value!r}") from None
+
+    def kernels(self) -> ops.KernelChoice:
+        return ops.KernelChoice(indexer=self.indexer_impl, attention=self.attention_impl)
