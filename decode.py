@@ -103,8 +103,10 @@ def main(argv=None) -> int:
 
 
 def decode_config(args) -> DecodeConfig:
-    """The DecodeConfig of decode.py's flags (each a field of the same name)."""
-    return DecodeConfig(**{name: getattr(args, name) for name in settings_lib.flat(DecodeConfig())})
+    """The DecodeConfig of decode.py's flags (each a field of the same name; --kernel-config's
+    items make `kernel_config`)."""
+    values = {name: getattr(args, name) for name in settings_lib.flat(DecodeConfig()) if name != "kernel_config"}
+    return DecodeConfig(**values, kernel_config=cli.kernel_config(args.kernel_config_items))
 
 
 def _decode(args, settings: DecodeConfig) -> int:
@@ -112,7 +114,7 @@ def _decode(args, settings: DecodeConfig) -> int:
     from glm_jax.checkpoint import load_model
     from glm_jax.config import load_config
     from glm_jax.data.tokenizer import eos_id, load_tokenizer
-    from glm_jax.decoding.generate import Generator
+    from glm_jax.decoding.decode_config import build_generator
     from glm_jax.decoding.speculative import SpeculativeGenerator
     import jax
     from flax import nnx
@@ -135,14 +137,7 @@ def _decode(args, settings: DecodeConfig) -> int:
     if settings.max_batch is not None:
         return _decode_with_engine(args, settings, model, tok, prompts, ids, stop, placement)
     with cli.user_errors():
-        choice = _speculation(settings.speculative, model, batch)
-        if choice.num_draft:
-            gen = SpeculativeGenerator(model, batch=batch, max_len=settings.max_len, num_draft=choice.num_draft,
-                                       kv_share=settings.kv_share, prefill_chunk=settings.prefill_chunk,
-                                       **placement)
-        else:
-            gen = Generator(model, batch=batch, max_len=settings.max_len, prefill_chunk=settings.prefill_chunk,
-                            **placement)
+        gen, choice = build_generator(model, settings, batch=batch, mesh=mesh)
         for row in ids:
             gen.check_fits(len(row), settings.max_new_tokens)
 
@@ -221,20 +216,6 @@ def _write_output(path, prompts, completions, tok) -> None:
         with open(path, "w") as f:
             for prompt, new in zip(prompts, completions):
                 f.write(json.dumps({"prompt": prompt, "completion": tok.decode(new)}) + "\n")
-
-
-def _speculation(requested: int | None, model, batch: int):
-    """--speculative K if given, else the measured policy for this backend and batch -> policy.Choice."""
-    import jax
-
-    from glm_jax.decoding.policy import Choice, choose
-
-    if model.mtp is None:
-        return Choice(0, "plain decoding: the model has no MTP layer to draft with")
-    if requested is not None:
-        return Choice(requested, f"{'plain' if requested == 0 else 'speculative'} decoding: "
-                                 f"--speculative {requested}")
-    return choose(jax.default_backend(), batch)
 
 
 class _TokenIds:

@@ -37,7 +37,7 @@ class _HelpWithDefaults(argparse.HelpFormatter):
 
     def _get_help_string(self, action):
         default = DEFAULTS.get(action.dest)
-        if action.help and default not in (None, False, ()) and "default" not in action.help:
+        if action.help and default not in (None, False, (), {}) and "default" not in action.help:
             return f"{action.help} (default: {default})"
         return action.help
 
@@ -114,6 +114,8 @@ def train_config(args) -> TrainConfig:
     """The settings of --run-config (or the defaults), with the flags given in their place."""
     base = run_config.load(args.run_config) if args.run_config else TrainConfig()
     given = {k: v for k, v in vars(args).items() if k in DEFAULTS and v is not _NOT_GIVEN}
+    if args.kernel_config_items:    # each item sets one field, over the file's
+        given["kernel_config"] = cli.kernel_config(args.kernel_config_items, base.kernels.kernel_config)
     settings = settings_lib.with_values(base, given)
     if settings.out is None:
         raise ValueError("--out: give the run directory (or `out:` in the --run-config file)")

@@ -10,6 +10,7 @@ Face checkpoint (glm_jax.convert), whichever a `ModelSource` names.
 from __future__ import annotations
 
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -120,8 +121,8 @@ def load_model_dir(directory: str | Path, *, config: GLMConfig | None = None, dt
     directory = Path(directory).absolute()
     if (directory / "checkpoints").is_dir() and not (directory / "params").exists():
         raise FileNotFoundError(f"{directory} holds a training run that has not exported its weights yet (no "
-                                "params/): continue it with train.py --resume (add --stop-after N to stop after N "
-                                "more steps; such a stop exports the weights)")
+                                f"params/): from the project root, {sys.executable} scripts/export_checkpoint.py "
+                                f"{directory} writes its newest checkpoint's; or continue it with train.py --resume")
     if not (directory / "config.yaml").exists() or not (directory / "params").exists():
         raise FileNotFoundError(f"{directory} is not a model directory (expected config.yaml and params/; "
                                 "train.py writes them, and checkpoints/default ships one)")

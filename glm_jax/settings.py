@@ -61,13 +61,13 @@ class Settings:
                 object.__setattr__(self, f.name, _checked(self, f, hints[f.name], getattr(self, f.name)))
 
 
-def flag_of(owner: type | Settings, name: str) -> str:
+def _flag_of(owner: type | Settings, name: str) -> str:
     """The command-line name of field `name` of `owner`."""
     f = {f.name: f for f in dataclasses.fields(owner)}[name]
     return f.metadata.get("flag") or "--" + name.replace("_", "-")
 
 
-def path_of(owner: type | Settings, name: str) -> str:
+def _path_of(owner: type | Settings, name: str) -> str:
     """The dotted name of a field as a YAML file nests it: `schedule.lr`."""
     return f"{owner.SECTION}.{name}" if owner.SECTION else name
 
@@ -80,7 +80,7 @@ def _is_section(f: dataclasses.Field) -> bool:
 def _checked(owner: Settings, f: dataclasses.Field, hint: Any, value: Any) -> Any:
     """`value` as field `f` holds it (an int for a float field as float, a list for a tuple
     field as tuple) -> the value, or SettingError."""
-    name = f"{flag_of(owner, f.name)} ({path_of(owner, f.name)})"
+    name = f"{_flag_of(owner, f.name)} ({_path_of(owner, f.name)})"
     allowed = _types(hint)
     if value is None:
         if type(None) in allowed:
@@ -137,7 +137,7 @@ def from_dict(cls: type, data: Mapping, *, where: str) -> Settings:
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - set(fields))
     if unknown:
-        raise SettingError(f"{where}: unknown setting {path_of(cls, unknown[0])!r} (known: "
+        raise SettingError(f"{where}: unknown setting {_path_of(cls, unknown[0])!r} (known: "
                            f"{', '.join(sorted(fields))})")
     values = {name: from_dict(fields[name].default_factory, value, where=where) if _is_section(fields[name])
               else value for name, value in data.items()}
@@ -185,7 +185,7 @@ class Change:
 
 def differences(old: Settings, new: Settings) -> list[Change]:
     """The settings of the run (not those of one invocation) that differ from `old` to `new`."""
-    return [Change(path_of(owner, f.name), flag_of(owner, f.name), a, b, f.metadata.get("fixed"))
+    return [Change(_path_of(owner, f.name), _flag_of(owner, f.name), a, b, f.metadata.get("fixed"))
             for owner, f, a, b in _pairs(old, new) if a != b and not f.metadata.get("per_invocation")]
 
 

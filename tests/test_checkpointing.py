@@ -50,5 +50,6 @@ def test_a_run_that_has_not_exported_says_how_to_get_weights(tmp_path):
 
     (tmp_path / "checkpoints").mkdir()
     (tmp_path / "config.yaml").write_text("{}")
-    with pytest.raises(FileNotFoundError, match=r"has not exported its weights yet .* train.py --resume .*--stop-after"):
+    with pytest.raises(FileNotFoundError, match=r"has not exported its weights yet .* scripts/export_checkpoint.py "
+                                                 r".* train.py --resume"):
         load_model_dir(tmp_path)

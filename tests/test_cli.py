@@ -22,6 +22,7 @@ from glm_jax.decoding import display, generate, policy
 from glm_jax.sharding import ShardingError
 from glm_jax.training import run
 from conftest import ROOT, micro_config
+from pallas_kernels import XlaConfig
 
 
 @pytest.fixture(scope="module")
@@ -232,8 +233,8 @@ def test_decode_threads_the_kernel_flags_into_the_generator(trained_run, monkeyp
     monkeypatch.setattr(generate.Generator, "__init__",
                         lambda self, *a, **k: seen.append(k["kernels"]) or init(self, *a, **k))
     assert decode.main(["--checkpoint", str(out), "--max-new-tokens", "2", "--speculative", "0", "--quiet",
-                        "--attention-impl", "xla", "--indexer-impl", "xla"]) == 0
-    assert seen == [ops.KernelChoice(indexer="xla", attention="xla")]
+                        "--attention-impl", "xla", "--indexer-impl", "xla", "--kernel-config", "attention.q_chunk=8"]) == 0
+    assert seen == [ops.KernelChoice(indexer="xla", attention="xla", attention_config=XlaConfig(q_chunk=8))]
 
 
 def test_train_from_a_hugging_face_checkpoint(tmp_path, monkeypatch, capsys):

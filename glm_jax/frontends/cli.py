@@ -5,7 +5,7 @@ and the processes of a run, and how a mistake in them is reported.
     ap = argparse.ArgumentParser()
     cli.add_model_flags(ap, checkpoint="checkpoints/default")  # --checkpoint | --hf-checkpoint, --config
     cli.add_mesh_flag(ap, "e.g. data=1,layer=8")                # --mesh
-    cli.add_kernel_flags(ap)                                    # --attention-impl, --indexer-impl
+    cli.add_kernel_flags(ap)                  # --attention-impl, --indexer-impl, --kernel-config
     cli.add_distributed_flags(ap, "--output")                   # --coordinator, --num-processes, ...
 
     @cli.reports_user_errors                  # UserError -> "error: <message>" on stderr, exit code 2
@@ -147,14 +147,37 @@ def add_kernel_flags(ap: argparse.ArgumentParser, *, attention_help: str = "") -
                                                                            else ""))
     kernels.add_argument("--indexer-impl", default="auto", choices=impl_choices("indexer_topk"),
                          help="the lightning indexer's kernels (scores and top-k)")
+    kernels.add_argument("--kernel-config", dest="kernel_config_items", action="append", default=None,
+                         metavar="GROUP.FIELD=VALUE",
+                         help="set a field of a kernel's config dataclass (repeatable), e.g. attention.block_k=64; "
+                              "groups: attention, indexer, indexer_kl; the fields are those of the config of the "
+                              "implementation the group runs (pallas_kernels registry)")
+
+
+def kernel_config(items: list[str] | None, base: dict | None = None) -> dict[str, dict]:
+    """--kernel-config GROUP.FIELD=VALUE items (VALUE read as YAML: 64, true, none) over `base`
+    -> {group: {field: value}}."""
+    import yaml
+
+    configs = {group: dict(fields) for group, fields in (base or {}).items()}
+    for item in items or ():
+        name, eq, value = item.partition("=")
+        group, dot, field = name.partition(".")
+        if not (eq and dot and group and field):
+            raise UserError(f"--kernel-config {item!r}: expected GROUP.FIELD=VALUE, e.g. attention.block_k=64")
+        configs.setdefault(group, {})[field] = yaml.safe_load(value)
+    return configs
 
 
 def kernel_choice(args, *, attention: str | None = None):
     """-> glm_jax.ops.KernelChoice of --indexer-impl and --attention-impl (or `attention`, e.g.
-    what auto resolves to for the run)."""
+    what auto resolves to for the run), with the --kernel-config fields set."""
     from glm_jax import ops
+    from glm_jax.kernel_configs import configured
 
-    return ops.KernelChoice(indexer=args.indexer_impl, attention=attention or args.attention_impl)
+    with user_errors():
+        return configured(ops.KernelChoice(indexer=args.indexer_impl, attention=attention or args.attention_impl),
+                          kernel_config(args.kernel_config_items))
 
 
 # ---------------------------------------------------------------------- several processes

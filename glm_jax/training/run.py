@@ -4,7 +4,7 @@ state, resume), `train` (the loop), `MetricsLog` (progress lines and metrics.jso
 
 The run directory receives tokenizer.json, config.yaml, run_config.yaml (the run's settings,
 compared by a --resume: `run_config.resume_changes`), checkpoints/ (orbax: params, optimizer
-state, data position), params/ (the final weights) and metrics.jsonl. Several processes share
+state, data position), params/ (the final weights, or a --stop-after stop's) and metrics.jsonl. Several processes share
 it: process 0 writes the files, all of them write and read the checkpoints together.
 """
 
@@ -39,6 +39,7 @@ from glm_jax.config import ConfigError, GLMConfig, load_config, save_config
 from glm_jax.data import batches as data_batches
 from glm_jax.data import corpus, pipeline, sources, tokenizer as tok_lib
 from glm_jax.data.prefetch import Prefetched
+from glm_jax.kernel_configs import configured
 from glm_jax.layers.segments import count_segments, segment_bound
 from glm_jax.model import GLMModel, abstract_model, count_params, init_model, params_by_part
 from glm_jax.training import background_output, checkpointing, run_config
@@ -100,6 +101,7 @@ def setup(settings: TrainConfig) -> Run:
             print(line)
     form = attention_form(settings.kernels.attention_form, data.seq_len)
     prefetch = prefetch_depth(data.prefetch_batches)
+    kernels = kernel_choice(settings.kernels)        # a config the kernels do not take is refused here
     mesh = _mesh(settings.mesh)
     feed = _batch_placement(mesh, (data.batch_size, data.seq_len))
     shards_read = pipeline.shards_of_rows(feed.rows, data.batch_size, data_shards)
@@ -148,13 +150,14 @@ def setup(settings: TrainConfig) -> Run:
                           kv_share=losses.mtp_kv_share, tv=losses.tv_weight)
     return Run(settings=settings, cfg=cfg, out=out, model=model, graphdef=graphdef, params=params, rest=rest,
                opt_state=opt_state, tx=tx, schedule=schedule, feed=feed, batches=batches, heldout=heldout,
-               mngr=mngr, start=start, form=form, kernels=kernel_choice(settings.kernels), weights=weights,
+               mngr=mngr, start=start, form=form, kernels=kernels, weights=weights,
                step=_step_for(mesh, params, opt_state), prefetch=prefetch)
 
 
 def kernel_choice(kernels: KernelsConfig) -> ops.KernelChoice:
-    """The kernels of the run's settings."""
-    return ops.KernelChoice(indexer=kernels.indexer_impl, attention=kernels.attention_impl)
+    """The kernels of the run's settings, their configs set (`kernel_configs.configured`)."""
+    return configured(ops.KernelChoice(indexer=kernels.indexer_impl, attention=kernels.attention_impl),
+                      kernels.kernel_config)
 
 
 def prepare_data(data: DataConfig, cfg, out: Path, documents=None, heldout_documents=None, *, seed: int = 0):
@@ -272,13 +275,11 @@ def train(run: Run) -> int:
             run.batches = source
 
 
-def prefetch_depth(flag: int | None) -> int:
-    """--prefetch-batches, or by default 2 on an accelerator and 0 on a CPU (there the packing
-    thread would take the cores the step runs on)."""
-    if flag is not None:
-        if flag < 0:
-            raise ValueError(f"--prefetch-batches must be >= 0, got {flag}")
-        return flag
+def prefetch_depth(setting: int | None) -> int:
+    """data.prefetch_batches, or by default 2 on an accelerator and 0 on a CPU (there the
+    packing thread would take the cores the step runs on)."""
+    if setting is not None:
+        return setting
     return 0 if jax.default_backend() == "cpu" else 2
 
 

@@ -75,12 +75,14 @@ class LossConfig(Settings):
 
 @dataclasses.dataclass(frozen=True)
 class KernelsConfig(Settings):
-    """Kernel implementations (`glm_jax.ops.KernelChoice`) and the attention form."""
+    """Kernel implementations (`glm_jax.ops.KernelChoice`), their configs (`kernel_config`:
+    group -> field -> value, `glm_jax.kernel_configs`), the attention form and rematerialisation."""
 
     SECTION = "kernels"
     attention_form: str = setting("auto")
     attention_impl: str = setting("auto")
     indexer_impl: str = setting("auto")
+    kernel_config: dict[str, dict] = setting(default_factory=dict)
     remat: bool = setting(False)
 
 
