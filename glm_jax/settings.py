@@ -120,12 +120,16 @@ def _article(kinds: str) -> str:
 
 
 # ---------------------------------------------------------------------- reading and writing
-def to_dict(settings: Settings) -> dict:
-    """The nested mapping of a YAML file: sections as mappings, tuples as lists."""
+def to_dict(settings: Settings, *, per_invocation: bool = True) -> dict:
+    """The nested mapping of a YAML file: sections as mappings, tuples as lists; without the
+    settings of one invocation unless `per_invocation`."""
     out = {}
     for f in dataclasses.fields(settings):
         value = getattr(settings, f.name)
-        out[f.name] = to_dict(value) if _is_section(f) else list(value) if isinstance(value, tuple) else value
+        if _is_section(f):
+            out[f.name] = to_dict(value, per_invocation=per_invocation)
+        elif per_invocation or not f.metadata.get("per_invocation"):
+            out[f.name] = list(value) if isinstance(value, tuple) else value
     return out
 
 
@@ -180,7 +184,7 @@ class Change:
     fixed: str | None
 
     def __str__(self) -> str:
-        return f"{self.path} ({self.flag}) {_shown(self.old)} -> {_shown(self.new)}"
+        return f"{self.path} ({self.flag}) {shown(self.old)} -> {shown(self.new)}"
 
 
 def differences(old: Settings, new: Settings) -> list[Change]:
@@ -198,7 +202,8 @@ def _pairs(old: Settings, new: Settings) -> Iterator[tuple[Settings, dataclasses
             yield old, f, a, b
 
 
-def _shown(value: Any) -> str:
+def shown(value: Any) -> str:
+    """A setting's value as a message shows it (a tuple of paths space-separated, None as "(default)")."""
     if isinstance(value, tuple):
         return " ".join(map(str, value)) or "(none)"
     return "(default)" if value is None else str(value)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import yaml
 
-from glm_jax.settings import Settings, SettingError, differences, from_dict, section, setting, to_dict
+from glm_jax.settings import Settings, SettingError, differences, from_dict, section, setting, shown, to_dict
 
 #: The file in the run directory that holds the run's settings.
 FILE_NAME = "run_config.yaml"
@@ -136,8 +136,9 @@ def load(path: str | Path) -> TrainConfig:
 
 
 def save(settings: TrainConfig, directory: Path) -> None:
-    """Write `settings` into the run directory `directory` (FILE_NAME)."""
-    (directory / FILE_NAME).write_text(yaml.safe_dump(to_dict(settings), sort_keys=False))
+    """Write the run's settings (not those of this invocation: out, resume, stop_after) into the
+    run directory `directory` (FILE_NAME)."""
+    (directory / FILE_NAME).write_text(yaml.safe_dump(to_dict(settings, per_invocation=False), sort_keys=False))
 
 
 def resume_changes(old: TrainConfig | None, new: TrainConfig) -> list[str]:
@@ -149,7 +150,8 @@ def resume_changes(old: TrainConfig | None, new: TrainConfig) -> list[str]:
     changes = differences(old, new)
     refused = [c for c in changes if c.fixed]
     if refused:
+        kept = " ".join(f"{c.flag} {shown(c.old)}" for c in refused if c.old is not None)
         raise SettingError("--resume cannot change " + "; ".join(f"{c}: {c.fixed}" for c in refused)
-                           + "; keep the run's value or start a new --out")
+                           + f"; resume with {kept or 'those left at their defaults'}, or start a new --out")
     return [f"resume: {c}" for c in changes]
 
