@@ -1,17 +1,17 @@
 """The command line that train.py, decode.py and the IndexShare pattern search
-(`python -m glm_jax.indexcache_search`) share: the flags naming the model, the mesh, the kernels
-and the processes of a run, and how a mistake in them is reported.
+(`python -m glm_jax.frontends.indexcache_search`) share: the flags naming the model, the mesh, the kernels
+and the processes of a run, how a mistake in them is reported, and the interpreter a hint names.
 
     ap = argparse.ArgumentParser()
     cli.add_model_flags(ap, checkpoint="checkpoints/default")  # --checkpoint | --hf-checkpoint, --config
     cli.add_mesh_flag(ap, "e.g. data=1,layer=8")                # --mesh
-    cli.add_kernel_flags(ap)                  # --attention-impl, --indexer-impl, --kernel-config
+    cli.add_kernel_flags(ap)                                    # --attention-impl, --indexer-impl, --kernel-config
     cli.add_distributed_flags(ap, "--output")                   # --coordinator, --num-processes, ...
 
     @cli.reports_user_errors                  # UserError -> "error: <message>" on stderr, exit code 2
     def main(argv=None) -> int:
         args = ap.parse_args(argv)
-        cli.join_processes(args)              # before the first jax computation
+        cli.join_processes(args, args.mesh)   # before the first jax computation
         with cli.user_errors():               # ValueError, FileNotFoundError -> UserError
             model = load_model(cli.model_source(args), config=...)
         ... Generator(model, kernels=cli.kernel_choice(args)) ...
