@@ -30,8 +30,10 @@ from pathlib import Path
 
 import numpy as np
 
-from glm_jax import cli
-from glm_jax.serving.launch import add_server_flags, serve_from_args
+from glm_jax import settings as settings_lib
+from glm_jax.decoding.decode_config import DecodeConfig
+from glm_jax.frontends import cli
+from glm_jax.frontends.serve import add_server_flags, serve, serve_config
 
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parent / "checkpoints" / "default"
 DEFAULT_PROMPT = "import os\n\n\ndef read_lines(path):\n"
@@ -59,7 +61,7 @@ def parse_args(argv=None):
                     help="draft K tokens per step with the MTP layer (0 = plain decoding; default: K where it "
                          "measured faster than plain decoding for this backend and batch, else plain; "
                          "glm_jax/decoding/policy.py)")
-    ap.add_argument("--no-kv-share", action="store_true",
+    ap.add_argument("--no-kv-share", dest="kv_share", action="store_false",
                     help="draft steps 2..K run their own indexer over target+draft KV (the baseline)")
     ap.add_argument("--prefill-chunk", type=int, default=256)
     ap.add_argument("--max-batch", type=int, default=None, metavar="N",
@@ -87,39 +89,39 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.compile_only:
         return _compile_only(args)
-    cli.join_processes(args)      # before the first jax computation
-    if args.serve:
-        return serve_from_args(args)
+    with cli.user_errors():     # every number checked before the model loads
+        settings = decode_config(args)
+        serving = serve_config(args) if args.serve else None
+    cli.join_processes(args, settings.mesh)      # before the first jax computation
+    if serving is not None:
+        return serve(args, settings, serving)
     from glm_jax.multihost import is_main_process, stdout_of_main_process_only
 
     with stdout_of_main_process_only():
         return _decode(args if is_main_process()
-                       else argparse.Namespace(**{**vars(args), "quiet": True, "output": None}))
+                       else argparse.Namespace(**{**vars(args), "quiet": True, "output": None}), settings)
 
 
-def _decode(args) -> int:
+def decode_config(args) -> DecodeConfig:
+    """The DecodeConfig of decode.py's flags (each a field of the same name; --kernel-config's
+    items make `kernel_config`)."""
+    values = {name: getattr(args, name) for name in settings_lib.flat(DecodeConfig()) if name != "kernel_config"}
+    return DecodeConfig(**values, kernel_config=cli.kernel_config(args.kernel_config_items))
+
+
+def _decode(args, settings: DecodeConfig) -> int:
     # Imported here so that --help answers at once.
     from glm_jax.checkpoint import load_model
     from glm_jax.config import load_config
     from glm_jax.data.tokenizer import eos_id, load_tokenizer
-    from glm_jax.decoding.generate import Generator
-    from glm_jax.decoding.sampling import SamplingError, SamplingParams
+    from glm_jax.decoding.decode_config import build_generator
     from glm_jax.decoding.speculative import SpeculativeGenerator
     import jax
     from flax import nnx
 
     from glm_jax.sharding import check_host_memory, make_mesh
 
-    if args.max_new_tokens <= 0:
-        raise cli.UserError("--max-new-tokens must be > 0")
-    if args.speculative is not None and args.speculative < 0:
-        raise cli.UserError("--speculative must be >= 0 (0 = plain decoding)")
-    if args.max_batch is not None and args.max_batch < 1:
-        raise cli.UserError(f"--max-batch must be >= 1, got {args.max_batch}")
-    try:
-        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p)
-    except SamplingError as e:
-        raise cli.UserError(f"--{e.field.replace('_', '-')} must be {e.rule}, got {e.value!r}") from None
+    params = settings.sampling()
     source = cli.model_source(args)
     with cli.user_errors():
         prompts = _read_prompts(args)
@@ -127,35 +129,29 @@ def _decode(args) -> int:
         tok = _TokenIds() if args.prompt_ids else _load_tokenizer(source.path, load_tokenizer)
         ids = [np.asarray(tok.encode(p).ids, np.int32) for p in prompts]
         batch = len(ids)
-        mesh = make_mesh(args.mesh) if args.mesh else None
+        mesh = make_mesh(settings.mesh) if settings.mesh else None
         if mesh is not None:
             check_host_memory(mesh, sum(x.nbytes for x in jax.tree.leaves(nnx.state(model))))
-        placement = dict(mesh=mesh, collective=args.collective, kernels=cli.kernel_choice(args))
+        placement = dict(mesh=mesh, collective=settings.collective, kernels=settings.kernels())
     stop = _stop_token(model.cfg, tok, eos_id)
-    if args.max_batch is not None:
-        return _decode_with_engine(args, model, tok, prompts, ids, params, stop, placement)
+    if settings.max_batch is not None:
+        return _decode_with_engine(args, settings, model, tok, prompts, ids, stop, placement)
     with cli.user_errors():
-        choice = _speculation(args.speculative, model, batch)
-        if choice.num_draft:
-            gen = SpeculativeGenerator(model, batch=batch, max_len=args.max_len, num_draft=choice.num_draft,
-                                       kv_share=not args.no_kv_share, prefill_chunk=args.prefill_chunk,
-                                       **placement)
-        else:
-            gen = Generator(model, batch=batch, max_len=args.max_len, prefill_chunk=args.prefill_chunk, **placement)
+        gen, choice = build_generator(model, settings, batch=batch, mesh=mesh)
         for row in ids:
-            gen.check_fits(len(row), args.max_new_tokens)
+            gen.check_fits(len(row), settings.max_new_tokens)
 
     speculative = isinstance(gen, SpeculativeGenerator)
     if not args.quiet:
         mode = f"speculative, K={gen.num_draft}, KVShare {'on' if gen.kv_share else 'off'}" if speculative \
             else "plain"
-        where = f"; mesh {args.mesh}" + (" (KV cache LayerSplit)" if gen.split is not None else "") \
-            if args.mesh else ""
+        where = f"; mesh {settings.mesh}" + (" (KV cache LayerSplit)" if gen.split is not None else "") \
+            if settings.mesh else ""
         print(f"model {model.cfg.name} from {source.path}; {batch} prompt(s), {sum(map(len, ids))} tokens; "
               f"{mode} decoding{where}", file=sys.stderr)
         print(choice.reason, file=sys.stderr)
-    sampling = dict(max_new_tokens=args.max_new_tokens, sampling=params,
-                    seed=args.seed, stop_token=stop, progress=None if args.quiet else _Progress())
+    sampling = dict(max_new_tokens=settings.max_new_tokens, sampling=params,
+                    seed=settings.seed, stop_token=stop, progress=None if args.quiet else _Progress())
     show = _prompt_shown(args)
     t0 = time.perf_counter()
     if batch == 1 and not speculative:
@@ -164,7 +160,7 @@ def _decode(args) -> int:
         if speculative:
             out = gen.generate(ids, **sampling)
         else:
-            out = np.concatenate(list(gen.generate(ids, **sampling)), axis=1)[:, :args.max_new_tokens]
+            out = np.concatenate(list(gen.generate(ids, **sampling)), axis=1)[:, :settings.max_new_tokens]
         completions = [_cut(row.tolist(), stop) for row in out]
         for i, (prompt, new) in enumerate(zip(prompts, completions)):
             if batch > 1:
@@ -186,16 +182,16 @@ def _prompt_shown(args):
     return functools.partial(display.prompt_text, style=display.styled(sys.stdout))
 
 
-def _decode_with_engine(args, model, tok, prompts, ids, params, stop, placement) -> int:
+def _decode_with_engine(args, settings: DecodeConfig, model, tok, prompts, ids, stop, placement) -> int:
     """--max-batch N: every prompt a request of the serving engine, N decoding at a time."""
     from glm_jax.decoding.engine import Request, engine_for_prompts
 
     t0 = time.perf_counter()
     with cli.user_errors():
-        engine = engine_for_prompts(model, ids, max_batch=args.max_batch, max_new_tokens=args.max_new_tokens,
-                                    max_len=args.max_len, prefill_chunk=args.prefill_chunk, **placement)
+        engine = engine_for_prompts(model, ids, max_batch=settings.max_batch, max_new_tokens=settings.max_new_tokens,
+                                    max_len=settings.max_len, prefill_chunk=settings.prefill_chunk, **placement)
     # Each prompt its own sampling stream (seed + i): its text does not depend on its batch companions.
-    results = engine.serve([Request(row, args.max_new_tokens, params, stop, args.seed + i)
+    results = engine.serve([Request(row, settings.max_new_tokens, settings.sampling(), stop, settings.seed + i)
                             for i, row in enumerate(ids)])
     for i, r in enumerate(results):
         if r.error is not None:
@@ -209,7 +205,7 @@ def _decode_with_engine(args, model, tok, prompts, ids, params, stop, placement)
     _write_output(args.output, prompts, completions, tok)
     if not args.quiet:
         n, elapsed = sum(map(len, completions)), time.perf_counter() - t0
-        print(f"\n[{len(ids)} prompt(s) through the serving engine, {args.max_batch} at a time: {n} new tokens in "
+        print(f"\n[{len(ids)} prompt(s) through the serving engine, {settings.max_batch} at a time: {n} new tokens in "
               f"{elapsed:.2f}s = {n / max(elapsed, 1e-9):.1f} tokens/s (includes compilation)]", file=sys.stderr)
     return 0
 
@@ -220,20 +216,6 @@ def _write_output(path, prompts, completions, tok) -> None:
         with open(path, "w") as f:
             for prompt, new in zip(prompts, completions):
                 f.write(json.dumps({"prompt": prompt, "completion": tok.decode(new)}) + "\n")
-
-
-def _speculation(requested: int | None, model, batch: int):
-    """--speculative K if given, else the measured policy for this backend and batch -> policy.Choice."""
-    import jax
-
-    from glm_jax.decoding.policy import Choice, choose
-
-    if model.mtp is None:
-        return Choice(0, "plain decoding: the model has no MTP layer to draft with")
-    if requested is not None:
-        return Choice(requested, f"{'plain' if requested == 0 else 'speculative'} decoding: "
-                                 f"--speculative {requested}")
-    return choose(jax.default_backend(), batch)
 
 
 class _TokenIds:

@@ -327,7 +327,7 @@ def format_table(result: dict) -> str:
 
 # ---------------------------------------------------------------------- command line
 def main(argv=None) -> int:
-    from glm_jax import cli
+    from glm_jax.frontends import cli
     from glm_jax.checkpoint import load_model_dir
     from glm_jax.data.tokenizer import load_tokenizer
     from glm_jax.layers.decoder import AttentionSettings

@@ -43,8 +43,7 @@ from benchmarks._serving_model import PATTERNS, model_config
 from glm_jax import costs
 from glm_jax.cache import KVCache, contiguous_page_table, create_cache
 from glm_jax.decoding.generate import Generator
-from glm_jax.info import params_by_part
-from glm_jax.model import GLMModel, abstract_model
+from glm_jax.model import GLMModel, abstract_model, params_by_part
 
 #: IndexCache's prefill speed-up of IndexShare over every layer Full at 200K tokens (H100).
 PUBLISHED_PREFILL_RATIO = 1.82

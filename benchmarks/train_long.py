@@ -39,8 +39,7 @@ from benchmarks._traces import summarize
 from benchmarks._measure import ceilings
 from glm_jax import costs, ops
 from glm_jax.config import load_config
-from glm_jax.info import params_by_part
-from glm_jax.model import GLMModel
+from glm_jax.model import GLMModel, params_by_part
 from glm_jax.training.step import LossWeights, make_optimizer, train_step
 
 

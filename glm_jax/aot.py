@@ -5,7 +5,7 @@
     compiled.memory_analysis()      # per-chip bytes
     compiled.as_text()              # the scheduled HLO (see glm_jax.hlo_overlap)
 
-Needs libtpu (`pip install glm-jax[tpu]`), not a TPU: the topology is described, not attached.
+Needs libtpu (`.venv/bin/python -m pip install -c constraints.txt -e '.[tpu]'`), not a TPU: the topology is described, not attached.
 Parameters and the cache are ShapeDtypeStructs carrying their NamedShardings, so nothing is
 allocated here.
 """
@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -36,8 +37,9 @@ def topology_devices(topology: str):
     try:
         return topologies.get_topology_desc(platform="tpu", topology_name=topology).devices
     except Exception as e:       # libtpu missing or an unknown topology name
-        raise ValueError(f"cannot describe TPU topology {topology!r} ({e}); install libtpu "
-                         "(pip install 'glm-jax[tpu]') and use a name like v5p:2x2x1") from e
+        raise ValueError(f"cannot describe TPU topology {topology!r} ({e}); install libtpu (from the project "
+                         f"root: {sys.executable} -m pip install -c constraints.txt -e '.[tpu]') and use a "
+                         "name like v5p:2x2x1") from e
 
 
 def _abstract(tree, shardings):

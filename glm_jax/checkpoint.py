@@ -10,6 +10,7 @@ Face checkpoint (glm_jax.convert), whichever a `ModelSource` names.
 from __future__ import annotations
 
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -97,6 +98,13 @@ class ModelSource:
     def tokenizer_file(self) -> Path:
         return self.path / "tokenizer.json"
 
+    @classmethod
+    def of(cls, *, checkpoint: str | None = None, hf_checkpoint: str | None = None) -> "ModelSource | None":
+        """The source a front end names: a Hugging Face checkpoint, else a model directory, else None."""
+        if hf_checkpoint:
+            return cls(Path(hf_checkpoint), hf=True)
+        return cls(Path(checkpoint)) if checkpoint else None
+
 
 def load_model(source: ModelSource, *, config: GLMConfig | None = None, dtype: str | None = None) -> GLMModel:
     """The model of `source`, on this process's first device.
@@ -113,6 +121,10 @@ def load_model_dir(directory: str | Path, *, config: GLMConfig | None = None, dt
     """Rebuild the model saved in `directory`; `config`, if given, must match the saved one;
     `dtype`: the compute dtype in place of the saved config's."""
     directory = Path(directory).absolute()
+    if (directory / "checkpoints").is_dir() and not (directory / "params").exists():
+        raise FileNotFoundError(f"{directory} holds a training run that has not exported its weights yet (no "
+                                f"params/): from the project root, {sys.executable} scripts/export_checkpoint.py "
+                                f"{directory} writes its newest checkpoint's; or continue it with train.py --resume")
     if not (directory / "config.yaml").exists() or not (directory / "params").exists():
         raise FileNotFoundError(f"{directory} is not a model directory (expected config.yaml and params/; "
                                 "train.py writes them, and checkpoints/default ships one)")

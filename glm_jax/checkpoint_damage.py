@@ -12,7 +12,7 @@ Two layers:
   threads. `silence_orbax_leftovers` drops exactly those reports (Python's unraisable hook) and
   the other threads' stderr text (`restoring()` holds that text back during a restore, so none
   escapes before the failure is known), and `orbax_leftovers_seen` tells a front end to end the process without the
-  interpreter's final collection (`glm_jax.cli.exit_with`).
+  interpreter's final collection (`glm_jax.frontends.cli.exit_with`).
 `damage_summary` names the array and the cause of an orbax/tensorstore restore error,
 `os_reason` the operating system's reason for a failed write.
 """

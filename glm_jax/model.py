@@ -197,6 +197,22 @@ def count_params(model_or_state) -> int:
     return sum(int(x.size) for x in jax.tree.leaves(state))
 
 
+def params_by_part(model) -> dict[str, int]:
+    """Parameter counts of a (possibly abstract) model: total, routed-expert weights, embedding, MTP."""
+    parts = {"total": 0, "routed": 0, "embedding": 0, "mtp": 0, "mtp_routed": 0}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param)):
+        names = [str(p.key) for p in path if isinstance(p, jax.tree_util.DictKey)]
+        n = int(leaf.size)
+        parts["total"] += n
+        routed = names[-1] in ("gate_proj", "up_proj", "down_proj")  # MoE's stacked expert weights
+        parts["routed"] += n if routed else 0
+        parts["embedding"] += n if names[0] == "embed_tokens" else 0
+        if names[0] == "mtp":
+            parts["mtp"] += n
+            parts["mtp_routed"] += n if routed else 0
+    return parts
+
+
 def init_model(cfg: GLMConfig, seed: int = 0) -> GLMModel:
     """GLMModel(cfg, rngs=nnx.Rngs(seed)), its weights (bit for bit the same) made by one compiled
     program. Run eagerly, the initialisers dispatch op by op and each distinct op compiles on its

@@ -1,10 +1,10 @@
 """Write a training run's newest checkpoint as the model directory decode.py loads.
 
-    PYTHONPATH=. python3 scripts/export_checkpoint.py runs/default-py --dtype bfloat16
+    .venv/bin/python scripts/export_checkpoint.py runs/default-py --dtype bfloat16
 
-train.py writes params/ only when it reaches --steps; a run stopped earlier (--stop-after, a
-SIGTERM from a time limit) leaves checkpoints/<step>/ (params, optimizer state, data
-position). This restores the newest one that reads back and writes RUN/params/ (cast to
+train.py writes params/ when it reaches --steps or stops at --stop-after; a run stopped by a
+signal (a SIGTERM from a time limit) leaves checkpoints/<step>/ (params, optimizer state, data
+position) only. This restores the newest one that reads back and writes RUN/params/ (cast to
 --dtype), beside the run's config.yaml and tokenizer.json, as train.py's own export does; the
 checkpoints stay, so `train.py --resume` still continues the run. Prints the step exported.
 """

@@ -19,8 +19,7 @@ import numpy as np
 from benchmarks.long_context import PATTERNS, model_config
 from benchmarks.serving_load import workload
 from glm_jax import costs
-from glm_jax.info import params_by_part
-from glm_jax.model import abstract_model
+from glm_jax.model import abstract_model, params_by_part
 
 CONTEXTS = (32768, 131072, 1048576)
 

@@ -41,3 +41,15 @@ def test_truncated_array_is_named():
     except Exception as outer:
         assert damage_summary(outer) == ("array 'lm_head.kernel' cannot be read: its data file is truncated "
                                          "(shorter than when it was written)")
+
+
+def test_a_run_that_has_not_exported_says_how_to_get_weights(tmp_path):
+    import pytest
+
+    from glm_jax.checkpoint import load_model_dir
+
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "config.yaml").write_text("{}")
+    with pytest.raises(FileNotFoundError, match=r"has not exported its weights yet .* scripts/export_checkpoint.py "
+                                                 r".* train.py --resume"):
+        load_model_dir(tmp_path)

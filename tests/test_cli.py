@@ -1,4 +1,4 @@
-"""train.py and decode.py end to end on a micro model, the flags they share (glm_jax.cli), and the
+"""train.py and decode.py end to end on a micro model, the flags they share (glm_jax.frontends.cli), and the
 errors a user can cause."""
 
 from __future__ import annotations
@@ -14,13 +14,15 @@ from flax import nnx
 import decode
 import hf_fixtures as hf
 import train
-from glm_jax import cli, ops
+from glm_jax import ops
+from glm_jax.frontends import cli
 from glm_jax.checkpoint import ModelSource, load_model
 from glm_jax.config import load_config, save_config
 from glm_jax.decoding import display, generate, policy
 from glm_jax.sharding import ShardingError
 from glm_jax.training import run
 from conftest import ROOT, micro_config
+from pallas_kernels import XlaConfig
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +97,7 @@ def test_unknown_config_key_is_refused(tmp_path, capsys):
 
 
 def test_info_prints_counts(capsys):
-    from glm_jax.info import main
+    from glm_jax.frontends.info import main
     assert main([str(ROOT / "configs/glm-5.2.yaml")]) == 0
     text = capsys.readouterr().out
     assert "753,329,921,024" in text
@@ -134,9 +136,54 @@ def _assert_resume_is_exact(tmp_path, extra: list[str]) -> None:
     assert train.main(common + ["--out", str(tmp_path / "a"), "--steps", "5", "--save-every", "100"]) == 0
     assert train.main(common + ["--out", str(tmp_path / "b"), "--steps", "5", "--save-every", "100",
                                 "--stop-after", "3"]) == 0
+    assert (tmp_path / "b" / "params").is_dir()                 # a --stop-after stop decodes as it stands
     assert train.main(common + ["--out", str(tmp_path / "b"), "--steps", "5", "--save-every", "100",
                                 "--resume"]) == 0
     assert losses(tmp_path / "b") == losses(tmp_path / "a")
+
+
+_TRAINED_FLAGS = ["--steps", "12", "--batch-size", "4", "--seq-len", "32", "--dense-steps", "6", "--warmup-steps", "2",
+                  "--lr", "1e-2", "--max-files", "6", "--eval-every", "6", "--save-every", "6", "--eval-batches", "2"]
+
+
+def _copy_of(trained_run, tmp_path):
+    import shutil
+
+    out, cfg_path = trained_run
+    copy = tmp_path / "run"
+    shutil.copytree(out, copy)
+    return copy, ["--config", str(cfg_path), "--out", str(copy), *_TRAINED_FLAGS, "--resume"]
+
+
+def test_run_settings_are_written_and_a_resume_names_a_changed_one(trained_run, tmp_path, capsys):
+    from glm_jax.training import run_config
+
+    written = run_config.load(trained_run[0] / run_config.FILE_NAME)
+    assert (written.schedule.lr, written.data.seq_len, written.data.data_shards) == (1e-2, 32, 1)
+    copy, flags = _copy_of(trained_run, tmp_path)
+    assert train.main(flags + ["--lr", "5e-3"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line for line in out if line.startswith("resume: ") and "->" in line] == \
+        ["resume: schedule.lr (--lr) 0.01 -> 0.005"]
+    assert out[-1] == f"decode with: {cli.python_command()} decode.py --checkpoint {cli.shown_path(copy)}"
+    assert run_config.load(copy / run_config.FILE_NAME).schedule.lr == 5e-3
+
+
+def test_resume_refuses_a_new_sequence_length_in_one_line(trained_run, tmp_path, capsys):
+    _, flags = _copy_of(trained_run, tmp_path)
+    assert train.main(flags + ["--seq-len", "64"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --resume cannot change data.seq_len (--seq-len) 32 -> 64: ")
+
+
+def test_resume_of_a_run_without_settings_file_says_so(trained_run, tmp_path, capsys):
+    from glm_jax.training import run_config
+
+    copy, flags = _copy_of(trained_run, tmp_path)
+    (copy / run_config.FILE_NAME).unlink()
+    assert train.main(flags) == 0
+    assert sum("no run_config.yaml" in line for line in capsys.readouterr().out.splitlines()) == 1
+    assert (copy / run_config.FILE_NAME).exists()
 
 
 def test_missing_data_file_is_refused(tmp_path, capsys):
@@ -186,8 +233,8 @@ def test_decode_threads_the_kernel_flags_into_the_generator(trained_run, monkeyp
     monkeypatch.setattr(generate.Generator, "__init__",
                         lambda self, *a, **k: seen.append(k["kernels"]) or init(self, *a, **k))
     assert decode.main(["--checkpoint", str(out), "--max-new-tokens", "2", "--speculative", "0", "--quiet",
-                        "--attention-impl", "xla", "--indexer-impl", "xla"]) == 0
-    assert seen == [ops.KernelChoice(indexer="xla", attention="xla")]
+                        "--attention-impl", "xla", "--indexer-impl", "xla", "--kernel-config", "attention.q_chunk=8"]) == 0
+    assert seen == [ops.KernelChoice(indexer="xla", attention="xla", attention_config=XlaConfig(q_chunk=8))]
 
 
 def test_train_from_a_hugging_face_checkpoint(tmp_path, monkeypatch, capsys):
@@ -307,7 +354,7 @@ def test_cpu_runs_do_not_start_the_tpu_runtime():
     if importlib.util.find_spec("libtpu") is None:
         pytest.skip("libtpu is not installed: jax would not start the TPU runtime anyway")
     env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
-    code = "from glm_jax import cli; print(cli.choose_platforms()); import jax; print(jax.default_backend())"
+    code = "from glm_jax.frontends import cli; print(cli.choose_platforms()); import jax; print(jax.default_backend())"
     done = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0 and done.stdout.split() == ["cpu", "cpu"]

@@ -12,6 +12,7 @@ from flax import nnx
 
 from conftest import micro_config
 from glm_jax import indexcache_search, ops
+from glm_jax.frontends import indexcache_search as search_cli
 from glm_jax.checkpoint import save_model_dir
 from glm_jax.convert.repattern import with_pattern
 from glm_jax.data.tokenizer import save_tokenizer, train_bpe
@@ -61,9 +62,9 @@ def test_search_cli_flips_greedily_and_resumes(tmp_path, capsys):
     cfg = micro_config(num_hidden_layers=3, index_topk_pattern="FFF", vocab_size=300)
     args = _search_args(tmp_path, cfg)
     state = tmp_path / "search.json"
-    assert indexcache_search.main(args + ["--flips", "1"]) == 0
+    assert search_cli.main(args + ["--flips", "1"]) == 0
     first = json.loads(state.read_text())
-    assert indexcache_search.main(args + ["--flips", "2"]) == 0
+    assert search_cli.main(args + ["--flips", "2"]) == 0
     out = capsys.readouterr().out
     second = json.loads(state.read_text())
     assert "resuming" in out and second["steps"][0] == first["steps"][0]
@@ -81,5 +82,5 @@ def test_search_cli_evaluates_with_the_kernels_of_its_flags(tmp_path, monkeypatc
     evaluate = indexcache_search.eval_step
     monkeypatch.setattr(indexcache_search, "eval_step", lambda *a, **k: seen.append(k["kernels"]) or evaluate(*a, **k))
     args = _search_args(tmp_path, micro_config(num_hidden_layers=2, index_topk_pattern="FF", vocab_size=300))
-    assert indexcache_search.main(args + ["--flips", "0", "--attention-impl", "xla", "--indexer-impl", "xla"]) == 0
+    assert search_cli.main(args + ["--flips", "0", "--attention-impl", "xla", "--indexer-impl", "xla"]) == 0
     assert seen == [ops.KernelChoice(indexer="xla", attention="xla")]

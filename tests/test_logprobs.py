@@ -23,7 +23,7 @@ from glm_jax.decoding.sampling import SamplingParams
 from glm_jax.model import GLMModel
 from glm_jax.ops import KernelChoice
 from glm_jax.serving.app import make_app
-from glm_jax.serving.launch import build_engine
+from glm_jax.serving.engine_setup import build_engine
 from glm_jax.serving.text import token_texts
 from test_server import SERVE, TOKENIZER, VOCAB, micro_model, running, sse_chunks
 

@@ -84,18 +84,16 @@ def test_missing_directory_is_an_error(tmp_path, capsys):
 
 def test_train_reads_the_heldout_split(tmp_path):
     """train.py --data train.jsonl --heldout-data heldout.jsonl: validation is the held-out packages."""
-    import argparse
-
     from glm_jax.data.batches import encode_documents
     from glm_jax.training import run
+    from glm_jax.training.run_config import DataConfig
     from conftest import micro_config
 
     out = tmp_path / "corpus"
     assert corpus_script.main(["--site-packages", str(_fake_site(tmp_path)), "--out", str(out),
                                "--heldout-fraction", "0.3"]) == 0
     train, heldout = (sources.open_documents([out / f"{s}.jsonl"]) for s in ("train", "heldout"))
-    args = argparse.Namespace(seed=0, max_files=None)
-    tok, train_docs, heldout_tokens = run.prepare_data(args, micro_config(vocab_size=320), tmp_path / "run", train,
-                                                       heldout)
+    tok, train_docs, heldout_tokens = run.prepare_data(DataConfig(), micro_config(vocab_size=320), tmp_path / "run",
+                                                       train, heldout)
     assert len(train_docs) == len(train)
     assert heldout_tokens.tolist() == encode_documents(tok, [heldout[i] for i in range(len(heldout))]).tolist()

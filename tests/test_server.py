@@ -35,7 +35,7 @@ from glm_jax.decoding.engine import Event, Request
 from glm_jax.model import GLMModel
 from glm_jax.ops import KernelChoice
 from glm_jax.serving.app import make_app
-from glm_jax.serving.launch import build_engine
+from glm_jax.serving.engine_setup import build_engine
 from glm_jax.serving.protocol import MAX_N, MAX_PROMPTS, APIError, max_body_bytes, max_prompt_bytes, parse_completion
 from glm_jax.serving.text import Detokenizer, TextStream
 
@@ -512,4 +512,4 @@ def test_sigterm_drains_the_request_in_flight_and_refuses_new_ones(tmp_path):
 
 def test_serve_flags_out_of_range_are_one_line_errors(capsys):
     assert decode.main(["--serve", "--max-batch", "0"]) == 2
-    assert capsys.readouterr().err == "error: --max-batch and --page-size must be >= 1\n"
+    assert capsys.readouterr().err == "error: --max-batch (max_batch) must be >= 1, got 0\n"

@@ -2,7 +2,7 @@
 GET /health, over an `EngineLoop`.
 
     app = make_app(engine, tokenizer, model_name="tiny", max_context=1024, stop_token=0)
-    uvicorn.run(app)            # or glm_jax.serving.launch.serve(...) for the draining shutdown
+    uvicorn.run(app)            # or glm_jax.serving.server.serve(...) for the draining shutdown
 
 Each choice (n per prompt, for each prompt listed) is an engine request of its own; their text
 is merged as it arrives, each chunk of a stream naming its choice's `index`. A response is whole

@@ -1,15 +1,15 @@
 """One training run as train.py drives it: `setup` (config, mesh, data, model and optimizer
 state, resume), `train` (the loop), `MetricsLog` (progress lines and metrics.jsonl),
-`save_checkpoint` and `export`. `args` is train.py's parsed command line.
+`save_checkpoint` and `export`. Its settings are a `run_config.TrainConfig`.
 
-The run directory receives tokenizer.json, config.yaml, checkpoints/ (orbax: params, optimizer
-state, data position), params/ (the final weights) and metrics.jsonl. Several processes share
+The run directory receives tokenizer.json, config.yaml, run_config.yaml (the run's settings,
+compared by a --resume: `run_config.resume_changes`), checkpoints/ (orbax: params, optimizer
+state, data position), params/ (the final weights, or a --stop-after stop's) and metrics.jsonl. Several processes share
 it: process 0 writes the files, all of them write and read the checkpoints together.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import json
@@ -32,18 +32,19 @@ from flax import nnx
 from jax.sharding import Mesh
 from tqdm import tqdm
 
-from glm_jax import cli, costs, faults, multihost, ops, sharding
-from glm_jax.checkpoint import check_same_config, load_model, save_model_dir
+from glm_jax import costs, faults, multihost, ops, sharding
+from glm_jax.checkpoint import ModelSource, check_same_config, load_model, save_model_dir
 from glm_jax.checkpoint_damage import os_reason, silence_orbax_leftovers
 from glm_jax.config import ConfigError, GLMConfig, load_config, save_config
 from glm_jax.data import batches as data_batches
 from glm_jax.data import corpus, pipeline, sources, tokenizer as tok_lib
 from glm_jax.data.prefetch import Prefetched
-from glm_jax.info import params_by_part
+from glm_jax.kernel_configs import configured
 from glm_jax.layers.segments import count_segments, segment_bound
-from glm_jax.model import GLMModel, abstract_model, count_params, init_model
-from glm_jax.training import background_output, checkpointing
+from glm_jax.model import GLMModel, abstract_model, count_params, init_model, params_by_part
+from glm_jax.training import background_output, checkpointing, run_config
 from glm_jax.training.compiles import CompileWatch
+from glm_jax.training.run_config import DataConfig, KernelsConfig, TrainConfig
 from glm_jax.training.step import (LearningRateSchedule, LossWeights, attention_form, eval_step, make_optimizer,
                                    train_step, train_step_keeping)
 
@@ -58,7 +59,7 @@ _PEAK_FLOPS = {"NVIDIA H200": 989e12, "NVIDIA H100 80GB HBM3": 989e12, "TPU v5p"
 class Run:
     """What the loop needs, from `setup`; params and opt_state advance with the steps."""
 
-    args: argparse.Namespace    # train.py's flags
+    settings: TrainConfig
     cfg: GLMConfig
     out: Path
     model: GLMModel
@@ -78,53 +79,62 @@ class Run:
     weights: LossWeights
     step: Callable        # train_step, on a mesh with the state's layouts pinned (`_step_for`)
     prefetch: int         # batches packed ahead on a thread while the loop runs (`prefetch_depth`)
+    exported: int | None = None   # the step whose weights `export` wrote to params/, if it ran
 
 
 # ---------------------------------------------------------------------- setup
-def setup(args) -> Run:
-    """Everything the first step needs. Raises the errors a user causes (cli.USER_ERRORS) where
-    the flags or files are wrong, those of the flags and the model source before --out is
-    created."""
-    out = Path(args.out).absolute()
-    source = cli.model_source(args)
-    cfg = load_config(args.config or (source.config_file if source else DEFAULT_CONFIG))
-    if args.resume and (out / "config.yaml").exists():
+def setup(settings: TrainConfig) -> Run:
+    """Everything the first step needs. Raises the errors a user causes (ValueError,
+    FileNotFoundError) where the settings or files are wrong, those of the settings and the
+    model source before the run directory is created."""
+    out = Path(settings.out).absolute()
+    source = ModelSource.of(hf_checkpoint=settings.model.hf_checkpoint)
+    cfg = load_config(settings.model.config or (source.config_file if source else DEFAULT_CONFIG))
+    if settings.resume and (out / "config.yaml").exists():
         check_same_config(load_config(out / "config.yaml"), cfg, str(out))
-    form = attention_form(args.attention_form, args.seq_len)
-    prefetch = prefetch_depth(args.prefetch_batches)      # a bad value is refused before any work
-    mesh = _mesh(args)
-    feed = _batch_placement(mesh, (args.batch_size, args.seq_len))
-    data_shards = args.data_shards or jax.process_count()
-    shards_read = pipeline.shards_of_rows(feed.rows, args.batch_size, data_shards)
+    data = settings.data
+    data_shards = data.data_shards or jax.process_count()
+    settings = dataclasses.replace(settings, data=dataclasses.replace(data, data_shards=data_shards))
+    if settings.resume and out.is_dir():
+        old = run_config.load(out / run_config.FILE_NAME) if (out / run_config.FILE_NAME).exists() else None
+        for line in run_config.resume_changes(old, settings):
+            print(line)
+    form = attention_form(settings.kernels.attention_form, data.seq_len)
+    prefetch = prefetch_depth(data.prefetch_batches)
+    kernels = kernel_choice(settings.kernels)        # a config the kernels do not take is refused here
+    mesh = _mesh(settings.mesh)
+    feed = _batch_placement(mesh, (data.batch_size, data.seq_len))
+    shards_read = pipeline.shards_of_rows(feed.rows, data.batch_size, data_shards)
     # before the corpus work: a checkpoint that does not fit fails at once
     model = load_model(source, config=cfg) if source else None
-    documents = sources.open_documents(args.data) if args.data else None
-    heldout_documents = sources.open_documents(args.heldout_data) if args.heldout_data else None
+    documents = sources.open_documents(data.data) if data.data else None
+    heldout_documents = sources.open_documents(data.heldout_data) if data.heldout_data else None
 
     out.mkdir(parents=True, exist_ok=True)
     if multihost.is_main_process():
-        _write_run_files(args, cfg, out, source)
-    tok, train_docs, heldout_tokens = prepare_data(args, cfg, out, documents, heldout_documents)
+        _write_run_files(settings, cfg, out, source)
+    tok, train_docs, heldout_tokens = prepare_data(data, cfg, out, documents, heldout_documents, seed=settings.seed)
     encode = pipeline.token_encoder(tok)
 
     if model is None:
-        model = init_model(cfg, args.seed)
+        model = init_model(cfg, settings.seed)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    tx, schedule = make_optimizer(args.lr, args.steps, args.warmup_steps,
-                                     decay_steps=args.decay_steps)
+    schedule_settings = settings.schedule
+    tx, schedule = make_optimizer(schedule_settings.lr, schedule_settings.steps, schedule_settings.warmup_steps,
+                                  decay_steps=schedule_settings.decay_steps)
     params, rest, opt_state = _place_state(mesh, params, rest, tx)
     if mesh is not None:
         print(f"mesh: {sharding.format_mesh(mesh)} over {mesh.size} devices of {jax.process_count()} process(es); "
               f"data in {data_shards} shard(s), this process reading {len(shards_read)}")
     print(f"model: {cfg.name}, {count_params(model):,} parameters, pattern {cfg.pattern}")
 
-    batches = pipeline.PackedBatches(train_docs, encode, seq_len=args.seq_len, batch_size=args.batch_size,
-                                     seed=args.seed, shards=data_shards, read=shards_read)
-    heldout = list(data_batches.heldout_batches(heldout_tokens, args.seq_len, args.batch_size,
-                                                args.eval_batches))
+    batches = pipeline.PackedBatches(train_docs, encode, seq_len=data.seq_len, batch_size=data.batch_size,
+                                     seed=settings.seed, shards=data_shards, read=shards_read)
+    heldout = list(data_batches.heldout_batches(heldout_tokens, data.seq_len, data.batch_size,
+                                                settings.logging.eval_batches))
     mngr = checkpointing.manager(out)
     start = 0
-    if args.resume:
+    if settings.resume:
         found = checkpointing.restore_latest(mngr, {"params": params, "opt_state": opt_state})
         if found is None:
             print("resume: no checkpoint yet, starting from step 0")
@@ -135,32 +145,39 @@ def setup(args) -> Run:
                                                         read=shards_read)
             print(f"resume: continuing from step {start}")
 
-    kernels = cli.kernel_choice(args)
-    weights = LossWeights(indexer=args.indexer_weight, mtp=args.mtp_weight, mtp_depth=args.mtp_depth,
-                          kv_share=not args.no_mtp_kv_share, tv=args.tv_weight)
-    return Run(args=args, cfg=cfg, out=out, model=model, graphdef=graphdef, params=params, rest=rest,
+    losses = settings.losses
+    weights = LossWeights(indexer=losses.indexer_weight, mtp=losses.mtp_weight, mtp_depth=losses.mtp_depth,
+                          kv_share=losses.mtp_kv_share, tv=losses.tv_weight)
+    return Run(settings=settings, cfg=cfg, out=out, model=model, graphdef=graphdef, params=params, rest=rest,
                opt_state=opt_state, tx=tx, schedule=schedule, feed=feed, batches=batches, heldout=heldout,
                mngr=mngr, start=start, form=form, kernels=kernels, weights=weights,
                step=_step_for(mesh, params, opt_state), prefetch=prefetch)
 
 
-def prepare_data(args, cfg, out: Path, documents=None, heldout_documents=None):
+def kernel_choice(kernels: KernelsConfig) -> ops.KernelChoice:
+    """The kernels of the run's settings, their configs set (`kernel_configs.configured`)."""
+    return configured(ops.KernelChoice(indexer=kernels.indexer_impl, attention=kernels.attention_impl),
+                      kernels.kernel_config)
+
+
+def prepare_data(data: DataConfig, cfg, out: Path, documents=None, heldout_documents=None, *, seed: int = 0):
     """Tokenizer (trained once, then reused), the training documents and the held-out tokens.
 
-    documents: the --data source (default: the standard library's files, split by file);
-    heldout_documents: the --heldout-data source (default: a split of documents)."""
+    documents: the training documents of `data.data` (default: the standard library's files,
+    split by file); heldout_documents: those of `data.heldout_data` (default: a split of
+    documents); seed: the split's."""
     if heldout_documents is not None:
         if documents is None:
             raise ValueError("--heldout-data needs --data (the training documents it is held out from)")
         train_docs, heldout_docs = documents, heldout_documents
     elif documents is not None:
-        train_docs, heldout_docs = sources.split_documents(documents, seed=args.seed)
+        train_docs, heldout_docs = sources.split_documents(documents, seed=seed)
     else:
-        train_files, heldout_files = corpus.split_files(corpus.stdlib_source_files(), seed=args.seed)
+        train_files, heldout_files = corpus.split_files(corpus.stdlib_source_files(), seed=seed)
         train_docs, heldout_docs = sources.TextFiles(train_files), sources.TextFiles(heldout_files)
-    if args.max_files:
-        train_docs = sources.Subset(train_docs, range(min(args.max_files, len(train_docs))))
-        heldout_docs = sources.Subset(heldout_docs, range(min(max(1, args.max_files // 20), len(heldout_docs))))
+    if data.max_files:
+        train_docs = sources.Subset(train_docs, range(min(data.max_files, len(train_docs))))
+        heldout_docs = sources.Subset(heldout_docs, range(min(max(1, data.max_files // 20), len(heldout_docs))))
     if multihost.is_main_process() and not (out / "tokenizer.json").exists():
         t = time.perf_counter()
         n = min(len(train_docs), TOKENIZER_DOCS)
@@ -180,18 +197,20 @@ def prepare_data(args, cfg, out: Path, documents=None, heldout_documents=None):
     return tok, train_docs, heldout_tokens
 
 
-def _write_run_files(args, cfg, out: Path, source) -> None:
-    """config.yaml (a resumed run's was checked to be the same) and the model source's tokenizer."""
-    if not (args.resume and (out / "config.yaml").exists()):
+def _write_run_files(settings: TrainConfig, cfg, out: Path, source) -> None:
+    """config.yaml (a resumed run's was checked to be the same), run_config.yaml and the model
+    source's tokenizer."""
+    if not (settings.resume and (out / "config.yaml").exists()):
         save_config(cfg, out / "config.yaml")
+    run_config.save(settings, out)
     if source is not None and source.tokenizer_file.exists() and not (out / "tokenizer.json").exists():
         shutil.copy(source.tokenizer_file, out / "tokenizer.json")
 
 
-def _mesh(args) -> Mesh | None:
-    """The --mesh (over the devices of every process), or None: one device."""
-    if args.mesh:
-        mesh = sharding.make_mesh(args.mesh)
+def _mesh(spec: str | None) -> Mesh | None:
+    """The mesh of `spec` (over the devices of every process), or None: one device."""
+    if spec:
+        mesh = sharding.make_mesh(spec)
         jax.set_mesh(mesh)                   # the steps lay out their activations on it (context parallelism)
         return mesh
     if jax.process_count() > 1:
@@ -256,48 +275,54 @@ def train(run: Run) -> int:
             run.batches = source
 
 
-def prefetch_depth(flag: int | None) -> int:
-    """--prefetch-batches, or by default 2 on an accelerator and 0 on a CPU (there the packing
-    thread would take the cores the step runs on)."""
-    if flag is not None:
-        if flag < 0:
-            raise ValueError(f"--prefetch-batches must be >= 0, got {flag}")
-        return flag
+def prefetch_depth(setting: int | None) -> int:
+    """data.prefetch_batches, or by default 2 on an accelerator and 0 on a CPU (there the
+    packing thread would take the cores the step runs on)."""
+    if setting is not None:
+        return setting
     return 0 if jax.default_backend() == "cpu" else 2
 
 
 def _loop(run: Run, stop_requested: "StopSignals", compiles: CompileWatch) -> int:
-    args = run.args
-    log = MetricsLog(args, run.cfg, run.out, start=run.start, compiles=compiles)
+    settings, schedule = run.settings, run.settings.schedule
+    log = MetricsLog(settings, run.cfg, run.out, start=run.start, compiles=compiles)
     segment_bounds = SegmentBounds()
     step = run.start
-    for step in range(run.start + 1, args.steps + 1):
+    for step in range(run.start + 1, schedule.steps + 1):
         batch = next(run.batches)
-        stage = "dense" if step <= args.dense_steps else "sparse"
+        stage = "dense" if step <= schedule.dense_steps else "sparse"
         run.params, run.opt_state, terms = run.step(
             run.graphdef, run.params, run.rest, run.opt_state, run.feed.from_rows(batch.inputs),
             run.feed.from_rows(batch.targets), run.feed.from_rows(batch.segment_ids), tx=run.tx, stage=stage,
-            weights=run.weights, kernels=run.kernels, remat=args.remat, form=run.form,
+            weights=run.weights, kernels=run.kernels, remat=settings.kernels.remat, form=run.form,
             max_segments=segment_bounds.for_step(batch.segment_ids, stage, run.form))
         faults.reached("step", step)
         record = log.step(step, stage, lambda: run.schedule.on_host(step - 1), terms, batch,
-                          full=step % args.log_every == 0 or step == args.steps or step == run.start + 1)
-        if step % args.eval_every == 0 or step == args.steps:
+                          full=step % settings.logging.log_every == 0 or step == schedule.steps
+                          or step == run.start + 1)
+        if step % settings.logging.eval_every == 0 or step == schedule.steps:
             log.validation(record, evaluate(run, stage))
         log.write(record)
-        if args.stop_after is not None and step - run.start >= args.stop_after:
+        limit = settings.stop_after is not None and step - run.start >= settings.stop_after
+        if limit:
             stop_requested.request()
         stop = multihost.any_process(stop_requested.requested)  # all processes stop at the same step
-        if step % args.save_every == 0 or step == args.steps or stop:
+        if step % settings.checkpointing.save_every == 0 or step == schedule.steps or stop:
             save_checkpoint(run, step)
         if stop:
             finish_saves(run)
             log.close()
-            print(f"stopped: saved step {step}; continue with --resume", flush=True)
+            if limit:               # a planned stop: its weights decode as they are
+                export(run, step)
+                print(f"stopped: saved step {step} and exported its weights to {run.out}; continue with --resume",
+                      flush=True)
+            else:                   # a signal: no time for more writing than the checkpoint
+                print(f"stopped: saved step {step}; continue with --resume (a run stopped by --stop-after "
+                      "also exports the weights that decode.py reads)", flush=True)
             return 0
     log.close()
-    export(run)
-    print(f"done: {step} steps; model written to {run.out} (decode with: python decode.py --checkpoint {run.out})")
+    export(run, step)
+    print(f"done: {step} steps; model written to {run.out}")
     return 0
 
 
@@ -402,12 +427,15 @@ def _complete_checkpoints(run: Run) -> list[int]:
     return sorted(int(p.name) for p in root.iterdir() if p.name.isdigit()) if root.is_dir() else []
 
 
-def export(run: Run) -> None:
-    """The final weights as a model directory in --out (what decode.py --checkpoint loads)."""
+def export(run: Run, step: int) -> None:
+    """The weights of `step` as a model directory in the run directory (what decode.py
+    --checkpoint loads)."""
     finish_saves(run)
     nnx.update(run.model, run.params, run.rest)
-    with _save_failures("the final weights", run):
-        save_model_dir(run.out, run.model, dtype=run.args.export_dtype, tokenizer_file=run.out / "tokenizer.json")
+    with _save_failures(f"the weights of step {step}", run):
+        save_model_dir(run.out, run.model, dtype=run.settings.checkpointing.export_dtype,
+                       tokenizer_file=run.out / "tokenizer.json")
+    run.exported = step
 
 
 # ---------------------------------------------------------------------- metrics
@@ -440,22 +468,23 @@ class MetricsLog:
     (process 0 only): loss terms, lr, tokens/s (whole rows; real: without the packer's padding,
     summed over the processes) since the last logged step, MFU when the peak is known."""
 
-    def __init__(self, args, cfg: GLMConfig, out: Path, start: int = 0, compiles: CompileWatch | None = None):
-        self.steps, self.seq_len = args.steps, args.seq_len
+    def __init__(self, settings: TrainConfig, cfg: GLMConfig, out: Path, start: int = 0,
+                 compiles: CompileWatch | None = None):
+        self.steps, self.seq_len = settings.schedule.steps, settings.data.seq_len
         self.compiles = compiles
         self.steady = []        # tokens/s of the logged intervals in which nothing compiled
         self.start, self.t_start = start, time.perf_counter()
         # The bar (stderr, a terminal only): step, elapsed and time left, s/step, loss, memory.
-        self.bar = tqdm(total=args.steps, initial=start, unit="step", dynamic_ncols=True, file=sys.stderr,
+        self.bar = tqdm(total=self.steps, initial=start, unit="step", dynamic_ncols=True, file=sys.stderr,
                         disable=None if multihost.is_main_process() else True, leave=False)
         self.cfg = cfg
-        path = Path(args.metrics_file or out / "metrics.jsonl")
+        path = Path(settings.logging.metrics_file or out / "metrics.jsonl")
         if multihost.is_main_process() and start > 0:
             drop_records_after(path, start)
         self.file = path.open("a") if multihost.is_main_process() else open(os.devnull, "w")
-        self.peak = _peak_flops(args.peak_tflops)
+        self.peak = _peak_flops(settings.logging.peak_tflops)
         self.active = costs.active_params(cfg, params_by_part(abstract_model(cfg)))
-        self.tokens_per_step = args.batch_size * args.seq_len
+        self.tokens_per_step = settings.data.batch_size * self.seq_len
         self.t_last = time.perf_counter()
         self.steps_since = self.real_since = 0  # since the last logged step; real: this process's non-padding tokens
 

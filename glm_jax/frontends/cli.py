@@ -1,17 +1,17 @@
 """The command line that train.py, decode.py and the IndexShare pattern search
-(`python -m glm_jax.indexcache_search`) share: the flags naming the model, the mesh, the kernels
-and the processes of a run, and how a mistake in them is reported.
+(`python -m glm_jax.frontends.indexcache_search`) share: the flags naming the model, the mesh, the kernels
+and the processes of a run, how a mistake in them is reported, and the interpreter a hint names.
 
     ap = argparse.ArgumentParser()
     cli.add_model_flags(ap, checkpoint="checkpoints/default")  # --checkpoint | --hf-checkpoint, --config
     cli.add_mesh_flag(ap, "e.g. data=1,layer=8")                # --mesh
-    cli.add_kernel_flags(ap)                                    # --attention-impl, --indexer-impl
+    cli.add_kernel_flags(ap)                                    # --attention-impl, --indexer-impl, --kernel-config
     cli.add_distributed_flags(ap, "--output")                   # --coordinator, --num-processes, ...
 
     @cli.reports_user_errors                  # UserError -> "error: <message>" on stderr, exit code 2
     def main(argv=None) -> int:
         args = ap.parse_args(argv)
-        cli.join_processes(args)              # before the first jax computation
+        cli.join_processes(args, args.mesh)   # before the first jax computation
         with cli.user_errors():               # ValueError, FileNotFoundError -> UserError
             model = load_model(cli.model_source(args), config=...)
         ... Generator(model, kernels=cli.kernel_choice(args)) ...
@@ -119,11 +119,7 @@ def model_source(args):
     """-> the glm_jax.checkpoint.ModelSource of --hf-checkpoint or --checkpoint, or None."""
     from glm_jax.checkpoint import ModelSource
 
-    if args.hf_checkpoint:
-        return ModelSource(Path(args.hf_checkpoint), hf=True)
-    if getattr(args, "checkpoint", None):
-        return ModelSource(Path(args.checkpoint))
-    return None
+    return ModelSource.of(checkpoint=getattr(args, "checkpoint", None), hf_checkpoint=args.hf_checkpoint)
 
 
 # ---------------------------------------------------------------------- mesh and kernels
@@ -151,14 +147,37 @@ def add_kernel_flags(ap: argparse.ArgumentParser, *, attention_help: str = "") -
                                                                            else ""))
     kernels.add_argument("--indexer-impl", default="auto", choices=impl_choices("indexer_topk"),
                          help="the lightning indexer's kernels (scores and top-k)")
+    kernels.add_argument("--kernel-config", dest="kernel_config_items", action="append", default=None,
+                         metavar="GROUP.FIELD=VALUE",
+                         help="set a field of a kernel's config dataclass (repeatable), e.g. attention.block_k=64; "
+                              "groups: attention, indexer, indexer_kl; the fields are those of the config of the "
+                              "implementation the group runs (pallas_kernels registry)")
+
+
+def kernel_config(items: list[str] | None, base: dict | None = None) -> dict[str, dict]:
+    """--kernel-config GROUP.FIELD=VALUE items (VALUE read as YAML: 64, true, none) over `base`
+    -> {group: {field: value}}."""
+    import yaml
+
+    configs = {group: dict(fields) for group, fields in (base or {}).items()}
+    for item in items or ():
+        name, eq, value = item.partition("=")
+        group, dot, field = name.partition(".")
+        if not (eq and dot and group and field):
+            raise UserError(f"--kernel-config {item!r}: expected GROUP.FIELD=VALUE, e.g. attention.block_k=64")
+        configs.setdefault(group, {})[field] = yaml.safe_load(value)
+    return configs
 
 
 def kernel_choice(args, *, attention: str | None = None):
     """-> glm_jax.ops.KernelChoice of --indexer-impl and --attention-impl (or `attention`, e.g.
-    what auto resolves to for the run)."""
+    what auto resolves to for the run), with the --kernel-config fields set."""
     from glm_jax import ops
+    from glm_jax.kernel_configs import configured
 
-    return ops.KernelChoice(indexer=args.indexer_impl, attention=attention or args.attention_impl)
+    with user_errors():
+        return configured(ops.KernelChoice(indexer=args.indexer_impl, attention=attention or args.attention_impl),
+                          kernel_config(args.kernel_config_items))
 
 
 # ---------------------------------------------------------------------- several processes
@@ -176,11 +195,11 @@ def add_distributed_flags(ap: argparse.ArgumentParser, writes: str) -> None:
                             "Open MPI, or JAX_COORDINATOR_ADDRESS in the environment, which also turns this on)")
 
 
-def join_processes(args) -> None:
+def join_processes(args, mesh: str | None) -> None:
     """Join the run that the distributed flags or the environment describe, after choosing the
     platforms (`choose_platforms`) and letting the CPU platform simulate this process's share of
-    the devices of --mesh (if any). Call before anything else uses jax; flags that describe no
-    run (or a bad --mesh) raise UserError."""
+    the devices of `mesh` (the --mesh spec, if any). Call before anything else uses jax; flags
+    that describe no run (or a bad mesh) raise UserError."""
     from glm_jax.multihost import DistributedSetup, initialize_distributed
     from glm_jax.sharding import simulate_cpu_devices
 
@@ -190,9 +209,25 @@ def join_processes(args) -> None:
                                  process_id=args.process_id,
                                  auto=args.distributed or bool(os.environ.get("JAX_COORDINATOR_ADDRESS")))
         setup.check()
-        if args.mesh:
-            simulate_cpu_devices(args.mesh, setup.num_processes or 1)
+        if mesh:
+            simulate_cpu_devices(mesh, setup.num_processes or 1)
         initialize_distributed(setup)
+
+
+# ---------------------------------------------------------------------- hints
+def shown_path(path: str | Path) -> str:
+    """`path` as a hint shows it: relative to the working directory where it is inside it."""
+    path = Path(path).absolute()
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def python_command() -> str:
+    """The interpreter running this program, as a command that runs from the working directory
+    (e.g. .venv/bin/python): a hint that names it runs as printed."""
+    return shown_path(sys.executable) if sys.executable else "python"
 
 
 # ---------------------------------------------------------------------- platforms

@@ -1,4 +1,4 @@
-"""Print the size and cost of a configuration: `python -m glm_jax.info configs/glm-5.2.yaml`.
+"""Print the size and cost of a configuration: `python -m glm_jax.frontends.info configs/glm-5.2.yaml`.
 
 Parameter counts come from abstract initialisation of the real module tree (no memory used);
 cost figures (KV bytes, FLOPs) come from `glm_jax.costs`.
@@ -9,29 +9,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-import jax
-from flax import nnx
-
-from glm_jax import cli, costs
+from glm_jax import costs
+from glm_jax.frontends import cli
 from glm_jax.cache import cache_bytes_per_token
 from glm_jax.config import ConfigError, load_config
-from glm_jax.model import abstract_model
-
-
-def params_by_part(model) -> dict[str, int]:
-    """Parameter counts of the abstract model: total, routed-expert weights, embedding, MTP."""
-    parts = {"total": 0, "routed": 0, "embedding": 0, "mtp": 0, "mtp_routed": 0}
-    for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param)):
-        names = [str(p.key) for p in path if isinstance(p, jax.tree_util.DictKey)]
-        n = int(leaf.size)
-        parts["total"] += n
-        routed = names[-1] in ("gate_proj", "up_proj", "down_proj")  # MoE's stacked expert weights
-        parts["routed"] += n if routed else 0
-        parts["embedding"] += n if names[0] == "embed_tokens" else 0
-        if names[0] == "mtp":
-            parts["mtp"] += n
-            parts["mtp_routed"] += n if routed else 0
-    return parts
+from glm_jax.model import abstract_model, params_by_part
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,84 @@
+"""The library's core imports no front end: walking the imports of its modules (every import
+statement, those inside functions too, followed through glm_jax) never reaches
+glm_jax.frontends."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from conftest import ROOT
+
+PACKAGE = ROOT / "glm_jax"
+CORE = ["training", "decoding", "layers", "cache", "data", "convert", "model", "config", "checkpoint", "ops",
+        "sharding", "settings", "kernel_configs"]
+FRONT_ENDS = "glm_jax.frontends"
+
+
+def _file_of(module: str) -> Path | None:
+    path = ROOT.joinpath(*module.split("."))
+    for candidate in (path.with_suffix(".py"), path / "__init__.py"):
+        if candidate.exists():
+            return candidate
+    return None
+
+
+def _imports(module: str) -> set[str]:
+    """The glm_jax modules `module`'s file imports (with the packages above them); the package
+    writes no relative imports (the walk asserts it)."""
+    found = set()
+    for node in ast.walk(ast.parse(_file_of(module).read_text())):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            assert not node.level, f"{module}: a relative import, which this walk does not follow"
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        else:
+            continue
+        for name in names:
+            if name.startswith("glm_jax") and _file_of(name):
+                parts = name.split(".")
+                found.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+    return found
+
+
+def _reached_from(start: str) -> dict[str, str]:
+    """Every glm_jax module imported from `start`, directly or through others -> the module that imports it."""
+    seen, todo = {start: ""}, [start]
+    while todo:
+        module = todo.pop()
+        for name in _imports(module):
+            if name not in seen:
+                seen[name] = module
+                todo.append(name)
+    return seen
+
+
+def _core_modules() -> list[str]:
+    modules = []
+    for name in CORE:
+        target = PACKAGE / name
+        files = sorted(target.rglob("*.py")) if target.is_dir() else [target.with_suffix(".py")]
+        modules += [".".join(f.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__") for f in files]
+    return modules
+
+
+def test_the_core_reaches_no_front_end():
+    offending = []
+    for module in _core_modules():
+        reached = _reached_from(module)
+        for name in reached:
+            if name == FRONT_ENDS or name.startswith(FRONT_ENDS + "."):
+                chain = [name]
+                while reached[chain[-1]]:
+                    chain.append(reached[chain[-1]])
+                offending.append(" <- ".join(chain))
+    assert not offending, "\n".join(offending)
+
+
+def test_the_walk_sees_imports_inside_functions():
+    """The walk follows an import written inside a function (as the front ends' lazy imports are)
+    and covers the core's modules."""
+    assert "glm_jax.frontends.cli" in _reached_from("glm_jax.frontends.serve")
+    assert "glm_jax.checkpoint_damage" in _reached_from("glm_jax.frontends.cli")   # exit_with's import
+    assert len(_core_modules()) > 40

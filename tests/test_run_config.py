@@ -1,0 +1,95 @@
+"""The settings of a run (glm_jax.settings, glm_jax.training.run_config): validation of every
+number in one line, the YAML file with flags over it, and what a --resume may change."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+import train
+from glm_jax import settings
+from glm_jax.training import run_config
+from glm_jax.training.run_config import TrainConfig
+
+
+@pytest.mark.parametrize("program,flags,message", [
+    ("train", ["--steps", "-5"], "--steps (schedule.steps) must be >= 1, got -5"),
+    ("train", ["--batch-size", "0"], "--batch-size (data.batch_size) must be >= 1, got 0"),
+    ("train", ["--lr", "-1"], "--lr (schedule.lr) must be >= 0, got -1.0"),
+    ("train", ["--stop-after", "-1"], "--stop-after (stop_after) must be >= 1, got -1"),
+    ("train", ["--seq-len", "0"], "--seq-len (data.seq_len) must be >= 1, got 0"),
+    ("train", ["--mtp-weight", "-0.5"], "--mtp-weight (losses.mtp_weight) must be >= 0, got -0.5"),
+    ("train", ["--eval-batches", "0"], "--eval-batches (logging.eval_batches) must be >= 1, got 0"),
+    ("train", ["--peak-tflops", "0"], "--peak-tflops (logging.peak_tflops) must be > 0, got 0.0"),
+    ("train", ["--prefetch-batches", "-1"], "--prefetch-batches (data.prefetch_batches) must be >= 0, got -1"),
+    ("decode", ["--serve", "--port", "-1"], "--port (port) must be >= 0, got -1"),
+    ("decode", ["--serve", "--port", "70000"], "--port (port) must be <= 65535, got 70000"),
+    ("decode", ["--serve", "--page-size", "0"], "--page-size (page_size) must be >= 1, got 0"),
+    ("decode", ["--max-new-tokens", "0"], "--max-new-tokens (max_new_tokens) must be > 0, got 0"),
+    ("decode", ["--speculative", "-1"], "--speculative (speculative) must be >= 0, got -1"),
+    ("decode", ["--max-batch", "0"], "--max-batch (max_batch) must be >= 1, got 0"),
+    ("decode", ["--prefill-chunk", "0"], "--prefill-chunk (prefill_chunk) must be >= 1, got 0"),
+])
+def test_bad_numbers_are_one_line_and_exit_2_before_any_work(tmp_path, capsys, program, flags, message):
+    """train.py creates no run directory; decode.py (--serve too) loads no model: it names none that exists."""
+    import decode
+
+    where = {"train": ["--out", str(tmp_path / "run")], "decode": ["--checkpoint", str(tmp_path / "no-model")]}
+    assert {"train": train, "decode": decode}[program].main(where[program] + flags) == 2
+    assert capsys.readouterr().err.splitlines() == [f"error: {message}"]
+    assert not (tmp_path / "run").exists()
+
+
+def test_out_is_required(capsys):
+    assert train.main(["--steps", "5"]) == 2
+    assert capsys.readouterr().err.startswith("error: --out: give the run directory")
+
+
+def test_run_config_file_with_flags_over_it(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("out: runs/a\nschedule:\n  lr: 1e-3\n  steps: 40\ndata:\n  data: [a.txt, b.jsonl]\n")
+    got = train.train_config(train.parse_args(["--run-config", str(path), "--steps", "50"]))
+    assert (got.out, got.schedule.lr, got.schedule.steps, got.data.data) == ("runs/a", 1e-3, 50, ("a.txt", "b.jsonl"))
+    assert got.schedule.warmup_steps == TrainConfig().schedule.warmup_steps
+
+
+@pytest.mark.parametrize("text,message", [
+    ("schedule:\n  step: 5\n", "unknown setting 'schedule.step'"),
+    ("schedule:\n  steps: many\n", "--steps (schedule.steps) must be an integer, got 'many'"),
+    ("data: 5\n", "expected a mapping of settings, got int"),
+])
+def test_bad_run_config_file_is_one_line(tmp_path, capsys, text, message):
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    assert train.main(["--run-config", str(path), "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and message in err[0]
+
+
+def test_settings_file_written_and_read_back(tmp_path):
+    written = settings.with_values(TrainConfig(), {"out": "x", "lr": 5e-4, "data": ("a.txt",), "mtp_kv_share": False,
+                                                   "peak_tflops": 989})
+    run_config.save(written, tmp_path)
+    assert run_config.load(tmp_path / run_config.FILE_NAME) == dataclasses.replace(written, out=None)   # the run's only
+
+
+def test_resume_names_each_change_and_refuses_the_data_order():
+    old = TrainConfig(out="a")
+    new = settings.with_values(old, {"out": "b", "resume": True, "lr": 1e-3, "steps": 900})
+    assert run_config.resume_changes(old, new) == ["resume: schedule.steps (--steps) 600 -> 900",
+                                                   "resume: schedule.lr (--lr) 0.003 -> 0.001"]
+    with pytest.raises(settings.SettingError, match=r"--resume cannot change data.seq_len \(--seq-len\) 256 -> 128: "
+                                                    r"it fixes the order of the batches.*; resume with --seq-len 256, "):
+        run_config.resume_changes(old, settings.with_values(new, {"seq_len": 128}))
+    assert "no run_config.yaml" in run_config.resume_changes(None, new)[0]
+
+
+def test_hints_name_the_interpreter_as_run_from_the_working_directory(tmp_path, monkeypatch):
+    from glm_jax.frontends import cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.executable", str(tmp_path / ".venv" / "bin" / "python"))
+    assert cli.python_command() == ".venv/bin/python"
+    monkeypatch.setattr("sys.executable", "/usr/bin/python3")
+    assert cli.python_command() == "/usr/bin/python3"
