@@ -20,7 +20,8 @@ from glm_jax.ops import KernelChoice
 #: the registry op whose implementations that field names).
 GROUPS = {"attention": ("attention", "attention_config", "sparse_mla"),
           "indexer": ("indexer", "indexer_config", "indexer_topk"),
-          "indexer_kl": ("indexer_kl", "indexer_kl_config", "indexer_cross_entropy")}
+          "indexer_kl": ("indexer_kl", "indexer_kl_config", "indexer_cross_entropy"),
+          "dense_kl": ("dense_kl", "dense_kl_config", "dense_indexer_kl")}
 
 
 def configured(choice: KernelChoice, configs: Mapping[str, Mapping[str, Any]]) -> KernelChoice:

@@ -28,7 +28,7 @@ def test_auto_is_resolved_so_that_config_and_implementation_agree():
 @pytest.mark.parametrize("configs,message", [
     ({"attention": {"block_kk": 64}}, "kernel config attention.block_kk: XlaConfig (the 'xla' sparse_mla kernel) has "
                                       "no such field; its fields: q_chunk"),
-    ({"attn": {"q_chunk": 64}}, "kernel config 'attn': no such kernel group (groups: attention, indexer, indexer_kl)"),
+    ({"attn": {"q_chunk": 64}}, "kernel config 'attn': no such kernel group (groups: attention, indexer, indexer_kl, dense_kl)"),
     ({"attention": {"q_chunk": -1}}, "kernel config attention: XlaConfig.q_chunk must be a positive int"),
     ({"attention": 5}, "kernel config attention: expected a mapping of fields, got 5"),
 ])
