@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from benchmarks._train_parts import old_expert_ffn
 from glm_jax.layers import moe as moe_lib
 
 HIDDEN, FFN = 16, 8
@@ -38,18 +39,7 @@ def _reference_expert_ffn(xs, group_sizes, gate_proj, up_proj, down_proj):
         ragged = lambda a, w: jax.lax.ragged_dot(a, w, group_sizes, preferred_element_type=jnp.float32)
         act = (jax.nn.silu(ragged(xs, gate_proj)) * ragged(xs, up_proj)).astype(xs.dtype)
         return ragged(act, down_proj)
-    num_blocks = -(-(num_rows + num_experts * (block - 1)) // block)
-    padded = -(-group_sizes // block) * block
-    padded_end, end = jnp.cumsum(padded), jnp.cumsum(group_sizes)
-    expert_of_row = jnp.repeat(jnp.arange(num_experts), group_sizes, total_repeat_length=num_rows)
-    slot = (padded_end - padded)[expert_of_row] + jnp.arange(num_rows) - (end - group_sizes)[expert_of_row]
-    block_expert = jnp.minimum(jnp.searchsorted(padded_end, jnp.arange(num_blocks) * block, side="right"),
-                               num_experts - 1)
-    x_blocks = jnp.zeros((num_blocks * block, xs.shape[1]), xs.dtype).at[slot].set(xs)
-    x_blocks = x_blocks.reshape(num_blocks, block, -1)
-    mm = lambda a, w: jnp.einsum("bci,bio->bco", a, w[block_expert], preferred_element_type=jnp.float32)
-    act = jax.nn.silu(mm(x_blocks, gate_proj)) * mm(x_blocks, up_proj)
-    return mm(act.astype(xs.dtype), down_proj).reshape(num_blocks * block, -1)[slot]
+    return old_expert_ffn(xs, group_sizes, gate_proj, up_proj, down_proj, block)   # blocks padded per expert
 
 
 def reference_routed(cfg, tokens, router, bias, gate_proj, up_proj, down_proj):
