@@ -341,22 +341,10 @@ def dense_indexer_kl(qs, latents, idx_q: jax.Array, idx_keys: jax.Array, idx_w: 
       softmax(s)). Differentiable in idx_q, idx_keys and idx_w (d/ds_t = softmax(s)_t - tbar_t);
       no gradient reaches qs or latents.
     """
-    entry, config = registry.select("dense_indexer_kl", impl, config, interpret)
     qs, latents = tuple(qs), tuple(latents)
-    if not qs or len(latents) != len(qs):
-        raise ValueError(f"pallas_kernels.dense_indexer_kl: one latent array per layer's queries and at least one "
-                         f"layer, got {len(qs)} queries and {len(latents)} latents")
-    batch, seq_len = idx_q.shape[:2]
-    for q, latent in zip(qs, latents):
-        if q.shape[:2] != (batch, seq_len) or latent.shape[:2] != (batch, seq_len):
-            raise ValueError(f"pallas_kernels.dense_indexer_kl: every layer's queries and latent rows must be "
-                             f"[{batch}, {seq_len}, ...] (the indexer's queries), got {q.shape} and {latent.shape}")
-    if idx_keys.shape[:2] != (batch, seq_len):
-        raise ValueError(f"pallas_kernels.dense_indexer_kl: the indexer keys must be [{batch}, {seq_len}, Di] (one "
-                         f"per query row), got {idx_keys.shape}")
-    shares = (1.0 / len(qs),) * len(qs) if shares is None else tuple(float(s) for s in shares)
-    if len(shares) != len(qs):
-        raise ValueError(f"pallas_kernels.dense_indexer_kl: {len(shares)} shares for {len(qs)} layers")
+    shares = checks.dense_kl(qs, latents, idx_q, idx_keys, idx_w, sm_scale, kv_len, kv_start, shares)
+    entry, config = registry.select("dense_indexer_kl", impl, config, interpret)
+    seq_len = idx_q.shape[1]
     qs = tuple(jax.lax.stop_gradient(q) for q in qs)
     latents = tuple(jax.lax.stop_gradient(c.astype(q.dtype)) for c, q in zip(latents, qs))
     kv_len = jnp.minimum(jnp.asarray(kv_len, jnp.int32), seq_len)

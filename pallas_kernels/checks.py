@@ -199,6 +199,36 @@ def cross_entropy(q, k, weights, indices, target) -> None:
     sig.array("target", target, "B S K", FLOAT32)
 
 
+def dense_kl(qs, latents, idx_q, idx_keys, idx_w, sm_scale, kv_len, kv_start, shares) -> tuple[float, ...]:
+    """dense_indexer_kl: L >= 1 queries [B, S, H, Dk] and as many latents [B, S, Dk]; idx_q
+    [B, S, Hi, Di], idx_keys [B, S, Di], idx_w [B, S, Hi]; kv_len int [B]; kv_start int [B, S]
+    or None; sm_scale a static float; shares None or one static float a layer -> the shares
+    (1 / L each by default)."""
+    sig = Signature("dense_indexer_kl")
+    if not qs or len(latents) != len(qs):
+        sig.fail(f"one latent array per layer's queries and at least one layer, got {len(qs)} queries and "
+                 f"{len(latents)} latents")
+    sig.array("idx_q", idx_q, "B S Hi Di", FLOAT)
+    for j, (q, latent) in enumerate(zip(qs, latents)):
+        sig.array(f"qs[{j}]", q, "B S H Dk", FLOAT)
+        sig.array(f"latents[{j}]", latent, "B S Dk", FLOAT)
+    rows = (sig.size("B"), sig.size("S"))
+    if tuple(_shape_dtype(idx_keys)[0][:2]) != rows:
+        sig.fail(f"the indexer keys must be [{rows[0]}, {rows[1]}, Di] (one per query row), got "
+                 f"{_shape_dtype(idx_keys)[0]}")
+    sig.array("idx_keys", idx_keys, "B S Di", FLOAT)
+    sig.array("idx_w", idx_w, "B S Hi", FLOAT)
+    sig.array("kv_len", kv_len, "B", INT)
+    sig.optional("kv_start", kv_start, "B S", INT)
+    sig.static_float("sm_scale", sm_scale)
+    if shares is None:
+        return (1.0 / len(qs),) * len(qs)
+    shares = tuple(sig.static_float("shares", s) for s in shares)
+    if len(shares) != len(qs):
+        sig.fail(f"{len(shares)} shares for {len(qs)} layers")
+    return shares
+
+
 def causal_attention(q, k, v, scale, kv_len, mask, segments) -> None:
     """causal_attention: q, k, v [B, S, N, d]; scale a static float; kv_len int [B] or None;
     mask bool [B, S, S] or None; segments (offsets int [B, M + 1], lengths int [B, M]) or None."""
