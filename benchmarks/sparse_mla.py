@@ -31,6 +31,7 @@ import numpy as np
 
 import pallas_kernels as pk
 from benchmarks._measure import bench, ceilings
+from benchmarks._report import failure
 
 H, DK, DV = 64, 576, 512
 SCALE = DK ** -0.5
@@ -172,9 +173,9 @@ def mosaic_paged_decode(bw, smoke, context):
                 diff = float(jnp.max(jnp.abs(fn(q, store, table, idx)[0].astype(jnp.float32)
                                              - want.astype(jnp.float32))))
             except Exception as e:       # report, don't abort the run
-                last = (str(e).strip().splitlines() or [""])[-1][:300]
-                rows.append(dict(impl="mosaic_gpu", batch=B, config=cfg, error=f"{type(e).__name__}: {last}"))
-                print(f"| {B} | failed | {cfg} | {moved / bw * 1e6:.1f} | {type(e).__name__}: {last} | |", flush=True)
+                error = failure(e)
+                rows.append(dict(impl="mosaic_gpu", batch=B, config=cfg, error=error))
+                print(f"| {B} | failed | {cfg} | {moved / bw * 1e6:.1f} | {error} | |", flush=True)
                 continue
             rows.append(dict(impl="mosaic_gpu", batch=B, paged=t, config=cfg, floor=moved / bw, pct=moved / t / bw,
                              max_abs_diff=diff))
@@ -215,9 +216,9 @@ def mosaic_prefill_forward(mm, smoke, queries, context, heads):
             t = bench(fn, q, kv, idx, reps=3)
             out, lse = fn(q, kv, idx)
         except Exception as e:       # report, don't abort the run
-            last = (str(e).strip().splitlines() or [""])[-1][:300]
-            rows.append(dict(kernel=kernel, config=cfg, error=f"{type(e).__name__}: {last}"))
-            print(f"| {kernel} | {cfg} | failed | | | {type(e).__name__}: {last} |", flush=True)
+            error = failure(e)
+            rows.append(dict(kernel=kernel, config=cfg, error=error))
+            print(f"| {kernel} | {cfg} | failed | | | {error} |", flush=True)
             continue
         if want is None:
             want = (out.astype(jnp.float32), lse)
