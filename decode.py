@@ -64,6 +64,10 @@ def parse_args(argv=None):
     ap.add_argument("--no-kv-share", dest="kv_share", action="store_false",
                     help="draft steps 2..K run their own indexer over target+draft KV (the baseline)")
     ap.add_argument("--prefill-chunk", type=int, default=256)
+    ap.add_argument("--batch-invariant", action="store_true",
+                    help="give each prompt the tokens it gets alone, whatever its batch, chunk size or "
+                         "speculation: every token computed in row chunks of one shape (glm_jax.ops.KernelChoice; "
+                         "its cost: benchmarks/speculative.py --batch-invariant)")
     ap.add_argument("--max-batch", type=int, default=None, metavar="N",
                     help="decode the prompts through the serving engine, N sequences at a time (continuous "
                          "batching; plain decoding, each prompt its own sampling stream); with --serve, the "

@@ -24,6 +24,7 @@ from glm_jax.layers.embedding import embed
 from glm_jax.layers.linear import Linear
 from glm_jax.layers.mtp import MTPLayer
 from glm_jax.layers.norms import RMSNorm
+from glm_jax.row_chunks import in_row_chunks
 from glm_jax.layers.segments import segment_layout
 from glm_jax.sharding import split_tokens
 
@@ -121,8 +122,17 @@ class GLMModel(nnx.Module):
         s = tokens.shape[1]
         positions = cache.positions(s)
         x, cache = self._cached_stacks(embed(self.embed_tokens, tokens), positions, cache, kernels)
-        hidden = self.norm(x)
-        return self.logits(hidden), hidden, cache.advance(_advance(s, num_valid))
+        logits, hidden = self._cached_head(self.norm, x, kernels)
+        return logits, hidden, cache.advance(_advance(s, num_valid))
+
+    def _cached_head(self, norm: RMSNorm, x, kernels: ops.KernelChoice):
+        """x [B, S, hidden] -> (logits float32 [B, S, vocab], norm(x)), in fixed row chunks when
+        batch-invariant (`row_chunks`)."""
+        def head(x):
+            hidden = norm(x)
+            return self.logits(hidden), hidden
+
+        return in_row_chunks(head, x, rows=kernels.token_rows)
 
     def _cached_stacks(self, x, positions, cache: KVCache, kernels: ops.KernelChoice):
         """Every group stack against the cache: x [B, S, hidden] at positions int32 [B, S]
@@ -155,21 +165,25 @@ class GLMModel(nnx.Module):
         [B, S, hidden], cache, indices int32 [B, S, topk] the MTP indexer chose)."""
         s = next_tokens.shape[1]
         positions = cache.positions(s)
-        x = self.mtp.inputs(embed(self.embed_tokens, next_tokens), hidden)
+        x = self._mtp_inputs(next_tokens, hidden, kernels)
         view = _mtp_view(cache, positions)
         x, indices = self.mtp.block.forward_cached(x, positions, view, kernels)
-        out = self.mtp.shared_head.norm(x)
-        return self.logits(out), out, cache.with_view(view).advance(_advance(s, num_valid)), indices
+        logits, out = self._cached_head(self.mtp.shared_head.norm, x, kernels)
+        return logits, out, cache.with_view(view).advance(_advance(s, num_valid)), indices
 
     def mtp_draft_step(self, next_tokens, hidden, positions, cache: KVCache, indices, *,
                        kernels: ops.KernelChoice = ops.KernelChoice()):
         """A KVShare draft step (2..K): reuse `indices` [B, 1, topk] from draft step 1, so only KV
         computed from the target's hidden states is read; nothing is written.
         next_tokens [B, 1], hidden [B, 1, hidden], positions [B, 1] -> (logits [B, 1, V], hidden)."""
-        x = self.mtp.inputs(embed(self.embed_tokens, next_tokens), hidden)
+        x = self._mtp_inputs(next_tokens, hidden, kernels)
         x = self.mtp.block.forward_reusing_indices(x, positions, _mtp_view(cache, positions), indices, kernels)
-        out = self.mtp.shared_head.norm(x)
-        return self.logits(out), out
+        return self._cached_head(self.mtp.shared_head.norm, x, kernels)
+
+    def _mtp_inputs(self, next_tokens, hidden, kernels: ops.KernelChoice):
+        """next_tokens int32 [B, S], hidden [B, S, hidden] -> the MTP block's input [B, S, hidden]
+        (`MTPLayer.inputs`), in fixed row chunks when batch-invariant."""
+        return in_row_chunks(self.mtp.inputs, embed(self.embed_tokens, next_tokens), hidden, rows=kernels.token_rows)
 
 
 def _mtp_view(cache: KVCache, positions):

@@ -26,6 +26,11 @@ __all__ = ["KernelChoice", "impl_choices", "indexer_scores", "indexer_topk", "sp
            "causal_attention", "paged_indexer_topk", "paged_sparse_mla", "dense_indexer_kl"]
 
 
+#: Tokens per chunk of the batch-invariant cached forward's token-wise work: one chunk holds a
+#: decode step of 64 sequences or a verify step of 8 sequences at 7 drafts.
+INVARIANT_ROWS = 64
+
+
 @dataclasses.dataclass(frozen=True)
 class KernelChoice:
     """Which implementation each op uses (`impl_choices`): `indexer` for the indexer's scores and
@@ -36,7 +41,14 @@ class KernelChoice:
     `dense_kl_config` (each config that implementation's dataclass, e.g.
     `pallas_kernels.IndexerGpuConfig`, `pallas_kernels.SparseMLAGpuConfig`,
     `pallas_kernels.IndexerKLGpuConfig`, `pallas_kernels.DenseKLXlaConfig`; None: its defaults);
-    `interpret` runs Pallas kernels on the CPU."""
+    `interpret` runs Pallas kernels on the CPU.
+
+    `batch_invariant`: the cached forward (prefill, decode, speculative verify and draft)
+    computes every token the same way whatever else is in the call: all of its work, the
+    attention and indexer kernels included, runs on chunks of `invariant_rows` tokens of one
+    compiled shape (`glm_jax.row_chunks`), each token a sequence of one query to the kernels,
+    the MoE experts by the "dense" dispatch, the cached rows read in one fetch mode. Greedy
+    decoding then gives a prompt the same tokens alone, in any batch, and with speculation."""
 
     indexer: str = "auto"
     attention: str = "auto"
@@ -47,6 +59,8 @@ class KernelChoice:
     indexer_kl_config: Any = None
     dense_kl: str = "xla"
     dense_kl_config: Any = None
+    batch_invariant: bool = False
+    invariant_rows: int = INVARIANT_ROWS
 
     def __post_init__(self):
         for field, op in (("indexer", "indexer_topk"), ("attention", "sparse_mla"),
@@ -54,6 +68,17 @@ class KernelChoice:
             if getattr(self, field) not in impl_choices(op):
                 raise ValueError(f"KernelChoice.{field}={getattr(self, field)!r}: valid choices are "
                                  f"{', '.join(map(repr, impl_choices(op)))}")
+        if not isinstance(self.batch_invariant, bool):
+            raise TypeError(f"KernelChoice.batch_invariant must be True or False, got {self.batch_invariant!r}")
+        if isinstance(self.invariant_rows, bool) or not isinstance(self.invariant_rows, int) \
+                or self.invariant_rows < 1:
+            raise ValueError(f"KernelChoice.invariant_rows must be a positive int, got {self.invariant_rows!r}")
+
+    @property
+    def token_rows(self) -> int | None:
+        """Tokens per chunk of the cached forward's token-wise work (`row_chunks.in_row_chunks`),
+        or None to run it on the whole call."""
+        return self.invariant_rows if self.batch_invariant else None
 
 
 def indexer_scores(q, k, weights, *, q_pos, kv_len, kv_start=None, **static):

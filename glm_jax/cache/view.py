@@ -40,13 +40,37 @@ import jax.numpy as jnp
 from glm_jax import ops
 from glm_jax.cache.layer_split import Placement
 from glm_jax.cache.pages import gather_rows, read_sequence, write_rows
+from glm_jax.row_chunks import in_row_chunks
 
 
-def fetch_mode(num_queries: int, topk: int, max_len: int, local: bool) -> str:
-    """"paged", "rows" or "slice" (module docstring); local: no LayerSplit."""
-    if num_queries * topk >= max_len:
+def fetch_mode(num_queries: int, topk: int, max_len: int, local: bool, pinned: bool = False) -> str:
+    """"paged", "rows" or "slice" (module docstring); local: no LayerSplit. pinned: never
+    "slice", so that a call of any size reads the rows the same way (batch-invariant)."""
+    if num_queries * topk >= max_len and not pinned:
         return "slice"
     return "paged" if local else "rows"
+
+
+def by_token(fn, rows: int | None, per_query: tuple, per_sequence: tuple = ()):
+    """A kernel call with every token a sequence of its own, on chunks of `rows` tokens of one
+    shape (`row_chunks.in_row_chunks`), so that no token's result depends on the call's size;
+    rows None: fn on the arrays as they are.
+
+    per_query: arrays [B, S, ...]; per_sequence: arrays [B, ...] (page table, lengths), each
+    token given its sequence's row. fn(*per_query as [R, S', ...], *per_sequence as [R, ...])
+    -> [R, S', ...] with R sequences of S' = 1 query (B and S themselves when rows is None)
+    -> [B, S, ...]."""
+    if rows is None:
+        return fn(*per_query, *per_sequence)
+    b, s = per_query[0].shape[:2]
+    spread = tuple(jnp.broadcast_to(a[:, None], (b, s) + a.shape[1:]) for a in per_sequence)
+    nq = len(per_query)
+
+    def chunk(*arrays):
+        queries = [a[0][:, None] for a in arrays[:nq]]
+        return fn(*queries, *(a[0] for a in arrays[nq:]))[:, 0][None]
+
+    return in_row_chunks(chunk, *per_query, *spread, rows=rows)
 
 
 class GroupCacheView:
@@ -98,9 +122,13 @@ class GroupCacheView:
 
         def fn(store, page_table, queries, weights, positions, kv_len, index):
             slot, mine = self.placement.locate(index, store.shape[0])
-            indices = ops.paged_indexer_topk(queries, store, page_table, weights, topk=topk, q_pos=positions,
-                                             kv_len=kv_len, slot=slot, impl=kernels.indexer,
-                                             config=kernels.indexer_config, interpret=kernels.interpret)
+
+            def topk_of(queries, weights, positions, kv_len, page_table):
+                return ops.paged_indexer_topk(queries, store, page_table, weights, topk=topk, q_pos=positions,
+                                              kv_len=kv_len, slot=slot, impl=kernels.indexer,
+                                              config=kernels.indexer_config, interpret=kernels.interpret)
+
+            indices = by_token(topk_of, kernels.token_rows, (queries, weights, positions), (kv_len, page_table))
             return (self.placement.share(indices, mine),)
         rows = (self.page_table, queries, weights, self.positions, kv_len)
         return self.placement.manual(fn, (self.index_keys,), rows, (self.full_index,), out_stores=0, out_rows=1)[0]
@@ -113,11 +141,13 @@ class GroupCacheView:
         return self.placement.manual(fn, (self.latent,), (self.page_table,), (self.first_layer + j,),
                                      out_stores=0, out_rows=1)[0]
 
-    def fetch(self, indices: jnp.ndarray, num_layers: int) -> None:
+    def fetch(self, indices: jnp.ndarray, num_layers: int, *, pinned: bool = False) -> None:
         """Bring the latent rows attention of layers 0 .. num_layers-1 will read (nothing in
-        "paged" mode: the kernels read them in place); indices int32 [B, S, K]."""
+        "paged" mode: the kernels read them in place); indices int32 [B, S, K]. pinned: the
+        same mode for a call of any size (`fetch_mode`)."""
         placement = self.placement
-        self._mode = mode = fetch_mode(indices.shape[1], indices.shape[2], self.max_len, placement.split is None)
+        self._mode = mode = fetch_mode(indices.shape[1], indices.shape[2], self.max_len, placement.split is None,
+                                       pinned)
         if mode == "paged":
             return
 
@@ -151,7 +181,15 @@ class GroupCacheView:
         if self._mode == "paged":
             return self.attend_cached(j, q, indices, sm_scale=sm_scale, v_dim=v_dim, kernels=kernels)
         kv, kv_indices = self.attended_latent(j, indices, latent)
-        return ops.sparse_mla(q, kv.astype(q.dtype), kv_indices, **_attention_kwargs(sm_scale, v_dim, kernels))[0]
+        kw = _attention_kwargs(sm_scale, v_dim, kernels)
+        if kernels.token_rows is None:
+            return ops.sparse_mla(q, kv.astype(q.dtype), kv_indices, **kw)[0]
+        # "rows" (pinned): each token attends its own K gathered rows
+        b, s, k = indices.shape
+        own_rows = kv.reshape(b, s, k, -1).astype(q.dtype)
+        own_slots = jnp.where(indices >= 0, jnp.arange(k, dtype=jnp.int32), -1)
+        attend_one = lambda q, rows, slots: ops.sparse_mla(q, rows[:, 0], slots, **kw)[0]
+        return by_token(attend_one, kernels.token_rows, (q, own_rows, own_slots))
 
     def attend_cached(self, j: int, q: jnp.ndarray, indices: jnp.ndarray, *, sm_scale: float, v_dim: int,
                       kernels: ops.KernelChoice) -> jnp.ndarray:
@@ -161,7 +199,9 @@ class GroupCacheView:
         owner's broadcast sequence (`read_latent`)."""
         kw = _attention_kwargs(sm_scale, v_dim, kernels)
         if self.placement.split is None:
-            return ops.paged_sparse_mla(q, self.latent, self.page_table, indices, slot=self.first_layer + j, **kw)[0]
+            def attend_one(q, indices, page_table):
+                return ops.paged_sparse_mla(q, self.latent, page_table, indices, slot=self.first_layer + j, **kw)[0]
+            return by_token(attend_one, kernels.token_rows, (q, indices), (self.page_table,))
         return ops.sparse_mla(q, self.read_latent(j).astype(q.dtype), indices, **kw)[0]
 
     def attended_latent(self, j: int, indices: jnp.ndarray, latent: jnp.ndarray):

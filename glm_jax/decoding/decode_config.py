@@ -31,6 +31,7 @@ class DecodeConfig(Settings):
     attention_impl: str = setting("auto")
     indexer_impl: str = setting("auto")
     kernel_config: dict[str, dict] = setting(default_factory=dict)
+    batch_invariant: bool = setting(False)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -44,8 +45,8 @@ class DecodeConfig(Settings):
 
     def kernels(self) -> ops.KernelChoice:
         """The kernels, their configs set (`kernel_configs.configured`: resolves "auto" on this backend)."""
-        return configured(ops.KernelChoice(indexer=self.indexer_impl, attention=self.attention_impl),
-                          self.kernel_config)
+        return configured(ops.KernelChoice(indexer=self.indexer_impl, attention=self.attention_impl,
+                                           batch_invariant=self.batch_invariant), self.kernel_config)
 
 
 def build_generator(model, settings: DecodeConfig, *, batch: int, mesh=None):

@@ -27,6 +27,10 @@ from glm_jax.multihost import global_array, place, replicated, to_host
 from glm_jax.sharding import ShardingError, logical_sharding, shard_params
 
 
+#: Cache rows per sequence are a multiple of this (`GeneratorBase.cache_rows`).
+CACHE_ROWS = 128
+
+
 class ContextTooLongError(ValueError):
     """The prompt plus the tokens to generate do not fit the cache / the model's context."""
 
@@ -87,6 +91,12 @@ class GeneratorBase:
                 f"{self.cfg.max_position_embeddings} tokens (max_position_embeddings)")
         self.prefill_chunk = prefill_chunk
         self.kernels = kernels
+
+    @staticmethod
+    def cache_rows(need: int) -> int:
+        """Cache rows per sequence for `need` rows: rounded up to CACHE_ROWS, so that prompts of
+        nearby lengths share the compiled programs (a program is compiled per cache shape)."""
+        return round_up(need, CACHE_ROWS)
 
     def new_cache(self, batch: int, cache_len: int, dtype=None) -> KVCache:
         """An empty target cache, LayerSplit and placed on the mesh when there is one."""
@@ -194,7 +204,8 @@ class Generator(GeneratorBase):
         padded, lengths = self._prompt_batch(prompt_ids, max_new_tokens)
         b, p = padded.shape
         # Room for whole prefill chunks and whole decode blocks (their padding rows are written).
-        cache_len = max(round_up(p, self.prefill_chunk), p + round_up(max_new_tokens, self.block_size))
+        need = max(round_up(p, self.prefill_chunk), p + round_up(max_new_tokens, self.block_size))
+        cache_len = self.cache_rows(need)
         cache = self.new_cache(b, cache_len, self.cache_dtype)
 
         t0 = time.perf_counter()

@@ -192,7 +192,7 @@ class SpeculativeGenerator(GeneratorBase):
         padded, lengths = self._prompt_batch(prompt_ids, max_new_tokens)
         b, p = padded.shape
         k, chunk = self.num_draft, self.prefill_chunk
-        cache_len = max(round_up(p, chunk), p + max_new_tokens + 2 * (k + 1))
+        cache_len = self.cache_rows(max(round_up(p, chunk), p + max_new_tokens + 2 * (k + 1)))
         cache = self.new_cache(b, cache_len)
         mtp_cache = self.put_replicated(create_mtp_cache(self.cfg, b, cache_len))
         t0 = time.perf_counter()

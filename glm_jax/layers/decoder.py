@@ -29,6 +29,7 @@ from glm_jax.layers.mla import MLAProjection, indices_to_mask
 from glm_jax.layers.moe import MLP, MoE
 from glm_jax.layers.selected_kl import add_target, selected_set_kl
 from glm_jax.layers.norms import RMSNorm
+from glm_jax.row_chunks import in_row_chunks
 from glm_jax.layers.segments import query_rows, segment_table
 from glm_jax.sharding import gather_keys, split_tokens
 
@@ -126,9 +127,11 @@ class DecoderLayer(nnx.Module):
         q_nope, q_rope = self.self_attn.queries(q_resid, positions)
         return h, q_resid, q_nope, q_rope, self.self_attn.latent(h, positions)
 
-    def finish(self, x, attn_out):
+    def finish(self, x, attn_out, dispatch: str | None = None):
+        """x + attn_out, then the MLP (MoE: its experts run by `dispatch`, `moe.DISPATCH`)."""
         x = x + attn_out
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.post_attention_layernorm(x)
+        return x + (self.mlp(h, dispatch) if self.kind.is_moe else self.mlp(h))
 
 
 def head_summed_target(probs: jnp.ndarray) -> jnp.ndarray:
@@ -262,23 +265,24 @@ class IndexShareGroup(nnx.Module):
         the view, which selects the top-k where the keys live; then the latent rows every layer
         will attend are fetched at once (or, with the layers local, read by the kernel through
         the page table); each layer writes its chunk rows to its cache slot and hands its
-        absorbed queries to the view, which runs the attention kernel.
+        absorbed queries to the view, which runs the attention kernel. The token-wise work
+        before and after attention runs in fixed row chunks when `kernels.batch_invariant`
+        (`_CachedInputs`, `_cached_outputs`).
         x [B, S, hidden]; positions int32 [B, S] (the view's)
         -> (x [B, S, hidden], the Full layer's indices int32 [B, S, topk])."""
         indices = None
         for j, layer in enumerate(self.layers):
-            h, q_resid, q_nope, q_rope, latent = layer.attention_inputs(x, positions)
-            view.write_latent(j, latent)
+            inputs = in_row_chunks(functools.partial(_cached_inputs, layer, indexer=j == 0), x, positions,
+                                   rows=kernels.token_rows)
+            view.write_latent(j, inputs.latent)
             if j == 0:
-                indexer = layer.indexer
-                view.write_index_keys(indexer.keys(h, positions))
-                indices = view.select(indexer.queries(q_resid, positions), indexer.head_weights(h),
-                                      topk=self.cfg.index_topk, kernels=kernels)
-                view.fetch(indices, len(self.layers))
-            attn = layer.self_attn
-            o_lat = view.attend(j, attn.absorbed_queries(q_nope, q_rope), indices, latent, sm_scale=attn.sm_scale,
+                view.write_index_keys(inputs.index_keys)
+                indices = view.select(inputs.index_queries, inputs.index_weights, topk=self.cfg.index_topk,
+                                      kernels=kernels)
+                view.fetch(indices, len(self.layers), pinned=kernels.batch_invariant)
+            o_lat = view.attend(j, inputs.q_abs, indices, inputs.latent, sm_scale=layer.self_attn.sm_scale,
                                 v_dim=self.cfg.kv_lora_rank, kernels=kernels)
-            x = layer.finish(x, attn.absorbed_output(o_lat, q_nope.dtype))
+            x = _cached_outputs(layer, x, o_lat, kernels)
         return x, indices
 
     def forward_reusing_indices(self, x, positions, view, indices, kernels: ops.KernelChoice):
@@ -286,12 +290,47 @@ class IndexShareGroup(nnx.Module):
         earlier), running no indexer and writing nothing. x [B, S, hidden], view: the group's
         cache (glm_jax.cache.GroupCacheView), indices int32 [B, S, topk] -> x [B, S, hidden]."""
         for j, layer in enumerate(self.layers):
-            _, _, q_nope, q_rope, _ = layer.attention_inputs(x, positions)
-            attn = layer.self_attn
-            o_lat = view.attend_cached(j, attn.absorbed_queries(q_nope, q_rope), indices, sm_scale=attn.sm_scale,
+            inputs = in_row_chunks(functools.partial(_cached_inputs, layer, indexer=False), x, positions,
+                                   rows=kernels.token_rows)
+            o_lat = view.attend_cached(j, inputs.q_abs, indices, sm_scale=layer.self_attn.sm_scale,
                                        v_dim=self.cfg.kv_lora_rank, kernels=kernels)
-            x = layer.finish(x, attn.absorbed_output(o_lat, q_nope.dtype))
+            x = _cached_outputs(layer, x, o_lat, kernels)
         return x
+
+
+class _CachedInputs(NamedTuple):
+    """A layer's token-wise work before attention in a cached forward, per token [B, S, ...]:
+    its absorbed queries q_abs [B, S, nh, kv_lora + rope] and latent rows [B, S, latent]; for
+    the Full layer also the indexer's keys [B, S, D], queries [B, S, Hi, D] and head weights
+    float32 [B, S, Hi] (else None)."""
+
+    q_abs: jax.Array
+    latent: jax.Array
+    index_keys: jax.Array | None = None
+    index_queries: jax.Array | None = None
+    index_weights: jax.Array | None = None
+
+
+def _cached_inputs(layer: DecoderLayer, x, positions, *, indexer: bool) -> _CachedInputs:
+    """x [B, S, hidden], positions int32 [B, S] -> the layer's `_CachedInputs` (token-wise)."""
+    h, q_resid, q_nope, q_rope, latent = layer.attention_inputs(x, positions)
+    q_abs = layer.self_attn.absorbed_queries(q_nope, q_rope)
+    if not indexer:
+        return _CachedInputs(q_abs, latent)
+    idx = layer.indexer
+    return _CachedInputs(q_abs, latent, idx.keys(h, positions), idx.queries(q_resid, positions), idx.head_weights(h))
+
+
+def _cached_outputs(layer: DecoderLayer, x, o_lat, kernels: ops.KernelChoice):
+    """The token-wise work after attention: x [B, S, hidden], o_lat [B, S, nh, kv_lora] the
+    attention output in the latent space -> x [B, S, hidden] after W_UV, o_proj, the residual
+    and the MLP; in fixed row chunks with the MoE's "dense" dispatch when batch-invariant."""
+    dispatch = "dense" if kernels.batch_invariant else None
+
+    def finish(x, o_lat):
+        return layer.finish(x, layer.self_attn.absorbed_output(o_lat, x.dtype), dispatch)
+
+    return in_row_chunks(finish, x, o_lat, rows=kernels.token_rows)
 
 
 def _rematerialised(forward):

@@ -1,0 +1,55 @@
+"""Token-wise work in fixed chunks of rows, so that a token's result does not depend on its batch.
+
+A matmul, a norm or a softmax computes every row by itself, but the compiler chooses its
+algorithm (tiles, split of the reduction, vector width) from the whole shape: the same token
+alone and among 31 others can come out a rounding apart, and a near-tie in the logits then
+flips a greedy token. `in_row_chunks` runs a token-wise function on chunks of exactly `rows`
+tokens, zero-padded, one chunk after another (`jax.lax.map`), so the compiled code and every
+row's reduction order are the same whatever the batch size or the number of tokens in a call.
+An optimization barrier around each chunk keeps the compiler from fusing the chunk's work with
+what surrounds it (which differs between calls).
+
+The cached forward uses it when `KernelChoice.batch_invariant` is set (`glm_jax.ops`): the
+layers' projections, norms, MLP / MoE and the LM head run this way, and so do the attention
+and indexer kernels, each token given to them as a sequence of one query
+(`glm_jax.cache.view.by_token`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+
+def in_row_chunks(fn: Callable, *arrays: jax.Array, rows: int | None):
+    """fn(*arrays) computed on chunks of `rows` tokens.
+
+    arrays: each [B, S, ...] (the same B and S); fn maps arrays of [1, rows, ...] to a pytree
+    of [1, rows, ...] arrays and must treat every token by itself (no mixing across tokens).
+    rows None: fn(*arrays) as it is. -> fn's pytree with every leaf [B, S, ...]."""
+    if rows is None:
+        return fn(*arrays)
+    if not isinstance(rows, int) or rows < 1:
+        raise ValueError(f"in_row_chunks: rows must be a positive int or None, got {rows!r}")
+    b, s = arrays[0].shape[:2]
+    for a in arrays:
+        if a.shape[:2] != (b, s):
+            raise ValueError(f"in_row_chunks: every array must be [B, S, ...] with B, S = {b}, {s}; "
+                             f"got one of shape {a.shape}")
+    tokens = b * s
+    chunks = -(-tokens // rows)
+
+    def to_chunks(a):
+        flat = a.reshape((tokens,) + a.shape[2:])
+        flat = jnp.pad(flat, [(0, chunks * rows - tokens)] + [(0, 0)] * (flat.ndim - 1))
+        return flat.reshape((chunks, 1, rows) + a.shape[2:])
+
+    def one_chunk(chunk_arrays):
+        chunk_arrays = jax.lax.optimization_barrier(chunk_arrays)
+        return jax.lax.optimization_barrier(fn(*chunk_arrays))
+
+    out = jax.lax.map(one_chunk, tuple(to_chunks(a) for a in arrays))
+    return jax.tree.map(lambda o: o.reshape((chunks * rows,) + o.shape[3:])[:tokens].reshape((b, s) + o.shape[3:]),
+                        out)
