@@ -1,0 +1,103 @@
+"""Long-context mid-training: the context extension of train.py (--context-length, YaRN), long
+documents with held-out packages, the sparse stage from a checkpoint, an exact resume with the
+extended context, the long-context evaluation and moving a run in parts."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+import train
+from conftest import ROOT, micro_config
+from glm_jax.config import ConfigError, extend_context, load_config, save_config
+from glm_jax.layers.rope import rope_inv_freq, softmax_scale_factor
+
+
+# ---------------------------------------------------------------------- the RoPE extension
+def yarn_inv_freq(dim: int, theta: float, factor: float, original: int, beta_fast: float, beta_slow: float):
+    """The YaRN paper's "NTK-by-parts" frequencies (Peng et al. 2023, eq. 17-19), written out
+    here: dimension pair d turns r(d) = original / wavelength(d) times over the original context;
+    pairs with r > beta_fast keep their frequency, pairs with r < beta_slow are interpolated
+    (divided by the factor), and between them the blend ramps linearly over the pair index from
+    the (rounded-out) pair where r = beta_fast to the one where r = beta_slow, as the published
+    implementation rounds them."""
+    theta_d = [theta ** (-2 * d / dim) for d in range(dim // 2)]
+
+    def pair_where_turns(rotations):        # solve original * theta_d / (2 pi) = rotations for d
+        return dim / 2 * math.log(original / (2 * math.pi * rotations)) / math.log(theta)
+
+    low = max(math.floor(pair_where_turns(beta_fast)), 0)
+    high = min(math.ceil(pair_where_turns(beta_slow)), dim - 1)
+    out = []
+    for d, f in enumerate(theta_d):
+        turns = original * f / (2 * math.pi)
+        if turns > beta_fast and d <= low:
+            gamma = 1.0                                  # extrapolated: kept
+        elif turns < beta_slow and d >= high:
+            gamma = 0.0                                  # interpolated: f / factor
+        else:
+            gamma = 1.0 - min(max((d - low) / (high - low), 0.0), 1.0)
+        out.append(gamma * f + (1 - gamma) * f / factor)
+    return np.array(out)
+
+
+def test_extension_writes_yarn_and_matches_the_formula():
+    base = load_config(ROOT / "checkpoints/default/config.yaml")
+    ext = extend_context(base, 32768)
+    scaling = ext.rope_scaling_dict
+    assert ext.max_position_embeddings == 32768
+    assert scaling == {"rope_type": "yarn", "factor": 8, "original_max_position_embeddings": 4096,
+                       "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
+    for dim in (base.qk_rope_head_dim, 64):
+        expected = yarn_inv_freq(dim, base.rope_theta, 8, 4096, 32, 1)
+        np.testing.assert_allclose(rope_inv_freq(dim, base.rope_theta, scaling), expected, rtol=1e-12)
+        plain = rope_inv_freq(dim, base.rope_theta)
+        assert expected[0] == plain[0] and expected[-1] == pytest.approx(plain[-1] / 8)   # both ends
+    # the attention temperature: sqrt(1/t) = 0.1 ln(s) + 1, on the softmax scale squared
+    assert softmax_scale_factor(scaling) == pytest.approx((0.1 * math.log(8) + 1) ** 2)
+
+
+def test_a_second_extension_counts_from_the_original_length():
+    base = load_config(ROOT / "checkpoints/default/config.yaml")
+    twice = extend_context(extend_context(base, 32768), 131072)
+    once = extend_context(base, 131072)
+    assert twice == once
+    assert twice.rope_scaling_dict["factor"] == 32
+    assert twice.rope_scaling_dict["original_max_position_embeddings"] == 4096
+
+
+@pytest.mark.parametrize("length,message", [
+    (4096, "the model already has 4096 positions"),
+    (2048, "the model already has 4096 positions"),
+    (10000, "not a multiple of the model's original 4096 positions"),
+])
+def test_nonsense_lengths_are_refused(length, message):
+    with pytest.raises(ConfigError, match=message):
+        extend_context(load_config(ROOT / "checkpoints/default/config.yaml"), length)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--context-length", "4096"], "error: --context-length 4096: the model already has 4096 positions"),
+    (["--context-length", "6000"], "error: --context-length 6000: not a multiple of the model's original 4096"),
+    (["--context-length", "8192", "--seq-len", "16384"],
+     "error: --seq-len 16384 is longer than the model's 8192 positions"),
+    (["--seq-len", "8192"], "error: --seq-len 8192 is longer than the model's 4096 positions"),
+    (["--context-length", "8192", "--hf-checkpoint", "x"], "error: --hf-checkpoint and --checkpoint both"),
+])
+def test_train_refuses_nonsense_in_one_line_before_any_work(tmp_path, capsys, flags, message):
+    code = train.main(["--checkpoint", str(ROOT / "checkpoints/default"), "--out", str(tmp_path / "run"), *flags]) \
+        if "--hf-checkpoint" not in flags else \
+        train.main(["--run-config", str(_both_sources(tmp_path)), "--out", str(tmp_path / "run"), *flags])
+    assert code == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(message), err
+    assert not (tmp_path / "run").exists()
+
+
+def _both_sources(tmp_path):
+    path = tmp_path / "both.yaml"
+    path.write_text(f"model:\n  checkpoint: {ROOT / 'checkpoints/default'}\n")
+    return path
