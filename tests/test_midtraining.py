@@ -16,6 +16,16 @@ from glm_jax.config import ConfigError, extend_context, load_config, save_config
 from glm_jax.layers.rope import rope_inv_freq, softmax_scale_factor
 
 
+def _script(name: str):
+    """scripts/NAME.py as a module."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 # ---------------------------------------------------------------------- the RoPE extension
 def yarn_inv_freq(dim: int, theta: float, factor: float, original: int, beta_fast: float, beta_slow: float):
     """The YaRN paper's "NTK-by-parts" frequencies (Peng et al. 2023, eq. 17-19), written out
@@ -101,3 +111,54 @@ def _both_sources(tmp_path):
     path = tmp_path / "both.yaml"
     path.write_text(f"model:\n  checkpoint: {ROOT / 'checkpoints/default'}\n")
     return path
+
+
+# ---------------------------------------------------------------------- long documents
+def _source_tree(root, packages: dict[str, int]):
+    """Packages of `files` .py files each (and a single-file module, left out)."""
+    for name, files in packages.items():
+        for i in range(files):
+            path = root / name / ("sub" if i % 2 else "") / f"m{i}.py"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(f"# {name} module {i}\n" + f"def {name}_{i}(x):\n    return x + {i}\n" * 40)
+    (root / "single.py").write_text("x = 1\n" * 500)
+
+
+def test_long_documents_hold_out_whole_packages(tmp_path):
+    long_documents = _script("long_documents")
+    from glm_jax.data import sources
+
+    tree = tmp_path / "src"
+    _source_tree(tree, {"alpha": 6, "beta": 2, "gamma": 5, "delta": 4, "eps": 1})    # eps: too short
+    out, held = tmp_path / "train.jsonl", tmp_path / "heldout.jsonl"
+    args = ["--root", str(tree), "--min-chars", "2000", "--out", str(out), "--heldout-packages", "2",
+            "--heldout-min-chars", "4000", "--heldout-out", str(held)]
+    assert long_documents.main(args) == 0
+    train_texts = [json.loads(line)["text"] for line in out.read_text().splitlines()]
+    held_texts = [json.loads(line)["text"] for line in held.read_text().splitlines()]
+
+    def names(texts):
+        return {t.split("# file: ", 1)[1].split("/", 1)[0] for t in texts}
+
+    assert len(held_texts) == 2 and names(held_texts) | names(train_texts) == {"alpha", "beta", "gamma", "delta"}
+    assert not names(held_texts) & names(train_texts)             # disjoint: whole packages
+    assert all(len(t) >= 4000 for t in held_texts)
+    assert all(t.count("# file: ") > 1 for t in train_texts + held_texts)  # a package is one document
+    # the choice hangs on the names alone: a package more in the tree leaves it as it was
+    _source_tree(tree, {"zeta": 3})
+    assert long_documents.main(args) == 0
+    assert [json.loads(line)["text"] for line in held.read_text().splitlines()] == held_texts
+    # what train.py reads
+    assert len(sources.open_documents((str(out),))) == 3 and len(sources.open_documents((str(held),))) == 2
+
+
+def test_long_documents_refuse_a_held_out_split_that_cannot_be(tmp_path, capsys):
+    long_documents = _script("long_documents")
+
+    tree = tmp_path / "src"
+    _source_tree(tree, {"alpha": 6, "beta": 2})
+    args = ["--root", str(tree), "--min-chars", "1000", "--out", str(tmp_path / "t.jsonl"), "--heldout-out",
+            str(tmp_path / "h.jsonl"), "--heldout-packages"]
+    assert long_documents.main(args + ["3"]) == 2
+    assert long_documents.main(args + ["2"]) == 2     # nothing left to train on
+    assert all(line.startswith("error: ") for line in capsys.readouterr().err.splitlines())
