@@ -162,3 +162,66 @@ def test_long_documents_refuse_a_held_out_split_that_cannot_be(tmp_path, capsys)
     assert long_documents.main(args + ["3"]) == 2
     assert long_documents.main(args + ["2"]) == 2     # nothing left to train on
     assert all(line.startswith("error: ") for line in capsys.readouterr().err.splitlines())
+
+
+# ---------------------------------------------------------------------- the stage from a checkpoint
+_COMMON = ["--batch-size", "2", "--warmup-steps", "1", "--lr", "1e-2", "--max-files", "4", "--log-every", "1",
+           "--eval-every", "100", "--eval-batches", "1", "--save-every", "100"]
+
+
+@pytest.fixture(scope="module")
+def base_run(tmp_path_factory):
+    """A micro model of 32 positions, trained and exported (what checkpoints/default is to the
+    real stage)."""
+    out = tmp_path_factory.mktemp("base")
+    cfg_path = out.parent / "micro32.yaml"
+    save_config(micro_config(vocab_size=320, max_position_embeddings=32), cfg_path)
+    assert train.main(["--config", str(cfg_path), "--out", str(out), "--steps", "2", "--dense-steps", "2",
+                       "--seq-len", "32", *_COMMON]) == 0
+    return out
+
+
+def _stage(base, length: int, steps: int = 3) -> list[str]:
+    """The flags of a mid-training stage from `base`'s weights at `length` tokens."""
+    return ["--checkpoint", str(base), "--context-length", str(length), "--seq-len", str(length),
+            "--dense-steps", "0", "--steps", str(steps), *_COMMON]
+
+
+@pytest.fixture(scope="module")
+def extended_run(base_run, tmp_path_factory):
+    """3 steps of the stage at 64 tokens (twice the base's positions), uninterrupted."""
+    out = tmp_path_factory.mktemp("extended")
+    assert train.main(_stage(base_run, 64) + ["--out", str(out)]) == 0
+    return out
+
+
+def _records(run):
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_stage_starts_sparse_with_the_extension_recorded(base_run, extended_run):
+    records = _records(extended_run)
+    assert [r["stage"] for r in records] == ["sparse"] * 3            # sparse from the first step
+    assert all(0 < r["indexer_kl"] < 100 and np.isfinite(r["loss"]) for r in records)   # the selected-set KL
+    for cfg in (load_config(extended_run / "config.yaml"), load_config(extended_run)):  # the run's, the export's
+        assert cfg.max_position_embeddings == 64
+        assert cfg.rope_scaling_dict == {"rope_type": "yarn", "factor": 2, "original_max_position_embeddings": 32,
+                                         "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
+    assert (extended_run / "tokenizer.json").read_bytes() == (base_run / "tokenizer.json").read_bytes()
+
+
+def test_stage_resumes_bit_exactly_and_keeps_its_extension(base_run, extended_run, tmp_path, capsys):
+    out = ["--out", str(tmp_path / "b")]
+    assert train.main(_stage(base_run, 64) + out + ["--stop-after", "2"]) == 0
+    capsys.readouterr()
+    assert train.main(_stage(base_run, 128) + out + ["--resume"]) == 2     # another extension
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "--resume cannot change model.context_length (--context-length) 64 -> 128" in err[0]
+    assert train.main(_stage(base_run, 64) + out + ["--resume"]) == 0
+    assert [r["loss"] for r in _records(tmp_path / "b")] == [r["loss"] for r in _records(extended_run)]   # bit for bit
+
+
+def test_the_next_stage_counts_from_the_original_length(extended_run, tmp_path):
+    assert train.main(_stage(extended_run, 128, steps=1) + ["--out", str(tmp_path / "c")]) == 0
+    scaling = load_config(tmp_path / "c" / "config.yaml").rope_scaling_dict
+    assert (scaling["factor"], scaling["original_max_position_embeddings"]) == (4, 32)

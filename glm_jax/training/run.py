@@ -91,13 +91,15 @@ def setup(settings: TrainConfig) -> Run:
     source = model_source(settings.model)
     source_cfg = load_config(settings.model.config or (source.config_file if source else DEFAULT_CONFIG))
     cfg = run_model_config(source_cfg, settings)
-    if settings.resume and (out / "config.yaml").exists():
-        check_same_config(load_config(out / "config.yaml"), cfg, str(out))
     data = settings.data
     data_shards = data.data_shards or jax.process_count()
     settings = dataclasses.replace(settings, data=dataclasses.replace(data, data_shards=data_shards))
+    old = run_config.load(out / run_config.FILE_NAME) if (out / run_config.FILE_NAME).exists() else None
+    if settings.resume and (out / "config.yaml").exists():
+        if old is not None and old.model.context_length != settings.model.context_length:
+            run_config.resume_changes(old, settings)     # refuses the change, naming the flag
+        check_same_config(load_config(out / "config.yaml"), cfg, str(out))
     if settings.resume and out.is_dir():
-        old = run_config.load(out / run_config.FILE_NAME) if (out / run_config.FILE_NAME).exists() else None
         for line in run_config.resume_changes(old, settings):
             print(line)
     form = attention_form(settings.kernels.attention_form, data.seq_len)
