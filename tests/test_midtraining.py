@@ -225,3 +225,41 @@ def test_the_next_stage_counts_from_the_original_length(extended_run, tmp_path):
     assert train.main(_stage(extended_run, 128, steps=1) + ["--out", str(tmp_path / "c")]) == 0
     scaling = load_config(tmp_path / "c" / "config.yaml").rope_scaling_dict
     assert (scaling["factor"], scaling["original_max_position_embeddings"]) == (4, 32)
+
+
+# ---------------------------------------------------------------------- moving a run in parts
+def _files(directory):
+    return {p.relative_to(directory).as_posix(): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def test_checkpoint_parts_round_trip_and_resume(base_run, extended_run, tmp_path, capsys):
+    parts_script = _script("checkpoint_parts")
+    parts, moved = tmp_path / "parts", tmp_path / "moved"
+    assert parts_script.main(["pack", str(extended_run), str(parts), "--part-mib", "0.05"]) == 0
+    manifest = json.loads((parts / "manifest.json").read_text())
+    assert manifest["step"] == 3 and len(manifest["parts"]) > 3
+    assert all((parts / p["name"]).stat().st_size <= 0.05 * 2**20 for p in manifest["parts"])
+    # a changed or missing part is found before anything is written
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    for p in parts.iterdir():
+        (damaged / p.name).write_bytes(p.read_bytes())
+    second = damaged / manifest["parts"][1]["name"]
+    second.write_bytes(b"x" + second.read_bytes()[1:])
+    assert parts_script.main(["unpack", str(damaged), str(tmp_path / "no")]) == 2
+    (damaged / manifest["parts"][0]["name"]).unlink()
+    assert parts_script.main(["unpack", str(damaged), str(tmp_path / "no")]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"error: part {manifest['parts'][1]['name']} differs from the packed one (sha256); copy it again",
+                   f"error: part {manifest['parts'][0]['name']} is missing from {damaged}; copy it again"]
+    assert not (tmp_path / "no").exists()
+
+    assert parts_script.main(["unpack", str(parts), str(moved)]) == 0
+    original = _files(extended_run)
+    assert _files(moved) == {k: v for k, v in original.items() if k.startswith("checkpoints/3/")
+                             or k in ("config.yaml", "run_config.yaml", "tokenizer.json", "metrics.jsonl")}
+    assert parts_script.main(["unpack", str(parts), str(moved)]) == 2        # not into a run in use
+    capsys.readouterr()
+    # the moved run continues (its flags, one step more; the weights it started from are read too)
+    assert train.main(_stage(base_run, 64, steps=4) + ["--out", str(moved), "--resume"]) == 0
+    assert "resume: continuing from step 3" in capsys.readouterr().out
