@@ -263,3 +263,21 @@ def test_checkpoint_parts_round_trip_and_resume(base_run, extended_run, tmp_path
     # the moved run continues (its flags, one step more; the weights it started from are read too)
     assert train.main(_stage(base_run, 64, steps=4) + ["--out", str(moved), "--resume"]) == 0
     assert "resume: continuing from step 3" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------- the evaluation
+def test_long_context_eval_scores_buckets_and_the_probe(base_run, extended_run, tmp_path, capsys):
+    from benchmarks import long_context_eval as lce
+
+    assert lce.clipped_bounds(lce.BUCKETS, 32768) == [4096, 16384, 32768]
+    logp = np.log(np.full((2, 8), 0.5))
+    logp[:, 4:] = np.log(0.25)
+    assert lce.bucket_bits(logp, [4, 8]) == [1.0, 2.0]
+    out = tmp_path / "eval.json"
+    assert lce.main(["--model", str(extended_run), "--length", "64", "--buckets", "16,32,64", "--distance", "32",
+                     "--chunk", "16", "--rows", "1", "--probes", "1", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())["results"][0]
+    assert result["length"] == 64 and result["bounds"] == [16, 32, 64] and len(result["bits_per_token"]) == 3
+    assert all(0 < b < 20 for b in result["bits_per_token"])
+    assert result["distance"] == 32 and np.isfinite(result["gain"]) and result["probe_logp"] < 0
+    assert "| bits/token 0-16 | bits/token 16-32 | bits/token 32-64 |" in capsys.readouterr().out
