@@ -3,6 +3,8 @@
     python train.py --config configs/tiny.yaml --out runs/tiny --steps 600
     python train.py --run-config my-run.yaml --lr 1e-3    # settings from a YAML file, flags overriding them
     python train.py --hf-checkpoint GLM-5.2/ --out runs/glm --steps 100   # fine-tune published weights
+    python train.py --checkpoint checkpoints/default --context-length 32768 --seq-len 32768 --dense-steps 0 \
+        --out runs/mid32k                       # long-context mid-training (docs/training.md)
     python train.py --mesh data=16 --out /shared/runs/tiny --coordinator 10.0.0.1:1234 --num-processes 2 \
         --process-id 0                          # one of several processes (hosts), each reading its data shard
 
@@ -47,10 +49,14 @@ def parse_args(argv=None):
     ap.add_argument("--run-config", default=None, metavar="FILE",
                     help="the run's settings as YAML, sections as in a run directory's run_config.yaml; flags "
                          "given override them")
-    cli.add_model_flags(ap, checkpoint=False,
+    cli.add_model_flags(ap, checkpoint=True,
                         hf_help="start from the weights (and tokenizer.json, if any) of a Hugging Face checkpoint",
                         config_help="configs/*.yaml or a config.json (default: configs/tiny.yaml, or the "
-                                    "--hf-checkpoint config)")
+                                    "--hf-checkpoint or --checkpoint config)")
+    ap.add_argument("--context-length", type=int, default=None, metavar="N",
+                    help="extend the model's positions to N (a multiple of its original length) by YaRN: "
+                         "rope_scaling factor N / original, written into the run's config.yaml; for long-context "
+                         "mid-training from --checkpoint or --hf-checkpoint weights")
     ap.add_argument("--out", help="run directory (created; reused with --resume)")
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--batch-size", type=int, default=16)

@@ -319,6 +319,36 @@ def save_config(config: GLMConfig, path: str | Path) -> None:
     Path(path).write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
 
 
+#: The YaRN settings `extend_context` writes beside the factor (DeepSeek-V3's values: ramp
+#: between 32 and 1 rotations over the original length; mscale equal to mscale_all_dim, so the
+#: rotation is unscaled and the softmax scale grows by (0.1 ln(factor) + 1)^2).
+YARN_DEFAULTS = {"beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
+
+
+def extend_context(config: GLMConfig, length: int) -> GLMConfig:
+    """`config` with `length` positions, its RoPE stretched YaRN-style: rope_scaling
+    {rope_type: yarn, factor: length / original, original_max_position_embeddings: original,
+    ...YARN_DEFAULTS}, where original is the length before any extension (a config extended
+    before keeps its original length and YaRN settings: a second extension composes).
+
+    ConfigError where `length` does not extend the config: not longer than its
+    max_position_embeddings, or not a multiple of the original length."""
+    scaling = config.rope_scaling_dict or {}
+    yarn = scaling.get("rope_type", scaling.get("type")) == "yarn"
+    original = int(scaling["original_max_position_embeddings"]) if yarn else config.max_position_embeddings
+    if length <= config.max_position_embeddings:
+        raise ConfigError(f"--context-length {length}: the model already has {config.max_position_embeddings} "
+                          "positions (max_position_embeddings); give a longer length or leave the flag out")
+    if length % original:
+        raise ConfigError(f"--context-length {length}: not a multiple of the model's original "
+                          f"{original} positions (YaRN stretches them by a whole factor); use e.g. "
+                          f"{-(-length // original) * original}")
+    kept = {k: v for k, v in scaling.items() if k not in ("type", "factor")} if yarn else {}
+    new_scaling = {**YARN_DEFAULTS, **kept, "rope_type": "yarn", "factor": length // original,
+                   "original_max_position_embeddings": original}
+    return config.replace(max_position_embeddings=length, rope_scaling=new_scaling)
+
+
 def _fold_hf_layer_keys(values: dict[str, Any], raw: dict[str, Any], *, source: str) -> None:
     """Checks the per-layer keys Hugging Face transformers writes and folds them into `values`.
 

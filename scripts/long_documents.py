@@ -4,15 +4,23 @@ repository-level code data is built. Single-file modules are left out.
 
     python3 scripts/long_documents.py --out runs/long_docs.jsonl              # the standard library
     python3 scripts/long_documents.py --root ~/src --min-chars 100000 --out docs.jsonl
+    python3 scripts/long_documents.py --root .venv/lib/python3.12/site-packages --out train.jsonl \
+        --heldout-packages 2 --heldout-min-chars 400000 --heldout-out heldout.jsonl
 
 The output is JSON lines ({"text": ...}) for `train.py --data`. With --root omitted the tree is
 the running interpreter's standard library (`glm_jax.data.corpus`: no tests or site-packages),
 so every machine can build it; a 128K-token row then holds one to a few documents.
+
+--heldout-packages N moves N whole packages into --heldout-out (for `train.py --heldout-data`
+and benchmarks/long_context_eval.py): those of at least --heldout-min-chars characters whose
+names hash lowest (`heldout_names`), so the choice does not depend on the other packages or on
+the order of the tree, and no held-out package has a file in the training documents.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
 from pathlib import Path
@@ -42,13 +50,40 @@ def package_documents(root: Path, files: list[Path], min_chars: int, max_chars: 
     return docs
 
 
+def heldout_names(docs: list[tuple[str, str]], count: int, min_chars: int) -> set[str]:
+    """The names of the `count` packages of at least `min_chars` characters whose sha256 is lowest."""
+    long_enough = [name for name, text in docs if len(text) >= min_chars]
+    return set(sorted(long_enough, key=lambda name: hashlib.sha256(name.encode()).hexdigest())[:count])
+
+
+def write_jsonl(path: str | Path, docs: list[tuple[str, str]]) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        for _, text in docs:
+            f.write(json.dumps({"text": text}) + "\n")
+
+
+def summary(docs: list[tuple[str, str]]) -> str:
+    sizes = sorted(len(t) for _, t in docs)
+    return f"{len(docs)} documents: {sum(sizes):,} characters, median {sizes[len(sizes) // 2]:,}, largest {sizes[-1]:,}"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="the JSON-lines file to write")
     ap.add_argument("--root", default=None, help="source tree (default: the standard library)")
     ap.add_argument("--min-chars", type=int, default=20_000, help="leave out packages shorter than this")
     ap.add_argument("--max-chars", type=int, default=2_000_000, help="end a package's document after this")
+    ap.add_argument("--heldout-packages", type=int, default=0, metavar="N",
+                    help="write N whole packages to --heldout-out instead of --out")
+    ap.add_argument("--heldout-min-chars", type=int, default=None, metavar="N",
+                    help="held-out packages have at least N characters (default: --min-chars)")
+    ap.add_argument("--heldout-out", default=None, help="the JSON-lines file of the held-out packages")
     args = ap.parse_args(argv)
+    if args.heldout_packages < 0 or bool(args.heldout_packages) != bool(args.heldout_out):
+        print("error: --heldout-packages N (N >= 1) and --heldout-out FILE go together", file=sys.stderr)
+        return 2
     root = Path(args.root).expanduser() if args.root else corpus.stdlib_root()
     try:
         files = corpus.stdlib_source_files(root)
@@ -59,13 +94,19 @@ def main(argv=None) -> int:
     if not docs:
         print(f"error: no package under {root} has {args.min_chars} characters of Python", file=sys.stderr)
         return 2
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out, "w") as f:
-        for _, text in docs:
-            f.write(json.dumps({"text": text}) + "\n")
-    sizes = sorted(len(t) for _, t in docs)
-    print(f"{len(docs)} documents from {root}: {sum(sizes):,} characters, median {sizes[len(sizes) // 2]:,}, "
-          f"largest {sizes[-1]:,} -> {args.out}")
+    held = heldout_names(docs, args.heldout_packages, args.heldout_min_chars or args.min_chars)
+    if len(held) < args.heldout_packages or len(held) == len(docs) and held:
+        print(f"error: {len(held)} of the {len(docs)} packages under {root} have {args.heldout_min_chars or args.min_chars} "
+              f"characters, for {args.heldout_packages} held-out packages and training documents besides; lower "
+              "--heldout-min-chars or --heldout-packages", file=sys.stderr)
+        return 2
+    train_docs = [d for d in docs if d[0] not in held]
+    write_jsonl(args.out, train_docs)
+    print(f"training: {summary(train_docs)} from {root} -> {args.out}")
+    if held:
+        heldout = [d for d in docs if d[0] in held]
+        write_jsonl(args.heldout_out, heldout)
+        print(f"held out: {summary(heldout)} ({', '.join(sorted(held))}) -> {args.heldout_out}")
     return 0
 
 

@@ -158,3 +158,13 @@ def test_default_model_weights_come_back_in_parts_over_two_calls(tmp_path):
     whole = b"".join((d / f"default_model_params.tar.part-0{i}").read_bytes()
                      for i, d in enumerate([first] * 3 + [second]))
     assert f"sha256: {hashlib.sha256(whole).hexdigest()}" in report["status.txt"]
+
+
+def test_midtraining_usage_subcommands_and_data_first(tmp_path):
+    python = stub(tmp_path, TRAIN_STUB)
+    assert run_script("gpu_midtraining.sh", [], tmp_path, python).returncode == 2
+    assert run_script("gpu_midtraining.sh", ["bogus"], tmp_path, python).returncode == 2
+    early = run_script("gpu_midtraining.sh", ["stage32k"], tmp_path, python)
+    assert early.returncode == 2 and "run the data subcommand first" in early.stderr
+    assert calls(tmp_path) == []
+    assert subprocess.run(["bash", "-n", str(ROOT / "scripts" / "gpu_midtraining.sh")]).returncode == 0

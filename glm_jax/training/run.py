@@ -35,7 +35,7 @@ from tqdm import tqdm
 from glm_jax import costs, faults, multihost, ops, sharding
 from glm_jax.checkpoint import ModelSource, check_same_config, load_model, save_model_dir
 from glm_jax.checkpoint_damage import os_reason, silence_orbax_leftovers
-from glm_jax.config import ConfigError, GLMConfig, load_config, save_config
+from glm_jax.config import ConfigError, GLMConfig, extend_context, load_config, save_config
 from glm_jax.data import batches as data_batches
 from glm_jax.data import corpus, pipeline, sources, tokenizer as tok_lib
 from glm_jax.data.prefetch import Prefetched
@@ -44,7 +44,7 @@ from glm_jax.layers.segments import count_segments, segment_bound
 from glm_jax.model import GLMModel, abstract_model, count_params, init_model, params_by_part
 from glm_jax.training import background_output, checkpointing, run_config
 from glm_jax.training.compiles import CompileWatch
-from glm_jax.training.run_config import DataConfig, KernelsConfig, TrainConfig
+from glm_jax.training.run_config import DataConfig, KernelsConfig, ModelSourceConfig, TrainConfig
 from glm_jax.training.step import (LearningRateSchedule, LossWeights, attention_form, eval_step, make_optimizer,
                                    train_step, train_step_keeping)
 
@@ -88,15 +88,18 @@ def setup(settings: TrainConfig) -> Run:
     FileNotFoundError) where the settings or files are wrong, those of the settings and the
     model source before the run directory is created."""
     out = Path(settings.out).absolute()
-    source = ModelSource.of(hf_checkpoint=settings.model.hf_checkpoint)
-    cfg = load_config(settings.model.config or (source.config_file if source else DEFAULT_CONFIG))
-    if settings.resume and (out / "config.yaml").exists():
-        check_same_config(load_config(out / "config.yaml"), cfg, str(out))
+    source = model_source(settings.model)
+    source_cfg = load_config(settings.model.config or (source.config_file if source else DEFAULT_CONFIG))
+    cfg = run_model_config(source_cfg, settings)
     data = settings.data
     data_shards = data.data_shards or jax.process_count()
     settings = dataclasses.replace(settings, data=dataclasses.replace(data, data_shards=data_shards))
+    old = run_config.load(out / run_config.FILE_NAME) if (out / run_config.FILE_NAME).exists() else None
+    if settings.resume and (out / "config.yaml").exists():
+        if old is not None and old.model.context_length != settings.model.context_length:
+            run_config.resume_changes(old, settings)     # refuses the change, naming the flag
+        check_same_config(load_config(out / "config.yaml"), cfg, str(out))
     if settings.resume and out.is_dir():
-        old = run_config.load(out / run_config.FILE_NAME) if (out / run_config.FILE_NAME).exists() else None
         for line in run_config.resume_changes(old, settings):
             print(line)
     form = attention_form(settings.kernels.attention_form, data.seq_len)
@@ -106,7 +109,7 @@ def setup(settings: TrainConfig) -> Run:
     feed = _batch_placement(mesh, (data.batch_size, data.seq_len))
     shards_read = pipeline.shards_of_rows(feed.rows, data.batch_size, data_shards)
     # before the corpus work: a checkpoint that does not fit fails at once
-    model = load_model(source, config=cfg) if source else None
+    model = with_config(load_model(source, config=source_cfg), cfg) if source else None
     documents = sources.open_documents(data.data) if data.data else None
     heldout_documents = sources.open_documents(data.heldout_data) if data.heldout_data else None
 
@@ -152,6 +155,36 @@ def setup(settings: TrainConfig) -> Run:
                opt_state=opt_state, tx=tx, schedule=schedule, feed=feed, batches=batches, heldout=heldout,
                mngr=mngr, start=start, form=form, kernels=kernels, weights=weights,
                step=_step_for(mesh, params, opt_state), prefetch=prefetch)
+
+
+def model_source(model: ModelSourceConfig) -> ModelSource | None:
+    """The weights a run starts from: --hf-checkpoint or --checkpoint (one at most), or None."""
+    if model.hf_checkpoint and model.checkpoint:
+        raise ValueError("--hf-checkpoint and --checkpoint both name the weights to start from; give one")
+    return ModelSource.of(checkpoint=model.checkpoint, hf_checkpoint=model.hf_checkpoint)
+
+
+def run_model_config(source_cfg: GLMConfig, settings: TrainConfig) -> GLMConfig:
+    """The model config of the run: the source's, its positions extended to --context-length
+    (`extend_context`); ValueError where --seq-len is longer than the positions it has."""
+    length = settings.model.context_length
+    cfg = extend_context(source_cfg, length) if length else source_cfg
+    seq_len = settings.data.seq_len
+    if seq_len > cfg.max_position_embeddings:
+        hint = (f"a --context-length of at least {seq_len}" if not length else
+                f"--context-length {seq_len} or more")
+        raise ValueError(f"--seq-len {seq_len} is longer than the model's {cfg.max_position_embeddings} positions "
+                         f"(max_position_embeddings); extend them with {hint}, or shorten --seq-len")
+    return cfg
+
+
+def with_config(model: GLMModel, cfg: GLMConfig) -> GLMModel:
+    """`model`'s weights in a model built from `cfg` (a config that changes no weight's shape,
+    e.g. the position encoding of `extend_context`); `model` itself where it has that config."""
+    if model.cfg == cfg:
+        return model
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: GLMModel(cfg, rngs=nnx.Rngs(0))))
+    return nnx.merge(graphdef, nnx.state(model))
 
 
 def kernel_choice(kernels: KernelsConfig) -> ops.KernelChoice:

@@ -12,7 +12,8 @@ steps), the loss weights, the kernels and attention form, the mesh (the checkpoi
 the new one; the data order depends on the data shards, not the mesh), logging, evaluation,
 checkpointing and the held-out data. What it may not: the sequence length, the batch size, the
 data shards, the training documents and the seed (they fix the order of the batches, which the
-checkpoint's data position continues), and the model config (`checkpoint.check_same_config`).
+checkpoint's data position continues), the context extension (`--context-length`) and the model
+config (`checkpoint.check_same_config`).
 """
 
 from __future__ import annotations
@@ -32,11 +33,17 @@ _DATA_ORDER = "it fixes the order of the batches, which the checkpoint's data po
 
 @dataclasses.dataclass(frozen=True)
 class ModelSourceConfig(Settings):
-    """The model: a config file, and the Hugging Face checkpoint a run starts from (if any)."""
+    """The model: a config file, the weights a run starts from (if any: a Hugging Face checkpoint
+    or a model directory, e.g. another run's), and the context length its position encoding is
+    extended to (`glm_jax.config.extend_context`)."""
 
     SECTION = "model"
     config: str | None = setting(None)
     hf_checkpoint: str | None = setting(None)
+    checkpoint: str | None = setting(None)
+    context_length: int | None = setting(None, at_least=2, fixed="it sets the model's position encoding "
+                                         "(config.yaml's rope_scaling), which the checkpoint's weights were "
+                                         "trained with")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,233 @@
+"""Does a model use its long context? Held-out loss by position, and a retrieval probe, for one or
+two model directories (e.g. before and after long-context mid-training).
+
+    PYTHONPATH=. python3 benchmarks/long_context_eval.py --model checkpoints/default runs/mid128k \
+        --heldout runs/long/heldout.jsonl --length 131072 --distance 100000 --json long_eval.json
+    PYTHONPATH=. python3 benchmarks/long_context_eval.py --smoke       # a CPU: 512 tokens, a few seconds a model
+
+Loss by position: --rows rows of --length tokens cut from the held-out documents (JSON lines, e.g.
+scripts/long_documents.py --heldout-out; default: the standard library's held-out files), each
+document from its start and followed by the end-of-text token, documents joined where one is
+shorter than a row (a row then holds several). Every target is scored with the model's
+log-probability (sparse attention over the indexer's top-k in the absorbed form, as train.py's
+held-out evaluation, with the logits made --chunk positions at a time so that 128K positions
+never hold a [S, vocab] array at once), and the table gives bits per token in the position
+buckets 0-4K, 4-16K, 16-64K and 64-128K (--buckets; clipped to --length). A model that uses
+its context predicts later positions better; one that cannot reach past its training length
+gets worse in the far buckets.
+
+Retrieval probe: --probes rows, each of held-out text in which a made-up identifier (random words
+and hex digits, e.g. `merge_quartz_7f3a`) is defined once (`def NAME(v):`), --distance tokens
+before the row's end, and used again at the end (`result = NAME(`); the probe scores the
+log-probability of the name's tokens after its first word (what only the definition can tell).
+The same row with another made-up name of the same token count defined in its place is the
+control: "gain" = with - control, in nats, is what the definition far back is worth.
+
+A model whose max_position_embeddings is below --length is evaluated at its own maximum (said
+in the table's length column), the probe's distance then at most 3/4 of it. Prints markdown tables; --json writes them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from benchmarks._heldout import heldout_documents
+from benchmarks._report import Table, device_kind, failure, write_json
+from glm_jax.checkpoint import load_model_dir
+from glm_jax.data.tokenizer import eos_id, load_tokenizer
+from glm_jax.layers.decoder import AttentionSettings
+
+BUCKETS = (4096, 16384, 65536, 131072)
+DEFINITION = "\ndef {}(v):\n    return v\n"
+_WORDS = ("merge", "quartz", "ledger", "falcon", "vertex", "cobalt", "lantern", "harbor", "tensor", "orbit",
+          "maple", "signal", "copper", "glacier", "pivot", "ember")
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "chunk"))
+def token_logprobs(graphdef, state, inputs, targets, *, chunk: int):
+    """inputs, targets int32 [B, S] -> float32 [B, S]: ln p(target), the logits made `chunk`
+    positions at a time (S a multiple of chunk)."""
+    model = nnx.merge(graphdef, state)
+    hidden = model(inputs, settings=AttentionSettings(mode="sparse", form="absorbed")).hidden
+    b, s, h = hidden.shape
+    pieces = (hidden.reshape(b, s // chunk, chunk, h).swapaxes(0, 1), targets.reshape(b, s // chunk, chunk).swapaxes(0, 1))
+
+    def piece(args):
+        x, t = args
+        logp = jax.nn.log_softmax(model.logits(x), axis=-1)
+        return jnp.take_along_axis(logp, t[..., None], axis=-1)[..., 0]
+
+    return jax.lax.map(piece, pieces).swapaxes(0, 1).reshape(b, s)
+
+
+def text_stream(tok, docs, need: int):
+    """Token ids of the documents in order, each followed by end-of-text, at least `need` of them
+    (the documents repeated if they hold fewer)."""
+    eos, ids = eos_id(tok), []
+    if len(docs) == 0:
+        raise ValueError("no held-out documents")
+    i = 0
+    while len(ids) < need:
+        ids += tok.encode(docs[i % len(docs)]).ids + [eos]
+        i += 1
+    return np.asarray(ids, np.int32)
+
+
+def position_rows(stream: np.ndarray, rows: int, length: int) -> np.ndarray:
+    """int32 [rows, length + 1]: consecutive cuts of the stream (inputs and targets)."""
+    return np.stack([stream[r * (length + 1):(r + 1) * (length + 1)] for r in range(rows)])
+
+
+def bucket_bits(logp: np.ndarray, bounds: list[int]) -> list[float]:
+    """logp float [R, S] (ln p of the target at each position) -> bits per token in
+    [0, b0), [b0, b1), ... of `bounds` (the last one = S)."""
+    out, lo = [], 0
+    for hi in bounds:
+        out.append(float(-logp[:, lo:hi].mean() / math.log(2)))
+        lo = hi
+    return out
+
+
+def clipped_bounds(buckets: tuple[int, ...], length: int) -> list[int]:
+    bounds = sorted({min(b, length) for b in buckets})
+    return bounds if bounds[-1] == length else bounds + [length]
+
+
+def made_up_name(rng: np.random.Generator) -> str:
+    a, b = rng.choice(len(_WORDS), 2, replace=False)
+    return f"{_WORDS[a]}_{_WORDS[b]}_{rng.integers(16 ** 4):04x}"
+
+
+def probe_row(tok, filler: np.ndarray, name: str, defined: str, length: int, distance: int):
+    """-> (ids int32 [length + 1], first scored target index, count): filler text with
+    `def DEFINED(v):` ending `distance` tokens before the row's end, and `result = NAME(`
+    at the end, NAME's tokens after its first word the scored targets."""
+    first, rest = name.split("_", 1)
+    definition = np.asarray(tok.encode(DEFINITION.format(defined)).ids, np.int32)
+    cue = np.asarray(tok.encode(f"\nresult = {first}_").ids, np.int32)
+    answer = np.asarray(tok.encode(rest).ids + tok.encode("(").ids, np.int32)
+    tail = len(cue) + len(answer)
+    before = length + 1 - distance - len(definition)
+    after = distance - tail
+    if before < 1 or after < 0:
+        raise ValueError(f"--distance {distance} does not fit a row of {length} tokens")
+    ids = np.concatenate([filler[:before], definition, filler[before:before + after], cue, answer])
+    return ids, length + 1 - len(answer) - 1, len(answer)
+
+
+def probe_rows(tok, stream: np.ndarray, count: int, length: int, distance: int, seed: int):
+    """-> (ids [count, length + 1], with/control flags, first target, answer lengths): for each
+    probe a row with its name defined and one with a decoy of the same token count defined instead."""
+    rng = np.random.default_rng(seed)
+    rows, first_scored, counts = [], [], []
+    for p in range(count):
+        name = made_up_name(rng)
+        n = len(tok.encode(DEFINITION.format(name)).ids)
+        decoy = made_up_name(rng)
+        while decoy.split("_", 1)[0] == name.split("_", 1)[0] or \
+                len(tok.encode(DEFINITION.format(decoy)).ids) != n:
+            decoy = made_up_name(rng)
+        filler = stream[(p * (length + 1)) % max(len(stream) - length - 1, 1):][:length + 1]
+        for defined in (name, decoy):
+            ids, first, k = probe_row(tok, filler, name, defined, length, distance)
+            rows.append(ids)
+            first_scored.append(first)
+            counts.append(k)
+    return np.stack(rows), first_scored, counts
+
+
+def score(model, rows: np.ndarray, chunk: int, batch: int) -> np.ndarray:
+    """rows int32 [R, L + 1] -> ln p of each target, float64 [R, L]."""
+    graphdef, state = nnx.split(model)
+    out = []
+    for b in range(0, len(rows), batch):
+        part = rows[b:b + batch]
+        out.append(np.asarray(token_logprobs(graphdef, state, jnp.asarray(part[:, :-1]), jnp.asarray(part[:, 1:]),
+                                             chunk=chunk), np.float64))
+    return np.concatenate(out)
+
+
+def evaluate(path: str, args) -> dict:
+    model, tok = load_model_dir(path), load_tokenizer(path)
+    length = min(args.length, model.cfg.max_position_embeddings)
+    chunk = math.gcd(length, args.chunk)
+    docs = heldout_documents(args.heldout)
+    stream = text_stream(tok, docs, (max(args.rows, args.probes) + 1) * (length + 1))
+    t = time.perf_counter()
+    logp = score(model, position_rows(stream, args.rows, length), chunk, args.batch_size)
+    bounds = clipped_bounds(args.buckets, length)
+    result = {"model": path, "length": length, "bounds": bounds, "bits_per_token": bucket_bits(logp, bounds),
+              "rows": args.rows}
+    if args.probes:
+        distance = min(args.distance, length * 3 // 4)
+        rows, first, counts = probe_rows(tok, stream, args.probes, length, distance, args.seed)
+        lp = score(model, rows, chunk, args.batch_size)
+        answers = np.array([lp[r, first[r]:first[r] + counts[r]].sum() for r in range(len(rows))])
+        with_def, control = answers[0::2], answers[1::2]
+        result.update(distance=distance, probes=args.probes, probe_logp=float(with_def.mean()),
+                      control_logp=float(control.mean()), gain=float((with_def - control).mean()),
+                      found=float((with_def > control).mean()))
+    result["seconds"] = time.perf_counter() - t
+    return result
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", nargs="+", default=None, help="model directories (default: checkpoints/default)")
+    ap.add_argument("--heldout", default=None, help="held-out JSON lines (default: the standard library's split)")
+    ap.add_argument("--length", type=int, default=131072, help="tokens per row (clipped to the model's positions)")
+    ap.add_argument("--rows", type=int, default=2, help="rows scored for the loss by position")
+    ap.add_argument("--buckets", type=lambda s: tuple(int(x) for x in s.split(",")), default=BUCKETS,
+                    help="upper ends of the position buckets (default 4096,16384,65536,131072)")
+    ap.add_argument("--probes", type=int, default=4, help="retrieval probes (each also run as its control)")
+    ap.add_argument("--distance", type=int, default=100_000, help="tokens from the definition to the row's end")
+    ap.add_argument("--chunk", type=int, default=4096, help="positions whose logits are made at once")
+    ap.add_argument("--batch-size", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--smoke", action="store_true", help="512-token rows, buckets 128,256,512, distance 384")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.length, args.buckets, args.distance, args.chunk, args.rows, args.probes = 512, (128, 256, 512), 384, 128, 1, 2
+    models = args.model or ["checkpoints/default"]
+    print(f"device: {device_kind()}; rows of up to {args.length} tokens", file=sys.stderr)
+    results = []
+    for path in models:
+        try:
+            results.append(evaluate(path, args))
+        except Exception as e:  # noqa: BLE001 - a failed model is a row, the others still run
+            results.append({"model": path, "failed": failure(e)})
+        write_json(args.json, {"args": vars(args), "results": results})
+    ok = [r for r in results if "failed" not in r]
+    if ok:
+        bounds = max((r["bounds"] for r in ok), key=len)
+        names = [f"{lo // 1024 if lo >= 1024 else lo}{'K' if lo >= 1024 else ''}-"
+                 f"{hi // 1024 if hi >= 1024 else hi}{'K' if hi >= 1024 else ''}" for lo, hi in zip([0] + bounds, bounds)]
+        table = Table("model", "length", *[f"bits/token {n}" for n in names])
+        for r in ok:
+            table.row(r["model"], r["length"], *[f"{b:.3f}" for b in r["bits_per_token"]])
+        if any("gain" in r for r in ok):
+            print()
+            probe = Table("model", "distance", "probes", "ln p(name), defined", "ln p(name), control", "gain (nats)",
+                          "defined > control")
+            for r in ok:
+                if "gain" in r:
+                    probe.row(r["model"], r["distance"], r["probes"], f"{r['probe_logp']:.2f}",
+                              f"{r['control_logp']:.2f}", f"{r['gain']:+.2f}", f"{r['found']:.0%}")
+    for r in results:
+        if "failed" in r:
+            print(f"{r['model']}: failed: {r['failed']}")
+    return 1 if len(ok) < len(results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

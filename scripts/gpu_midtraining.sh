@@ -1,0 +1,132 @@
+#!/usr/bin/env bash
+# Long-context mid-training of the default model on one GPU (docs/training.md, "Long-context
+# mid-training (32K, then 128K)"), in calls of at most 10 minutes each: every training call stops
+# itself (SIGTERM: train.py saves a checkpoint and exits) before 9.5 minutes, and the next call
+# of the same subcommand continues it with --resume.
+#
+#   bash scripts/gpu_midtraining.sh SUBCOMMAND
+#
+# SUBCOMMAND   what it does
+# data         long documents: each package of the environment's site-packages as one
+#              document, 3 long packages held out (RUNS_DIR/long/{train,heldout}.jsonl)
+# stage32k     checkpoints/default extended to 32,768 positions (YaRN), trained sparse from
+#              the first step on 32K-token rows (call again until it says done)
+# stage128k    the 32K stage's weights extended to 131,072 positions, trained on 128K rows
+# kill-resume  at 32K: a short uninterrupted run, the same run killed (SIGKILL) mid-step and
+#              during an asynchronous save, each resumed; the losses compared bit for bit
+# eval         held-out bits per token by position bucket and the retrieval probe at 128K for
+#              checkpoints/default, the 32K and the 128K stage
+# speed        train.py's steady tokens/s and peak memory at 32K and 128K, sparse against a
+#              dense run of the same model
+#
+# Environment: PYTHON (default python3), RUNS_DIR (default /root/runs: outside the repository),
+# JAX_COMPILATION_CACHE_DIR (default /root/jaxcache), STEPS_32K / STEPS_128K (default 300 / 150),
+# LR (default 3e-4), LIMIT_S (seconds a training call runs before it stops itself, default 540).
+set -uo pipefail
+
+usage() { sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+[ $# -eq 1 ] || usage
+cmd=$1
+case $cmd in data|stage32k|stage128k|kill-resume|eval|speed) ;; *) echo "error: unknown subcommand $cmd" >&2; usage ;; esac
+
+cd "$(dirname "$0")/.."
+export PYTHONPATH=. PYTHONUNBUFFERED=1
+export JAX_PLATFORMS=${JAX_PLATFORMS:-cuda}
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/root/jaxcache}
+py=${PYTHON:-python3}
+runs=${RUNS_DIR:-/root/runs}
+limit=${LIMIT_S:-540}
+lr=${LR:-3e-4}
+long=$runs/long
+mkdir -p "$runs" "$JAX_COMPILATION_CACHE_DIR"
+
+# The flags every stage shares: sparse from the first step, the long documents, batch 1.
+stage_flags() {   # LENGTH STEPS
+    echo --context-length "$1" --seq-len "$1" --batch-size 1 --dense-steps 0 --steps "$2" --lr "$lr" \
+        --warmup-steps 20 --save-every 25 --eval-every 50 --eval-batches 2 --log-every 5 \
+        --data "$long/train.jsonl" --heldout-data "$long/heldout.jsonl"
+}
+
+# train.py for at most $limit seconds (SIGTERM then: it saves and exits 0); --resume where the
+# run directory has a checkpoint. Prints the run's state at the end.
+train_for_a_while() {   # OUT FLAGS...
+    local out=$1; shift
+    local resume=()
+    [ -d "$out/checkpoints" ] && resume=(--resume)
+    timeout --signal=TERM --kill-after=60 "$limit" "$py" train.py "$@" --out "$out" "${resume[@]}"
+    local code=$?
+    if grep -q '"step"' "$out/metrics.jsonl" 2>/dev/null; then
+        echo "last logged: $(tail -n 1 "$out/metrics.jsonl")"
+    fi
+    [ -d "$out/params" ] && grep -q "" "$out/metrics.jsonl" && echo "params/ exported"
+    return $code
+}
+
+need_data() {
+    [ -s "$long/train.jsonl" ] && [ -s "$long/heldout.jsonl" ] || { echo "error: run the data subcommand first" >&2; exit 2; }
+}
+
+case $cmd in
+data)
+    site=$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    "$py" scripts/long_documents.py --root "$site" --min-chars 50000 --out "$long/train.jsonl" \
+        --heldout-packages 3 --heldout-min-chars 600000 --heldout-out "$long/heldout.jsonl"
+    ;;
+stage32k)
+    need_data
+    # shellcheck disable=SC2046
+    train_for_a_while "$runs/mid32k" --checkpoint checkpoints/default $(stage_flags 32768 "${STEPS_32K:-300}")
+    ;;
+stage128k)
+    need_data
+    [ -d "$runs/mid32k/params" ] || { echo "error: the 32K stage has no exported weights yet (run stage32k until done)" >&2; exit 2; }
+    # shellcheck disable=SC2046
+    train_for_a_while "$runs/mid128k" --checkpoint "$runs/mid32k" $(stage_flags 131072 "${STEPS_128K:-150}")
+    ;;
+kill-resume)
+    need_data
+    base=$runs/kill-resume
+    rm -rf "$base"
+    # shellcheck disable=SC2046
+    flags=(--checkpoint checkpoints/default $(stage_flags 32768 8) --save-every 2 --log-every 1 --eval-every 100)
+    "$py" train.py "${flags[@]}" --out "$base/whole" >/dev/null || exit 1
+    status=0
+    for fault in step@5 save@4; do    # killed mid-step 5; killed while checkpoint 4 is being written
+        out=$base/${fault/@/-}
+        GLM_JAX_FAULT=$fault "$py" train.py "${flags[@]}" --out "$out" >/dev/null
+        echo "$fault: the first call ended with exit code $? (137: SIGKILL)"
+        "$py" train.py "${flags[@]}" --out "$out" --resume | grep -E '^resume|^done' || status=1
+        "$py" - "$base/whole/metrics.jsonl" "$out/metrics.jsonl" "$fault" <<'EOF' || status=1
+import json, sys
+whole, resumed = ([json.loads(l)["loss"] for l in open(p) if '"loss"' in l] for p in sys.argv[1:3])
+same = whole == resumed
+print(f"{sys.argv[3]}: {len(resumed)} losses after the resume, bit for bit the uninterrupted run's: {same}")
+sys.exit(0 if same else 1)
+EOF
+    done
+    exit $status
+    ;;
+eval)
+    need_data
+    models=(checkpoints/default)
+    for m in "$runs/mid32k" "$runs/mid128k"; do [ -d "$m/params" ] && models+=("$m"); done
+    timeout 570 "$py" benchmarks/long_context_eval.py --model "${models[@]}" --heldout "$long/heldout.jsonl" \
+        --length 131072 --distance 100000 --rows 2 --probes 4 --json "$runs/long_context_eval.json"
+    ;;
+speed)
+    need_data
+    for length in 32768 131072; do
+        for stage in sparse dense; do
+            dense=0; [ $stage = dense ] && dense=12
+            out=$runs/speed-$length-$stage
+            rm -rf "$out"
+            # shellcheck disable=SC2046
+            timeout 280 "$py" train.py --checkpoint checkpoints/default $(stage_flags $length 12) \
+                --dense-steps $dense --log-every 2 --eval-every 100 --save-every 100 --out "$out" \
+                | grep -E '^compiled|^error' | sed "s/^/$length $stage: /"
+            "$py" -c 'import json, sys; r = [json.loads(l) for l in open(sys.argv[1])]; print(sys.argv[2], "peak memory", max(x.get("memory_gib", 0) for x in r), "GiB")' \
+                "$out/metrics.jsonl" "$length $stage:" 2>/dev/null || echo "$length $stage: no metrics (failed or out of memory)"
+        done
+    done
+    ;;
+esac

@@ -1,0 +1,283 @@
+"""Long-context mid-training: the context extension of train.py (--context-length, YaRN), long
+documents with held-out packages, the sparse stage from a checkpoint, an exact resume with the
+extended context, the long-context evaluation and moving a run in parts."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+import train
+from conftest import ROOT, micro_config
+from glm_jax.config import ConfigError, extend_context, load_config, save_config
+from glm_jax.layers.rope import rope_inv_freq, softmax_scale_factor
+
+
+def _script(name: str):
+    """scripts/NAME.py as a module."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# ---------------------------------------------------------------------- the RoPE extension
+def yarn_inv_freq(dim: int, theta: float, factor: float, original: int, beta_fast: float, beta_slow: float):
+    """The YaRN paper's "NTK-by-parts" frequencies (Peng et al. 2023, eq. 17-19), written out
+    here: dimension pair d turns r(d) = original / wavelength(d) times over the original context;
+    pairs with r > beta_fast keep their frequency, pairs with r < beta_slow are interpolated
+    (divided by the factor), and between them the blend ramps linearly over the pair index from
+    the (rounded-out) pair where r = beta_fast to the one where r = beta_slow, as the published
+    implementation rounds them."""
+    theta_d = [theta ** (-2 * d / dim) for d in range(dim // 2)]
+
+    def pair_where_turns(rotations):        # solve original * theta_d / (2 pi) = rotations for d
+        return dim / 2 * math.log(original / (2 * math.pi * rotations)) / math.log(theta)
+
+    low = max(math.floor(pair_where_turns(beta_fast)), 0)
+    high = min(math.ceil(pair_where_turns(beta_slow)), dim - 1)
+    out = []
+    for d, f in enumerate(theta_d):
+        turns = original * f / (2 * math.pi)
+        if turns > beta_fast and d <= low:
+            gamma = 1.0                                  # extrapolated: kept
+        elif turns < beta_slow and d >= high:
+            gamma = 0.0                                  # interpolated: f / factor
+        else:
+            gamma = 1.0 - min(max((d - low) / (high - low), 0.0), 1.0)
+        out.append(gamma * f + (1 - gamma) * f / factor)
+    return np.array(out)
+
+
+def test_extension_writes_yarn_and_matches_the_formula():
+    base = load_config(ROOT / "checkpoints/default/config.yaml")
+    ext = extend_context(base, 32768)
+    scaling = ext.rope_scaling_dict
+    assert ext.max_position_embeddings == 32768
+    assert scaling == {"rope_type": "yarn", "factor": 8, "original_max_position_embeddings": 4096,
+                       "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
+    for dim in (base.qk_rope_head_dim, 64):
+        expected = yarn_inv_freq(dim, base.rope_theta, 8, 4096, 32, 1)
+        np.testing.assert_allclose(rope_inv_freq(dim, base.rope_theta, scaling), expected, rtol=1e-12)
+        plain = rope_inv_freq(dim, base.rope_theta)
+        assert expected[0] == plain[0] and expected[-1] == pytest.approx(plain[-1] / 8)   # both ends
+    # the attention temperature: sqrt(1/t) = 0.1 ln(s) + 1, on the softmax scale squared
+    assert softmax_scale_factor(scaling) == pytest.approx((0.1 * math.log(8) + 1) ** 2)
+
+
+def test_a_second_extension_counts_from_the_original_length():
+    base = load_config(ROOT / "checkpoints/default/config.yaml")
+    twice = extend_context(extend_context(base, 32768), 131072)
+    once = extend_context(base, 131072)
+    assert twice == once
+    assert twice.rope_scaling_dict["factor"] == 32
+    assert twice.rope_scaling_dict["original_max_position_embeddings"] == 4096
+
+
+@pytest.mark.parametrize("length,message", [
+    (4096, "the model already has 4096 positions"),
+    (2048, "the model already has 4096 positions"),
+    (10000, "not a multiple of the model's original 4096 positions"),
+])
+def test_nonsense_lengths_are_refused(length, message):
+    with pytest.raises(ConfigError, match=message):
+        extend_context(load_config(ROOT / "checkpoints/default/config.yaml"), length)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--context-length", "4096"], "error: --context-length 4096: the model already has 4096 positions"),
+    (["--context-length", "6000"], "error: --context-length 6000: not a multiple of the model's original 4096"),
+    (["--context-length", "8192", "--seq-len", "16384"],
+     "error: --seq-len 16384 is longer than the model's 8192 positions"),
+    (["--seq-len", "8192"], "error: --seq-len 8192 is longer than the model's 4096 positions"),
+    (["--context-length", "8192", "--hf-checkpoint", "x"], "error: --hf-checkpoint and --checkpoint both"),
+])
+def test_train_refuses_nonsense_in_one_line_before_any_work(tmp_path, capsys, flags, message):
+    code = train.main(["--checkpoint", str(ROOT / "checkpoints/default"), "--out", str(tmp_path / "run"), *flags]) \
+        if "--hf-checkpoint" not in flags else \
+        train.main(["--run-config", str(_both_sources(tmp_path)), "--out", str(tmp_path / "run"), *flags])
+    assert code == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(message), err
+    assert not (tmp_path / "run").exists()
+
+
+def _both_sources(tmp_path):
+    path = tmp_path / "both.yaml"
+    path.write_text(f"model:\n  checkpoint: {ROOT / 'checkpoints/default'}\n")
+    return path
+
+
+# ---------------------------------------------------------------------- long documents
+def _source_tree(root, packages: dict[str, int]):
+    """Packages of `files` .py files each (and a single-file module, left out)."""
+    for name, files in packages.items():
+        for i in range(files):
+            path = root / name / ("sub" if i % 2 else "") / f"m{i}.py"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(f"# {name} module {i}\n" + f"def {name}_{i}(x):\n    return x + {i}\n" * 40)
+    (root / "single.py").write_text("x = 1\n" * 500)
+
+
+def test_long_documents_hold_out_whole_packages(tmp_path):
+    long_documents = _script("long_documents")
+    from glm_jax.data import sources
+
+    tree = tmp_path / "src"
+    _source_tree(tree, {"alpha": 6, "beta": 2, "gamma": 5, "delta": 4, "eps": 1})    # eps: too short
+    out, held = tmp_path / "train.jsonl", tmp_path / "heldout.jsonl"
+    args = ["--root", str(tree), "--min-chars", "2000", "--out", str(out), "--heldout-packages", "2",
+            "--heldout-min-chars", "4000", "--heldout-out", str(held)]
+    assert long_documents.main(args) == 0
+    train_texts = [json.loads(line)["text"] for line in out.read_text().splitlines()]
+    held_texts = [json.loads(line)["text"] for line in held.read_text().splitlines()]
+
+    def names(texts):
+        return {t.split("# file: ", 1)[1].split("/", 1)[0] for t in texts}
+
+    assert len(held_texts) == 2 and names(held_texts) | names(train_texts) == {"alpha", "beta", "gamma", "delta"}
+    assert not names(held_texts) & names(train_texts)             # disjoint: whole packages
+    assert all(len(t) >= 4000 for t in held_texts)
+    assert all(t.count("# file: ") > 1 for t in train_texts + held_texts)  # a package is one document
+    # the choice hangs on the names alone: a package more in the tree leaves it as it was
+    _source_tree(tree, {"zeta": 3})
+    assert long_documents.main(args) == 0
+    assert [json.loads(line)["text"] for line in held.read_text().splitlines()] == held_texts
+    # what train.py reads
+    assert len(sources.open_documents((str(out),))) == 3 and len(sources.open_documents((str(held),))) == 2
+
+
+def test_long_documents_refuse_a_held_out_split_that_cannot_be(tmp_path, capsys):
+    long_documents = _script("long_documents")
+
+    tree = tmp_path / "src"
+    _source_tree(tree, {"alpha": 6, "beta": 2})
+    args = ["--root", str(tree), "--min-chars", "1000", "--out", str(tmp_path / "t.jsonl"), "--heldout-out",
+            str(tmp_path / "h.jsonl"), "--heldout-packages"]
+    assert long_documents.main(args + ["3"]) == 2
+    assert long_documents.main(args + ["2"]) == 2     # nothing left to train on
+    assert all(line.startswith("error: ") for line in capsys.readouterr().err.splitlines())
+
+
+# ---------------------------------------------------------------------- the stage from a checkpoint
+_COMMON = ["--batch-size", "2", "--warmup-steps", "1", "--lr", "1e-2", "--max-files", "4", "--log-every", "1",
+           "--eval-every", "100", "--eval-batches", "1", "--save-every", "100"]
+
+
+@pytest.fixture(scope="module")
+def base_run(tmp_path_factory):
+    """A micro model of 32 positions, trained and exported (what checkpoints/default is to the
+    real stage)."""
+    out = tmp_path_factory.mktemp("base")
+    cfg_path = out.parent / "micro32.yaml"
+    save_config(micro_config(vocab_size=320, max_position_embeddings=32), cfg_path)
+    assert train.main(["--config", str(cfg_path), "--out", str(out), "--steps", "2", "--dense-steps", "2",
+                       "--seq-len", "32", *_COMMON]) == 0
+    return out
+
+
+def _stage(base, length: int, steps: int = 3) -> list[str]:
+    """The flags of a mid-training stage from `base`'s weights at `length` tokens."""
+    return ["--checkpoint", str(base), "--context-length", str(length), "--seq-len", str(length),
+            "--dense-steps", "0", "--steps", str(steps), *_COMMON]
+
+
+@pytest.fixture(scope="module")
+def extended_run(base_run, tmp_path_factory):
+    """3 steps of the stage at 64 tokens (twice the base's positions), uninterrupted."""
+    out = tmp_path_factory.mktemp("extended")
+    assert train.main(_stage(base_run, 64) + ["--out", str(out)]) == 0
+    return out
+
+
+def _records(run):
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_stage_starts_sparse_with_the_extension_recorded(base_run, extended_run):
+    records = _records(extended_run)
+    assert [r["stage"] for r in records] == ["sparse"] * 3            # sparse from the first step
+    assert all(0 < r["indexer_kl"] < 100 and np.isfinite(r["loss"]) for r in records)   # the selected-set KL
+    for cfg in (load_config(extended_run / "config.yaml"), load_config(extended_run)):  # the run's, the export's
+        assert cfg.max_position_embeddings == 64
+        assert cfg.rope_scaling_dict == {"rope_type": "yarn", "factor": 2, "original_max_position_embeddings": 32,
+                                         "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
+    assert (extended_run / "tokenizer.json").read_bytes() == (base_run / "tokenizer.json").read_bytes()
+
+
+def test_stage_resumes_bit_exactly_and_keeps_its_extension(base_run, extended_run, tmp_path, capsys):
+    out = ["--out", str(tmp_path / "b")]
+    assert train.main(_stage(base_run, 64) + out + ["--stop-after", "2"]) == 0
+    capsys.readouterr()
+    assert train.main(_stage(base_run, 128) + out + ["--resume"]) == 2     # another extension
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "--resume cannot change model.context_length (--context-length) 64 -> 128" in err[0]
+    assert train.main(_stage(base_run, 64) + out + ["--resume"]) == 0
+    assert [r["loss"] for r in _records(tmp_path / "b")] == [r["loss"] for r in _records(extended_run)]   # bit for bit
+
+
+def test_the_next_stage_counts_from_the_original_length(extended_run, tmp_path):
+    assert train.main(_stage(extended_run, 128, steps=1) + ["--out", str(tmp_path / "c")]) == 0
+    scaling = load_config(tmp_path / "c" / "config.yaml").rope_scaling_dict
+    assert (scaling["factor"], scaling["original_max_position_embeddings"]) == (4, 32)
+
+
+# ---------------------------------------------------------------------- moving a run in parts
+def _files(directory):
+    return {p.relative_to(directory).as_posix(): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def test_checkpoint_parts_round_trip_and_resume(base_run, extended_run, tmp_path, capsys):
+    parts_script = _script("checkpoint_parts")
+    parts, moved = tmp_path / "parts", tmp_path / "moved"
+    assert parts_script.main(["pack", str(extended_run), str(parts), "--part-mib", "0.05"]) == 0
+    manifest = json.loads((parts / "manifest.json").read_text())
+    assert manifest["step"] == 3 and len(manifest["parts"]) > 3
+    assert all((parts / p["name"]).stat().st_size <= 0.05 * 2**20 for p in manifest["parts"])
+    # a changed or missing part is found before anything is written
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    for p in parts.iterdir():
+        (damaged / p.name).write_bytes(p.read_bytes())
+    second = damaged / manifest["parts"][1]["name"]
+    second.write_bytes(b"x" + second.read_bytes()[1:])
+    assert parts_script.main(["unpack", str(damaged), str(tmp_path / "no")]) == 2
+    (damaged / manifest["parts"][0]["name"]).unlink()
+    assert parts_script.main(["unpack", str(damaged), str(tmp_path / "no")]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"error: part {manifest['parts'][1]['name']} differs from the packed one (sha256); copy it again",
+                   f"error: part {manifest['parts'][0]['name']} is missing from {damaged}; copy it again"]
+    assert not (tmp_path / "no").exists()
+
+    assert parts_script.main(["unpack", str(parts), str(moved)]) == 0
+    original = _files(extended_run)
+    assert _files(moved) == {k: v for k, v in original.items() if k.startswith("checkpoints/3/")
+                             or k in ("config.yaml", "run_config.yaml", "tokenizer.json", "metrics.jsonl")}
+    assert parts_script.main(["unpack", str(parts), str(moved)]) == 2        # not into a run in use
+    capsys.readouterr()
+    # the moved run continues (its flags, one step more; the weights it started from are read too)
+    assert train.main(_stage(base_run, 64, steps=4) + ["--out", str(moved), "--resume"]) == 0
+    assert "resume: continuing from step 3" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------- the evaluation
+def test_long_context_eval_scores_buckets_and_the_probe(base_run, extended_run, tmp_path, capsys):
+    from benchmarks import long_context_eval as lce
+
+    assert lce.clipped_bounds(lce.BUCKETS, 32768) == [4096, 16384, 32768]
+    logp = np.log(np.full((2, 8), 0.5))
+    logp[:, 4:] = np.log(0.25)
+    assert lce.bucket_bits(logp, [4, 8]) == [1.0, 2.0]
+    out = tmp_path / "eval.json"
+    assert lce.main(["--model", str(extended_run), "--length", "64", "--buckets", "16,32,64", "--distance", "32",
+                     "--chunk", "16", "--rows", "1", "--probes", "1", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())["results"][0]
+    assert result["length"] == 64 and result["bounds"] == [16, 32, 64] and len(result["bits_per_token"]) == 3
+    assert all(0 < b < 20 for b in result["bits_per_token"])
+    assert result["distance"] == 32 and np.isfinite(result["gain"]) and result["probe_logp"] < 0
+    assert "| bits/token 0-16 | bits/token 16-32 | bits/token 32-64 |" in capsys.readouterr().out
