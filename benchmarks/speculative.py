@@ -8,9 +8,12 @@ Each configuration runs once to compile, then `--repeat` timed rounds; a round t
 decoding and every speculative configuration one after the other, so load that comes and goes
 on a shared machine hits them alike. Printed: the median tokens/s of the rounds and the median
 of the per-round speedups. Prompts are the first lines of held-out standard-library files, so
-the text is code the model did not train on. Greedy by default (speculative output is checked
-to equal plain output); `--temperature T` samples instead, `--kv-share-ablation` adds runs with
-KVShare off. `--json FILE` writes the rows (every round's tokens/s too).
+the text is code the model did not train on. Greedy by default: every configuration's tokens
+are compared with each prompt decoded alone (plain, batch 1, same mode), and the table says how
+many rows differ and at which token; `--batch-invariant` runs every configuration in the
+batch-invariant mode too (its cost printed against the default mode), and the run fails if
+that mode gives any prompt other tokens. `--temperature T` samples instead, `--kv-share-ablation`
+adds runs with KVShare off. `--json FILE` writes the rows (every round's tokens/s too).
 
 The physical limit printed beside plain decoding: a decode step must read every weight and the
 KV it attends, so tokens/s <= batch x copy bandwidth / (weight bytes + KV bytes read per step),
@@ -28,6 +31,7 @@ import numpy as np
 from flax import nnx
 
 from benchmarks._report import Table, write_json
+from glm_jax import ops
 from glm_jax.checkpoint import load_model_dir
 from glm_jax.data import corpus
 from glm_jax.data.tokenizer import load_tokenizer
@@ -82,6 +86,17 @@ def timed(fn) -> float:
     return time.perf_counter() - t
 
 
+def differing(out: np.ndarray, ref: np.ndarray) -> list[tuple[int, int]]:
+    """[(row, first differing token)] of out against ref (int [B, N] each; -1 past a stop)."""
+    return [(i, int(np.argmax(a != b))) for i, (a, b) in enumerate(zip(out, ref)) if not np.array_equal(a, b)]
+
+
+def describe(diffs: list[tuple[int, int]], rows: int) -> str:
+    """'0/8', or '2/8 (rows 1@13 4@21)': rows differing and where (row@first token)."""
+    where = " ".join(f"{i}@{t}" for i, t in diffs[:6]) + (" ..." if len(diffs) > 6 else "")
+    return f"{len(diffs)}/{rows}" + (f" ({where})" if diffs else "")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", default="checkpoints/default")
@@ -92,6 +107,9 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--repeat", type=int, default=1, help="timed rounds (medians are printed)")
     ap.add_argument("--kv-share-ablation", action="store_true", help="also run with KVShare off")
+    ap.add_argument("--batch-invariant", action="store_true",
+                    help="run every configuration in batch-invariant mode too (KernelChoice.batch_invariant), "
+                         "in the same rounds; its cost is its tokens/s against the default mode's")
     ap.add_argument("--json", default=None, help="also write the rows here")
     args = ap.parse_args()
     model = load_model_dir(args.checkpoint)
@@ -100,55 +118,81 @@ def main() -> None:
     bandwidth = copy_bandwidth()
     mode = "greedy" if args.temperature == 0 else f"temperature {args.temperature}"
     device = jax.devices()[0].device_kind
+    modes = {"default": ops.KernelChoice()}
+    if args.batch_invariant:
+        modes["batch-invariant"] = ops.KernelChoice(batch_invariant=True)
     print(f"device {device}; copy bandwidth {bandwidth / 1e9:.1f} GB/s; model {model.cfg.name}; prompt "
           f"{args.prompt_len} tokens; {args.new_tokens} new tokens per sequence; {mode}; median of "
-          f"{args.repeat} round(s)")
-    table = Table("batch", "decoding", "tokens/s", "acceptance length", "accept rate per draft position", "speedup")
-    rows = []
+          f"{args.repeat} round(s); modes: {', '.join(modes)}")
+    greedy = args.temperature == 0
+    table = Table("batch", "mode", "decoding", "tokens/s", "acceptance length", "accept rate per draft position",
+                  "speedup", "cost of the mode", "rows differing from each prompt alone")
+    rows, failures = [], []
     sampling = dict(max_new_tokens=args.new_tokens, sampling=SamplingParams(temperature=args.temperature))
+    ids_all = prompts(tok, max(args.batch), args.prompt_len)
+    alone = {name: alone_tokens(model, ids_all, max_len, kernels, sampling) if greedy else None
+             for name, kernels in modes.items()}
     for batch in args.batch:
-        ids = prompts(tok, batch, args.prompt_len)
-        plain = Generator(model, batch=batch, max_len=max_len, prefill_chunk=64, block_size=16)
-
-        def run_plain():
-            out = np.concatenate(list(plain.generate(ids, **sampling)), axis=1)
-            return out[:, :args.new_tokens]
-
-        ref = run_plain()                                      # compiles
-        specs = {}
-        for k in args.draft:
-            for kv_share in (True, False) if args.kv_share_ablation else (True,):
-                spec = SpeculativeGenerator(model, batch=batch, max_len=max_len, num_draft=k, prefill_chunk=64,
-                                            kv_share=kv_share)
-                out = spec.generate(ids, **sampling)           # compiles
-                if args.temperature == 0:
-                    assert np.array_equal(out, ref), "greedy speculative decoding must equal greedy plain decoding"
-                specs[(k, kv_share)] = spec
-        plain_rates, spec_rates = [], {c: [] for c in specs}
+        ids = ids_all[:batch]
+        runs = {}                                              # (mode, k, kv_share) -> generator; k 0: plain
+        for name, kernels in modes.items():
+            runs[(name, 0, True)] = Generator(model, batch=batch, max_len=max_len, prefill_chunk=64, block_size=16,
+                                              kernels=kernels)
+            for k in args.draft:
+                for kv_share in (True, False) if args.kv_share_ablation else (True,):
+                    runs[(name, k, kv_share)] = SpeculativeGenerator(model, batch=batch, max_len=max_len,
+                                                                     num_draft=k, prefill_chunk=64,
+                                                                     kv_share=kv_share, kernels=kernels)
+        diffs = {c: differing(generate(gen, ids, sampling, args.new_tokens), alone[c[0]][:batch])
+                 for c, gen in runs.items()} if greedy else {}       # also compiles every program
+        rates = {c: [] for c in runs}
         for _ in range(args.repeat):
-            plain_rates.append(batch * args.new_tokens / (timed(run_plain) - plain.stats["prefill_s"]))
-            for c, spec in specs.items():
-                spec.generate(ids, **sampling)
-                spec_rates[c].append(batch * args.new_tokens / spec.stats.decode_s)
-        plain_rate = float(np.median(plain_rates))
+            for c, gen in runs.items():
+                generate(gen, ids, sampling, args.new_tokens)
+                decode_s = gen.stats["decode_s"] if c[1] == 0 else gen.stats.decode_s
+                rates[c].append(batch * args.new_tokens / decode_s)
         limit = batch * bandwidth / bytes_per_step(model, batch, args.prompt_len + args.new_tokens)
-        table.row(batch, "plain", f"{plain_rate:.1f}", "1.00", "-", "1.00x")
-        table.row(batch, "limit: copy bandwidth / bytes read per step", f"{limit:.0f}")
-        rows.append(dict(batch=batch, decoding="plain", draft=0, tokens_per_s=plain_rate, rounds=plain_rates,
-                         speedup=1.0, limit_tokens_per_s=limit))
-        for (k, kv_share), spec in specs.items():
-            s = spec.stats
-            rate = float(np.median(spec_rates[(k, kv_share)]))
-            speedup = float(np.median(np.asarray(spec_rates[(k, kv_share)]) / np.asarray(plain_rates)))
-            rates = " ".join(f"{r:.2f}" for r in s.acceptance_rate)
-            name = f"speculative K={k}" + ("" if kv_share else ", KVShare off")
-            table.row(batch, name, f"{rate:.1f}", f"{s.acceptance_length:.2f}", rates, f"{speedup:.2f}x")
-            rows.append(dict(batch=batch, decoding=name, draft=k, kv_share=kv_share, tokens_per_s=rate,
-                             rounds=spec_rates[(k, kv_share)], acceptance_length=s.acceptance_length,
-                             speedup=speedup))
+        for c, gen in runs.items():
+            name, k, kv_share = c
+            rate = float(np.median(rates[c]))
+            speedup = float(np.median(np.asarray(rates[c]) / np.asarray(rates[(name, 0, True)])))
+            cost = float(np.median(np.asarray(rates[c]) / np.asarray(rates[("default", k, kv_share)])))
+            differ = describe(diffs[c], batch) if greedy else "-"
+            row = dict(batch=batch, mode=name, draft=k, kv_share=kv_share, tokens_per_s=rate, rounds=rates[c],
+                       speedup=speedup, tokens_per_s_vs_default_mode=cost,
+                       rows_differing=[list(d) for d in diffs.get(c, [])])
+            if k == 0:
+                table.row(batch, name, "plain", f"{rate:.1f}", "1.00", "-", "1.00x", f"{cost:.2f}x", differ)
+                row.update(decoding="plain", limit_tokens_per_s=limit)
+            else:
+                s = gen.stats
+                accept = " ".join(f"{r:.2f}" for r in s.acceptance_rate)
+                label = f"speculative K={k}" + ("" if kv_share else ", KVShare off")
+                table.row(batch, name, label, f"{rate:.1f}", f"{s.acceptance_length:.2f}", accept,
+                          f"{speedup:.2f}x", f"{cost:.2f}x", differ)
+                row.update(decoding=label, acceptance_length=s.acceptance_length)
+            rows.append(row)
+            if name == "batch-invariant" and diffs.get(c):
+                failures.append(f"batch {batch} {row['decoding']}: {describe(diffs[c], batch)}")
+        table.row(batch, "", "limit: copy bandwidth / bytes read per step", f"{limit:.0f}")
     write_json(args.json, dict(device=device, backend=jax.default_backend(), checkpoint=args.checkpoint,
                                prompt_len=args.prompt_len, new_tokens=args.new_tokens, temperature=args.temperature,
-                               repeat=args.repeat, rows=rows))
+                               repeat=args.repeat, modes=list(modes), rows=rows))
+    if failures:
+        raise SystemExit("batch-invariant mode gave a prompt other tokens than alone: " + "; ".join(failures))
+
+
+def generate(gen, ids: np.ndarray, sampling: dict, new_tokens: int) -> np.ndarray:
+    """int [B, new_tokens] from a plain or speculative generator."""
+    if isinstance(gen, SpeculativeGenerator):
+        return gen.generate(ids, **sampling)
+    return np.concatenate(list(gen.generate(ids, **sampling)), axis=1)[:, :new_tokens]
+
+
+def alone_tokens(model, ids: np.ndarray, max_len: int, kernels, sampling: dict) -> np.ndarray:
+    """int [B, N]: each prompt's tokens decoded by itself (plain decoding, batch 1)."""
+    gen = Generator(model, batch=1, max_len=max_len, prefill_chunk=64, block_size=16, kernels=kernels)
+    return np.concatenate([generate(gen, row[None], sampling, sampling["max_new_tokens"]) for row in ids])
 
 
 if __name__ == "__main__":

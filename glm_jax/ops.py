@@ -17,6 +17,8 @@ import dataclasses
 import functools
 from typing import Any
 
+import jax
+
 import pallas_kernels
 from pallas_kernels import checks, impl_choices
 from glm_jax.sharding import context_size, split_queries
@@ -26,9 +28,11 @@ __all__ = ["KernelChoice", "impl_choices", "indexer_scores", "indexer_topk", "sp
            "causal_attention", "paged_indexer_topk", "paged_sparse_mla", "dense_indexer_kl"]
 
 
-#: Tokens per chunk of the batch-invariant cached forward's token-wise work: one chunk holds a
-#: decode step of 64 sequences or a verify step of 8 sequences at 7 drafts.
-INVARIANT_ROWS = 64
+#: Tokens per chunk of the batch-invariant cached forward by backend: on an accelerator a decode
+#: step of 64 sequences or a verify step of 8 sequences at 7 drafts is one chunk (the weights are
+#: read once, the padding rows cost little); on a CPU, where padding rows cost their arithmetic,
+#: 8.
+INVARIANT_ROWS = {"cpu": 8, "gpu": 64, "tpu": 64}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +49,7 @@ class KernelChoice:
 
     `batch_invariant`: the cached forward (prefill, decode, speculative verify and draft)
     computes every token the same way whatever else is in the call: all of its work, the
-    attention and indexer kernels included, runs on chunks of `invariant_rows` tokens of one
+    attention and indexer kernels included, runs on chunks of `token_rows` tokens of one
     compiled shape (`glm_jax.row_chunks`), each token a sequence of one query to the kernels,
     the MoE experts by the "dense" dispatch, the cached rows read in one fetch mode. Greedy
     decoding then gives a prompt the same tokens alone, in any batch, and with speculation."""
@@ -60,7 +64,7 @@ class KernelChoice:
     dense_kl: str = "xla"
     dense_kl_config: Any = None
     batch_invariant: bool = False
-    invariant_rows: int = INVARIANT_ROWS
+    invariant_rows: int | None = None
 
     def __post_init__(self):
         for field, op in (("indexer", "indexer_topk"), ("attention", "sparse_mla"),
@@ -70,15 +74,18 @@ class KernelChoice:
                                  f"{', '.join(map(repr, impl_choices(op)))}")
         if not isinstance(self.batch_invariant, bool):
             raise TypeError(f"KernelChoice.batch_invariant must be True or False, got {self.batch_invariant!r}")
-        if isinstance(self.invariant_rows, bool) or not isinstance(self.invariant_rows, int) \
-                or self.invariant_rows < 1:
-            raise ValueError(f"KernelChoice.invariant_rows must be a positive int, got {self.invariant_rows!r}")
+        rows = self.invariant_rows
+        if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 1):
+            raise ValueError(f"KernelChoice.invariant_rows must be a positive int or None, got {rows!r}")
 
     @property
     def token_rows(self) -> int | None:
-        """Tokens per chunk of the cached forward's token-wise work (`row_chunks.in_row_chunks`),
-        or None to run it on the whole call."""
-        return self.invariant_rows if self.batch_invariant else None
+        """Tokens per chunk of the cached forward's work (`row_chunks.in_row_chunks`):
+        invariant_rows, or by default INVARIANT_ROWS of the backend; None when not
+        batch_invariant (each call runs on its whole)."""
+        if not self.batch_invariant:
+            return None
+        return self.invariant_rows or INVARIANT_ROWS.get(jax.default_backend(), 64)
 
 
 def indexer_scores(q, k, weights, *, q_pos, kv_len, kv_start=None, **static):

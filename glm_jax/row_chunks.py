@@ -23,12 +23,13 @@ import jax
 import jax.numpy as jnp
 
 
-def in_row_chunks(fn: Callable, *arrays: jax.Array, rows: int | None):
+def in_row_chunks(fn: Callable, *arrays: jax.Array, rows: int | None, fills: tuple | None = None):
     """fn(*arrays) computed on chunks of `rows` tokens.
 
     arrays: each [B, S, ...] (the same B and S); fn maps arrays of [1, rows, ...] to a pytree
     of [1, rows, ...] arrays and must treat every token by itself (no mixing across tokens).
-    rows None: fn(*arrays) as it is. -> fn's pytree with every leaf [B, S, ...]."""
+    fills: the padding tokens' value in each array (default 0), e.g. -1 for indices that a
+    kernel then skips. rows None: fn(*arrays) as it is. -> fn's pytree with every leaf [B, S, ...]."""
     if rows is None:
         return fn(*arrays)
     if not isinstance(rows, int) or rows < 1:
@@ -41,15 +42,15 @@ def in_row_chunks(fn: Callable, *arrays: jax.Array, rows: int | None):
     tokens = b * s
     chunks = -(-tokens // rows)
 
-    def to_chunks(a):
+    def to_chunks(a, fill):
         flat = a.reshape((tokens,) + a.shape[2:])
-        flat = jnp.pad(flat, [(0, chunks * rows - tokens)] + [(0, 0)] * (flat.ndim - 1))
+        flat = jnp.pad(flat, [(0, chunks * rows - tokens)] + [(0, 0)] * (flat.ndim - 1), constant_values=fill)
         return flat.reshape((chunks, 1, rows) + a.shape[2:])
 
     def one_chunk(chunk_arrays):
         chunk_arrays = jax.lax.optimization_barrier(chunk_arrays)
         return jax.lax.optimization_barrier(fn(*chunk_arrays))
 
-    out = jax.lax.map(one_chunk, tuple(to_chunks(a) for a in arrays))
+    out = jax.lax.map(one_chunk, tuple(to_chunks(a, f) for a, f in zip(arrays, fills or (0,) * len(arrays))))
     return jax.tree.map(lambda o: o.reshape((chunks * rows,) + o.shape[3:])[:tokens].reshape((b, s) + o.shape[3:]),
                         out)

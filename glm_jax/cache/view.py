@@ -51,7 +51,7 @@ def fetch_mode(num_queries: int, topk: int, max_len: int, local: bool, pinned: b
     return "paged" if local else "rows"
 
 
-def by_token(fn, rows: int | None, per_query: tuple, per_sequence: tuple = ()):
+def by_token(fn, rows: int | None, per_query: tuple, per_sequence: tuple = (), skip: int | None = None):
     """A kernel call with every token a sequence of its own, on chunks of `rows` tokens of one
     shape (`row_chunks.in_row_chunks`), so that no token's result depends on the call's size;
     rows None: fn on the arrays as they are.
@@ -59,7 +59,8 @@ def by_token(fn, rows: int | None, per_query: tuple, per_sequence: tuple = ()):
     per_query: arrays [B, S, ...]; per_sequence: arrays [B, ...] (page table, lengths), each
     token given its sequence's row. fn(*per_query as [R, S', ...], *per_sequence as [R, ...])
     -> [R, S', ...] with R sequences of S' = 1 query (B and S themselves when rows is None)
-    -> [B, S, ...]."""
+    -> [B, S, ...]. skip: the position in per_query of indices that the padding tokens fill
+    with -1 (no work for the kernel; lengths in per_sequence are 0 there)."""
     if rows is None:
         return fn(*per_query, *per_sequence)
     b, s = per_query[0].shape[:2]
@@ -70,7 +71,8 @@ def by_token(fn, rows: int | None, per_query: tuple, per_sequence: tuple = ()):
         queries = [a[0][:, None] for a in arrays[:nq]]
         return fn(*queries, *(a[0] for a in arrays[nq:]))[:, 0][None]
 
-    return in_row_chunks(chunk, *per_query, *spread, rows=rows)
+    fills = tuple(-1 if i == skip else 0 for i in range(nq + len(spread)))
+    return in_row_chunks(chunk, *per_query, *spread, rows=rows, fills=fills)
 
 
 class GroupCacheView:
@@ -189,7 +191,7 @@ class GroupCacheView:
         own_rows = kv.reshape(b, s, k, -1).astype(q.dtype)
         own_slots = jnp.where(indices >= 0, jnp.arange(k, dtype=jnp.int32), -1)
         attend_one = lambda q, rows, slots: ops.sparse_mla(q, rows[:, 0], slots, **kw)[0]
-        return by_token(attend_one, kernels.token_rows, (q, own_rows, own_slots))
+        return by_token(attend_one, kernels.token_rows, (q, own_rows, own_slots), skip=2)
 
     def attend_cached(self, j: int, q: jnp.ndarray, indices: jnp.ndarray, *, sm_scale: float, v_dim: int,
                       kernels: ops.KernelChoice) -> jnp.ndarray:
@@ -201,7 +203,7 @@ class GroupCacheView:
         if self.placement.split is None:
             def attend_one(q, indices, page_table):
                 return ops.paged_sparse_mla(q, self.latent, page_table, indices, slot=self.first_layer + j, **kw)[0]
-            return by_token(attend_one, kernels.token_rows, (q, indices), (self.page_table,))
+            return by_token(attend_one, kernels.token_rows, (q, indices), (self.page_table,), skip=1)
         return ops.sparse_mla(q, self.read_latent(j).astype(q.dtype), indices, **kw)[0]
 
     def attended_latent(self, j: int, indices: jnp.ndarray, latent: jnp.ndarray):
