@@ -59,8 +59,12 @@
 #                 layer fine-tuned 3 ways, backbone frozen; 64 held-out
 #                 prompts of its corpus, built first unless runs/pycorpus is
 #                 there: about 1-2 min)
-# speculative    plain vs speculative decoding of checkpoints/default at      5-8 min
-#                 batch 1, 8, 32 and K = 1, 3, 7; greedy, then temperature 0.7
+# speculative    the batch-invariance checks (tests/test_batch_invariant.py   6-9 min
+#                 on the GPU), then plain vs speculative decoding of
+#                 checkpoints/default at batch 1, 8, 32 and K = 1, 3, 7,
+#                 greedy, the default and the batch-invariant mode (rows that
+#                 differ from each prompt alone; fails if the invariant differs)
+# speculative-sampled  the same at temperature 0.7                           5-9 min
 # speculative-context  acceptance by prompt length (1K and 3K tokens), K = 7   2-4 min
 # Aliases (several commands' time: run their groups one command at a time):
 # training = training-parts training-memory training-64k training-128k;
@@ -106,7 +110,7 @@ expand() {
         training) echo training-parts training-memory training-64k training-128k ;;
         serving-all) echo serving serving-128k serving-full serving-1m serving-1m-full ;;
         train-parts|train-steps|train-steps-trained|train-steps-expanded|train-loop) echo "$1" ;;
-        mtp-ablation|speculative|speculative-context) echo "$1" ;;
+        mtp-ablation|speculative|speculative-sampled|speculative-context) echo "$1" ;;
         training-parts|serving-itl|training-glm52-profile|training-glm52-tuned|training-memory|training-64k|training-128k|training-glm52-64k|training-glm52-128k|kernels|prefill|serving|host|layer-split|layer-split-1m|layer-split-serving|serving-128k|serving-full|serving-1m|serving-1m-full)
             echo "$1" ;;
         *) return 1 ;;
@@ -242,10 +246,15 @@ for group in "${groups[@]}"; do
                 --train-depth 7 --seq-len 1024 --batch-size 16 --json "$stage/mtp_ablation.json"
             ;;
         speculative)
-            run speculative_t0 270 "--batch 1 2 --draft 1 3 --new-tokens 8 --repeat 1" "$py" benchmarks/speculative.py \
-                --batch 1 8 32 --draft 1 3 7 --new-tokens 128 --repeat 3 --json "$stage/speculative_t0.json"
-            run speculative_t07 270 "--batch 1 2 --draft 1 3 --new-tokens 8 --repeat 1" "$py" benchmarks/speculative.py \
-                --batch 1 8 32 --draft 1 3 7 --new-tokens 128 --repeat 3 --temperature 0.7 \
+            run batch_invariance_checks 120 "-k in_row_chunks" "$py" -m pytest -x -q -p no:cacheprovider \
+                tests/test_batch_invariant.py
+            run speculative_t0 420 "--batch 1 2 --draft 1 3 --new-tokens 8 --repeat 1" "$py" benchmarks/speculative.py \
+                --batch 1 8 32 --draft 1 3 7 --new-tokens 128 --repeat 2 --batch-invariant \
+                --json "$stage/speculative_t0.json"
+            ;;
+        speculative-sampled)
+            run speculative_t07 540 "--batch 1 2 --draft 1 3 --new-tokens 8 --repeat 1" "$py" benchmarks/speculative.py \
+                --batch 1 8 32 --draft 1 3 7 --new-tokens 128 --repeat 2 --temperature 0.7 --batch-invariant \
                 --json "$stage/speculative_t07.json"
             ;;
         speculative-context)
