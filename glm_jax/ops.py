@@ -28,10 +28,10 @@ __all__ = ["KernelChoice", "impl_choices", "indexer_scores", "indexer_topk", "sp
            "causal_attention", "paged_indexer_topk", "paged_sparse_mla", "dense_indexer_kl"]
 
 
-#: Tokens per chunk of the batch-invariant cached forward by backend: on an accelerator a decode
-#: step of 64 sequences or a verify step of 8 sequences at 7 drafts is one chunk (the weights are
-#: read once, the padding rows cost little); on a CPU, where padding rows cost their arithmetic,
-#: 8.
+#: Tokens per chunk of the batch-invariant cached forward by backend. On an accelerator a decode
+#: step of up to 64 sequences is one chunk: the weights are read once and padding rows cost
+#: little (chunks of 256 cost 0.76-0.95x at batches 1 and 8 on an H100, docs/speculative.md).
+#: On a CPU, where padding rows cost their arithmetic, 8.
 INVARIANT_ROWS = {"cpu": 8, "gpu": 64, "tpu": 64}
 
 

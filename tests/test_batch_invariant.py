@@ -155,3 +155,10 @@ def test_engine_serves_a_prompt_alone_and_among_seven_arriving_later(model, alon
             tokens.setdefault(e.request_id, []).extend(e.tokens)
         step += 1
     assert tokens[target_id] == by_itself
+
+
+def test_decode_flag_turns_the_mode_on():
+    import decode
+
+    assert not decode.decode_config(decode.parse_args([])).kernels().batch_invariant
+    assert decode.decode_config(decode.parse_args(["--batch-invariant"])).kernels().batch_invariant
