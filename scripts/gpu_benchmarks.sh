@@ -59,12 +59,13 @@
 #                 layer fine-tuned 3 ways, backbone frozen; 64 held-out
 #                 prompts of its corpus, built first unless runs/pycorpus is
 #                 there: about 1-2 min)
-# speculative    the batch-invariance checks (tests/test_batch_invariant.py   6-9 min
+# speculative    the batch-invariance checks (tests/test_batch_invariant.py   8-9 min
 #                 on the GPU), then plain vs speculative decoding of
-#                 checkpoints/default at batch 1, 8, 32 and K = 1, 3, 7,
-#                 greedy, the default and the batch-invariant mode (rows that
-#                 differ from each prompt alone; fails if the invariant differs)
-# speculative-sampled  the same at temperature 0.7                           5-9 min
+#                 checkpoints/default at batch 1 and 8, K = 1, 3, 7, greedy,
+#                 the default and the batch-invariant mode (rows that differ
+#                 from each prompt alone; fails if the invariant mode differs)
+# speculative-32  the same at batch 32, greedy and temperature 0.7           7-9 min
+# speculative-sampled  batch 1 and 8 at temperature 0.7                      6-9 min
 # speculative-context  acceptance by prompt length (1K and 3K tokens), K = 7   2-4 min
 # Aliases (several commands' time: run their groups one command at a time):
 # training = training-parts training-memory training-64k training-128k;
@@ -110,7 +111,7 @@ expand() {
         training) echo training-parts training-memory training-64k training-128k ;;
         serving-all) echo serving serving-128k serving-full serving-1m serving-1m-full ;;
         train-parts|train-steps|train-steps-trained|train-steps-expanded|train-loop) echo "$1" ;;
-        mtp-ablation|speculative|speculative-sampled|speculative-context) echo "$1" ;;
+        mtp-ablation|speculative|speculative-32|speculative-sampled|speculative-context) echo "$1" ;;
         training-parts|serving-itl|training-glm52-profile|training-glm52-tuned|training-memory|training-64k|training-128k|training-glm52-64k|training-glm52-128k|kernels|prefill|serving|host|layer-split|layer-split-1m|layer-split-serving|serving-128k|serving-full|serving-1m|serving-1m-full)
             echo "$1" ;;
         *) return 1 ;;
@@ -246,15 +247,22 @@ for group in "${groups[@]}"; do
                 --train-depth 7 --seq-len 1024 --batch-size 16 --json "$stage/mtp_ablation.json"
             ;;
         speculative)
-            run batch_invariance_checks 120 "-k in_row_chunks" "$py" -m pytest -x -q -p no:cacheprovider \
+            run batch_invariance_checks 180 "-k in_row_chunks" "$py" -m pytest -x -q -p no:cacheprovider \
                 tests/test_batch_invariant.py
-            run speculative_t0 420 "--batch 1 2 --draft 1 3 --new-tokens 8 --repeat 1" "$py" benchmarks/speculative.py \
-                --batch 1 8 32 --draft 1 3 7 --new-tokens 128 --repeat 2 --batch-invariant \
+            run speculative_t0 370 "--batch 1 2 --draft 1 3 --new-tokens 8 --repeat 1" "$py" benchmarks/speculative.py \
+                --batch 1 8 --draft 1 3 7 --new-tokens 128 --repeat 2 --batch-invariant \
                 --json "$stage/speculative_t0.json"
+            ;;
+        speculative-32)
+            for t in 0 0.7; do
+                run speculative_b32_t$t 270 "--batch 2 --draft 1 3 --new-tokens 8 --repeat 1" "$py" \
+                    benchmarks/speculative.py --batch 32 --draft 1 3 7 --new-tokens 128 --repeat 2 --temperature $t \
+                    --batch-invariant --json "$stage/speculative_b32_t$t.json"
+            done
             ;;
         speculative-sampled)
             run speculative_t07 540 "--batch 1 2 --draft 1 3 --new-tokens 8 --repeat 1" "$py" benchmarks/speculative.py \
-                --batch 1 8 32 --draft 1 3 7 --new-tokens 128 --repeat 2 --temperature 0.7 --batch-invariant \
+                --batch 1 8 --draft 1 3 7 --new-tokens 128 --repeat 2 --temperature 0.7 --batch-invariant \
                 --json "$stage/speculative_t07.json"
             ;;
         speculative-context)

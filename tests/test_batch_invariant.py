@@ -30,6 +30,13 @@ PROMPTS = [RNG.integers(0, 97, n).astype(np.int32) for n in (21, 9, 30, 14, 5, 2
 NEW = 12
 
 
+@pytest.fixture(scope="module", autouse=True)
+def release_programs():
+    """This file compiles many programs; the test worker lives on after it."""
+    yield
+    jax.clear_caches()
+
+
 @pytest.fixture(scope="module")
 def model():
     cfg = micro_config(dtype="bfloat16", max_position_embeddings=128, hidden_size=128, intermediate_size=128,

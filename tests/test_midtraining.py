@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 
+import jax
 import numpy as np
 import pytest
 
@@ -14,6 +15,13 @@ import train
 from conftest import ROOT, micro_config
 from glm_jax.config import ConfigError, extend_context, load_config, save_config
 from glm_jax.layers.rope import rope_inv_freq, softmax_scale_factor
+
+
+@pytest.fixture(scope="module", autouse=True)
+def release_programs():
+    """This file compiles many programs; the test worker lives on after it."""
+    yield
+    jax.clear_caches()
 
 
 def _script(name: str):
