@@ -24,8 +24,8 @@ from glm_jax.layers.embedding import embed
 from glm_jax.layers.linear import Linear
 from glm_jax.layers.mtp import MTPLayer
 from glm_jax.layers.norms import RMSNorm
-from glm_jax.row_chunks import in_row_chunks
 from glm_jax.layers.segments import segment_layout
+from glm_jax.row_chunks import in_row_chunks
 from glm_jax.sharding import split_tokens
 
 

@@ -29,8 +29,8 @@ from glm_jax.layers.mla import MLAProjection, indices_to_mask
 from glm_jax.layers.moe import MLP, MoE
 from glm_jax.layers.selected_kl import add_target, selected_set_kl
 from glm_jax.layers.norms import RMSNorm
-from glm_jax.row_chunks import in_row_chunks
 from glm_jax.layers.segments import query_rows, segment_table
+from glm_jax.row_chunks import in_row_chunks
 from glm_jax.sharding import gather_keys, split_tokens
 
 
