@@ -6,6 +6,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from glm_jax.layers.matmul import einsum
+
 
 class Linear(nnx.Module):
     def __init__(self, d_in: int, d_out: int, *, rngs: nnx.Rngs, dtype=jnp.float32):
@@ -14,5 +16,4 @@ class Linear(nnx.Module):
 
     def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
         kernel = self.kernel[...]
-        return jnp.einsum("...i,io->...o", x.astype(kernel.dtype), kernel,
-                          preferred_element_type=jnp.float32).astype(kernel.dtype)
+        return einsum("...i,io->...o", x.astype(kernel.dtype), kernel).astype(kernel.dtype)

@@ -23,6 +23,7 @@ from flax import nnx
 from glm_jax import ops
 from glm_jax.config import GLMConfig
 from glm_jax.layers.linear import Linear
+from glm_jax.layers.matmul import einsum
 from glm_jax.layers.norms import RMSNorm
 from glm_jax.layers.rope import apply_rope, rope_inv_freq, softmax_scale_factor
 from glm_jax.layers.segments import SegmentTable
@@ -99,16 +100,14 @@ class MLAProjection(nnx.Module):
         """q_nope [B, S, nh, nope], q_rope [B, S, nh, rope] -> the queries in the latent space
         [B, S, nh, kv_lora + rope]: [q_nope W_UK ; q_rope]."""
         w_uk, _ = self._kv_b()
-        q_lat = jnp.einsum("bshn,chn->bshc", q_nope, w_uk.astype(q_nope.dtype),
-                           preferred_element_type=jnp.float32).astype(q_nope.dtype)
+        q_lat = einsum("bshn,chn->bshc", q_nope, w_uk.astype(q_nope.dtype)).astype(q_nope.dtype)
         return jnp.concatenate([q_lat, q_rope], axis=-1)
 
     def absorbed_output(self, o_lat, dtype):
         """Attention output in the latent space [B, S, nh, kv_lora] -> [B, S, hidden] in dtype
         (through W_UV and o_proj)."""
         _, w_uv = self._kv_b()
-        o = jnp.einsum("bshc,chv->bshv", o_lat, w_uv.astype(o_lat.dtype),
-                       preferred_element_type=jnp.float32).astype(dtype)
+        o = einsum("bshc,chv->bshv", o_lat, w_uv.astype(o_lat.dtype)).astype(dtype)
         return self.o_proj(o.reshape(o.shape[:2] + (-1,)))
 
     # ------------------------------------------------------------------ dense, long sequences

@@ -35,6 +35,7 @@ from flax import nnx
 
 from glm_jax.config import GLMConfig
 from glm_jax.layers.linear import Linear
+from glm_jax.layers.matmul import einsum
 
 
 class RouterBias(nnx.Variable):
@@ -171,27 +172,6 @@ def _blocked_matmul_bwd(residuals, g):
 _blocked_matmul.defvjp(_blocked_matmul_fwd, _blocked_matmul_bwd)
 
 
-@jax.custom_vjp
-def _matmul(a, b):
-    """a [M, K] @ b [K, N] -> float32 [M, N]; the backward pass as _blocked_matmul's (the
-    cotangent rounded to the inputs' dtype, float32 accumulation)."""
-    return jnp.dot(a, b, preferred_element_type=jnp.float32)
-
-
-def _matmul_fwd(a, b):
-    return _matmul(a, b), (a, b)
-
-
-def _matmul_bwd(residuals, g):
-    a, b = residuals
-    g = g.astype(a.dtype)
-    return (jnp.dot(g, b.T, preferred_element_type=jnp.float32).astype(a.dtype),
-            jnp.dot(a.T, g, preferred_element_type=jnp.float32).astype(b.dtype))
-
-
-_matmul.defvjp(_matmul_fwd, _matmul_bwd)
-
-
 def _ragged_ffn(xs, group_sizes, gate_proj, up_proj, down_proj):
     """SwiGLU experts by ragged_dot over rows sorted by expert: xs [M, hidden] -> float32 [M, hidden]."""
     ragged = lambda a, w: jax.lax.ragged_dot(a, w, group_sizes, preferred_element_type=jnp.float32)
@@ -234,9 +214,9 @@ def dense_experts(tokens, experts, weights, gate_proj, up_proj, down_proj):
     combine = jnp.sum(jnp.where(experts[..., None] == jnp.arange(num_experts), weights[..., None], 0.0),
                       axis=1)                                                     # [N, E]
     gate_up = jnp.concatenate([gate_proj, up_proj], -1).transpose(1, 0, 2).reshape(hidden, -1)
-    gate, up = jnp.split(_matmul(tokens, gate_up).reshape(n, num_experts, 2 * ffn), 2, axis=-1)
+    gate, up = jnp.split(einsum("nh,hf->nf", tokens, gate_up).reshape(n, num_experts, 2 * ffn), 2, axis=-1)
     act = (jax.nn.silu(gate) * up * combine[..., None]).astype(tokens.dtype)      # [N, E, ffn]
-    return _matmul(act.reshape(n, -1), down_proj.reshape(-1, hidden))
+    return einsum("nf,fh->nh", act.reshape(n, -1), down_proj.reshape(-1, hidden))
 
 
 def routed_experts(cfg: GLMConfig, tokens, router, bias, gate_proj, up_proj, down_proj,
