@@ -100,6 +100,10 @@ def parse_args(argv=None):
     ap.add_argument("--stop-after", type=int, default=None, metavar="N",
                     help="run at most N steps in this invocation, save and exit (for time-limited jobs)")
     ap.add_argument("--remat", action="store_true", help="recompute activations in the backward pass")
+    ap.add_argument("--keep-attention", action="store_true",
+                    help="with --remat: keep the sparse attention kernels' outputs (per token and layer heads x "
+                         "kv_lora_rank activations and top-k + heads float32 values) instead of running the "
+                         "forward kernel again")
     cli.add_mesh_flag(ap, "e.g. data=8 or data=2,tensor=2,layer=2: batch and (FSDP) the model dimension of the "
                           "weights over data, the sequence over context (context parallelism, e.g. "
                           "data=2,context=4), heads / FFN / experts over tensor (and layer)")

@@ -57,6 +57,9 @@ def main() -> None:
     ap.add_argument("--sparse-config", metavar="JSON",
                     help="settings of the pallas_gpu sparse MLA: a JSON dict of SparseMLAGpuConfig fields, or a file "
                          "holding one (e.g. sparse_mla_fwd_sweep.py --best)")
+    ap.add_argument("--keep-attention", action="store_true",
+                    help="run the sparse stage twice: layers rematerialised whole, then keeping the sparse "
+                         "attention's outputs (train.py --keep-attention)")
     ap.add_argument("--profile", metavar="DIR",
                     help="also trace one more step of each stage into DIR/STAGE-IMPL and print where its GPU time "
                          "goes (benchmarks/trace_summary.py; run with XLA_FLAGS=--xla_gpu_enable_command_buffer= "
@@ -97,25 +100,28 @@ def main() -> None:
     def save():             # after every stage, so a run cut short keeps what it measured
         write_json(args.json, dict(matmul_flops=matmul, seq_len=seq_len, batch_size=batch, rows=rows))
 
-    runs = [(stage, impl) for stage in args.stages
-            for impl in (args.sparse_impls if stage == "sparse" else ["fused dense"])]
-    for stage, impl in runs:
+    runs = [(stage, impl, keep) for stage in args.stages
+            for impl in (args.sparse_impls if stage == "sparse" else ["fused dense"])
+            for keep in ((False, True) if args.keep_attention and stage == "sparse" else (False,))]
+    for stage, impl, keep in runs:
+        label = impl + (", attention kept" if keep else "")
         kernels = ops.KernelChoice(attention=impl if stage == "sparse" else "auto",
                                    interpret=args.smoke and impl.startswith("pallas"),
                                    attention_config=sparse_config if impl == "pallas_gpu" else None)
         weights = LossWeights(indexer=1.0 if stage == "sparse" else 0.0, mtp=0.3)
         opt_state = tx.init(params)
         run = lambda p, o: train_step(graphdef, p, rest, o, inputs, targets, tx=tx, stage=stage,
-                                      weights=weights, kernels=kernels, remat=True, form="absorbed")
+                                      weights=weights, kernels=kernels, remat=True, keep_attention=keep,
+                                      form="absorbed")
         p = jax.tree.map(jnp.copy, params)
         try:
             p, opt_state, terms = run(p, opt_state)             # compile
             jax.block_until_ready(terms)
         except Exception as e:  # noqa: BLE001 - e.g. out of memory: report it, measure the next stage
             failed = failure(e)
-            print(f"| {stage} | {impl} | failed: {failed} "
+            print(f"| {stage} | {label} | failed: {failed} "
                   "| | | | |", flush=True)
-            rows.append(dict(stage=stage, attention=impl, failed=failed))
+            rows.append(dict(stage=stage, attention=impl, keep_attention=keep, failed=failed))
             save()
             continue
         times = []
@@ -126,13 +132,14 @@ def main() -> None:
             times.append(time.perf_counter() - t)
         step_s = float(np.median(times))
         flops = costs.training_flops_per_token(cfg, seq_len, active, sparse=stage == "sparse") * seq_len * batch
-        print(f"| {stage} | {impl} | {step_s * 1e3:.0f} | {batch * seq_len / step_s:.0f} | {flops / step_s / 1e12:.0f} | "
+        print(f"| {stage} | {label} | {step_s * 1e3:.0f} | {batch * seq_len / step_s:.0f} | {flops / step_s / 1e12:.0f} | "
               f"{flops / step_s / matmul:.1%} | {float(terms['loss']):.3f} |", flush=True)
-        rows.append(dict(stage=stage, attention=impl, step_s=step_s, tokens_per_s=batch * seq_len / step_s, model_flops=flops,
+        rows.append(dict(stage=stage, attention=impl, keep_attention=keep, step_s=step_s,
+                         tokens_per_s=batch * seq_len / step_s, model_flops=flops,
                          loss=float(terms["loss"])))
         save()
         if args.profile:
-            trace_dir = f"{args.profile}/{stage}-{impl.replace(' ', '_')}"
+            trace_dir = f"{args.profile}/{stage}-{impl.replace(' ', '_')}{'-kept' if keep else ''}"
             with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
                 p, opt_state, terms = run(p, opt_state)
                 jax.block_until_ready(terms)
@@ -145,7 +152,8 @@ def main() -> None:
     dense = [r["tokens_per_s"] for r in rows if r["stage"] == "dense" and "failed" not in r]
     for r in rows:
         if r["stage"] == "sparse" and "failed" not in r and dense:
-            print(f"sparse ({r['attention']}) / dense tokens/s: {r['tokens_per_s'] / dense[0]:.2f}x")
+            kept = ", attention kept" if r["keep_attention"] else ""
+            print(f"sparse ({r['attention']}{kept}) / dense tokens/s: {r['tokens_per_s'] / dense[0]:.2f}x")
 
 
 if __name__ == "__main__":

@@ -383,3 +383,43 @@ def test_the_group_builds_the_backward_index_its_kernel_will_use():
     assert isinstance(attn.backward_index(indices, 16, jnp.float32, gpu), KeyBitmap)
     sorted_mode = dataclasses.replace(gpu, attention_config=pk.SparseMLAGpuConfig(dkv_mode="sorted"))
     assert isinstance(attn.backward_index(indices, 16, jnp.float32, sorted_mode), TransposedIndex)
+
+
+def _forward_kernel_calls(jaxpr) -> int:
+    """Calls of the Pallas sparse-MLA forward kernel in a jaxpr and the jaxprs nested in it."""
+    return sum(eqn.primitive.name == "pallas_call"
+               and "sparse_mla_fwd" in str(eqn.params.get("name") or eqn.params.get("name_and_src_info"))
+               for eqn in jaxpr_equations(jaxpr))
+
+
+def test_keep_attention_runs_the_sparse_forward_kernel_once_a_layer():
+    """With remat, keep_attention saves the sparse attention's outputs: the forward kernel is not
+    run again in the backward pass, and the loss and gradients are those of the plain remat (up
+    to float32 rounding)."""
+    cfg = micro_config()                        # 5 layers and one MTP layer
+    graphdef, params, rest = nnx.split(GLMModel(cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)
+    tokens = jax.random.randint(jax.random.key(5), (2, 13), 0, cfg.vocab_size)
+    kernels = ops.KernelChoice(attention="pallas_gpu", interpret=True)
+
+    def loss(params, keep):
+        model = nnx.merge(graphdef, params, rest)
+        return loss_terms(model, tokens[:, :-1], tokens[:, 1:], stage="sparse", weights=LossWeights(indexer=1.0),
+                          kernels=kernels, remat=True, keep_attention=keep, form="absorbed")[0]
+
+    grad = jax.value_and_grad(loss)
+    calls = [_forward_kernel_calls(jax.make_jaxpr(grad, static_argnums=1)(params, keep).jaxpr) for keep in (False, True)]
+    layers = cfg.num_hidden_layers + cfg.num_nextn_predict_layers
+    assert calls == [2 * layers, layers], calls
+    (plain, g_plain), (kept, g_kept) = (jax.jit(grad, static_argnums=1)(params, keep) for keep in (False, True))
+    assert float(kept) == float(plain)
+    for a, b in zip(jax.tree.leaves(g_plain), jax.tree.leaves(g_kept), strict=True):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)      # XLA fuses the two programs differently
+
+
+def test_keep_attention_needs_remat():
+    from glm_jax.settings import SettingError
+    from glm_jax.training.run_config import KernelsConfig
+
+    with pytest.raises(SettingError, match="--remat"):
+        KernelsConfig(keep_attention=True)
+    assert KernelsConfig(remat=True, keep_attention=True).keep_attention

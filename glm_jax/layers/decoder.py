@@ -25,7 +25,7 @@ from glm_jax import ops
 from glm_jax.config import GLMConfig
 from glm_jax.layers.dense_kl import DenseTarget, dense_group_kl
 from glm_jax.layers.indexer import Indexer
-from glm_jax.layers.mla import MLAProjection, indices_to_mask
+from glm_jax.layers.mla import SPARSE_ATTENTION_NAME, MLAProjection, indices_to_mask
 from glm_jax.layers.moe import MLP, MoE
 from glm_jax.layers.selected_kl import add_target, selected_set_kl
 from glm_jax.layers.norms import RMSNorm
@@ -84,6 +84,8 @@ class AttentionSettings:
     form: str = "absorbed"        # "absorbed" (ops.sparse_mla) | "expanded" (per-head K/V)
     indexer_loss: bool = False    # compute the IndexCache multi-layer KL
     remat: bool = False           # recompute each layer's activations in the backward pass
+    keep_attention: bool = False  # with remat: keep the sparse attention kernels' outputs (absorbed
+                                  # form, Pallas kernels) instead of running them again
     max_segments: int | None = None  # packed rows: at least the segments of any row (dense mode
                                      # then runs cuDNN's packed kernel, see `attend_causal`)
     kernels: ops.KernelChoice = ops.KernelChoice()
@@ -92,7 +94,7 @@ class AttentionSettings:
         for name, allowed in (("mode", MODES), ("form", FORMS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"AttentionSettings.{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        for name in ("indexer_loss", "remat"):
+        for name in ("indexer_loss", "remat", "keep_attention"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"AttentionSettings.{name} must be True or False, got {getattr(self, name)!r}")
         if self.max_segments is not None and (not isinstance(self.max_segments, int) or self.max_segments < 1):
@@ -158,6 +160,8 @@ _TOPK_NAME = "indexer_topk"
 #: Remat policy of a layer: keep the top-k indices and their sorted backward index (integers,
 #: costly to select or sort again).
 _SAVE_TOPK = jax.checkpoint_policies.save_only_these_names(_TOPK_NAME)
+#: The same, also keeping the sparse attention's outputs (`AttentionSettings.keep_attention`).
+_SAVE_TOPK_AND_ATTENTION = jax.checkpoint_policies.save_only_these_names(_TOPK_NAME, SPARSE_ATTENTION_NAME)
 
 
 class _IndexerOutputs(NamedTuple):
@@ -238,7 +242,7 @@ class IndexShareGroup(nnx.Module):
             forward = functools.partial(_layer_forward, j=j, share=share, rows=rows, settings=settings,
                                         shared_kv=shared_kv)
             if settings.remat:
-                forward = _rematerialised(forward)
+                forward = _rematerialised(forward, settings.keep_attention)
             x, layer_kl, target, latent, found = forward(layer, x, found)
             kl = kl + layer_kl
             if isinstance(target, DenseTarget):
@@ -333,14 +337,17 @@ def _cached_outputs(layer: DecoderLayer, x, o_lat, kernels: ops.KernelChoice):
     return in_row_chunks(finish, x, o_lat, rows=kernels.token_rows)
 
 
-def _rematerialised(forward):
+def _rematerialised(forward, keep_attention: bool):
     """forward(layer, x, found) recomputed in the backward pass, keeping only its inputs and
-    the top-k indices it selects (`_SAVE_TOPK`)."""
+    the top-k indices it selects (`_SAVE_TOPK`), and with keep_attention the sparse attention's
+    outputs: the layer's output in the latent space, its lse and indexer target (per token
+    nh * kv_lora activation-dtype values, nh + topk float32)."""
+    policy = _SAVE_TOPK_AND_ATTENTION if keep_attention else _SAVE_TOPK
 
     def run(layer, x, found):
         graphdef, state = nnx.split(layer)
         pure = lambda state, x, found: forward(nnx.merge(graphdef, state), x, found)
-        return jax.checkpoint(pure, policy=_SAVE_TOPK)(state, x, found)
+        return jax.checkpoint(pure, policy=policy)(state, x, found)
 
     return run
 

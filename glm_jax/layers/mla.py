@@ -19,6 +19,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+from pallas_kernels.attention.vjp import RESIDUAL_NAME as SPARSE_ATTENTION_NAME
 
 from glm_jax import ops
 from glm_jax.config import GLMConfig
@@ -85,6 +87,7 @@ class MLAProjection(nnx.Module):
                                            v_dim=self.cfg.kv_lora_rank, return_target=return_target,
                                            impl=kernels.attention, config=kernels.attention_config,
                                            interpret=kernels.interpret, tindex=tindex)
+        o_lat, *target = (checkpoint_name(a, SPARSE_ATTENTION_NAME) for a in (o_lat, *target))
         out = self.absorbed_output(o_lat, q_nope.dtype)
         return (out, target[0]) if return_target else out
 

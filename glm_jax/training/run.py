@@ -327,7 +327,8 @@ def _loop(run: Run, stop_requested: "StopSignals", compiles: CompileWatch) -> in
         run.params, run.opt_state, terms = run.step(
             run.graphdef, run.params, run.rest, run.opt_state, run.feed.from_rows(batch.inputs),
             run.feed.from_rows(batch.targets), run.feed.from_rows(batch.segment_ids), tx=run.tx, stage=stage,
-            weights=run.weights, kernels=run.kernels, remat=settings.kernels.remat, form=run.form,
+            weights=run.weights, kernels=run.kernels, remat=settings.kernels.remat,
+            keep_attention=settings.kernels.keep_attention, form=run.form,
             max_segments=segment_bounds.for_step(batch.segment_ids, stage, run.form))
         faults.reached("step", step)
         record = log.step(step, stage, lambda: run.schedule.on_host(step - 1), terms, batch,

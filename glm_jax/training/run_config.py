@@ -91,6 +91,13 @@ class KernelsConfig(Settings):
     indexer_impl: str = setting("auto")
     kernel_config: dict[str, dict] = setting(default_factory=dict)
     remat: bool = setting(False)
+    keep_attention: bool = setting(False)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.keep_attention and not self.remat:
+            raise SettingError("--keep-attention keeps the sparse attention's outputs of a rematerialised layer: "
+                               "give --remat with it")
 
 
 @dataclasses.dataclass(frozen=True)

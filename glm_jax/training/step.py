@@ -104,8 +104,13 @@ def make_optimizer(lr: float, total_steps: int, warmup_steps: int, weight_decay:
 
 
 def loss_terms(model, inputs, targets, *, stage: str, weights: LossWeights, kernels: ops.KernelChoice,
-               remat: bool = False, form: str = "expanded", segment_ids=None, max_segments: int | None = None):
+               remat: bool = False, keep_attention: bool = False, form: str = "expanded", segment_ids=None,
+               max_segments: int | None = None):
     """inputs, targets int32 [B, S] -> (total loss, dict of terms).
+
+    remat: each layer is recomputed in the backward pass; keep_attention: except the sparse
+    attention kernels' outputs (`AttentionSettings.keep_attention`: more memory, one forward
+    kernel call a layer instead of two).
 
     The vocabulary-wide terms run through the head's kernel per chunk of positions
     (`head_losses`): the model's [B, S, V] logits are never kept.
@@ -120,7 +125,8 @@ def loss_terms(model, inputs, targets, *, stage: str, weights: LossWeights, kern
     attention's per-row log-sum-exp (`layers.dense_kl`); both give every stage and loss (see
     `attention_form`)."""
     settings = AttentionSettings(mode=stage, form=form, indexer_loss=weights.indexer > 0,
-                                 remat=remat, max_segments=max_segments, kernels=kernels)
+                                 remat=remat, keep_attention=keep_attention, max_segments=max_segments,
+                                 kernels=kernels)
     out = model(inputs, settings=settings, segment_ids=segment_ids)
     s = inputs.shape[1]
     n_full = len(model.cfg.full_layers)
@@ -192,17 +198,18 @@ def attention_form(form: str, seq_len: int, backend: str | None = None) -> str:
     return form
 
 
-_STEP_STATIC = ("graphdef", "tx", "stage", "weights", "kernels", "remat", "form", "max_segments")
+_STEP_STATIC = ("graphdef", "tx", "stage", "weights", "kernels", "remat", "keep_attention", "form", "max_segments")
 
 
 @functools.partial(jax.jit, static_argnames=_STEP_STATIC, donate_argnames=("params", "opt_state"))
 def train_step(graphdef, params, rest, opt_state, inputs, targets, segment_ids=None, *, tx, stage, weights,
-               kernels, remat=False, form="expanded", max_segments=None):
-    """One optimizer step; inputs, targets, segment_ids (optional) int32 [B, S] and
-    max_segments as in `loss_terms`. -> (params, opt_state, metrics dict of float32 scalars)."""
+               kernels, remat=False, keep_attention=False, form="expanded", max_segments=None):
+    """One optimizer step; inputs, targets, segment_ids (optional) int32 [B, S], remat,
+    keep_attention and max_segments as in `loss_terms`. -> (params, opt_state, metrics dict of float32 scalars)."""
     def loss_fn(p):
         return loss_terms(nnx.merge(graphdef, p, rest), inputs, targets, stage=stage, weights=weights,
-                          kernels=kernels, remat=remat, form=form, segment_ids=segment_ids,
+                          kernels=kernels, remat=remat, keep_attention=keep_attention, form=form,
+                          segment_ids=segment_ids,
                           max_segments=max_segments)
 
     (_, terms), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)

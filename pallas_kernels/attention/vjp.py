@@ -12,6 +12,10 @@ where `idx` is the int32 index array padded by the kernel module and delta float
 transposed index (no write races, no atomics). `make_index_sparse_mla` plugs in a backward
 that takes a prebuilt index of the indices (`transpose.TransposedIndex` or
 `transpose.KeyBitmap`, shared by an IndexShare group's layers).
+
+The residuals out and lse are named `RESIDUAL_NAME` (`jax.ad_checkpoint.checkpoint_name`): a
+rematerialised caller whose policy saves that name keeps them instead of running the forward
+kernel again in the backward pass.
 """
 
 from __future__ import annotations
@@ -20,8 +24,17 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from pallas_kernels.attention import transpose
+
+#: The name of the forward's out and lse among the backward's residuals (module docstring).
+RESIDUAL_NAME = "sparse_mla_out"
+
+
+def _named(outs) -> tuple:
+    """(out, lse) of a forward's outputs, named RESIDUAL_NAME for remat policies."""
+    return tuple(checkpoint_name(x, RESIDUAL_NAME) for x in outs[:2])
 
 
 def _delta(out, lse, dout, dlse):
@@ -40,7 +53,7 @@ def make_sparse_mla(fwd: Callable, bwd: Callable):
 
     def attend_fwd(q, kv, idx):
         outs = fwd(q, kv, idx)
-        return outs, (q, kv, idx) + tuple(outs[:2])
+        return outs, (q, kv, idx) + _named(outs)
 
     def attend_bwd(res, cts):
         q, kv, idx, out, lse = res
@@ -66,7 +79,7 @@ def make_index_sparse_mla(fwd: Callable, bwd: Callable):
 
     def attend_fwd(q, kv, indices, index):
         outs = fwd(q, kv, indices, index)
-        return outs, (q, kv, indices, index) + tuple(outs[:2])
+        return outs, (q, kv, indices, index) + _named(outs)
 
     def attend_bwd(res, cts):
         q, kv, indices, index, out, lse = res
