@@ -74,8 +74,9 @@ def parse_args(argv=None):
                          "requests decoded together (default 4)")
     ap.add_argument("--decode-steps", type=int, default=1, metavar="N",
                     help="with --max-batch or --serve: up to N decode steps per call of the serving engine while no "
-                         "prompt is prefilled or admitted (1..page size; a new request waits up to one block, the "
-                         "host's cost of a call is spread over N tokens; docs/serving.md)")
+                         "prompt is prefilled or admitted (1..the page size: 16, or --page-size with --serve; a new "
+                         "request waits up to one block, the host's cost of a call is spread over N tokens; "
+                         "docs/serving.md)")
     ap.add_argument("--quiet", action="store_true", help="print only the generated text")
     cli.add_mesh_flag(ap, "e.g. data=1,layer=8; layer > 1 splits the KV cache across devices by layer (LayerSplit)")
     ap.add_argument("--collective", default="permute", choices=("permute", "psum"),
