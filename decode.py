@@ -72,6 +72,11 @@ def parse_args(argv=None):
                     help="decode the prompts through the serving engine, N sequences at a time (continuous "
                          "batching; plain decoding, each prompt its own sampling stream); with --serve, the "
                          "requests decoded together (default 4)")
+    ap.add_argument("--decode-steps", type=int, default=1, metavar="N",
+                    help="with --max-batch or --serve: up to N decode steps per call of the serving engine while no "
+                         "prompt is prefilled or admitted (1..the page size: 16, or --page-size with --serve; a new "
+                         "request waits up to one block, the host's cost of a call is spread over N tokens; "
+                         "docs/serving.md)")
     ap.add_argument("--quiet", action="store_true", help="print only the generated text")
     cli.add_mesh_flag(ap, "e.g. data=1,layer=8; layer > 1 splits the KV cache across devices by layer (LayerSplit)")
     ap.add_argument("--collective", default="permute", choices=("permute", "psum"),
@@ -193,7 +198,8 @@ def _decode_with_engine(args, settings: DecodeConfig, model, tok, prompts, ids, 
     t0 = time.perf_counter()
     with cli.user_errors():
         engine = engine_for_prompts(model, ids, max_batch=settings.max_batch, max_new_tokens=settings.max_new_tokens,
-                                    max_len=settings.max_len, prefill_chunk=settings.prefill_chunk, **placement)
+                                    max_len=settings.max_len, prefill_chunk=settings.prefill_chunk,
+                                    decode_steps=settings.decode_steps, **placement)
     # Each prompt its own sampling stream (seed + i): its text does not depend on its batch companions.
     results = engine.serve([Request(row, settings.max_new_tokens, settings.sampling(), stop, settings.seed + i)
                             for i, row in enumerate(ids)])

@@ -1,23 +1,28 @@
-"""Host time per decode step of the serving engine as the context grows (one request decoding
+"""Host time per decoded step of the serving engine as the context grows (one request decoding
 a long continuation over a page pool), next to the device's time per step, and what one jitted
 call costs the host, piece by piece.
 
     PYTHONPATH=. python benchmarks/engine_steps.py --config configs/tiny.yaml --max-context 1024 --new-tokens 960
+    PYTHONPATH=. python benchmarks/engine_steps.py --decode-steps 8    # blocks of 8 decode steps per call
 
-"host" is a step's wall time minus the time it blocked waiting for the device (the engine
-reads step n's tokens after dispatching step n+1); "host CPU" is the CPU time of the engine's
-thread in the step (what the host works, without any wait, even one inside the runtime); "of
-which the decode program call" is the time until the jitted decode call returned (the runtime
-launching the program), wall and CPU. A second run calls the decode program with its inputs
-ready (the device idle): the launch alone, to tell launch work from time the call spent
-waiting on the step in flight. A third run blocks on each call's outputs before the engine goes
+Each engine step makes one decode call of one decode step or, with --decode-steps N, mostly a
+block of N (`ServingEngine(decode_steps=N)`; single steps where the request prefills or has
+fewer than N tokens left), so the per-step columns divide each call's time by the steps it ran.
+"host" is an engine step's wall time minus the time it blocked waiting for the device (the
+engine reads call n's tokens after dispatching call n+1); "host CPU" is the CPU time of the
+engine's thread in the step (what the host works, without any wait, even one inside the
+runtime); "decode call" is the time until the jitted decode call returned (the runtime
+launching the program), wall / CPU, per call and per decoded step. A second run calls the
+decode program with its inputs ready (the device idle): the launch alone, to tell launch work
+from time the call spent waiting on the call in flight. A third run blocks on each call's outputs before the engine goes
 on, so the device is idle while the engine works: the step's host work minus the call and that
 block is the engine's own work around the call (scheduling, inputs, read-back, events), free of
 contention with the device (on a CPU it computes on the same cores). On a GPU the programs run
-as CUDA graphs unless --no-cuda-graphs; --check-cuda-graphs N decodes N greedy tokens both ways and compares them. "device" is the step's wall time: with one step in flight the
-engine runs at the pace of the slower of host and device, so where host < device the device
-sets the pace and host time is hidden. The summary says in how many context ranges host time
-(wall and CPU) is under 1 ms and under the device's. The
+as CUDA graphs unless --no-cuda-graphs; --check-cuda-graphs N decodes N greedy tokens both ways
+and compares them. "device" is the engine step's wall time per decoded step: with one call in
+flight the engine runs at the pace of the slower of host and device, so where host < device the
+device sets the pace and host time is hidden. The summary says in how many context ranges host
+time per decoded step (wall and CPU) is under 1 ms and under the device's. The
 last table times what the engine avoids per call: hashing the nnx GraphDef as a static
 argument, passing the nnx State pytree instead of a flat tuple of its arrays, and passing the
 MTP layer's arrays, which serving never reads.
@@ -28,7 +33,7 @@ MTP layer's arrays, which serving never reads.
 (N slots) stepped directly by `engine.serve`, then the same requests through an `EngineLoop`
 (glm_jax/serving/engine_loop.py) with an asyncio consumer per request that encodes each event
 as a JSON chunk, as a stream does, without HTTP. It prints host ms/step by context range for
-both (steps with a prefill chunk included), and the loop's step time.
+both (steps with a prefill chunk included), and the loop's step time, per decoded step.
 """
 
 from __future__ import annotations
@@ -75,6 +80,8 @@ def main() -> None:
     ap.add_argument("--check-cuda-graphs", type=int, default=0, metavar="N",
                     help="also decode N greedy tokens with and without CUDA graphs and say whether they are equal")
     ap.add_argument("--new-tokens", type=int, default=960)
+    ap.add_argument("--decode-steps", type=int, default=1, metavar="N",
+                    help="the most decode steps per call (ServingEngine(decode_steps=N), at most --page-size)")
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--buckets", type=int, default=6)
     ap.add_argument("--loop", type=int, default=0, metavar="N",
@@ -95,22 +102,24 @@ def main() -> None:
     cfg = model_config(args.config)
     model = GLMModel(cfg, rngs=nnx.Rngs(0))
     pages = -(-(args.max_context + 64) // args.page_size) + 1
-    engine = ServingEngine(model, slots=1, num_pages=pages, page_size=args.page_size,
-                           max_context=args.max_context, prefill_chunk=64, cuda_graphs=not args.no_cuda_graphs)
+    shapes = dict(slots=1, num_pages=pages, page_size=args.page_size, max_context=args.max_context, prefill_chunk=64,
+                  decode_steps=args.decode_steps)
+    engine = ServingEngine(model, **shapes, cuda_graphs=not args.no_cuda_graphs)
     graphs = bool(compiler_options(jax.default_backend(), not args.no_cuda_graphs))
-    print(f"backend {jax.default_backend()}; CUDA graphs {'on' if graphs else 'off'}")
-    engine.serve([Request(np.arange(1, 33), 4)])          # compile
+    print(f"backend {jax.default_backend()}; CUDA graphs {'on' if graphs else 'off'}; up to {args.decode_steps} "
+          "decode steps per call")
+    engine.serve([Request(np.arange(1, 33), 1 + 2 * args.decode_steps)])          # compile (single steps and blocks)
     engine.step_times.clear()
     calls: list[tuple[float, float]] = []      # (wall, CPU) seconds of each decode program call
     settled: list[tuple[float, float]] = []    # (wall, CPU) seconds blocked on its outputs (third run)
     decode = engine.programs.decode
     idle, settle = [False], [False]
 
-    def timed_decode(*args):
+    def timed_decode(*args, steps):
         if idle[0]:
             jax.block_until_ready(args)                  # the device idle, the inputs ready
         t0, cpu0 = time.perf_counter(), time.thread_time()
-        out = decode(*args)
+        out = decode(*args, steps=steps)
         calls.append((time.perf_counter() - t0, time.thread_time() - cpu0))
         if settle[0]:
             t0, cpu0 = time.perf_counter(), time.thread_time()
@@ -121,38 +130,45 @@ def main() -> None:
     engine.serve([Request(np.arange(1, 33), args.new_tokens)])
     times = engine.step_times
     ms = lambda xs: 1e3 * float(np.median(xs))  # noqa: E731
-    print(f"{cfg.name}: {len(times)} decode steps, pool of {pages} pages x {args.page_size} rows, one jitted "
-          "call per step (medians)")
-    print("| context (tokens) | host ms / step | host CPU ms / step | decode call ms (wall / CPU) | device ms / step |")
-    print("|---|---|---|---|---|")
+    steps = sum(t.steps for t in times)
+    print(f"{cfg.name}: {steps} decode steps in {len(times)} calls, pool of {pages} pages x {args.page_size} rows "
+          "(medians; per step: a call's time / the decode steps it ran)")
+    print("| context (tokens) | host ms / step | host CPU ms / step | decode call ms / call (wall / CPU) | "
+          "decode call ms / step (wall / CPU) | device ms / step |")
+    print("|---|---|---|---|---|---|")
     rows = []
     for chunk in np.array_split(np.arange(len(times)), args.buckets):
-        host, cpu, device = (ms([getattr(times[i], f) for i in chunk]) for f in ("host_s", "cpu_s", "step_s"))
+        host, cpu, device = (ms([getattr(times[i], f) / times[i].steps for i in chunk])
+                             for f in ("host_s", "cpu_s", "step_s"))
         rows.append((host, cpu, device))
+        per_call = [ms([calls[i][k] for i in chunk]) for k in (0, 1)]
+        per_step = [ms([calls[i][k] / times[i].steps for i in chunk]) for k in (0, 1)]
         print(f"| {times[chunk[0]].context}-{times[chunk[-1]].context} | {host:.3f} | {cpu:.3f} | "
-              f"{ms([calls[i][0] for i in chunk]):.3f} / {ms([calls[i][1] for i in chunk]):.3f} | {device:.2f} |")
+              f"{per_call[0]:.3f} / {per_call[1]:.3f} | {per_step[0]:.3f} / {per_step[1]:.3f} | {device:.2f} |")
     print(f"host < 1 ms in {sum(h < 1 for h, _, _ in rows)} of {len(rows)} context ranges (wall), "
           f"{sum(c < 1 for _, c, _ in rows)} of {len(rows)} (CPU); host < device in "
           f"{sum(h < d for h, _, d in rows)} of {len(rows)}")
     if args.check_cuda_graphs:
         request = [Request(np.arange(1, 33), args.check_cuda_graphs)]
-        plain = ServingEngine(model, slots=1, num_pages=pages, page_size=args.page_size,
-                              max_context=args.max_context, prefill_chunk=64, cuda_graphs=False)
-        graphs = ServingEngine(model, slots=1, num_pages=pages, page_size=args.page_size,
-                               max_context=args.max_context, prefill_chunk=64, cuda_graphs=True)
+        plain = ServingEngine(model, **shapes, cuda_graphs=False)
+        graphs = ServingEngine(model, **shapes, cuda_graphs=True)
         same = plain.serve(request)[0].tokens == graphs.serve(request)[0].tokens
         print(f"{args.check_cuda_graphs} greedy tokens with and without CUDA graphs equal: {same}")
     calls.clear()
+    engine.step_times.clear()
     idle[0] = True
     engine.serve([Request(np.arange(1, 33), min(args.new_tokens, 200))])
-    print(f"the decode call with its inputs ready (device idle), {len(calls)} calls: "
-          f"{ms([w for w, _ in calls]):.3f} ms wall, {ms([c for _, c in calls]):.3f} ms CPU")
+    ready_steps = [t.steps for t in engine.step_times]
+    print(f"the decode call with its inputs ready (device idle), {len(calls)} calls of {sum(ready_steps)} steps: "
+          f"{ms([w for w, _ in calls]):.3f} ms wall, {ms([c for _, c in calls]):.3f} ms CPU per call; "
+          f"{ms([w / n for (w, _), n in zip(calls, ready_steps)]):.3f} ms wall, "
+          f"{ms([c / n for (_, c), n in zip(calls, ready_steps)]):.3f} ms CPU per step")
     calls.clear()
     engine.step_times.clear()
     idle[0], settle[0] = False, True
     engine.serve([Request(np.arange(1, 33), min(args.new_tokens, 500))])
     around = [(t.host_s - c[0] - b[0], t.cpu_s - c[1] - b[1]) for t, c, b in zip(engine.step_times, calls, settled)]
-    print(f"the engine's host work around the decode call, the device idle during it, {len(around)} steps: "
+    print(f"the engine's host work around the decode call, the device idle during it, {len(around)} calls: "
           f"{1e3 * ms([w for w, _ in around]):.1f} us wall, {1e3 * ms([c for _, c in around]):.1f} us CPU")
     trivial = jax.jit(lambda params, x: x + 1)
     x = jax.numpy.zeros(())
@@ -208,7 +224,7 @@ def loop_main(args) -> None:
     slots = args.loop
     pages = slots * -(-(args.max_context + 64) // args.page_size) + 1
     engine = ServingEngine(GLMModel(cfg, rngs=nnx.Rngs(0)), slots=slots, num_pages=pages, page_size=args.page_size,
-                           max_context=args.max_context, prefill_chunk=64)
+                           max_context=args.max_context, prefill_chunk=64, decode_steps=args.decode_steps)
     engine.serve([Request(np.arange(1, 33), 4)])          # compile
     requests = [Request(np.arange(1, 33), args.new_tokens) for _ in range(slots)]
     engine.step_times.clear()
@@ -217,7 +233,8 @@ def loop_main(args) -> None:
     engine.step_times.clear()
     through_engine_loop(engine, requests)
     looped = list(engine.step_times)
-    print(f"{cfg.name}: {slots} concurrent requests of {args.new_tokens} new tokens, {slots} slots (medians)")
+    print(f"{cfg.name}: {slots} concurrent requests of {args.new_tokens} new tokens, {slots} slots, up to "
+          f"{args.decode_steps} decode steps per call (medians; per step: a call's time / its decode steps)")
     print("| context (tokens) | host ms / step, engine.serve | host ms / step, in the EngineLoop | "
           "step ms, in the EngineLoop |")
     print("|---|---|---|---|")
@@ -225,9 +242,9 @@ def loop_main(args) -> None:
                   np.array_split(np.arange(len(looped)), args.buckets))
     for plain, loop in buckets:
         print(f"| {looped[loop[0]].context}-{looped[loop[-1]].context} | "
-              f"{1e3 * np.median([direct[i].host_s for i in plain]):.3f} | "
-              f"{1e3 * np.median([looped[i].host_s for i in loop]):.3f} | "
-              f"{1e3 * np.median([looped[i].step_s for i in loop]):.2f} |")
+              f"{1e3 * np.median([direct[i].host_s / direct[i].steps for i in plain]):.3f} | "
+              f"{1e3 * np.median([looped[i].host_s / looped[i].steps for i in loop]):.3f} | "
+              f"{1e3 * np.median([looped[i].step_s / looped[i].steps for i in loop]):.2f} |")
 
 
 if __name__ == "__main__":

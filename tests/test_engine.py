@@ -1,19 +1,24 @@
 """Serving engine with continuous batching: staggered arrivals, a request joining mid-decode,
 chunked prefill beside decoding slots, preemption with requeue, waiting for pages, requests that
 can never fit, cancel, per-request sampling streams, two programs for everything, flat host
-time per step.
+time per step, blocks of decode steps giving the tokens of single steps.
 
 Every engine here has the same shapes (3 slots, 13 pages of 8 rows, table width 16, chunk 8),
-so the whole file compiles the two engine programs once. Greedy outputs are compared with one
+so the whole file compiles the two engine programs once (and, at its end, the decode program
+of 4-step blocks and the batch-invariant programs). Greedy outputs are compared with one
 batched run of the plain Generator (a greedy output of n tokens is a prefix of a longer one)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
 from flax import nnx
 
+import decode
 from conftest import counting_compiles, micro_config
+from glm_jax import ops
 from glm_jax.decoding.engine import Request, ServingEngine
 from glm_jax.decoding.generate import Generator
 from glm_jax.decoding.sampling import SamplingParams
@@ -43,10 +48,10 @@ def reference(model) -> list[list[int]]:
     return [row[:LONGEST].tolist() for row in out]
 
 
-def new_engine(model) -> ServingEngine:
+def new_engine(model, **settings) -> ServingEngine:
     """12 usable pages = 96 cache rows, max_context 120 (so a request can pass the context check
-    and still need more pages than the pool has)."""
-    return ServingEngine(model, slots=3, num_pages=13, page_size=8, max_context=120, prefill_chunk=8)
+    and still need more pages than the pool has); settings: more of ServingEngine's."""
+    return ServingEngine(model, slots=3, num_pages=13, page_size=8, max_context=120, prefill_chunk=8, **settings)
 
 
 class Driver:
@@ -194,3 +199,125 @@ def test_cuda_graph_options_only_on_a_gpu_and_when_asked():
     assert compiler_options("gpu", True) == CUDA_GRAPH_OPTIONS
     assert compiler_options("gpu", False) == () and compiler_options("cpu", True) == ()
     assert "WHILE" in dict(CUDA_GRAPH_OPTIONS)["xla_gpu_enable_command_buffer"]
+
+
+# Blocks of decode steps (decode_steps): the same events' tokens, finish flags and log-probs as
+# single steps, with requests arriving between steps, waiting for a slot, preempted for pages,
+# stopping mid-block and crossing pages inside a block. (The 4-step decode program compiles
+# here, after the check of the two programs above.)
+BLOCK = 4
+HOT_BLOCK = SamplingParams(temperature=0.7)
+# (step to submit at, request): three requests of different lengths start together, two more
+# arrive while they decode and wait for a slot (the last is preempted for pages once it has one:
+# 5 + 5 + 3 pages of the 12); max_new_tokens not multiples of BLOCK.
+BLOCK_SCENARIO = [
+    (0, Request(PROMPTS[0], 18)),
+    (0, Request(PROMPTS[1], 11, HOT_BLOCK, seed=5, logprobs=2)),
+    (0, Request(PROMPTS[2], 21, logprobs=3, prompt_logprobs=True)),
+    (5, Request(PROMPTS[3], 9, HOT_BLOCK, seed=9)),
+    (5, Request(PROMPTS[0], 10)),
+]
+
+
+def run_block_scenario(engine: ServingEngine, scenario) -> tuple[dict, list, int]:
+    """Step the engine through `scenario` -> ({request index: its events}, per decode call
+    (steps, cache lengths int32 [B] before it, control int32 [B, 3]), preemptions)."""
+    calls = []
+    decode = engine.programs.decode
+
+    def recorded(params, cache, slots, control, steps):
+        calls.append((steps, np.asarray(cache.lengths), np.asarray(control)))
+        return decode(params, cache, slots, control, steps=steps)
+
+    engine.programs = engine.programs._replace(decode=recorded)
+    ids, events, step = {}, {}, 0
+    while step <= max(at for at, _ in scenario) or engine.has_work():
+        for i, (at, request) in enumerate(scenario):
+            if at == step:
+                ids[engine.submit(request)] = i
+        for event in engine.step():
+            events.setdefault(ids[event.request_id], []).append(event)
+        step += 1
+    assert_pool_full(engine)
+    return events, calls, engine.preemptions
+
+
+def joined(events) -> tuple[list[int], list | None, list | None, list[bool]]:
+    """A request's events -> (its tokens, token log-probs, prompt log-probs, finished flags)."""
+    logprobs = None if events[0].logprobs is None else [lp for e in events for lp in e.logprobs]
+    return ([t for e in events for t in e.tokens], logprobs,
+            next((e.prompt_logprobs for e in events if e.prompt_logprobs is not None), None),
+            [e.finished for e in events])
+
+
+@pytest.fixture(scope="module")
+def block_runs(model, reference) -> dict:
+    """{decode_steps: run_block_scenario's output} for single steps and blocks of BLOCK, the
+    first request stopping at the token it draws seventh."""
+    stop = reference[0][6]
+    assert stop not in reference[0][:6]
+    scenario = [(0, dataclasses.replace(BLOCK_SCENARIO[0][1], stop_token=stop))] + BLOCK_SCENARIO[1:]
+    return {n: run_block_scenario(new_engine(model, decode_steps=n), scenario) for n in (1, BLOCK)}
+
+
+def test_blocks_give_the_tokens_of_single_steps(block_runs, reference):
+    single, blocks = block_runs[1][0], block_runs[BLOCK][0]
+    for i, (_, request) in enumerate(BLOCK_SCENARIO):
+        tokens, _, _, finished = joined(blocks[i])
+        assert tokens == joined(single[i])[0], i
+        assert finished[-1] and not any(finished[:-1]), i
+    assert joined(blocks[0])[0] == reference[0][:6]                     # cut before its stop token
+    for i, prompt in ((2, 2), (4, 0)):                                  # greedy: the Generator's tokens
+        assert joined(blocks[i])[0] == reference[prompt][:BLOCK_SCENARIO[i][1].max_new_tokens], i
+    for i in (1, 3):                                                    # sampled: every token drawn
+        assert len(joined(blocks[i])[0]) == BLOCK_SCENARIO[i][1].max_new_tokens, i
+
+
+def test_blocks_give_the_logprobs_of_single_steps(block_runs):
+    for i in (1, 2):
+        _, logprobs, prompt_logprobs, _ = joined(block_runs[BLOCK][0][i])
+        _, want, want_prompt, _ = joined(block_runs[1][0][i])
+        assert len(logprobs) == BLOCK_SCENARIO[i][1].max_new_tokens and logprobs == want, i
+        assert len(want[0].top) == BLOCK_SCENARIO[i][1].logprobs
+        assert prompt_logprobs == want_prompt, i
+    assert len(joined(block_runs[BLOCK][0][2])[2]) == len(PROMPTS[2]) - 1
+
+
+def test_blocks_run_and_cross_pages_inside(block_runs):
+    """Blocks ran (so the equalities above are not vacuous), one with a slot whose rows cross into
+    a new page mid-block, one with a slot running fewer steps than the block, single steps where
+    a prefill chunk ran beside; a request was preempted and recomputed."""
+    assert all(steps == 1 for steps, _, _ in block_runs[1][1])
+    _, calls, preemptions = block_runs[BLOCK]
+    assert preemptions >= 1
+    blocks = [(lengths, control) for steps, lengths, control in calls if steps == BLOCK]
+    assert len(blocks) >= 3 and any(steps == 1 for steps, _, _ in calls)
+    crossing = [(b, lengths[b]) for lengths, control in blocks for b in range(len(lengths))
+                if control[b, 0] > 1 and lengths[b] // 8 != (lengths[b] + control[b, 0] - 1) // 8
+                and lengths[b] % 8]
+    assert crossing
+    assert any(0 < control[b, 0] < BLOCK for _, control in blocks for b in range(len(control)))   # a request's last
+
+
+def test_decode_steps_must_be_from_1_to_the_page_size(model, capsys):
+    for bad in (0, 9, 2.0, True):
+        with pytest.raises(ValueError, match="decode_steps must be an integer from 1 to the page size 8"):
+            new_engine(model, decode_steps=bad)
+    # decode.py: below 1 before the model loads; above the server's page size (16) by the engine.
+    assert decode.main(["--serve", "--decode-steps", "0"]) == 2
+    assert capsys.readouterr().err.startswith("error: --decode-steps (decode_steps) must be >= 1, got 0")
+    assert decode.main(["--serve", "--decode-steps", "17"]) == 2
+    assert capsys.readouterr().err.startswith("error: decode_steps must be an integer from 1 to the page size 16")
+
+
+def test_batch_invariant_blocks_give_the_tokens_of_single_steps(model):
+    """The batch-invariant kernels (their own programs) inside a block: the same tokens, and a
+    request's own alone and beside others."""
+    kernels = ops.KernelChoice(batch_invariant=True)
+    requests = [Request(PROMPTS[0], 10), Request(PROMPTS[2], 9, HOT_BLOCK, seed=2)]
+    single = new_engine(model, kernels=kernels).serve(requests)
+    engine = new_engine(model, kernels=kernels, decode_steps=BLOCK)
+    blocks = engine.serve(requests)
+    assert [r.tokens for r in blocks] == [r.tokens for r in single]
+    assert any(t.steps == BLOCK for t in engine.step_times)
+    assert engine.serve(requests[:1])[0].tokens == blocks[0].tokens

@@ -32,6 +32,7 @@ class DecodeConfig(Settings):
     indexer_impl: str = setting("auto")
     kernel_config: dict[str, dict] = setting(default_factory=dict)
     batch_invariant: bool = setting(False)
+    decode_steps: int = setting(1, at_least=1)
 
     def __post_init__(self) -> None:
         super().__post_init__()

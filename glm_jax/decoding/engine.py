@@ -16,9 +16,22 @@ One `step()`:
 3. runs one prefill chunk of the oldest request still prefilling, one per data shard
    (`prefill_chunk` tokens, or `decode_chunk` while some slot decodes under a step token
    budget); a request whose last chunk ran joins the decoding slots in this same step;
-4. dispatches one decode step for every decoding slot;
-5. reads back the tokens of the decode step dispatched by the previous `step()` and turns them
+4. dispatches one decode call for every decoding slot: one decode step, or a block of
+   `decode_steps` steps (see below);
+5. reads back the tokens of the decode call dispatched by the previous `step()` and turns them
    into events; finished requests free their slot and pages.
+
+Blocks of decode steps. Each jitted call costs the host a launch that does not shrink with the
+work it launches, so with `decode_steps` N > 1 a call runs up to N decode steps (`engine_programs`'
+`decode`, one program per block size: 1 and N), dividing that cost by N. A block runs only in a
+step that prefills nothing, in which no waiting request could be admitted and in which some
+drawing request has N or more tokens left; otherwise the step is a single step as without
+blocks. So a request arriving while a block is in flight waits for it: its first token comes up
+to one block later. Inside a block each slot runs only the steps its request has tokens left
+for (max_new_tokens), so it never writes a row past the pages the pool gives that request; a
+stop token ends the request mid-block and the tokens after it are discarded. N is at most
+page_size, so a block's rows cross at most one page boundary and the block installs at most
+one new page per slot. Tokens, sampling streams and log-probabilities are those of single steps.
 
 Two programs, alternated, under an optional token budget. Prefill chunks and decode steps are
 separate jitted calls (`engine_programs`): a "mixed" program would have to give every slot room
@@ -54,18 +67,19 @@ Event with `error` naming the memory it needs, while the others go on.
 Host/device overlap. Sampled tokens stay on the device: each slot's logits live in the slot
 state and the next decode step draws from them. Step n+1 is dispatched before step n's tokens
 are read, so the host's scheduling of n+1 overlaps the device's work on n. A stop token is
-noticed one step late; the token the slot drew in that extra step is discarded (max_new_tokens
+noticed one call late; the tokens the slot drew in that extra call are discarded (max_new_tokens
 is known ahead, so it costs no extra step). Per request, token i is drawn with the key
 fold_in(key(seed), i), so a request's output does not depend on its batch companions or on
-preemption. `step_times` holds a StepTime per decode step: host time is the step's wall time
-minus the time blocked waiting for the device; `prefill` the prompt tokens prefilled beside it.
+preemption. `step_times` holds a StepTime per decode call: host time is the engine step's wall
+time minus the time blocked waiting for the device; `steps` the decode steps the call ran (host
+time per decoded step: host_s / steps); `prefill` the prompt tokens prefilled beside it.
 
 Log-probabilities. A request with `logprobs=k` (0..MAX_LOGPROBS) gets, with each token of its
 events, the token's log-probability and the k most likely tokens' (`TokenLogprob`): the model's
 own distribution, log_softmax of the raw logits before temperature and the sampling filters.
 They come out of the same decode program that draws the token (`engine_programs.Scores`, always
 computed at the static size MAX_LOGPROBS), packed with the drawn tokens in the one array a
-decode step reads back (`engine_programs.pack_draws`). With `prompt_logprobs` too, the
+decode call reads back (`engine_programs.pack_draws`). With `prompt_logprobs` too, the
 request's first event carries its prompt tokens' log-probabilities (from the second token on),
 from a prefill program that also scores each chunk position (`prefill_scored`, used only for
 the chunks of such requests; a request recomputed after a preemption is not scored again).
@@ -127,14 +141,15 @@ class Result:
 
 
 class StepTime(NamedTuple):
-    """One decode step's timing (a NamedTuple: cheap to build once per step)."""
+    """One engine step's timing, per decode call (a NamedTuple: cheap to build once per step)."""
 
-    context: int          # longest sequence among the decoding slots before the step
+    context: int          # longest sequence among the decoding slots before the call
     host_s: float         # the step's host work: wall time minus the time blocked on the device
-    step_s: float         # the step's wall time (with overlap, about one device step)
-    rows: int = 0         # slots that drew a token in the step
-    prefill: int = 0      # prompt tokens prefilled in the step (before its decode step)
+    step_s: float         # the step's wall time (with overlap, about one device call)
+    rows: int = 0         # slots that drew a token in the call
+    prefill: int = 0      # prompt tokens prefilled in the step (before its decode call)
     cpu_s: float = 0.0    # CPU time of the engine's thread in the step (host work; blocking waits excluded)
+    steps: int = 1        # decode steps the call ran (a block: decode_steps)
 
 
 @dataclasses.dataclass(eq=False)
@@ -162,8 +177,12 @@ class _Run:
 
     @property
     def draws(self) -> bool:
-        """Takes part in the next decode step."""
+        """Takes part in the next decode call."""
         return self.decoding and not self.stopped and self.drawn < self.request.max_new_tokens
+
+    def steps_in(self, steps: int) -> int:
+        """The steps it runs of a call of `steps` decode steps: as many as it has tokens left to draw."""
+        return min(steps, self.request.max_new_tokens - self.drawn)
 
     def wants_prompt_scores(self, end: int) -> bool:
         """Whether a prefill chunk ending at context position `end` scores prompt positions not
@@ -182,12 +201,12 @@ class _ScoredChunk:
 
 @dataclasses.dataclass
 class _Launched:
-    """A decode step in flight: what `_drain` reads back."""
+    """A decode call in flight: what `_drain` reads back."""
 
-    draws: jax.Array                     # int32 [B, 2 + 2K]: the drawn tokens and their Scores (`pack_draws`)
-    runs: list[tuple[int, _Run]]         # (slot, run) of each slot that drew
+    draws: jax.Array                     # int32 [B, S, 2 + 2K]: the drawn tokens and their Scores (`pack_draws`)
+    runs: list[tuple[int, _Run, int]]    # (slot, run, steps it ran) of each slot that drew
     logprobs: bool                       # some drawing request asked for log-probs
-    scored_chunks: list[_ScoredChunk]    # prefill chunks scored since the previous decode step
+    scored_chunks: list[_ScoredChunk]    # prefill chunks scored since the previous decode call
 
 
 class ServingEngine(GeneratorBase):
@@ -200,17 +219,23 @@ class ServingEngine(GeneratorBase):
     kernels / mesh / collective as for the Generator (slots split over the mesh's `data` axis,
     pages too); cuda_graphs: on a GPU, compile the programs to replay as CUDA graphs, loops and
     conditionals included (`engine_programs.compiler_options`: the host launches a step as a
-    few graphs instead of kernel by kernel)."""
+    few graphs instead of kernel by kernel); decode_steps: the most decode steps one call runs
+    (1..page_size; blocks, see the module docstring)."""
 
     def __init__(self, model, *, slots: int, num_pages: int, page_size: int, max_context: int,
                  prefill_chunk: int = 64, step_token_budget: int | None = None,
                  kernels: ops.KernelChoice = ops.KernelChoice(), mesh=None, collective: str = "permute",
-                 cuda_graphs: bool = True):
+                 cuda_graphs: bool = True, decode_steps: int = 1):
+        if isinstance(decode_steps, bool) or not isinstance(decode_steps, (int, np.integer)) \
+                or not 1 <= decode_steps <= page_size:
+            raise ValueError(f"decode_steps must be an integer from 1 to the page size {page_size} (a block of "
+                             f"steps crosses at most one page boundary), got {decode_steps!r}")
         super().__init__(model, batch=slots, max_len=max_context, prefill_chunk=prefill_chunk, kernels=kernels,
                          mesh=mesh, collective=collective)
         shards = 1 if mesh is None else mesh.shape.get("data", 1)
         self.pool = PagePool(self.cfg, num_pages=num_pages, page_size=page_size, data_shards=shards)
         self.step_token_budget = step_token_budget
+        self.decode_steps = int(decode_steps)
         # The prefill chunk of a step in which some slot decodes (prefill_chunk without a budget).
         self.decode_chunk = budget_chunk(step_token_budget, slots=slots, rows=shards, page_size=page_size,
                                          prefill_chunk=prefill_chunk)
@@ -236,7 +261,7 @@ class ServingEngine(GeneratorBase):
         self._events: list[Event] = []              # this step's events (errors from submit wait here)
         self._cancelled: set[int] = set()
         self._in_flight: _Launched | None = None
-        self._scored_chunks: list[_ScoredChunk] = []  # read back with the next decode step
+        self._scored_chunks: list[_ScoredChunk] = []  # read back with the next decode call
         self._control = None                        # (the last control's rows, it on the device): `_control_for`
         self._next_id = 0
         self._admissions = 0
@@ -270,13 +295,14 @@ class ServingEngine(GeneratorBase):
         self._drop_cancelled()
         self._admit()
         prefilled = self._prefill_chunk()
-        launched, context = self._dispatch_decode()
+        steps = self._call_steps(prefilled)
+        launched, context = self._dispatch_decode(steps)
         self._drain()
         self._in_flight = launched
         if launched is not None:
             wall = time.perf_counter() - t0
             self.step_times.append(StepTime(context, wall - self._waited, wall, len(launched.runs), prefilled,
-                                            time.thread_time() - cpu0))
+                                            time.thread_time() - cpu0, steps))
         events, self._events = self._events, []
         return _merged(events)
 
@@ -424,57 +450,72 @@ class ServingEngine(GeneratorBase):
         self._scored_chunks.append(_ScoredChunk(scores, scored))
         return int(num_valid.sum())
 
-    def _dispatch_decode(self) -> tuple[_Launched | None, int]:
-        """Dispatch one decode step for every drawing slot -> (what to read back, longest context
-        before the step), or (None, 0) when no slot draws."""
-        runs = self._grow_pages()
+    def _call_steps(self, prefilled: int) -> int:
+        """The decode steps of this step's call: a block of decode_steps when the step prefilled
+        nothing, no waiting request could be admitted at the next step (`_admit` left it waiting,
+        and no slot frees at this step's read-back: every decoding request still draws) and some
+        drawing request has that many tokens left; else 1."""
+        n = self.decode_steps
+        drawing = [run for run in self._slots if run is not None and run.draws]
+        if n == 1 or prefilled or (self._waiting and len(drawing) < sum(run is not None for run in self._slots)):
+            return 1
+        return n if any(run.steps_in(n) == n for run in drawing) else 1
+
+    def _dispatch_decode(self, steps: int) -> tuple[_Launched | None, int]:
+        """Dispatch one call of `steps` decode steps for every drawing slot (each runs
+        `_Run.steps_in` of them) -> (what to read back, longest context before the call), or
+        (None, 0) when no slot draws."""
+        runs = self._grow_pages(steps)
         if not runs:
             return None, 0
-        newest = []                                      # (slot, table column, page id) of each slot's newest page
+        newest = []                  # (slot, steps, table column, page id of its newest page) of each drawing slot
         context, logprobs = 0, False
-        for b, run in runs:
+        for b, run, own_steps in runs:
             held = self.pool.held[run.id]
-            if len(held) > run.synced_pages:             # a new page: the step installs it
+            if len(held) > run.synced_pages:             # a new page (at most one: steps <= page_size): installed
                 run.synced_pages += 1
-            newest.append((b, run.synced_pages - 1, held[run.synced_pages - 1]))
+            newest.append((b, own_steps, run.synced_pages - 1, held[run.synced_pages - 1]))
             context = max(context, run.length)
             logprobs = logprobs or run.request.logprobs is not None
-            run.length += 1
-            run.drawn += 1
+            run.length += own_steps
+            run.drawn += own_steps
         control = self._control_for(newest)
-        draws, self.cache, self.slot_state = self.programs.decode(self.params, self.cache, self.slot_state, control)
+        draws, self.cache, self.slot_state = self.programs.decode(self.params, self.cache, self.slot_state, control,
+                                                                  steps=steps)
         draws.copy_to_host_async()                       # read back by the next step without a transfer wait
         launched = _Launched(draws, runs, logprobs, self._scored_chunks)
         self._scored_chunks = []
         return launched, context
 
-    def _control_for(self, newest: list[tuple[int, int, int]]) -> jax.Array:
-        """The decode step's control int32 [B, 3] on the device (`engine_programs`: active, table
-        column, page id per slot) from (slot, table column, page id) of each drawing slot's newest
-        page. A page already in the table is written again unchanged, so the control changes (and
-        is built and sent) only when a slot gets a page or the drawing slots change."""
+    def _control_for(self, newest: list[tuple[int, int, int, int]]) -> jax.Array:
+        """The decode call's control int32 [B, 3] on the device (`engine_programs`: steps, table
+        column, page id per slot) from (slot, steps, table column, page id) of each drawing slot's
+        newest page. A page already in the table is written again unchanged, so the control
+        changes (and is built and sent) only when a slot gets a page, the drawing slots change or
+        a slot runs fewer steps than the call."""
         key = tuple(newest)
         if self._control is None or self._control[0] != key:
             control = np.zeros((self.batch, 3), np.int32)
             control[:, 1] = self.width                   # idle slots: no page
-            for b, column, page in newest:
-                control[b] = 1, column, page
+            for b, steps, column, page in newest:
+                control[b] = steps, column, page
             self._control = key, self.put(control, ("batch", None))
         return self._control[1]
 
-    def _grow_pages(self) -> list[tuple[int, _Run]]:
-        """Give every drawing slot the page its next row lands in; when the pool is short, wait for
-        the step in flight, then preempt the youngest request of that data shard. -> (slot, run)
-        of every drawing slot, in slot order."""
+    def _grow_pages(self, steps: int) -> list[tuple[int, _Run, int]]:
+        """Give every drawing slot the pages of its rows in a call of `steps` decode steps (the page
+        its last row lands in); when the pool is short, wait for the call in flight, then preempt
+        the youngest request of that data shard. -> (slot, run, its steps in the call) of every
+        drawing slot, in slot order."""
         while True:
-            runs = [(b, r) for b, r in enumerate(self._slots) if r is not None and r.draws]
-            short = [r for _, r in runs if self.pool.pages_for(r.length + 1) > len(self.pool.held[r.id])]
+            runs = [(b, r, r.steps_in(steps)) for b, r in enumerate(self._slots) if r is not None and r.draws]
+            short = [(r, n) for _, r, n in runs if self.pool.pages_for(r.length + n) > len(self.pool.held[r.id])]
             if not short:
                 return runs
-            run = min(short, key=lambda r: r.order)
+            run, own_steps = min(short, key=lambda rn: rn[0].order)
             shard = self._shard(run.slot)
             try:
-                self.pool.grow(run.id, run.length + 1, shard)
+                self.pool.grow(run.id, run.length + own_steps, shard)
             except CacheFullError:
                 if self._in_flight is not None:
                     self._drain()
@@ -493,7 +534,7 @@ class ServingEngine(GeneratorBase):
         self._waiting.appendleft(run)
 
     def _drain(self) -> None:
-        """Read back the tokens of the step in flight (and the log-probs asked for) and turn them
+        """Read back the tokens of the call in flight (and the log-probs asked for) and turn them
         into events."""
         launched, self._in_flight = self._in_flight, None
         if launched is None:
@@ -506,26 +547,24 @@ class ServingEngine(GeneratorBase):
         scores = drawn_scores(draws) if launched.logprobs else None
         for chunk in launched.scored_chunks:
             _record_prompt_scores(_scores_to_host(chunk.scores), chunk.rows)
-        for b, run in launched.runs:
+        for b, run, steps in launched.runs:
             if not (run.gone or run.stopped):
-                self._emit(run, tokens[b], scores, b)
+                self._emit(run, tokens[b][:steps], scores, b)
 
-    def _emit(self, run: _Run, token: int, scores: Scores | None, slot: int) -> None:
-        """The event of the token `run` drew in `slot` (host `scores` [B] of the step's draws, if
-        a drawing request asked for log-probs); retires the run when it is done (its stop token,
-        or max_new_tokens reached)."""
+    def _emit(self, run: _Run, tokens: list[int], scores: Scores | None, slot: int) -> None:
+        """The event of the tokens `run` drew in `slot` in one call, in order (host `scores`
+        [B, S] of the call's draws, if a drawing request asked for log-probs), cut before its
+        stop token; retires the run when it is done (its stop token, or max_new_tokens reached)."""
         request = run.request
         prompt_scores = list(run.prompt_scores) if request.prompt_logprobs and not run.emitted else None
-        if token == request.stop_token:
+        if request.stop_token in tokens:
+            tokens = tokens[:tokens.index(request.stop_token)]
             run.stopped = True
-            self._events.append(Event(run.id, [], True, logprobs=None if request.logprobs is None else [],
-                                      prompt_logprobs=prompt_scores))
-            self._retire(run)
-            return
-        run.emitted.append(token)
-        finished = len(run.emitted) >= request.max_new_tokens
-        logprobs = None if request.logprobs is None else [_token_logprob(scores, slot, request.logprobs)]
-        self._events.append(Event(run.id, [token], finished, logprobs=logprobs, prompt_logprobs=prompt_scores))
+        run.emitted += tokens
+        finished = run.stopped or len(run.emitted) >= request.max_new_tokens
+        logprobs = None if request.logprobs is None else \
+            [_token_logprob(scores, (slot, i), request.logprobs) for i in range(len(tokens))]
+        self._events.append(Event(run.id, tokens, finished, logprobs=logprobs, prompt_logprobs=prompt_scores))
         if finished:
             self._retire(run)
 
@@ -592,14 +631,15 @@ def engine_for_prompts(model, prompts: list[np.ndarray], *, max_batch: int, max_
 def engine_with_room(model, *, slots: int, longest: int, max_context: int, prefill_chunk: int = 256,
                      page_size: int = 16, step_token_budget: int | None = None,
                      kernels: ops.KernelChoice = ops.KernelChoice(), mesh=None,
-                     collective: str = "permute") -> ServingEngine:
+                     collective: str = "permute", decode_steps: int = 1) -> ServingEngine:
     """A ServingEngine of `slots` slots whose pool holds every slot at `longest` tokens at once
-    (per data shard), so no request waits for pages or is preempted; step_token_budget: as for
-    ServingEngine."""
+    (per data shard), so no request waits for pages or is preempted; step_token_budget,
+    decode_steps: as for ServingEngine."""
     if slots < 1:
         raise ValueError(f"max_batch must be >= 1, got {slots}")
     shards = 1 if mesh is None else mesh.shape.get("data", 1)
     per_shard = -(-slots // shards) * -(-longest // page_size) + 1
     return ServingEngine(model, slots=slots, num_pages=shards * per_shard, page_size=page_size,
                          max_context=max_context, prefill_chunk=prefill_chunk,
-                         step_token_budget=step_token_budget, kernels=kernels, mesh=mesh, collective=collective)
+                         step_token_budget=step_token_budget, kernels=kernels, mesh=mesh, collective=collective,
+                         decode_steps=decode_steps)

@@ -6,9 +6,9 @@ decode, plus a prefill that scores the prompt for requests that ask).
     cache, slots = programs.prefill(params, cache, slots, rows, tables, starts, tokens, num_valid,
                                     seeds, drawn, sampling)
     cache, slots, scores = programs.prefill_scored(..., sampling, targets)   # prefill + prompt log-probs
-    draws, cache, slots = programs.decode(params, cache, slots, control)
-    host = np.asarray(draws)
-    tokens, scores = drawn_tokens(host), drawn_scores(host)      # B ints, Scores [B] of numpy
+    draws, cache, slots = programs.decode(params, cache, slots, control, steps=4)
+    host = np.asarray(draws)                                     # int32 [B, 4, 2 + 2K]
+    tokens, scores = drawn_tokens(host), drawn_scores(host)      # B lists of 4 ints, Scores [B, 4] of numpy
 
 The programs have fixed shapes (the engine's slots B, the page-table width W, the prefill
 chunk C, one prefill row per data shard R), so the whole engine runs on prefill and decode
@@ -24,16 +24,20 @@ once per chunk size, so at most two of each. The cache and the slot state are do
   against `targets` (the prompt token after it): the prompt's log-probabilities, for requests
   that ask for them with echo. A program of its own, so plain prefill does no extra work; it
   compiles on the first such request.
-* `decode` draws one token per slot from the slot's logits (its own key, from its seed and
-  draw count; its own sampling setting), runs it through the model and keeps the new logits.
-  `control` int32 [B, 3] = (active, table column, page id) per slot: an inactive slot reads
-  and writes only its shard's scratch page and does not advance; a slot whose sequence
-  crosses into a new page gets it at that column (column W: none). Writing a page already at
-  its column changes nothing, so the engine names each drawing slot's newest page on every
-  step and sends a new control only when one changes. It returns the drawn tokens with their
-  `Scores` ([B] rows, MAX_LOGPROBS alternatives) packed in one int32 [B, 2 + 2K] array
-  (`pack_draws`): one output to copy, wait for and read back per step, whether or not some
-  request asked for log-probabilities.
+* `decode` runs `steps` decode steps in one call (a static argument: one program per block
+  size the engine uses, 1 and its `decode_steps`). Each step draws one token per slot from
+  the slot's logits (its own key, from its seed and draw count; its own sampling setting),
+  runs it through the model and keeps the new logits. `control` int32 [B, 3] = (steps, table
+  column, page id) per slot: slot b runs the call's first control[b, 0] steps (0: idle); in
+  the steps it does not run it reads and writes only its shard's scratch page and does not
+  advance. A slot whose rows in the call cross into a new page gets it at that column before
+  the first step (column W: none); with steps <= page_size the call's rows cross at most one
+  page boundary, so the page of its last row is the only one it can lack. Writing a page
+  already at its column changes nothing, so the engine names each drawing slot's newest page
+  on every call and sends a new control only when one changes. It returns the drawn tokens
+  with their `Scores` (MAX_LOGPROBS alternatives) packed in one int32 [B, steps, 2 + 2K]
+  array (`pack_draws` per step): one output to copy, wait for and read back per call, whether
+  or not some request asked for log-probabilities.
 
 Log-probabilities are the model's own: log_softmax of the raw logits, BEFORE temperature and
 the top_k / top_p / min_p filters (what vLLM and OpenAI report by default), whatever the
@@ -117,16 +121,17 @@ def pack_draws(tokens: jnp.ndarray, scores: Scores) -> jnp.ndarray:
                             scores.top_ids], axis=1)
 
 
-def drawn_tokens(draws: np.ndarray) -> list[int]:
-    """The tokens of `pack_draws`' array on the host, int32 [B, 2 + 2K] -> B ints."""
-    return draws[:, 0].tolist()
+def drawn_tokens(draws: np.ndarray) -> list[list[int]]:
+    """The tokens of a decode call's draws on the host, int32 [B, S, 2 + 2K] (`pack_draws` per
+    step) -> per slot its S tokens, in step order."""
+    return draws[:, :, 0].tolist()
 
 
 def drawn_scores(draws: np.ndarray) -> Scores:
-    """The Scores of `pack_draws`' array on the host, int32 [B, 2 + 2K] -> Scores [B] (numpy
-    views into `draws`)."""
-    k = (draws.shape[1] - 2) // 2
-    return Scores(draws[:, 1].view(np.float32), draws[:, 2:2 + k].view(np.float32), draws[:, 2 + k:])
+    """The Scores of a decode call's draws on the host, int32 [B, S, 2 + 2K] -> Scores [B, S]
+    (numpy views into `draws`)."""
+    k = (draws.shape[2] - 2) // 2
+    return Scores(draws[:, :, 1].view(np.float32), draws[:, :, 2:2 + k].view(np.float32), draws[:, :, 2 + k:])
 
 
 def empty_slots(batch: int, vocab: int) -> SlotState:
@@ -257,22 +262,30 @@ def engine_programs(graphdef, layout: ParamLayout, kernels: ops.KernelChoice, da
                                               drawn, sampling)
         return cache, slots, scores_of(logits, targets)
 
-    @functools.partial(jax.jit, donate_argnames=("cache", "slots"), **decode_out)
-    def decode(params, cache: KVCache, slots: SlotState, control):
-        """control int32 [B, 3] (active, table column, page id) -> (the drawn tokens and their
-        Scores under the logits they were drawn from, int32 [B, 2 + 2K] (`pack_draws`), cache,
-        slots)."""
+    @functools.partial(jax.jit, donate_argnames=("cache", "slots"), static_argnames=("steps",), **decode_out)
+    def decode(params, cache: KVCache, slots: SlotState, control, steps: int):
+        """control int32 [B, 3] (steps the slot runs, table column, page id), steps (static)
+        -> (the drawn tokens and their Scores under the logits they were drawn from, int32
+        [B, steps, 2 + 2K] (`pack_draws` per step; a slot's rows past its own steps are
+        filler), cache, slots)."""
         batch = control.shape[0]
-        active = control[:, 0] > 0
         table = cache.page_table.at[jnp.arange(batch), control[:, 1]].set(control[:, 2], mode="drop")
-        token = sample_tokens(slots.logits, row_keys(slots.seeds, slots.drawn), slots.sampling)
-        scores = scores_of(slots.logits, token)
-        view = dataclasses.replace(cache, page_table=jnp.where(active[:, None], table,
-                                                               scratch_pages(cache, batch)[:, None]))
-        logits, _, view = model_of(params).forward_cached(token[:, None], view, kernels=kernels,
-                                                          num_valid=active.astype(jnp.int32))
-        slots = dataclasses.replace(slots, logits=jnp.where(active[:, None], logits[:, 0], slots.logits),
-                                    drawn=slots.drawn + active)
-        return pack_draws(token, scores), dataclasses.replace(view, page_table=table), slots
+        scratch = scratch_pages(cache, batch)[:, None]
+
+        def one_step(carry, step):
+            """(cache, slots), the step's index -> ((cache, slots), its draws int32 [B, 2 + 2K])."""
+            view, slots = carry
+            active = control[:, 0] > step
+            token = sample_tokens(slots.logits, row_keys(slots.seeds, slots.drawn), slots.sampling)
+            scores = scores_of(slots.logits, token)
+            view = dataclasses.replace(view, page_table=jnp.where(active[:, None], table, scratch))
+            logits, _, view = model_of(params).forward_cached(token[:, None], view, kernels=kernels,
+                                                              num_valid=active.astype(jnp.int32))
+            slots = dataclasses.replace(slots, logits=jnp.where(active[:, None], logits[:, 0], slots.logits),
+                                        drawn=slots.drawn + active)
+            return (view, slots), pack_draws(token, scores)
+
+        (view, slots), draws = jax.lax.scan(one_step, (cache, slots), jnp.arange(steps, dtype=jnp.int32))
+        return jnp.swapaxes(draws, 0, 1), dataclasses.replace(view, page_table=table), slots
 
     return EnginePrograms(prefill, prefill_scored, decode)

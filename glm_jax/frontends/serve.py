@@ -57,11 +57,12 @@ def serve(args, settings: DecodeConfig, serving: ServeConfig) -> int:
         max_context = settings.max_len or model.cfg.max_position_embeddings
         engine = build_engine(model, slots=serving.slots, page_size=serving.page_size, max_context=max_context,
                               prefill_chunk=settings.prefill_chunk, step_token_budget=serving.step_token_budget,
-                              kernels=settings.kernels(), mesh=make_mesh(settings.mesh) if settings.mesh else None,
-                              collective=settings.collective)
+                              decode_steps=settings.decode_steps, kernels=settings.kernels(),
+                              mesh=make_mesh(settings.mesh) if settings.mesh else None, collective=settings.collective)
     app = make_app(engine, tokenizer, model_name=model.cfg.name, max_context=max_context,
                    stop_token=end_of_text_token(model.cfg, tokenizer))
     budget = "" if serving.step_token_budget is None else f", step token budget {serving.step_token_budget}"
+    blocks = "" if settings.decode_steps == 1 else f", up to {settings.decode_steps} decode steps per call"
     return run_server(app, host=serving.host, port=serving.port,
                       about=f"{model.cfg.name} from {source.path}, {serving.slots} slots, context {max_context} "
-                            f"tokens{budget}")
+                            f"tokens{budget}{blocks}")
