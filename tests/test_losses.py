@@ -396,7 +396,7 @@ def test_keep_attention_runs_the_sparse_forward_kernel_once_a_layer():
     """With remat, keep_attention saves the sparse attention's outputs: the forward kernel is not
     run again in the backward pass, and the loss and gradients are those of the plain remat (up
     to float32 rounding)."""
-    cfg = micro_config()                        # 5 layers and one MTP layer
+    cfg = micro_config(num_hidden_layers=2, index_topk_pattern="FS")     # and one MTP layer
     graphdef, params, rest = nnx.split(GLMModel(cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)
     tokens = jax.random.randint(jax.random.key(5), (2, 13), 0, cfg.vocab_size)
     kernels = ops.KernelChoice(attention="pallas_gpu", interpret=True)
