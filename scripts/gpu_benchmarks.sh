@@ -9,7 +9,8 @@
 #                 and backward; then the indexer KL, new parts first, the old
 #                 per-layer KL last), each under its own limit
 # training-memory the 128K sparse step's memory plan (compiled, not run)     1-4 min
-# training-64k    a sparse and a dense train step at 64K tokens              3-6 min
+# training-64k    a sparse train step at 64K tokens (layers rematerialised     4-7 min
+#                 whole, then with --keep-attention) and a dense one
 # training-128k   the same at 128K (the sparse step may not fit: reported)    4-7 min
 # training-glm52-64k  GLM-5.2's attention shape (configs/glm-5.2-attn.yaml,     5-9 min
 #                 4 layers): the 128K memory plan, a sparse and a dense
@@ -33,8 +34,9 @@
 #                 the load benchmark at 32K, IndexShare: a rate sweep to
 #                 saturation, the device ceiling, 80% of saturation, with
 #                 and without step token budgets of 264 and 520
-# host            host time per decode step with and without CUDA graphs,    4-6 min
-#                 small-128k and serving_load.py's model (16K, 3,000 tokens)
+# host            host time per decode step with and without CUDA graphs,    6-8 min
+#                 small-128k and serving_load.py's model (16K, 3,000 tokens),
+#                 then with blocks of 8 decode steps per call
 # serving-128k    the same load benchmark at 128K                             6-9 min
 # layer-split     on two GPUs: LayerSplit decode (layer=2) against one GPU    4-8 min
 #                 at 128K and 256K, tokens compared; layer-split-1m: at 1M,
@@ -291,7 +293,7 @@ for group in "${groups[@]}"; do
             ;;
         training-64k)
             run train_long_64k 540 "--smoke" "${mem95[@]}" "$py" benchmarks/train_long.py --seq-len 65536 \
-                --stages sparse dense --sparse-impls pallas_gpu --json "$stage/train_long_64k.json"
+                --stages sparse dense --sparse-impls pallas_gpu --keep-attention --json "$stage/train_long_64k.json"
             ;;
         training-glm52-64k)
             # GLM-5.2's attention at full size on 4 layers (configs/glm-5.2-attn.yaml): the memory
@@ -323,7 +325,7 @@ for group in "${groups[@]}"; do
             ;;
         training-128k)
             run train_long_128k 540 "--smoke" "${mem95[@]}" "$py" benchmarks/train_long.py --seq-len 131072 \
-                --stages sparse dense --sparse-impls pallas_gpu --json "$stage/train_long_128k.json"
+                --stages sparse dense --sparse-impls pallas_gpu --keep-attention --json "$stage/train_long_128k.json"
             ;;
         kernels)
             run sparse_mla_paged 240 "--smoke" "$py" benchmarks/sparse_mla.py --paged-only \
@@ -352,6 +354,10 @@ for group in "${groups[@]}"; do
                         "--config configs/tiny.yaml --max-context 256 --new-tokens 64 $graphs" "$py" \
                         benchmarks/engine_steps.py --config "$model" --max-context 16384 --new-tokens 3000 $graphs
                 done
+                run "engine_steps_${name}_blocks8" 150 \
+                    "--config configs/tiny.yaml --max-context 256 --new-tokens 64 --decode-steps 8" "$py" \
+                    benchmarks/engine_steps.py --config "$model" --max-context 16384 --new-tokens 3000 --decode-steps 8 \
+                    --check-cuda-graphs 256
             done
             ;;
         layer-split)
