@@ -88,12 +88,15 @@ class LearningRateSchedule:
         return lr * 0.1 + (lr - lr * 0.1) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+@functools.lru_cache(maxsize=16)
 def make_optimizer(lr: float, total_steps: int, warmup_steps: int, weight_decay: float = 0.1,
                    decay_steps: int = 0) -> tuple[optax.GradientTransformation, LearningRateSchedule]:
     """AdamW with gradient clipping, and its learning-rate schedule (`LearningRateSchedule`). With
     `decay_steps` > 0 the schedule is warmup-stable-decay: every step before the decay is the same
     whatever `total_steps` is, so a run may be lengthened or shortened on resume while it is still
-    stable."""
+    stable. The same arguments give the same objects: the optimizer is a static argument of
+    `train_step`, so runs of one schedule in one process (a run and its resume) share its
+    compiled steps."""
     warmup_steps = max(1, min(warmup_steps, total_steps - 1))
     if decay_steps > 0:
         decay_steps = min(decay_steps, max(1, total_steps - warmup_steps))
