@@ -67,6 +67,9 @@
 #                 the default and the batch-invariant mode (rows that differ
 #                 from each prompt alone; fails if the invariant mode differs)
 # speculative-32  the same at batch 32, greedy and temperature 0.7           7-9 min
+# speculative-graphs  batch 32 greedy with the programs run as CUDA graphs     4-6 min
+#                 (loops included): does the batch-invariant mode's chunked
+#                 verify step cost its kernel launches?
 # speculative-sampled  batch 1 and 8 at temperature 0.7                      6-9 min
 # speculative-context  acceptance by prompt length (1K and 3K tokens), K = 7   2-4 min
 # Aliases (several commands' time: run their groups one command at a time):
@@ -113,7 +116,7 @@ expand() {
         training) echo training-parts training-memory training-64k training-128k ;;
         serving-all) echo serving serving-128k serving-full serving-1m serving-1m-full ;;
         train-parts|train-steps|train-steps-trained|train-steps-expanded|train-loop) echo "$1" ;;
-        mtp-ablation|speculative|speculative-32|speculative-sampled|speculative-context) echo "$1" ;;
+        mtp-ablation|speculative|speculative-32|speculative-graphs|speculative-sampled|speculative-context) echo "$1" ;;
         training-parts|serving-itl|training-glm52-profile|training-glm52-tuned|training-memory|training-64k|training-128k|training-glm52-64k|training-glm52-128k|kernels|prefill|serving|host|layer-split|layer-split-1m|layer-split-serving|serving-128k|serving-full|serving-1m|serving-1m-full)
             echo "$1" ;;
         *) return 1 ;;
@@ -261,6 +264,14 @@ for group in "${groups[@]}"; do
                     benchmarks/speculative.py --batch 32 --draft 1 3 7 --new-tokens 128 --repeat 2 --temperature $t \
                     --batch-invariant --json "$stage/speculative_b32_t$t.json"
             done
+            ;;
+        speculative-graphs)
+            # the same batch-32 greedy table with every program run as CUDA graphs (loops included),
+            # the engine's CUDA_GRAPH_OPTIONS given through XLA_FLAGS to the Generator's programs
+            run speculative_b32_graphs 400 "--batch 2 --draft 1 3 --new-tokens 8 --repeat 1" \
+                env XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL --xla_gpu_graph_min_graph_size=1" \
+                "$py" benchmarks/speculative.py --batch 32 --draft 1 3 7 --new-tokens 128 --repeat 2 \
+                --batch-invariant --json "$stage/speculative_b32_graphs.json"
             ;;
         speculative-sampled)
             run speculative_t07 540 "--batch 1 2 --draft 1 3 --new-tokens 8 --repeat 1" "$py" benchmarks/speculative.py \
