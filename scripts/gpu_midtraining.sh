@@ -16,17 +16,19 @@
 #              during an asynchronous save, each resumed; the losses compared bit for bit
 # eval         held-out bits per token by position bucket and the retrieval probe at 128K for
 #              checkpoints/default, the 32K and the 128K stage
-# speed        train.py's steady tokens/s and peak memory at 32K and 128K, sparse against a
-#              dense run of the same model
+# speed [LEN]  train.py's steady tokens/s and peak memory at 32K and 128K (or LEN tokens only),
+#              sparse against a dense run of the same model; each run within what is left of
+#              the call's 9.5 minutes
 #
 # Environment: PYTHON (default python3), RUNS_DIR (default /root/runs: outside the repository),
 # JAX_COMPILATION_CACHE_DIR (default /root/jaxcache), STEPS_32K / STEPS_128K (default 300 / 150),
 # LR (default 3e-4), LIMIT_S (seconds a training call runs before it stops itself, default 540).
 set -uo pipefail
 
-usage() { sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
-[ $# -eq 1 ] || usage
+usage() { sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+[ $# -eq 1 ] || { [ $# -eq 2 ] && [ "$1" = speed ] && [[ $2 =~ ^[0-9]+$ ]]; } || usage
 cmd=$1
+speed_lengths=${2:-"32768 131072"}
 case $cmd in data|stage32k|stage128k|kill-resume|eval|speed) ;; *) echo "error: unknown subcommand $cmd" >&2; usage ;; esac
 
 cd "$(dirname "$0")/.."
@@ -115,13 +117,15 @@ eval)
     ;;
 speed)
     need_data
-    for length in 32768 131072; do
+    for length in $speed_lengths; do
         for stage in sparse dense; do
+            left=$((570 - SECONDS))
+            [ $left -lt 60 ] && { echo "$length $stage: skipped (no time left in this call)"; continue; }
             dense=0; [ $stage = dense ] && dense=12
             out=$runs/speed-$length-$stage
             rm -rf "$out"
             # shellcheck disable=SC2046
-            timeout 280 "$py" train.py --checkpoint checkpoints/default $(stage_flags $length 12) \
+            timeout $((left < 280 ? left : 280)) "$py" train.py --checkpoint checkpoints/default $(stage_flags $length 12) \
                 --dense-steps $dense --log-every 2 --eval-every 100 --save-every 100 --out "$out" \
                 | grep -E '^compiled|^error' | sed "s/^/$length $stage: /"
             "$py" -c 'import json, sys; r = [json.loads(l) for l in open(sys.argv[1])]; print(sys.argv[2], "peak memory", max(x.get("memory_gib", 0) for x in r), "GiB")' \

@@ -166,5 +166,9 @@ def test_midtraining_usage_subcommands_and_data_first(tmp_path):
     assert run_script("gpu_midtraining.sh", ["bogus"], tmp_path, python).returncode == 2
     early = run_script("gpu_midtraining.sh", ["stage32k"], tmp_path, python)
     assert early.returncode == 2 and "run the data subcommand first" in early.stderr
+    for bad in (["speed", "long"], ["stage32k", "32768"]):      # only speed takes a length
+        assert run_script("gpu_midtraining.sh", bad, tmp_path, python).returncode == 2
+    one_length = run_script("gpu_midtraining.sh", ["speed", "32768"], tmp_path, python)
+    assert one_length.returncode == 2 and "run the data subcommand first" in one_length.stderr
     assert calls(tmp_path) == []
     assert subprocess.run(["bash", "-n", str(ROOT / "scripts" / "gpu_midtraining.sh")]).returncode == 0
