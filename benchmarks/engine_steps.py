@@ -96,7 +96,7 @@ def main() -> None:
     from flax import nnx
 
     from glm_jax.decoding.engine import Request, ServingEngine
-    from glm_jax.decoding.engine_programs import compiler_options
+    from glm_jax.decoding.programs import compiler_options
     from glm_jax.model import GLMModel
 
     cfg = model_config(args.config)

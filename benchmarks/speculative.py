@@ -36,6 +36,7 @@ from glm_jax.checkpoint import load_model_dir
 from glm_jax.data import corpus
 from glm_jax.data.tokenizer import load_tokenizer
 from glm_jax.decoding.generate import Generator
+from glm_jax.decoding.programs import compiler_options
 from glm_jax.decoding.sampling import SamplingParams
 from glm_jax.decoding.speculative import SpeculativeGenerator
 
@@ -110,6 +111,9 @@ def main() -> None:
     ap.add_argument("--batch-invariant", action="store_true",
                     help="run every configuration in batch-invariant mode too (KernelChoice.batch_invariant), "
                          "in the same rounds; its cost is its tokens/s against the default mode's")
+    ap.add_argument("--cuda-graphs", action="store_true",
+                    help="on a GPU, compile the generators' programs as CUDA graphs, loops included "
+                         "(Generator(cuda_graphs=True))")
     ap.add_argument("--json", default=None, help="also write the rows here")
     args = ap.parse_args()
     model = load_model_dir(args.checkpoint)
@@ -123,7 +127,8 @@ def main() -> None:
         modes["batch-invariant"] = ops.KernelChoice(batch_invariant=True)
     print(f"device {device}; copy bandwidth {bandwidth / 1e9:.1f} GB/s; model {model.cfg.name}; prompt "
           f"{args.prompt_len} tokens; {args.new_tokens} new tokens per sequence; {mode}; median of "
-          f"{args.repeat} round(s); modes: {', '.join(modes)}")
+          f"{args.repeat} round(s); modes: {', '.join(modes)}; CUDA graphs "
+          f"{'on' if compiler_options(jax.default_backend(), args.cuda_graphs) else 'off'}")
     greedy = args.temperature == 0
     table = Table("batch", "mode", "decoding", "tokens/s", "acceptance length", "accept rate per draft position",
                   "speedup", "cost of the mode", "rows differing from each prompt alone")
@@ -137,12 +142,13 @@ def main() -> None:
         runs = {}                                              # (mode, k, kv_share) -> generator; k 0: plain
         for name, kernels in modes.items():
             runs[(name, 0, True)] = Generator(model, batch=batch, max_len=max_len, prefill_chunk=64, block_size=16,
-                                              kernels=kernels)
+                                              kernels=kernels, cuda_graphs=args.cuda_graphs)
             for k in args.draft:
                 for kv_share in (True, False) if args.kv_share_ablation else (True,):
                     runs[(name, k, kv_share)] = SpeculativeGenerator(model, batch=batch, max_len=max_len,
                                                                      num_draft=k, prefill_chunk=64,
-                                                                     kv_share=kv_share, kernels=kernels)
+                                                                     kv_share=kv_share, kernels=kernels,
+                                                                     cuda_graphs=args.cuda_graphs)
         first = {c: generate(gen, ids, sampling, args.new_tokens) for c, gen in runs.items()}  # compiles
         diffs = {c: differing(tokens, alone[c[0]][:batch]) for c, tokens in first.items()} if greedy else {}
         rates = {c: [] for c in runs}
@@ -177,7 +183,7 @@ def main() -> None:
         table.row(batch, "", "limit: copy bandwidth / bytes read per step", f"{limit:.0f}")
     write_json(args.json, dict(device=device, backend=jax.default_backend(), checkpoint=args.checkpoint,
                                prompt_len=args.prompt_len, new_tokens=args.new_tokens, temperature=args.temperature,
-                               repeat=args.repeat, modes=list(modes), rows=rows))
+                               repeat=args.repeat, modes=list(modes), cuda_graphs=args.cuda_graphs, rows=rows))
     if failures:
         raise SystemExit("batch-invariant mode gave a prompt other tokens than alone: " + "; ".join(failures))
 

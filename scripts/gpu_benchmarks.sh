@@ -67,9 +67,10 @@
 #                 the default and the batch-invariant mode (rows that differ
 #                 from each prompt alone; fails if the invariant mode differs)
 # speculative-32  the same at batch 32, greedy and temperature 0.7           7-9 min
-# speculative-graphs  batch 32 greedy with the programs run as CUDA graphs     4-6 min
-#                 (loops included): does the batch-invariant mode's chunked
-#                 verify step cost its kernel launches?
+# speculative-graphs  batch 1 and 32 greedy with the generators' programs as   6-9 min
+#                 CUDA graphs (loops included): what the host's launches cost
+#                 plain and speculative decoding, and the batch-invariant
+#                 mode's chunked verify steps
 # speculative-sampled  batch 1 and 8 at temperature 0.7                      6-9 min
 # speculative-context  acceptance by prompt length (1K and 3K tokens), K = 7   2-4 min
 # Aliases (several commands' time: run their groups one command at a time):
@@ -266,12 +267,11 @@ for group in "${groups[@]}"; do
             done
             ;;
         speculative-graphs)
-            # the same batch-32 greedy table with every program run as CUDA graphs (loops included),
-            # the engine's CUDA_GRAPH_OPTIONS given through XLA_FLAGS to the Generator's programs
-            run speculative_b32_graphs 400 "--batch 2 --draft 1 3 --new-tokens 8 --repeat 1" \
-                env XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL --xla_gpu_graph_min_graph_size=1" \
-                "$py" benchmarks/speculative.py --batch 32 --draft 1 3 7 --new-tokens 128 --repeat 2 \
-                --batch-invariant --json "$stage/speculative_b32_graphs.json"
+            # plain and speculative decoding with the generators' programs as CUDA graphs (loops
+            # included), batch 1 and 32 greedy; compare with speculative and speculative-32's rows
+            run speculative_graphs 540 "--batch 1 2 --draft 1 3 --new-tokens 8 --repeat 1" "$py" \
+                benchmarks/speculative.py --batch 1 32 --draft 3 7 --new-tokens 128 --repeat 2 --batch-invariant \
+                --cuda-graphs --json "$stage/speculative_graphs.json"
             ;;
         speculative-sampled)
             run speculative_t07 540 "--batch 1 2 --draft 1 3 --new-tokens 8 --repeat 1" "$py" benchmarks/speculative.py \

@@ -194,7 +194,7 @@ def test_two_programs_serve_every_mix_and_host_time_is_flat(model, compiles):
 def test_cuda_graph_options_only_on_a_gpu_and_when_asked():
     """The serving programs ask XLA for CUDA graphs (loops and conditionals included) on a GPU
     only."""
-    from glm_jax.decoding.engine_programs import CUDA_GRAPH_OPTIONS, compiler_options
+    from glm_jax.decoding.programs import CUDA_GRAPH_OPTIONS, compiler_options
 
     assert compiler_options("gpu", True) == CUDA_GRAPH_OPTIONS
     assert compiler_options("gpu", False) == () and compiler_options("cpu", True) == ()

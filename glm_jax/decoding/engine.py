@@ -97,9 +97,10 @@ import numpy as np
 
 from glm_jax import ops
 from glm_jax.cache import CacheFullError, PagePool, shard_cache
-from glm_jax.decoding.engine_programs import (MAX_LOGPROBS, Placement, Scores, compiler_options, empty_slots,
+from glm_jax.decoding.engine_programs import (MAX_LOGPROBS, Placement, Scores, empty_slots,
                                               drawn_scores, drawn_tokens, engine_programs, serving_params)
 from glm_jax.decoding.generate import ContextTooLongError, GeneratorBase, committed
+from glm_jax.decoding.programs import compiler_options
 from glm_jax.decoding.sampling import GREEDY, SamplingParams
 from glm_jax.multihost import to_host
 from glm_jax.sharding import logical_sharding
@@ -218,7 +219,7 @@ class ServingEngine(GeneratorBase):
     (prefill + decode) of a step in which some slot decodes (None: no limit; `budget_chunk`);
     kernels / mesh / collective as for the Generator (slots split over the mesh's `data` axis,
     pages too); cuda_graphs: on a GPU, compile the programs to replay as CUDA graphs, loops and
-    conditionals included (`engine_programs.compiler_options`: the host launches a step as a
+    conditionals included (`programs.compiler_options`: the host launches a step as a
     few graphs instead of kernel by kernel); decode_steps: the most decode steps one call runs
     (1..page_size; blocks, see the module docstring)."""
 

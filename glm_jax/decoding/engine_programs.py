@@ -52,7 +52,7 @@ arrays, which serving never reads (`serving_params`; inside the programs the MTP
 shape-only placeholders).
 
 On a GPU the programs are compiled to run as CUDA graphs (XLA command buffers), loops and
-conditionals included (`compiler_options`): XLA otherwise launches a step kernel by kernel
+conditionals included (`programs.compiler_options`): XLA otherwise launches a step kernel by kernel
 from the host and steps the layer scans' loops there, which cost a decode step of the
 8-layer GLM-5.2-attention model 5.8 ms of host CPU on an H100, more than the device's step;
 as graphs, 2.4 ms (benchmarks/engine_steps.py, docs/serving.md).
@@ -195,24 +195,13 @@ class Placement(NamedTuple):
         return tuple(jax.tree.unflatten(treedef, leaves) for treedef, leaves in (self.cache, self.slots))
 
 
-#: XLA options that turn a program into CUDA graphs, loops (the layer scans) and conditionals
-#: included, however few kernels a graph holds.
-CUDA_GRAPH_OPTIONS = (("xla_gpu_enable_command_buffer", "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"),
-                      ("xla_gpu_graph_min_graph_size", 1))
-
-
-def compiler_options(backend: str, cuda_graphs: bool) -> tuple[tuple[str, object], ...]:
-    """The serving programs' XLA options on `backend` (CUDA_GRAPH_OPTIONS on a GPU if asked)."""
-    return CUDA_GRAPH_OPTIONS if cuda_graphs and backend == "gpu" else ()
-
-
 @functools.lru_cache(maxsize=8)
 def engine_programs(graphdef, layout: ParamLayout, kernels: ops.KernelChoice, data_shards: int,
                     placement: Placement | None = None,
                     options: tuple[tuple[str, object], ...] = ()) -> EnginePrograms:
     """The jitted programs for one model structure (shared by every engine built on it);
     placement: what they return on a mesh (None: left to jit, for one device); options: XLA
-    compiler options ((name, value) pairs, `compiler_options`)."""
+    compiler options ((name, value) pairs, `programs.compiler_options`)."""
     opts = dict(compiler_options=dict(options)) if options else {}
     prefill_out, scored_out, decode_out = dict(opts), dict(opts), dict(opts)
     if placement is not None:

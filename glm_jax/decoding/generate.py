@@ -9,7 +9,6 @@ cache donated, so it is updated in place; the Python loop runs once per block, n
 
 from __future__ import annotations
 
-import functools
 import time
 from typing import Callable, Iterator
 
@@ -22,6 +21,7 @@ from glm_jax import ops
 from jax.sharding import Mesh
 
 from glm_jax.cache import KVCache, LayerSplit, create_cache, shard_cache
+from glm_jax.decoding.programs import compiler_options, program
 from glm_jax.decoding.sampling import GREEDY, SamplingParams, sample_tokens
 from glm_jax.multihost import global_array, place, replicated, to_host
 from glm_jax.sharding import ShardingError, logical_sharding, shard_params
@@ -35,7 +35,7 @@ class ContextTooLongError(ValueError):
     """The prompt plus the tokens to generate do not fit the cache / the model's context."""
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "kernels"), donate_argnames=("cache",))
+@program(static_argnames=("graphdef", "kernels"), donate_argnames=("cache",))
 def _prefill_chunk(graphdef, state, tokens, num_valid, cache: KVCache, kernels):
     """tokens int32 [B, C] (padded), num_valid int32 [B] -> (logits [B, V] of the last real token, cache)."""
     model = nnx.merge(graphdef, state)
@@ -44,7 +44,7 @@ def _prefill_chunk(graphdef, state, tokens, num_valid, cache: KVCache, kernels):
     return last, cache
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "kernels", "steps"), donate_argnames=("cache",))
+@program(static_argnames=("graphdef", "kernels", "steps"), donate_argnames=("cache",))
 def decode_block(graphdef, state, cache: KVCache, logits, key, sampling: SamplingParams, kernels, steps):
     """Sample from logits [B, V] by `sampling`, feed the token back, `steps` times (one jitted call).
 
@@ -67,11 +67,15 @@ def decode_block(graphdef, state, cache: KVCache, logits, key, sampling: Samplin
 class GeneratorBase:
     """What every generator shares: the split model, the batch size, the context check, and
     the placement on a device mesh (params by the logical-axis rules; with a `layer` axis > 1
-    the target cache is LayerSplit across it)."""
+    the target cache is LayerSplit across it). cuda_graphs: on a GPU, its programs run as CUDA
+    graphs, loops included (`programs.compiler_options`)."""
 
     def __init__(self, model, *, batch: int, max_len: int | None, prefill_chunk: int,
-                 kernels: ops.KernelChoice, mesh: Mesh | None = None, collective: str = "permute"):
+                 kernels: ops.KernelChoice, mesh: Mesh | None = None, collective: str = "permute",
+                 cuda_graphs: bool = False):
         self.cfg = model.cfg
+        # XLA options of the programs: on a GPU with cuda_graphs, CUDA graphs (`programs`)
+        self.options = compiler_options(jax.default_backend(), cuda_graphs)
         self.graphdef, self.state = nnx.split(model)
         self.mesh = mesh
         self.split = None
@@ -163,8 +167,9 @@ class GeneratorBase:
         -> (logits float32 [B, V] after each row's last prompt token, cache)."""
         logits = None
         for start, tokens, num_valid in self._chunks(padded, lengths):
-            last, cache = _prefill_chunk(self.graphdef, self.state, self.put(tokens, ("batch", None)),
-                                         self.put(num_valid, ("batch",)), cache, self.kernels)
+            last, cache = _prefill_chunk.with_options(self.options)(
+                self.graphdef, self.state, self.put(tokens, ("batch", None)), self.put(num_valid, ("batch",)), cache,
+                self.kernels)
             logits = last if logits is None else jnp.where(self.put((num_valid > 0)[:, None]), last, logits)
             if progress is not None:
                 progress(min(start + self.prefill_chunk, padded.shape[1]), padded.shape[1])
@@ -185,9 +190,9 @@ class Generator(GeneratorBase):
 
     def __init__(self, model, *, batch: int = 1, max_len: int | None = None, prefill_chunk: int = 256,
                  block_size: int = 16, kernels: ops.KernelChoice = ops.KernelChoice(), cache_dtype=None,
-                 mesh: Mesh | None = None, collective: str = "permute"):
+                 mesh: Mesh | None = None, collective: str = "permute", cuda_graphs: bool = False):
         super().__init__(model, batch=batch, max_len=max_len, prefill_chunk=prefill_chunk, kernels=kernels,
-                         mesh=mesh, collective=collective)
+                         mesh=mesh, collective=collective, cuda_graphs=cuda_graphs)
         self.block_size = block_size
         self.cache_dtype = cache_dtype
         # prompt_tokens, prefill_s, new_tokens (per sequence), decode_s and first_block_s /
@@ -218,7 +223,7 @@ class Generator(GeneratorBase):
         t1 = time.perf_counter()
         while produced < max_new_tokens:
             steps = self.block_size
-            tokens, logits, cache, key = decode_block(
+            tokens, logits, cache, key = decode_block.with_options(self.options)(
                 self.graphdef, self.state, cache, logits, key, sampling, self.kernels, steps)
             tokens = to_host(tokens)[:, : max_new_tokens - produced]
             produced += tokens.shape[1]

@@ -32,6 +32,7 @@ from flax import nnx
 from glm_jax import ops
 from glm_jax.cache import KVCache, create_mtp_cache
 from glm_jax.decoding.generate import GeneratorBase, round_up
+from glm_jax.decoding.programs import Options, program
 from glm_jax.decoding.rejection import VERIFICATION_RULES, match_sample, rejection_sample
 from glm_jax.decoding.sampling import GREEDY, SamplingParams, sampling_probs
 from glm_jax.multihost import to_host
@@ -91,7 +92,7 @@ def draft(model, q1_logits, g1, idx1, mtp_cache: KVCache, key, sampling: Samplin
     return jnp.stack(tokens, axis=1), jnp.stack(probs, axis=1)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "kernels"), donate_argnames=("cache", "mtp_cache"))
+@program(static_argnames=("graphdef", "kernels"), donate_argnames=("cache", "mtp_cache"))
 def _prefill_chunk(graphdef, state, tokens, next_tokens, num_valid, num_valid_mtp, cache, mtp_cache, kernels):
     """Target and MTP prefill of one chunk. tokens [B, C] at the target's positions; next_tokens
     [B, C] the tokens one ahead (for the MTP rows). -> (last logits [B, V], last hidden [B, hidden],
@@ -173,7 +174,8 @@ class SpeculativeGenerator(GeneratorBase):
 
     def __init__(self, model, *, batch: int = 1, max_len: int | None = None, num_draft: int = 3,
                  kv_share: bool = True, verification: str = "rejection", prefill_chunk: int = 256,
-                 kernels: ops.KernelChoice = ops.KernelChoice(), mesh=None, collective: str = "permute"):
+                 kernels: ops.KernelChoice = ops.KernelChoice(), mesh=None, collective: str = "permute",
+                 cuda_graphs: bool = False):
         if model.mtp is None:
             raise ValueError("speculative decoding needs the model's MTP layer (num_nextn_predict_layers: 1)")
         if num_draft < 1:
@@ -181,7 +183,7 @@ class SpeculativeGenerator(GeneratorBase):
         if verification not in VERIFICATION_RULES:
             raise ValueError(f"verification must be one of {VERIFICATION_RULES}, got {verification!r}")
         super().__init__(model, batch=batch, max_len=max_len, prefill_chunk=prefill_chunk, kernels=kernels,
-                         mesh=mesh, collective=collective)
+                         mesh=mesh, collective=collective, cuda_graphs=cuda_graphs)
         self.num_draft, self.kv_share, self.verification = num_draft, kv_share, verification
         self.stats = SpecStats()
 
@@ -203,7 +205,7 @@ class SpeculativeGenerator(GeneratorBase):
             piece = shifted[:, start:start + chunk]
             nxt[:, :piece.shape[1]] = piece
             num_valid_mtp = np.clip(lengths - 1 - start, 0, chunk).astype(np.int32)
-            last, last_hidden, cache, mtp_cache = _prefill_chunk(
+            last, last_hidden, cache, mtp_cache = _prefill_chunk.with_options(self.options)(
                 self.graphdef, self.state, self.put(tokens, ("batch", None)), self.put(nxt, ("batch", None)),
                 self.put(num_valid, ("batch",)), self.put(num_valid_mtp, ("batch",)), cache, mtp_cache,
                 self.kernels)
@@ -220,9 +222,9 @@ class SpeculativeGenerator(GeneratorBase):
         eos = self.put(np.int32(-1 if stop_token is None else stop_token))
         args = (self.state, cache, mtp_cache, logits, hidden, key, sampling, eos)
         leaves, treedef = jax.tree.flatten(args)
-        program = _compiled_speculate(self.graphdef, treedef, tuple(map(_spec_of, leaves)), kernels=self.kernels,
-                                      num_draft=k, kv_share=self.kv_share, max_new=max_new_tokens,
-                                      verification=self.verification)
+        program = _compiled_speculate(self.graphdef, treedef, tuple(map(_spec_of, leaves)), self.options,
+                                      kernels=self.kernels, num_draft=k, kv_share=self.kv_share,
+                                      max_new=max_new_tokens, verification=self.verification)
         t2 = time.perf_counter()
         out, count, steps, accepted, accepted_at, _, _ = program(*args)
         out, steps, accepted, accepted_at = map(to_host, (out, steps, accepted, accepted_at))
@@ -240,8 +242,10 @@ def _spec_of(x) -> jax.ShapeDtypeStruct:
 
 
 @functools.lru_cache(maxsize=8)
-def _compiled_speculate(graphdef, treedef, specs: tuple, **static):
+def _compiled_speculate(graphdef, treedef, specs: tuple, options: Options, **static):
     """`_speculate` compiled ahead of its call, for arguments of these shapes, dtypes and shardings
-    (the leaves `specs` of the pytree `treedef`) and its static arguments; so the decode time
-    measured around the call excludes compilation, and generators of one model share programs."""
-    return _speculate.lower(graphdef, *jax.tree.unflatten(treedef, specs), **static).compile()
+    (the leaves `specs` of the pytree `treedef`), its static arguments and the XLA `options`
+    (`programs.compiler_options`); so the decode time measured around the call excludes
+    compilation, and generators of one model share programs."""
+    lowered = _speculate.lower(graphdef, *jax.tree.unflatten(treedef, specs), **static)
+    return lowered.compile(dict(options) or None)
