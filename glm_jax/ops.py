@@ -21,9 +21,10 @@ import jax
 
 import pallas_kernels
 from pallas_kernels import checks, impl_choices
+from pallas_kernels.attention.vjp import RESIDUAL_NAME as SPARSE_MLA_SAVED
 from glm_jax.sharding import context_size, split_queries
 
-__all__ = ["KernelChoice", "impl_choices", "indexer_scores", "indexer_topk", "sparse_mla", "sparse_mla_backward_index",
+__all__ = ["KernelChoice", "SPARSE_MLA_SAVED", "impl_choices", "indexer_scores", "indexer_topk", "sparse_mla", "sparse_mla_backward_index",
            "indexer_cross_entropy",
            "causal_attention", "paged_indexer_topk", "paged_sparse_mla", "dense_indexer_kl"]
 

@@ -25,7 +25,7 @@ from glm_jax import ops
 from glm_jax.config import GLMConfig
 from glm_jax.layers.dense_kl import DenseTarget, dense_group_kl
 from glm_jax.layers.indexer import Indexer
-from glm_jax.layers.mla import SPARSE_ATTENTION_NAME, MLAProjection, indices_to_mask
+from glm_jax.layers.mla import MLAProjection, indices_to_mask
 from glm_jax.layers.moe import MLP, MoE
 from glm_jax.layers.selected_kl import add_target, selected_set_kl
 from glm_jax.layers.norms import RMSNorm
@@ -161,7 +161,7 @@ _TOPK_NAME = "indexer_topk"
 #: costly to select or sort again).
 _SAVE_TOPK = jax.checkpoint_policies.save_only_these_names(_TOPK_NAME)
 #: The same, also keeping the sparse attention's outputs (`AttentionSettings.keep_attention`).
-_SAVE_TOPK_AND_ATTENTION = jax.checkpoint_policies.save_only_these_names(_TOPK_NAME, SPARSE_ATTENTION_NAME)
+_SAVE_TOPK_AND_ATTENTION = jax.checkpoint_policies.save_only_these_names(_TOPK_NAME, ops.SPARSE_MLA_SAVED)
 
 
 class _IndexerOutputs(NamedTuple):

@@ -20,7 +20,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
-from pallas_kernels.attention.vjp import RESIDUAL_NAME as SPARSE_ATTENTION_NAME
 
 from glm_jax import ops
 from glm_jax.config import GLMConfig
@@ -87,7 +86,8 @@ class MLAProjection(nnx.Module):
                                            v_dim=self.cfg.kv_lora_rank, return_target=return_target,
                                            impl=kernels.attention, config=kernels.attention_config,
                                            interpret=kernels.interpret, tindex=tindex)
-        o_lat, *target = (checkpoint_name(a, SPARSE_ATTENTION_NAME) for a in (o_lat, *target))
+        # Named as the kernel's residuals are, for a remat policy that keeps them (`ops.SPARSE_MLA_SAVED`).
+        o_lat, *target = (checkpoint_name(a, ops.SPARSE_MLA_SAVED) for a in (o_lat, *target))
         out = self.absorbed_output(o_lat, q_nope.dtype)
         return (out, target[0]) if return_target else out
 
