@@ -210,6 +210,7 @@ def _records(run):
 def test_stage_starts_sparse_with_the_extension_recorded(base_run, extended_run):
     records = _records(extended_run)
     assert [r["stage"] for r in records] == ["sparse"] * 3            # sparse from the first step
+    assert [r["step"] for r in records if r.get("compiled")] == [1]    # one stage: one compilation
     assert all(0 < r["indexer_kl"] < 100 and np.isfinite(r["loss"]) for r in records)   # the selected-set KL
     for cfg in (load_config(extended_run / "config.yaml"), load_config(extended_run)):  # the run's, the export's
         assert cfg.max_position_embeddings == 64

@@ -256,8 +256,9 @@ def _place_state(mesh: Mesh | None, params, rest, tx):
     """-> (params, rest, optimizer state) on `mesh` (params by TRAINING_RULES, the optimizer state
     like its params, everything else replicated; each process fills its own shards), or on one
     device."""
-    if mesh is None:
-        return params, rest, tx.init(params)
+    if mesh is None:   # committed to the device, as the step returns them: else step 2 compiles again
+        commit = lambda tree: jax.device_put(tree, jax.devices()[0])
+        return commit(params), commit(rest), commit(tx.init(params))
     params = sharding.shard_params(params, mesh, sharding.TRAINING_RULES)
     replicate = lambda x: multihost.global_array(x, multihost.replicated(mesh))
     on_mesh = lambda x: x if getattr(x.sharding, "mesh", None) == mesh else replicate(x)
