@@ -22,10 +22,11 @@
 #
 # Environment: PYTHON (default python3), RUNS_DIR (default /root/runs: outside the repository),
 # JAX_COMPILATION_CACHE_DIR (default /root/jaxcache), STEPS_32K / STEPS_128K (default 300 / 150),
-# LR (default 3e-4), LIMIT_S (seconds a training call runs before it stops itself, default 540).
+# LR (default 3e-4), LIMIT_S (seconds a training call runs before it stops itself, default 540),
+# MID_FLAGS (more train.py flags for every run, e.g. --remat where a stage does not fit the card).
 set -uo pipefail
 
-usage() { sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 [ $# -eq 1 ] || { [ $# -eq 2 ] && [ "$1" = speed ] && [[ $2 =~ ^[0-9]+$ ]]; } || usage
 cmd=$1
 speed_lengths=${2:-"32768 131072"}
@@ -46,7 +47,7 @@ mkdir -p "$runs" "$JAX_COMPILATION_CACHE_DIR"
 stage_flags() {   # LENGTH STEPS
     echo --context-length "$1" --seq-len "$1" --batch-size 1 --dense-steps 0 --steps "$2" --lr "$lr" \
         --warmup-steps 20 --save-every 25 --eval-every 50 --eval-batches 2 --log-every 5 \
-        --data "$long/train.jsonl" --heldout-data "$long/heldout.jsonl"
+        --data "$long/train.jsonl" --heldout-data "$long/heldout.jsonl" ${MID_FLAGS:-}
 }
 
 # train.py for at most $limit seconds (SIGTERM then: it saves and exits 0); --resume where the
