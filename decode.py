@@ -39,6 +39,9 @@ DEFAULT_CHECKPOINT = Path(__file__).resolve().parent / "checkpoints" / "default"
 DEFAULT_PROMPT = "import os\n\n\ndef read_lines(path):\n"
 
 
+DEFAULTS = DecodeConfig()
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     cli.add_model_flags(ap, checkpoint=DEFAULT_CHECKPOINT,
@@ -51,10 +54,10 @@ def parse_args(argv=None):
     ap.add_argument("--output", default=None, help="write {prompt, completion} JSON lines here")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--max-len", type=int, default=None, help="cache length (default: the model's context)")
-    ap.add_argument("--temperature", type=float, default=0.7, help="0 = greedy")
-    ap.add_argument("--top-p", type=float, default=0.9, help="nucleus mass to keep (1 = off)")
-    ap.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
-    ap.add_argument("--min-p", type=float, default=0.0,
+    ap.add_argument("--temperature", type=float, default=DEFAULTS.temperature, help="0 = greedy")
+    ap.add_argument("--top-p", type=float, default=DEFAULTS.top_p, help="nucleus mass to keep (1 = off)")
+    ap.add_argument("--top-k", type=int, default=DEFAULTS.top_k, help="keep the k most likely tokens (0 = off)")
+    ap.add_argument("--min-p", type=float, default=DEFAULTS.min_p,
                     help="keep tokens at least this fraction as likely as the most likely one (0 = off)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--speculative", type=int, default=None, metavar="K",
