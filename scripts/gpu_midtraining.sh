@@ -17,8 +17,11 @@
 # eval         held-out bits per token by position bucket and the retrieval probe at 128K for
 #              checkpoints/default, the 32K and the 128K stage
 # speed [LEN]  train.py's steady tokens/s and peak memory at 32K and 128K (or LEN tokens only),
-#              sparse against a dense run of the same model; each run within what is left of
-#              the call's 9.5 minutes
+#              sparse (12 steps) against a dense run of the same model (3 steps: a dense step
+#              at 128K takes about a minute); each run within what is left of the call's 9.5 min
+# all          the above in order (data, stage32k, stage128k, eval, kill-resume, speed 131072,
+#              speed 32768), each finished step once, as far as the call's BUDGET_S (585) goes; a
+#              stage out of memory goes on with --remat; call again on the same machine to go on
 #
 # Environment: PYTHON (default python3), RUNS_DIR (default /root/runs: outside the repository),
 # JAX_COMPILATION_CACHE_DIR (default /root/jaxcache), STEPS_32K / STEPS_128K (default 300 / 150),
@@ -26,11 +29,11 @@
 # MID_FLAGS (more train.py flags for every run, e.g. --remat where a stage does not fit the card).
 set -uo pipefail
 
-usage() { sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '2,29p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 [ $# -eq 1 ] || { [ $# -eq 2 ] && [ "$1" = speed ] && [[ $2 =~ ^[0-9]+$ ]]; } || usage
 cmd=$1
 speed_lengths=${2:-"32768 131072"}
-case $cmd in data|stage32k|stage128k|kill-resume|eval|speed) ;; *) echo "error: unknown subcommand $cmd" >&2; usage ;; esac
+case $cmd in data|stage32k|stage128k|kill-resume|eval|speed|all) ;; *) echo "error: unknown subcommand $cmd" >&2; usage ;; esac
 
 cd "$(dirname "$0")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -122,16 +125,59 @@ speed)
         for stage in sparse dense; do
             left=$((570 - SECONDS))
             [ $left -lt 60 ] && { echo "$length $stage: skipped (no time left in this call)"; continue; }
-            dense=0; [ $stage = dense ] && dense=12
+            # a dense step at 128K takes about a minute: 3 steps, each logged (2 after compilation)
+            if [ $stage = dense ]; then steps=3; dense=3; every=1; else steps=12; dense=0; every=2; fi
             out=$runs/speed-$length-$stage
-            rm -rf "$out"
+            rm -rf "$out"; mkdir -p "$out"
             # shellcheck disable=SC2046
-            timeout $((left < 280 ? left : 280)) "$py" train.py --checkpoint checkpoints/default $(stage_flags $length 12) \
-                --dense-steps $dense --log-every 2 --eval-every 100 --save-every 100 --out "$out" \
-                | grep -E '^compiled|^error' | sed "s/^/$length $stage: /"
-            "$py" -c 'import json, sys; r = [json.loads(l) for l in open(sys.argv[1])]; print(sys.argv[2], "peak memory", max(x.get("memory_gib", 0) for x in r), "GiB")' \
-                "$out/metrics.jsonl" "$length $stage:" 2>/dev/null || echo "$length $stage: no metrics (failed or out of memory)"
+            timeout $((left < 300 ? left : 300)) "$py" train.py --checkpoint checkpoints/default $(stage_flags $length $steps) \
+                --dense-steps $dense --log-every $every --eval-every 100 --save-every 100 --out "$out" > "$out.log" 2>&1
+            echo "$length $stage: train.py exit code $? (124: stopped at its time limit)"
+            grep -E '^compiled|^error|Error' "$out.log" | tail -n 3 | sed "s/^/$length $stage: /"
+            "$py" - "$out/metrics.jsonl" "$length $stage:" <<'EOF2' || echo "$length $stage: no metrics (failed or out of memory)"
+import json, statistics, sys
+records = [json.loads(line) for line in open(sys.argv[1])]
+steady = [r["tokens_per_s"] for r in records if "compiled" not in r]
+rate = f"{statistics.median(steady):,.0f} tokens/s (median of {len(steady)} logged intervals without compilation)" \
+    if steady else "no logged interval without compilation"
+print(sys.argv[2], f"{len(records)} logged, steps up to {records[-1]['step']}; {rate}; "
+      f"peak memory {max(r.get('memory_gib', 0) for r in records):.1f} GiB")
+EOF2
         done
     done
+    ;;
+all)
+    # every step above in order, each once, as far as this call's time goes; call again to go on
+    # (the runs, the markers of finished steps and the compilation cache stay on the machine)
+    mkdir -p "$runs/done"
+    left() { echo $((${BUDGET_S:-585} - SECONDS)); }
+    step() {   # NAME SECONDS-NEEDED SUBCOMMAND [ARG]: once, where that much time is left
+        local name=$1 need=$2; shift 2
+        [ -e "$runs/done/$name" ] && return 0
+        [ "$(left)" -lt "$need" ] && { echo "== $name: not started ($(left) s left in this call; call again)"; return 1; }
+        echo "== $name ($(left) s left)"
+        LIMIT_S=$(($(left) - 15)) timeout $(($(left) - 5)) bash "$0" "$@"
+        local code=$?     # finished (passed or failed) unless cut by the time limit
+        [ $code -ne 124 ] && [ $code -ne 137 ] && echo $code > "$runs/done/$name"
+        echo "== $name: exit code $code"
+    }
+    stage() {   # SUBCOMMAND RUN: until its weights are exported; out of memory: again with --remat
+        local log=$runs/$2.log
+        [ -d "$runs/$2/params" ] && return 0
+        [ "$(left)" -lt 150 ] && { echo "== $1: not started ($(left) s left in this call; call again)"; return 1; }
+        echo "== $1 ($(left) s left)"
+        LIMIT_S=$(($(left) - 15)) MID_FLAGS="$(cat "$runs/$2.flags" 2>/dev/null)" bash "$0" "$1" > "$log" 2>&1
+        if grep -q -E 'RESOURCE_EXHAUSTED|Out of memory' "$log" && [ ! -e "$runs/$2.flags" ]; then
+            echo "$1: out of memory; from now on with --remat"; echo --remat > "$runs/$2.flags"
+            [ "$(left)" -ge 150 ] && LIMIT_S=$(($(left) - 15)) MID_FLAGS=--remat bash "$0" "$1" >> "$log" 2>&1
+        fi
+        grep -v -E '^step|[Ww]arning' "$log" | tail -n 8; grep -E '^step' "$log" | tail -n 3
+        [ -d "$runs/$2/params" ]
+    }
+    step data 30 data && stage stage32k mid32k && stage stage128k mid128k && step eval 400 eval
+    step kill-resume 300 kill-resume
+    step speed-131072 400 speed 131072
+    step speed-32768 200 speed 32768
+    echo "== finished: $(cd "$runs/done" && for f in *; do printf '%s (exit %s) ' "$f" "$(cat "$f")"; done)"
     ;;
 esac
