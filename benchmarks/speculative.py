@@ -111,6 +111,9 @@ def main() -> None:
     ap.add_argument("--batch-invariant", action="store_true",
                     help="run every configuration in batch-invariant mode too (KernelChoice.batch_invariant), "
                          "in the same rounds; its cost is its tokens/s against the default mode's")
+    ap.add_argument("--invariant-rows", type=int, nargs="+", default=None, metavar="N",
+                    help="with --batch-invariant: one batch-invariant mode per chunk size N (tokens per chunk, "
+                         "KernelChoice.invariant_rows; default: the backend's)")
     ap.add_argument("--cuda-graphs", action="store_true",
                     help="on a GPU, compile the generators' programs as CUDA graphs, loops included "
                          "(Generator(cuda_graphs=True))")
@@ -123,8 +126,14 @@ def main() -> None:
     mode = "greedy" if args.temperature == 0 else f"temperature {args.temperature}"
     device = jax.devices()[0].device_kind
     modes = {"default": ops.KernelChoice()}
+    if args.invariant_rows and not args.batch_invariant:
+        ap.error("--invariant-rows needs --batch-invariant")
+    if args.invariant_rows and min(args.invariant_rows) < 1:
+        ap.error(f"--invariant-rows must be positive, got {args.invariant_rows}")
     if args.batch_invariant:
-        modes["batch-invariant"] = ops.KernelChoice(batch_invariant=True)
+        for n in args.invariant_rows or [None]:
+            name = "batch-invariant" if n is None else f"batch-invariant, {n} rows"
+            modes[name] = ops.KernelChoice(batch_invariant=True, invariant_rows=n)
     print(f"device {device}; copy bandwidth {bandwidth / 1e9:.1f} GB/s; model {model.cfg.name}; prompt "
           f"{args.prompt_len} tokens; {args.new_tokens} new tokens per sequence; {mode}; median of "
           f"{args.repeat} round(s); modes: {', '.join(modes)}; CUDA graphs "
@@ -178,7 +187,7 @@ def main() -> None:
                           f"{speedup:.2f}x", f"{cost:.2f}x", differ)
                 row.update(decoding=label, acceptance_length=s.acceptance_length)
             rows.append(row)
-            if name == "batch-invariant" and diffs.get(c):
+            if name.startswith("batch-invariant") and diffs.get(c):
                 failures.append(f"batch {batch} {row['decoding']}: {describe(diffs[c], batch)}")
         table.row(batch, "", "limit: copy bandwidth / bytes read per step", f"{limit:.0f}")
     write_json(args.json, dict(device=device, backend=jax.default_backend(), checkpoint=args.checkpoint,

@@ -71,6 +71,8 @@
 #                 CUDA graphs (loops included): what the host's launches cost
 #                 plain and speculative decoding, and the batch-invariant
 #                 mode's chunked verify steps
+# speculative-rows  the batch-invariant mode in chunks of 64 against 128      7-9 min
+#                 tokens, CUDA graphs on, batch 1, 8 and 32 greedy, K = 3, 7
 # speculative-sampled  batch 1 and 8 at temperature 0.7                      6-9 min
 # speculative-context  acceptance by prompt length (1K and 3K tokens), K = 7   2-4 min
 # Aliases (several commands' time: run their groups one command at a time):
@@ -117,7 +119,7 @@ expand() {
         training) echo training-parts training-memory training-64k training-128k ;;
         serving-all) echo serving serving-128k serving-full serving-1m serving-1m-full ;;
         train-parts|train-steps|train-steps-trained|train-steps-expanded|train-loop) echo "$1" ;;
-        mtp-ablation|speculative|speculative-32|speculative-graphs|speculative-sampled|speculative-context) echo "$1" ;;
+        mtp-ablation|speculative|speculative-32|speculative-graphs|speculative-rows|speculative-sampled|speculative-context) echo "$1" ;;
         training-parts|serving-itl|training-glm52-profile|training-glm52-tuned|training-memory|training-64k|training-128k|training-glm52-64k|training-glm52-128k|kernels|prefill|serving|host|layer-split|layer-split-1m|layer-split-serving|serving-128k|serving-full|serving-1m|serving-1m-full)
             echo "$1" ;;
         *) return 1 ;;
@@ -272,6 +274,13 @@ for group in "${groups[@]}"; do
             run speculative_graphs 540 "--batch 1 2 --draft 1 3 --new-tokens 8 --repeat 1" "$py" \
                 benchmarks/speculative.py --batch 1 32 --draft 3 7 --new-tokens 128 --repeat 2 --batch-invariant \
                 --cuda-graphs --json "$stage/speculative_graphs.json"
+            ;;
+        speculative-rows)
+            # the batch-invariant mode's chunk size: 64 tokens (the GPU's default) against 128, where
+            # a verify step of 32 sequences x 4 tokens is one chunk; CUDA graphs on, batch 1, 8 and 32
+            run speculative_rows 540 "--batch 1 2 --draft 1 3 --new-tokens 8 --repeat 1" "$py" \
+                benchmarks/speculative.py --batch 1 8 32 --draft 3 7 --new-tokens 128 --repeat 2 --batch-invariant \
+                --invariant-rows 64 128 --cuda-graphs --json "$stage/speculative_rows.json"
             ;;
         speculative-sampled)
             run speculative_t07 540 "--batch 1 2 --draft 1 3 --new-tokens 8 --repeat 1" "$py" benchmarks/speculative.py \
