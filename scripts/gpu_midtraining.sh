@@ -21,7 +21,8 @@
 #              at 128K takes about a minute); each run within what is left of the call's 9.5 min
 # all          the above in order (data, stage32k, stage128k, eval, kill-resume, speed 131072,
 #              speed 32768), each finished step once, as far as the call's BUDGET_S (585) goes; a
-#              stage out of memory goes on with --remat; call again on the same machine to go on
+#              stage out of memory goes on with --remat; call again on the same machine to go on;
+#              COPY_TO=DIR: the logs and metrics so far packed into DIR/midtraining.tar.gz
 #
 # Environment: PYTHON (default python3), RUNS_DIR (default /root/runs: outside the repository),
 # JAX_COMPILATION_CACHE_DIR (default /root/jaxcache), STEPS_32K / STEPS_128K (default 300 / 150),
@@ -29,7 +30,7 @@
 # MID_FLAGS (more train.py flags for every run, e.g. --remat where a stage does not fit the card).
 set -uo pipefail
 
-usage() { sed -n '2,29p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '2,30p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 [ $# -eq 1 ] || { [ $# -eq 2 ] && [ "$1" = speed ] && [[ $2 =~ ^[0-9]+$ ]]; } || usage
 cmd=$1
 speed_lengths=${2:-"32768 131072"}
@@ -166,10 +167,10 @@ all)
         [ -d "$runs/$2/params" ] && return 0
         [ "$(left)" -lt 150 ] && { echo "== $1: not started ($(left) s left in this call; call again)"; return 1; }
         echo "== $1 ($(left) s left)"
-        LIMIT_S=$(($(left) - 15)) MID_FLAGS="$(cat "$runs/$2.flags" 2>/dev/null)" bash "$0" "$1" > "$log" 2>&1
+        LIMIT_S=$(($(left) - 45)) MID_FLAGS="$(cat "$runs/$2.flags" 2>/dev/null)" bash "$0" "$1" > "$log" 2>&1
         if grep -q -E 'RESOURCE_EXHAUSTED|Out of memory' "$log" && [ ! -e "$runs/$2.flags" ]; then
             echo "$1: out of memory; from now on with --remat"; echo --remat > "$runs/$2.flags"
-            [ "$(left)" -ge 150 ] && LIMIT_S=$(($(left) - 15)) MID_FLAGS=--remat bash "$0" "$1" >> "$log" 2>&1
+            [ "$(left)" -ge 150 ] && LIMIT_S=$(($(left) - 45)) MID_FLAGS=--remat bash "$0" "$1" >> "$log" 2>&1
         fi
         grep -v -E '^step|[Ww]arning' "$log" | tail -n 8; grep -E '^step' "$log" | tail -n 3
         [ -d "$runs/$2/params" ]
@@ -179,5 +180,10 @@ all)
     step speed-131072 400 speed 131072
     step speed-32768 200 speed 32768
     echo "== finished: $(cd "$runs/done" && for f in *; do printf '%s (exit %s) ' "$f" "$(cat "$f")"; done)"
+    if [ -n "${COPY_TO:-}" ]; then   # the logs and metrics so far, for the docs
+        mkdir -p "$COPY_TO"
+        (cd "$runs" && tar czf "$COPY_TO/midtraining.tar.gz" $(ls -d ./*.log ./*/metrics.jsonl ./*/*/metrics.jsonl \
+            ./long_context_eval.json 2>/dev/null)) && echo "== logs and metrics in $COPY_TO/midtraining.tar.gz"
+    fi
     ;;
 esac
