@@ -125,7 +125,7 @@ def _decode(args, settings: DecodeConfig) -> int:
     # Imported here so that --help answers at once.
     from glm_jax.checkpoint import load_model
     from glm_jax.config import load_config
-    from glm_jax.data.tokenizer import eos_id, load_tokenizer
+    from glm_jax.data.tokenizer import load_tokenizer, stop_token
     from glm_jax.decoding.decode_config import build_generator
     from glm_jax.decoding.speculative import SpeculativeGenerator
     import jax
@@ -145,7 +145,7 @@ def _decode(args, settings: DecodeConfig) -> int:
         if mesh is not None:
             check_host_memory(mesh, sum(x.nbytes for x in jax.tree.leaves(nnx.state(model))))
         placement = dict(mesh=mesh, collective=settings.collective, kernels=settings.kernels())
-    stop = _stop_token(model.cfg, tok, eos_id)
+    stop = stop_token(model.cfg, None if isinstance(tok, _TokenIds) else tok)
     if settings.max_batch is not None:
         return _decode_with_engine(args, settings, model, tok, prompts, ids, stop, placement)
     with cli.user_errors():
@@ -255,16 +255,6 @@ def _load_tokenizer(directory, load_tokenizer):
         raise FileNotFoundError(f"{directory} holds no tokenizer.json, so text prompts cannot be encoded; "
                                 "give token ids with --prompt-ids 1,2,3 (or copy the model's tokenizer.json "
                                 "there)") from None
-
-
-def _stop_token(cfg, tok, eos_id) -> int | None:
-    """The config's eos_token_id (first of a list) if set, else the tokenizer's end-of-text token."""
-    eos = cfg.eos_token_id
-    if isinstance(eos, (tuple, list)):
-        eos = eos[0] if eos else None
-    if eos is None and not isinstance(tok, _TokenIds):
-        eos = eos_id(tok)
-    return eos
 
 
 def _compile_only(args) -> int:

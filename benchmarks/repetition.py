@@ -189,17 +189,6 @@ def complete(gen, prompts: np.ndarray, sampling: SamplingParams, *, max_new_toke
     return [new_tokens(row[:max_new_tokens], stop) for row in out]
 
 
-def stop_token(cfg, tok) -> int | None:
-    """The config's eos_token_id (first of a list) if set, else the tokenizer's end-of-text token:
-    decode.py's stop token."""
-    from glm_jax.data.tokenizer import eos_id
-
-    eos = cfg.eos_token_id
-    if isinstance(eos, (tuple, list)):
-        eos = eos[0] if eos else None
-    return eos_id(tok) if eos is None else eos
-
-
 # ---------------------------------------------------------------------- report
 def print_table(rows: list[dict]) -> None:
     n = rows[0]["completions"]
@@ -234,7 +223,7 @@ def main(argv=None) -> int:
         ap.error(f"--settings names a setting twice: {' '.join(labels)}")
 
     from glm_jax.checkpoint import load_model_dir
-    from glm_jax.data.tokenizer import load_tokenizer
+    from glm_jax.data.tokenizer import load_tokenizer, stop_token
     from glm_jax.decoding.decode_config import DecodeConfig, build_generator
 
     t_start = time.perf_counter()

@@ -42,3 +42,14 @@ def load_tokenizer(directory: str | Path) -> Tokenizer:
 
 def eos_id(tok: Tokenizer) -> int:
     return tok.token_to_id(EOS)
+
+
+def stop_token(cfg, tok: Tokenizer | None) -> int | None:
+    """The token that ends a completion: the config's eos_token_id (the first of a list) if set,
+    else the tokenizer's end-of-text token (None without a tokenizer)."""
+    eos = cfg.eos_token_id
+    if isinstance(eos, (tuple, list)):
+        eos = eos[0] if eos else None
+    if eos is None and tok is not None:
+        eos = eos_id(tok)
+    return eos
