@@ -13,12 +13,11 @@ The queries and latent rows are re-read per key block (from L2: a program's work
 few of them); only the per-(layer, head) lse and running sums live in registers. Writes the
 row losses, lse [L, B, S, H] and LSE_s [B, S].
 
-`backward` is the gradient pass (pass 3) as one kernel over the same programs: per key block
-tbar again from the saved lse, the indexer's softmax from LSE_s, ds = (softmax - tbar) g, and
-from it the queries' and head weights' gradients (accumulated in registers over the key blocks)
-and each key block's keys gradient from this query block, written to its own slot of a
-[S / block, B, S, Di] float32 buffer that is summed over query blocks after the kernel: no two
-programs write one address, so the result is the same every run.
+`backward` is the gradient pass (pass 3) as two kernels: per tile tbar again from the saved lse,
+the indexer's softmax from LSE_s and ds = (softmax - tbar) g; one program per query block
+accumulates the queries' and head weights' gradients over its key blocks, one program per key
+block the keys' gradient over the query blocks that see it, each in registers. No two programs
+write one address, so the result is the same every run, and nothing grows with S^2.
 """
 
 from __future__ import annotations
@@ -163,54 +162,71 @@ def _chunked_dot_nt(a_ref_rows, b_ref_rows, chunks):
     return out
 
 
-def _backward_kernel(*refs, layers, heads, index_heads, kchunks, ichunks, sm_scale, shares, block):
+def _target(logits_of, lse_of, vis, *, layers, heads, shares):
+    """tbar over one tile: sum_j share_j / H sum_h exp(logits_of(j, h) - lse_of(j, h)), 0 where
+    not visible (vis); logits_of(j, h) -> float32 tile, lse_of(j, h) broadcast to it."""
+    tbar = None
+    for j in range(layers):
+        t = None
+        for h in range(heads):
+            p = jnp.exp(logits_of(j, h) - lse_of(j, h))
+            t = p if t is None else t + p
+        tbar = (shares[j] / heads) * t if tbar is None else tbar + (shares[j] / heads) * t
+    return jnp.where(vis, tbar, 0.0)
+
+
+def _tile_terms(*, tbar, a_of, w, lse_s, g, vis):
+    """The gradient terms of one tile (either orientation: `rows` the queries or the keys):
+    ds = (softmax(s) - tbar) g with s = sum_h w_h relu(a_h), and da_h = [a_h > 0] ds w_h.
+    tbar float32 tile, a_of(h) -> the indexer's per-head dots (float32 tile), w: per-head
+    weights, lse_s and g broadcast to the tile -> (ds, a_of, w) for `_head_gradients`."""
+    s = None
+    for h, w_h in enumerate(w):
+        part = w_h * jnp.maximum(a_of(h), 0.0)
+        s = part if s is None else s + part
+    softmax = jnp.where(vis, jnp.exp(s - lse_s), 0.0)
+    return (softmax - tbar) * g
+
+
+def _query_gradients_kernel(*refs, layers, heads, index_heads, kchunks, ichunks, sm_scale, shares, block):
     """refs: L queries [B, Sp, H, Dk], L latent rows [B, Sp, Dk], indexer queries [B, Sp, Hi, Di],
     keys [B, Sp, Di], weights float32 [B, Sp, Hi], kv_len int32 [B], kv_start int32 [B, Sp],
     lse float32 [L, B, Sp, H], LSE_s float32 [B, Sp], g float32 [B, Sp]
-    -> dq float32 [B, Sp, Hi, Di], dw float32 [B, Sp, Hi], dk partial float32 [n, B, Sp, Di]."""
+    -> dq float32 [B, Sp, Hi, Di], dw float32 [B, Sp, Hi]: program (b, i) owns query block i and
+    accumulates over its key blocks in registers."""
     q_refs, lat_refs = refs[:layers], refs[layers:2 * layers]
-    (iq_ref, ik_ref, iw_ref, kv_len_ref, kv_start_ref, lse_ref, lse_s_ref, g_ref,
-     dq_ref, dw_ref, dk_ref) = refs[2 * layers:]
+    iq_ref, ik_ref, iw_ref, kv_len_ref, kv_start_ref, lse_ref, lse_s_ref, g_ref, dq_ref, dw_ref = refs[2 * layers:]
     b, i = pl.program_id(0), pl.program_id(1)
-    n = pl.num_programs(1)
     s0, visible, lo, hi = _tile_setup(kv_len_ref, kv_start_ref, b, i, block)
     lse = [_finite(lse_ref[j, b, pl.ds(s0, block), h]) for j in range(layers) for h in range(heads)]
     lse_s = _finite(lse_s_ref[b, pl.ds(s0, block)])
     g = g_ref[b, pl.ds(s0, block)]
-    w = [iw_ref[b, pl.ds(s0, block), h] for h in range(index_heads)]
+    w = [iw_ref[b, pl.ds(s0, block), h][:, None] for h in range(index_heads)]
     di = sum(cs for _, cs in ichunks)
-
-    def index_logits(h, t0):
-        return _chunked_dot_nt(lambda c0, cs: iq_ref[b, pl.ds(s0, block), h, pl.ds(c0, cs)],
-                               lambda c0, cs: ik_ref[b, pl.ds(t0, block), pl.ds(c0, cs)], ichunks)
 
     def body(kb, carry):
         dqs, dws = carry
         t0 = kb * block
+        rows = _reread(s0, kb)
         vis = visible(kb)
-        tbar = jnp.zeros((block, block), jnp.float32)
-        for j in range(layers):
-            t = jnp.zeros((block, block), jnp.float32)
-            for h in range(heads):
-                logits = _chunked_dot_nt(lambda c0, cs: q_refs[j][b, pl.ds(s0, block), h, pl.ds(c0, cs)],
-                                         lambda c0, cs: lat_refs[j][b, pl.ds(t0, block), pl.ds(c0, cs)], kchunks)
-                t += jnp.exp(logits * sm_scale - lse[j * heads + h][:, None])
-            tbar += (shares[j] / heads) * jnp.where(vis, t, 0.0)
-        s = jnp.zeros((block, block), jnp.float32)
-        for h in range(index_heads):
-            s += w[h][:, None] * jnp.maximum(index_logits(h, t0), 0.0)
-        softmax = jnp.where(vis, jnp.exp(s - lse_s[:, None]), 0.0)
-        ds = (softmax - tbar) * g[:, None]                                     # [block(q), block(k)]
+        logits = lambda j, h: sm_scale * _chunked_dot_nt(
+            lambda c0, cs: q_refs[j][b, pl.ds(rows, block), h, pl.ds(c0, cs)],
+            lambda c0, cs: lat_refs[j][b, pl.ds(t0, block), pl.ds(c0, cs)], kchunks)
+        tbar = _target(logits, lambda j, h: lse[j * heads + h][:, None], vis, layers=layers, heads=heads,
+                       shares=shares)
+
+        def a_of(h):
+            return _chunked_dot_nt(lambda c0, cs: iq_ref[b, pl.ds(rows, block), h, pl.ds(c0, cs)],
+                                   lambda c0, cs: ik_ref[b, pl.ds(t0, block), pl.ds(c0, cs)], ichunks)
+
+        ds = _tile_terms(tbar=tbar, a_of=a_of, w=w, lse_s=lse_s[:, None], g=g[:, None], vis=vis)
         keys = ik_ref[b, pl.ds(t0, block), :]
-        dk = jnp.zeros((block, di), jnp.float32)
         new_dqs, new_dws = [], []
         for h in range(index_heads):
-            a = index_logits(h, t0)
+            a = a_of(h)
             new_dws.append(dws[h] + jnp.sum(ds * jnp.maximum(a, 0.0), axis=1))
-            da = jnp.where(a > 0, ds * w[h][:, None], 0.0).astype(keys.dtype)
+            da = jnp.where(a > 0, ds * w[h], 0.0).astype(keys.dtype)
             new_dqs.append(dqs[h] + dot(da, keys))
-            dk += dot_tn(da, iq_ref[b, pl.ds(s0, block), h, :])
-        dk_ref[i, b, pl.ds(t0, block), :] = dk
         return tuple(new_dqs), tuple(new_dws)
 
     init = (tuple(jnp.zeros((block, di), jnp.float32) for _ in range(index_heads)),
@@ -220,12 +236,49 @@ def _backward_kernel(*refs, layers, heads, index_heads, kchunks, ichunks, sm_sca
         dq_ref[b, pl.ds(s0, block), h, :] = dqs[h]
         dw_ref[b, pl.ds(s0, block), h] = dws[h]
 
-    def zero(kb, carry):             # key blocks this query block does not reach
-        dk_ref[i, b, pl.ds(kb * block, block), :] = jnp.zeros((block, di), jnp.float32)
-        return carry                 # a carried value: a constant one does not lower on jax 0.11's Triton
 
-    lax.fori_loop(0, lo, zero, jnp.int32(0))
-    lax.fori_loop(hi, n, zero, jnp.int32(0))
+def _key_gradients_kernel(*refs, layers, heads, index_heads, kchunks, ichunks, sm_scale, shares, block):
+    """refs: as `_query_gradients_kernel`'s inputs, then the end of each key block's query
+    blocks int32 [B, n] -> dk float32 [B, Sp, Di]: program (b, kb) owns key block kb and
+    accumulates over the query blocks that see it, in registers; tiles are [keys, queries]."""
+    q_refs, lat_refs = refs[:layers], refs[layers:2 * layers]
+    (iq_ref, ik_ref, iw_ref, kv_len_ref, kv_start_ref, lse_ref, lse_s_ref, g_ref, q_end_ref,
+     dk_ref) = refs[2 * layers:]
+    b, kb = pl.program_id(0), pl.program_id(1)
+    t0 = kb * block
+    cols_of_keys = t0 + lax.broadcasted_iota(jnp.int32, (block, block), 0)       # key of each tile row
+    kv_len = kv_len_ref[b]
+    di = sum(cs for _, cs in ichunks)
+    first = jnp.where(t0 < kv_len, kb, pl.num_programs(1))      # nothing sees a key block past kv_len
+    last = jnp.maximum(q_end_ref[b, kb], first)
+
+    def body(i, dk):
+        s0 = i * block
+        keys0 = t0 + jnp.minimum(i, 0)                          # re-read per query block (see _reread)
+        queries = s0 + lax.broadcasted_iota(jnp.int32, (block, block), 1)
+        start = kv_start_ref[b, pl.ds(s0, block)]
+        vis = (cols_of_keys <= queries) & (cols_of_keys < kv_len) & (cols_of_keys >= start[None, :])
+        lse = [_finite(lse_ref[j, b, pl.ds(s0, block), h]) for j in range(layers) for h in range(heads)]
+        w = [iw_ref[b, pl.ds(s0, block), h][None, :] for h in range(index_heads)]
+        logits = lambda j, h: sm_scale * _chunked_dot_nt(
+            lambda c0, cs: lat_refs[j][b, pl.ds(keys0, block), pl.ds(c0, cs)],
+            lambda c0, cs: q_refs[j][b, pl.ds(s0, block), h, pl.ds(c0, cs)], kchunks)
+        tbar = _target(logits, lambda j, h: lse[j * heads + h][None, :], vis, layers=layers, heads=heads,
+                       shares=shares)
+
+        def a_of(h):
+            return _chunked_dot_nt(lambda c0, cs: ik_ref[b, pl.ds(keys0, block), pl.ds(c0, cs)],
+                                   lambda c0, cs: iq_ref[b, pl.ds(s0, block), h, pl.ds(c0, cs)], ichunks)
+
+        ds = _tile_terms(tbar=tbar, a_of=a_of, w=w, lse_s=_finite(lse_s_ref[b, pl.ds(s0, block)])[None, :],
+                         g=g_ref[b, pl.ds(s0, block)][None, :], vis=vis)
+        for h in range(index_heads):
+            da = jnp.where(a_of(h) > 0, ds * w[h], 0.0).astype(iq_ref.dtype)           # [keys, queries]
+            dk = dk + dot(da, iq_ref[b, pl.ds(s0, block), h, :])
+        return dk
+
+    dk = lax.fori_loop(first, last, body, jnp.zeros((block, di), jnp.float32))
+    dk_ref[b, pl.ds(t0, block), :] = dk
 
 
 def _width(n: int) -> int:
@@ -244,7 +297,7 @@ def _prepare(qs, latents, idx_q, idx_keys, idx_w, kv_start, block: int):
     idx_q = pad_axis(pad_axis(idx_q, 3, dip), 1, sp)
     idx_keys = pad_axis(pad_axis(idx_keys.astype(idx_q.dtype), 2, dip), 1, sp)
     idx_w = pad_axis(idx_w.astype(jnp.float32), 1, sp)
-    kv_start = pad_axis(kv_start.astype(jnp.int32), 1, sp)
+    kv_start = pad_axis(kv_start.astype(jnp.int32), 1, sp, value=sp)    # padded rows see no key
     statics = dict(layers=len(qs), heads=qs[0].shape[2], index_heads=idx_q.shape[2],
                    kchunks=tuple(pow2_chunks(0, dkp)), ichunks=tuple(pow2_chunks(0, dip)), block=block)
     return (qs, latents, idx_q, idx_keys, idx_w, kv_start), sp, statics
@@ -270,17 +323,27 @@ def forward(qs, latents, idx_q, idx_keys, idx_w, kv_len, kv_start, *, sm_scale: 
     return rows[:, :seq_len], lse[:, :, :seq_len], lse_s[:, :seq_len]
 
 
-def backward_bytes(batch: int, seq_len: int, index_dim: int, config: DenseKLGpuConfig = DenseKLGpuConfig()) -> int:
-    """Bytes of the backward's per-query-block keys-gradient buffer [S / block, B, S, Di] float32."""
-    sp = -(-seq_len // config.block) * config.block
-    return (sp // config.block) * batch * sp * _width(index_dim) * 4
+def _query_block_ends(kv_start, block: int) -> jax.Array:
+    """kv_start int32 [B, Sp] -> int32 [B, n]: for each key block, one past the last query block
+    that visits it (query block i visits the key blocks from min(kv_start of i) // block; taken
+    as a suffix minimum, so that a row's documents need not be sorted)."""
+    batch, sp = kv_start.shape
+    first_key_block = jnp.min(kv_start.reshape(batch, sp // block, block), axis=2) // block
+    suffix_min = lax.cummin(first_key_block, axis=1, reverse=True)
+    key_blocks = jnp.arange(sp // block, dtype=jnp.int32)
+    return jax.vmap(lambda m: jnp.searchsorted(m, key_blocks, side="right"))(suffix_min).astype(jnp.int32)
 
 
 def backward(qs, latents, idx_q, idx_keys, idx_w, kv_len, kv_start, lse, lse_s, g, *, sm_scale: float,
              shares: tuple, config: DenseKLGpuConfig = DenseKLGpuConfig(), interpret: bool = False):
     """The gradients of sum(g * row losses) (`forward`'s operands; lse float32 [L, B, S, H] and
     LSE_s float32 [B, S] from `forward`, g float32 [B, S]) -> float32 (dq [B, S, Hi, Di],
-    dk [B, S, Di], dw [B, S, Hi]) into the indexer's queries, keys and head weights."""
+    dk [B, S, Di], dw [B, S, Hi]) into the indexer's queries, keys and head weights.
+
+    Two kernels over the causal tiles, each recomputing the tile's target and scores: one
+    program per query block accumulates dq and dw, one per key block dk, each in registers. No
+    two programs write one address and no buffer grows with S^2: the result is the same every
+    run at any length."""
     batch, seq_len = idx_q.shape[:2]
     index_heads, di = idx_q.shape[2:]
     (qs, latents, idx_q, idx_keys, idx_w, kv_start), sp, statics = _prepare(
@@ -288,16 +351,19 @@ def backward(qs, latents, idx_q, idx_keys, idx_w, kv_len, kv_start, lse, lse_s, 
     dip = idx_q.shape[3]
     lse = pad_axis(lse.astype(jnp.float32), 2, sp)
     lse_s, g = pad_axis(lse_s.astype(jnp.float32), 1, sp), pad_axis(g.astype(jnp.float32), 1, sp)
-    n = sp // config.block
-    kernel = functools.partial(_backward_kernel, sm_scale=float(sm_scale), shares=tuple(float(s) for s in shares),
-                               **statics)
-    dq, dw, dk_part = pl.pallas_call(
-        kernel, grid=(batch, n),
+    operands = (*qs, *latents, idx_q, idx_keys, idx_w, kv_len.astype(jnp.int32), kv_start, lse, lse_s, g)
+    statics = dict(statics, sm_scale=float(sm_scale), shares=tuple(float(s) for s in shares))
+    params = plgpu.CompilerParams(num_warps=config.backward_warps, num_stages=config.num_stages)
+    grid = (batch, sp // config.block)
+    dq, dw = pl.pallas_call(
+        functools.partial(_query_gradients_kernel, **statics), grid=grid,
         out_shape=[jax.ShapeDtypeStruct((batch, sp, index_heads, dip), jnp.float32),
-                   jax.ShapeDtypeStruct((batch, sp, index_heads), jnp.float32),
-                   jax.ShapeDtypeStruct((n, batch, sp, dip), jnp.float32)],
-        compiler_params=plgpu.CompilerParams(num_warps=config.backward_warps, num_stages=config.num_stages),
-        interpret=interpret, name="dense_kl_bwd",
-    )(*qs, *latents, idx_q, idx_keys, idx_w, kv_len.astype(jnp.int32), kv_start, lse, lse_s, g)
-    dk = jnp.sum(dk_part, axis=0)
+                   jax.ShapeDtypeStruct((batch, sp, index_heads), jnp.float32)],
+        compiler_params=params, interpret=interpret, name="dense_kl_bwd_queries",
+    )(*operands)
+    dk = pl.pallas_call(
+        functools.partial(_key_gradients_kernel, **statics), grid=grid,
+        out_shape=jax.ShapeDtypeStruct((batch, sp, dip), jnp.float32),
+        compiler_params=params, interpret=interpret, name="dense_kl_bwd_keys",
+    )(*operands, _query_block_ends(kv_start, config.block))
     return dq[:, :seq_len, :, :di], dk[:, :seq_len, :di], dw[:, :seq_len]

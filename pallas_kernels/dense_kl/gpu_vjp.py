@@ -1,7 +1,5 @@
 """The dense indexer KL's `pallas_gpu` implementation: the forward kernel of `dense_kl.gpu`
-(passes 1 and 2) and its backward kernel (pass 3) under one custom VJP. Pass 3 runs in XLA
-(`dense_kl.xla.backward`) where the backward kernel's keys-gradient buffer [S / block, B, S, Di]
-would pass `PALLAS_BACKWARD_BYTES`."""
+(passes 1 and 2) and its backward kernels (pass 3) under one custom VJP."""
 
 from __future__ import annotations
 
@@ -11,10 +9,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.dense_kl import gpu, xla
-
-#: The most bytes the Pallas backward's per-query-block keys gradients may take (else pass 3 is XLA).
-PALLAS_BACKWARD_BYTES = 4 << 30
+from pallas_kernels.dense_kl import gpu
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,11 +43,6 @@ def _row_losses_fwd(st: _Static, qs, latents, idx_q, idx_keys, idx_w, kv_len, kv
 
 def _row_losses_bwd(st: _Static, res, g):
     qs, latents, idx_q, idx_keys, idx_w, kv_len, kv_start, lse, lse_s = res
-    batch, seq_len, _, index_dim = idx_q.shape
-    if gpu.backward_bytes(batch, seq_len, index_dim, st.config) > PALLAS_BACKWARD_BYTES:
-        dq, dk, dw = xla.backward(qs, latents, idx_q, idx_keys, idx_w, kv_len, kv_start, lse, lse_s, g,
-                                  sm_scale=st.sm_scale, shares=st.shares)
-        return None, None, dq, dk, dw, None, None
     dq, dk, dw = gpu.backward(qs, latents, idx_q, idx_keys, idx_w, kv_len, kv_start, lse, lse_s, g,
                               sm_scale=st.sm_scale, shares=st.shares, config=st.config, interpret=st.interpret)
     return None, None, dq.astype(idx_q.dtype), dk.astype(idx_keys.dtype), dw.astype(idx_w.dtype), None, None
