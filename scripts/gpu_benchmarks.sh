@@ -49,6 +49,9 @@
 # train-parts    the default recipe's train-step parts (vocabulary head,     4-7 min
 #                 embedding, MoE, dense-stage KL; sparse MLA at 8 heads per
 #                 backward mode) old against new, beside their limits
+# dense-kl-long  the dense-stage indexer KL of one default-model group alone,   3-6 min
+#                 forward and backward at 32K and 128K tokens, XLA against
+#                 the Pallas kernels, beside the op's matmul limit
 # train-steps    the recipe's step alone, absorbed form, dense and sparse,    6-8 min
 #                 then the dense step with the Pallas dense-stage KL; each
 #                 traced (kernel table in profile/)
@@ -118,7 +121,7 @@ expand() {
     case $1 in
         training) echo training-parts training-memory training-64k training-128k ;;
         serving-all) echo serving serving-128k serving-full serving-1m serving-1m-full ;;
-        train-parts|train-steps|train-steps-trained|train-steps-expanded|train-loop) echo "$1" ;;
+        dense-kl-long|train-parts|train-steps|train-steps-trained|train-steps-expanded|train-loop) echo "$1" ;;
         mtp-ablation|speculative|speculative-32|speculative-graphs|speculative-rows|speculative-sampled|speculative-context) echo "$1" ;;
         training-parts|serving-itl|training-glm52-profile|training-glm52-tuned|training-memory|training-64k|training-128k|training-glm52-64k|training-glm52-128k|kernels|prefill|serving|host|layer-split|layer-split-1m|layer-split-serving|serving-128k|serving-full|serving-1m|serving-1m-full)
             echo "$1" ;;
@@ -215,6 +218,12 @@ for group in "${groups[@]}"; do
             run train_step_parts 300 "--smoke" "${mem95[@]}" "$py" $parts parts --json "$stage/parts.json"
             run sparse_mla_default_py 180 "--smoke" "$py" benchmarks/sparse_mla_backward.py --shape default-py \
                 --json "$stage/sparse_mla_default_py.json"
+            ;;
+        dense-kl-long)
+            run dense_kl_32k 150 "--smoke" "$py" benchmarks/dense_kl_long.py --seq-len 32768 --impls xla pallas_gpu \
+                --json "$stage/dense_kl_32k.json"
+            run dense_kl_128k 300 "--smoke" "$py" benchmarks/dense_kl_long.py --seq-len 131072 --impls pallas_gpu xla \
+                --reps 2 --json "$stage/dense_kl_128k.json"
             ;;
         train-steps)
             run train_steps 330 "--smoke --reps 1" "${mem95[@]}" "$py" $parts steps \
