@@ -24,7 +24,10 @@ The same row with another made-up name of the same token count defined in its pl
 control: "gain" = with - control, in nats, is what the definition far back is worth.
 
 A model whose max_position_embeddings is below --length is evaluated at its own maximum (said
-in the table's length column), the probe's distance then at most 3/4 of it. Prints markdown tables; --json writes them.
+in the table's length column), the probe's distance then at most 3/4 of it. With
+--untrained-extension such a model is also evaluated at --length with its positions extended by
+YaRN as train.py's --context-length extends them (`glm_jax.config.extend_context`) but no step
+trained: the row that mid-training at that length must beat ("MODEL + YaRN to N, untrained"). Prints markdown tables; --json writes them.
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ from flax import nnx
 from benchmarks._heldout import heldout_documents
 from benchmarks._report import Table, device_kind, failure, write_json
 from glm_jax.checkpoint import load_model_dir
+from glm_jax.config import extend_context
+from glm_jax.model import GLMModel
 from glm_jax.data.tokenizer import eos_id, load_tokenizer
 from glm_jax.layers.decoder import AttentionSettings
 
@@ -156,8 +161,17 @@ def score(model, rows: np.ndarray, chunk: int, batch: int) -> np.ndarray:
     return np.concatenate(out)
 
 
-def evaluate(path: str, args) -> dict:
+def extended(model, length: int):
+    """`model`'s weights with its positions extended to `length` by YaRN, untrained."""
+    cfg = extend_context(model.cfg, length)
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: GLMModel(cfg, rngs=nnx.Rngs(0))))
+    return nnx.merge(graphdef, nnx.state(model))
+
+
+def evaluate(path: str, args, extend: bool = False) -> dict:
     model, tok = load_model_dir(path), load_tokenizer(path)
+    if extend:
+        model = extended(model, args.length)
     length = min(args.length, model.cfg.max_position_embeddings)
     chunk = math.gcd(length, args.chunk)
     docs = heldout_documents(args.heldout)
@@ -165,7 +179,8 @@ def evaluate(path: str, args) -> dict:
     t = time.perf_counter()
     logp = score(model, position_rows(stream, args.rows, length), chunk, args.batch_size)
     bounds = clipped_bounds(args.buckets, length)
-    result = {"model": path, "length": length, "bounds": bounds, "bits_per_token": bucket_bits(logp, bounds),
+    name = f"{path} + YaRN to {length}, untrained" if extend else path
+    result = {"model": name, "length": length, "bounds": bounds, "bits_per_token": bucket_bits(logp, bounds),
               "rows": args.rows}
     if args.probes:
         distance = min(args.distance, length * 3 // 4)
@@ -178,6 +193,13 @@ def evaluate(path: str, args) -> dict:
                       found=float((with_def > control).mean()))
     result["seconds"] = time.perf_counter() - t
     return result
+
+
+def _positions(path: str) -> int:
+    """The max_position_embeddings of a model directory's config."""
+    from glm_jax.config import load_config
+
+    return load_config(f"{path}/config.yaml").max_position_embeddings
 
 
 def main(argv=None) -> int:
@@ -193,6 +215,8 @@ def main(argv=None) -> int:
     ap.add_argument("--chunk", type=int, default=4096, help="positions whose logits are made at once")
     ap.add_argument("--batch-size", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--untrained-extension", action="store_true",
+                    help="also evaluate each model shorter than --length extended to it by YaRN, untrained")
     ap.add_argument("--smoke", action="store_true", help="512-token rows, buckets 128,256,512, distance 384")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -201,11 +225,14 @@ def main(argv=None) -> int:
     models = args.model or ["checkpoints/default"]
     print(f"device: {device_kind()}; rows of up to {args.length} tokens", file=sys.stderr)
     results = []
-    for path in models:
+    runs = [(path, False) for path in models]
+    if args.untrained_extension:
+        runs += [(path, True) for path in models if _positions(path) < args.length]
+    for path, extend in runs:
         try:
-            results.append(evaluate(path, args))
+            results.append(evaluate(path, args, extend))
         except Exception as e:  # noqa: BLE001 - a failed model is a row, the others still run
-            results.append({"model": path, "failed": failure(e)})
+            results.append({"model": path + (" + YaRN, untrained" if extend else ""), "failed": failure(e)})
         write_json(args.json, {"args": vars(args), "results": results})
     ok = [r for r in results if "failed" not in r]
     if ok:

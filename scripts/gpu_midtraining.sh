@@ -15,7 +15,8 @@
 # kill-resume  at 32K: a short uninterrupted run, the same run killed (SIGKILL) mid-step and
 #              during an asynchronous save, each resumed; the losses compared bit for bit
 # eval         held-out bits per token by position bucket and the retrieval probe at 128K for
-#              checkpoints/default, the 32K and the 128K stage
+#              checkpoints/default, the 32K and the 128K stage, and each shorter model extended
+#              to 128K by YaRN without training (the row the trained extension must beat)
 # speed [LEN]  train.py's steady tokens/s and peak memory at 32K and 128K (or LEN tokens only),
 #              sparse (12 steps) against a dense run of the same model (3 steps: a dense step
 #              at 128K takes about a minute); each run within what is left of the call's 9.5 min
@@ -118,7 +119,8 @@ eval)
     models=(checkpoints/default)
     for m in "$runs/mid32k" "$runs/mid128k"; do [ -d "$m/params" ] && models+=("$m"); done
     timeout 570 "$py" benchmarks/long_context_eval.py --model "${models[@]}" --heldout "$long/heldout.jsonl" \
-        --length 131072 --distance 100000 --rows 2 --probes 4 --json "$runs/long_context_eval.json"
+        --length 131072 --distance 100000 --rows 2 --probes 4 --untrained-extension \
+        --json "$runs/long_context_eval.json"
     ;;
 speed)
     need_data
