@@ -336,7 +336,8 @@ def timing(report, json_path, smoke):
         # distinct pages (every row read is its own address), their values a tiled random block: the
         # random generation of the whole store would need its size again in uint32 temporaries
         base = jax.random.normal(jax.random.key(batch), (1024, page, DK), jnp.bfloat16)
-        store = jnp.tile(base, (-(-(batch * n + 1) // 1024), 1, 1))[None, :batch * n + 1]
+        pages = batch * n + 1
+        store = jax.jit(lambda b: jnp.tile(b, (-(-pages // 1024), 1, 1))[None, :pages])(base)   # one buffer
         del base
         for i in range(3):
             q = jax.random.normal(jax.random.key(1000 * batch + i), (batch, 1, H, DK), jnp.bfloat16)
