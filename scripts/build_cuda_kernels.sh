@@ -7,7 +7,7 @@
 # Needs nvcc (CUDA >= 12.4; NVCC=/path/to/nvcc to pick one) and the XLA FFI headers of the
 # jaxlib the library will run under: FFI_INCLUDE=DIR (a jaxlib/include folder), else those of
 # jaxlib $JAXLIB_VERSION (default 0.11.2, the GPU machines' version), downloaded once with pip
-# into build/cuda/jaxlib-$JAXLIB_VERSION. Compiles for sm_90a (H100 / H200); prints ptxas's
+# into build/cuda/jaxlib-$JAXLIB_VERSION (its headers kept, the wheel removed). Compiles for sm_90a (H100 / H200); prints ptxas's
 # registers, shared memory and spills of every kernel and fails if one spills.
 set -euo pipefail
 
@@ -40,6 +40,7 @@ wheel = sorted(glob.glob(sys.argv[1] + "/jaxlib-*.whl"))[-1]
 with zipfile.ZipFile(wheel) as z:
     z.extractall(sys.argv[1], [n for n in z.namelist() if n.startswith("jaxlib/include/")])
 PYEOF
+    rm -f "$WHEELS"/jaxlib-*.whl   # only the headers are kept (build/cuda stays a few MiB)
   fi
 fi
 [ -f "$FFI_INCLUDE/xla/ffi/api/ffi.h" ] || die "XLA FFI headers not found ($FFI_INCLUDE/xla/ffi/api/ffi.h): set FFI_INCLUDE to a jaxlib/include folder (python -c 'import jax; print(jax.ffi.include_dir())') or let pip download jaxlib==$JAXLIB_VERSION"
