@@ -199,7 +199,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_fwd_kernel(const Param
       }
     }
     const uint32_t dst = s_kv + stage * L::kStageBytes;
-#pragma unroll(kCPT > 9 ? 3 : kCPT)
+#pragma unroll
     for (int i = 0; i < kCPT; ++i) {
       const int ch = ld_sub + i * kTPR;
       cp_async16(dst + swizzle(ld_row, ch), src + ch * 8, valid);
@@ -253,7 +253,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_fwd_kernel(const Param
       const int a_ch = lane >> 4;
       const int b_row = col0 + ((lane >> 4) << 3) + (lane & 7);
       const int b_ch = (lane >> 3) & 1;
-#pragma unroll(BK == 64 ? 1 : 4)
+#pragma unroll(BK == 64 ? 2 : 4)
       for (int kk = 0; kk < kDk / 16; ++kk) {
         uint32_t a[4];
         ldmatrix_x4(s_q + swizzle(a_row, kk * 2 + a_ch), a);
