@@ -17,6 +17,7 @@ import jax
 
 from pallas_kernels import attention, checks, dense, dense_kl, indexer, indexer_kl
 from pallas_kernels._common import NoConfig, XlaConfig
+from pallas_kernels.attention import cuda as attention_cuda
 
 #: The name that picks an implementation by backend.
 AUTO = "auto"
@@ -73,6 +74,10 @@ REGISTRY: dict[str, dict[str, Implementation]] = {
                                      backward_index=attention.tpu.backward_index),
         "pallas_gpu": Implementation(attention.gpu.sparse_mla, attention.gpu.SparseMLAGpuConfig, "gpu",
                                      backward_index=attention.gpu.backward_index),
+        # hand-written CUDA forward through the XLA FFI (scripts/build_cuda_kernels.sh builds it), the
+        # pallas_gpu backward; not measured on a GPU yet, so "auto" keeps pallas_gpu
+        "cuda": Implementation(attention_cuda.sparse_mla, attention_cuda.SparseMLACudaConfig, "gpu",
+                               interpretable=False, backward_index=attention_cuda.backward_index, auto=False),
     },
     "indexer_cross_entropy": {
         "reference": Implementation(indexer_kl.reference.indexer_cross_entropy, NoConfig),
@@ -90,6 +95,8 @@ REGISTRY: dict[str, dict[str, Implementation]] = {
         "xla": Implementation(attention.xla.paged_sparse_mla, XlaConfig),
         "pallas_tpu": Implementation(attention.tpu.paged_sparse_mla, attention.tpu.SparseMLATpuConfig, "tpu"),
         "pallas_gpu": Implementation(attention.gpu.paged_sparse_mla, attention.gpu.SparseMLAGpuConfig, "gpu"),
+        "cuda": Implementation(attention_cuda.paged_sparse_mla, attention_cuda.SparseMLACudaConfig, "gpu",
+                               interpretable=False, auto=False),
     },
     "causal_attention": {
         "reference": Implementation(dense.reference.causal_attention, NoConfig),

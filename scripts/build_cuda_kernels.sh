@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# Builds the CUDA sparse MLA kernels (pallas_kernels/attention/cuda/*.cu) into
+# build/cuda/libglm_sparse_mla.so, the library pallas_kernels.attention.cuda loads (impl="cuda").
+#
+#   scripts/build_cuda_kernels.sh
+#
+# Needs nvcc (CUDA >= 12.4; NVCC=/path/to/nvcc to pick one) and the XLA FFI headers of the
+# jaxlib the library will run under: FFI_INCLUDE=DIR (a jaxlib/include folder), else those of
+# jaxlib $JAXLIB_VERSION (default 0.11.2, the GPU machines' version), downloaded once with pip
+# into build/cuda/jaxlib-$JAXLIB_VERSION (its headers kept, the wheel removed). Compiles for sm_90a (H100 / H200); prints ptxas's
+# registers, shared memory and spills of every kernel and fails if one spills.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+OUT_DIR="${OUT_DIR:-$ROOT/build/cuda}"
+NVCC="${NVCC:-nvcc}"
+JAXLIB_VERSION="${JAXLIB_VERSION:-0.11.2}"
+ARCH="${CUDA_ARCH:-sm_90a}"
+SOURCES=("$ROOT"/pallas_kernels/attention/cuda/*.cu)
+LIB="$OUT_DIR/libglm_sparse_mla.so"
+
+die() { echo "build_cuda_kernels.sh: $*" >&2; exit 1; }
+
+command -v "$NVCC" >/dev/null 2>&1 || die "nvcc not found ('$NVCC' is not on PATH): install the CUDA toolkit (>= 12.4) or set NVCC=/path/to/nvcc"
+[ -e "${SOURCES[0]}" ] || die "no CUDA sources under $ROOT/pallas_kernels/attention/cuda"
+mkdir -p "$OUT_DIR"
+
+if [ -z "${FFI_INCLUDE:-}" ]; then
+  FFI_INCLUDE="$OUT_DIR/jaxlib-$JAXLIB_VERSION/jaxlib/include"
+  if [ ! -f "$FFI_INCLUDE/xla/ffi/api/ffi.h" ]; then
+    PY="${PYTHON:-python3}"
+    WHEELS="$OUT_DIR/jaxlib-$JAXLIB_VERSION"
+    mkdir -p "$WHEELS"
+    echo "build_cuda_kernels.sh: fetching the FFI headers of jaxlib $JAXLIB_VERSION into $WHEELS"
+    "$PY" -m pip download "jaxlib==$JAXLIB_VERSION" --no-deps --only-binary=:all: --python-version 3.12 \
+        --platform manylinux_2_27_x86_64 -d "$WHEELS" -q >/dev/null 2>&1 \
+      && "$PY" - "$WHEELS" <<'PYEOF' || true
+import glob, sys, zipfile
+wheel = sorted(glob.glob(sys.argv[1] + "/jaxlib-*.whl"))[-1]
+with zipfile.ZipFile(wheel) as z:
+    z.extractall(sys.argv[1], [n for n in z.namelist() if n.startswith("jaxlib/include/")])
+PYEOF
+    rm -f "$WHEELS"/jaxlib-*.whl   # only the headers are kept (build/cuda stays a few MiB)
+  fi
+fi
+[ -f "$FFI_INCLUDE/xla/ffi/api/ffi.h" ] || die "XLA FFI headers not found ($FFI_INCLUDE/xla/ffi/api/ffi.h): set FFI_INCLUDE to a jaxlib/include folder (python -c 'import jax; print(jax.ffi.include_dir())') or let pip download jaxlib==$JAXLIB_VERSION"
+
+LOG="$OUT_DIR/ptxas.log"
+echo "build_cuda_kernels.sh: $NVCC -arch=$ARCH, FFI headers $FFI_INCLUDE"
+if ! "$NVCC" -std=c++17 -O3 -arch="$ARCH" -shared -Xcompiler -fPIC -Xptxas -v -lineinfo \
+    -I"$FFI_INCLUDE" -o "$LIB.tmp" "${SOURCES[@]}" >"$LOG" 2>&1; then
+  cat "$LOG" >&2
+  die "nvcc failed (log above, also in $LOG)"
+fi
+mv "$LIB.tmp" "$LIB"
+# one line per kernel: its template arguments (block_k, stages, paged, out type), registers,
+# spills; then the dynamic shared memory of each (block_k, stages) (Layout in the source)
+FILT=cat; command -v c++filt >/dev/null 2>&1 && FILT=c++filt
+awk '/Compiling entry function/ {name=$0; sub(/.*function .?/, "", name); sub(/.? for .*/, "", name)}
+     /bytes stack frame/ {match($0, /[0-9]+ bytes spill stores, [0-9]+ bytes spill loads/); spill=substr($0, RSTART, RLENGTH)}
+     /Used [0-9]+ registers/ {match($0, /Used [0-9]+ registers/); print name "\t" substr($0, RSTART, RLENGTH) ", " spill}' "$LOG" \
+  | "$FILT" | sed -E 's/void glm_sparse_mla::sparse_mla_fwd_kernel/  sparse_mla_fwd_kernel/; s/\(glm_sparse_mla::Params\)//; s/__nv_bfloat16/bf16/'
+for cfg in "64 2" "32 3" "32 4"; do
+  set -- $cfg
+  echo "  block_k=$1 stages=$2: $(( 64 * 1152 + $2 * $1 * 1152 + 64 * ($1 + 8) * 2 + 6 * 64 * 4 + $2 * $1 )) bytes of dynamic shared memory (of 232448)"
+done
+if grep -E "[1-9][0-9]* bytes spill (stores|loads)" "$LOG" >/dev/null; then
+  die "a kernel spills registers (above); the library was still written to $LIB"
+fi
+echo "build_cuda_kernels.sh: wrote $LIB"
