@@ -11,7 +11,8 @@ indexer, top-2048, one MTP layer) on --batch-size sequences (default 1) of --seq
 in the two stages:
 
 * dense: causal attention over every earlier token through the fused attention kernel (LM and
-  MTP losses; the indexer is not trained - its loss needs the full attention matrix);
+  MTP losses; by default the indexer is not trained; with --dense-kl IMPL also the dense warm-up's
+  indexer KL of train.py's --dense-steps, computed by that implementation of the op);
 * sparse: attention over the indexer's top-2048 through sparse MLA, with the selected-set
   indexer KL and the MTP losses; once per implementation in --sparse-impls (the Pallas GPU
   kernel, whose backward adds the latent rows' gradient atomically, and the XLA impl chunked
@@ -52,6 +53,10 @@ def main() -> None:
     ap.add_argument("--stages", nargs="+", default=["sparse", "dense"], choices=["dense", "sparse"])
     ap.add_argument("--sparse-impls", nargs="+", default=["pallas_gpu", "xla"],
                     choices=ops.impl_choices("sparse_mla"), help="sparse attention kernels to time")
+    ap.add_argument("--dense-kl", nargs="+", default=["none"], choices=("none",) + ops.impl_choices("dense_indexer_kl"),
+                    help="the dense stage once per entry: none trains no indexer (the dense attention alone), an "
+                         "implementation of pallas_kernels.dense_indexer_kl adds the dense warm-up's indexer KL "
+                         "(train.py's --dense-steps) computed by it")
     ap.add_argument("--smoke", action="store_true", help="tiny model and sequence (CPU)")
     ap.add_argument("--json", help="also write the rows here")
     ap.add_argument("--sparse-config", metavar="JSON",
@@ -100,15 +105,18 @@ def main() -> None:
     def save():             # after every stage, so a run cut short keeps what it measured
         write_json(args.json, dict(matmul_flops=matmul, seq_len=seq_len, batch_size=batch, rows=rows))
 
+    dense_runs = ["fused dense" if kl == "none" else f"fused dense + KL {kl}" for kl in args.dense_kl]
     runs = [(stage, impl, keep) for stage in args.stages
-            for impl in (args.sparse_impls if stage == "sparse" else ["fused dense"])
+            for impl in (args.sparse_impls if stage == "sparse" else dense_runs)
             for keep in ((False, True) if args.keep_attention and stage == "sparse" else (False,))]
     for stage, impl, keep in runs:
         label = impl + (", attention kept" if keep else "")
+        dense_kl = impl.rsplit(" ", 1)[-1] if "+ KL" in impl else None
         kernels = ops.KernelChoice(attention=impl if stage == "sparse" else "auto",
-                                   interpret=args.smoke and impl.startswith("pallas"),
+                                   dense_kl=dense_kl or "xla",
+                                   interpret=args.smoke and (impl.startswith("pallas") or impl.endswith("pallas_gpu")),
                                    attention_config=sparse_config if impl == "pallas_gpu" else None)
-        weights = LossWeights(indexer=1.0 if stage == "sparse" else 0.0, mtp=0.3)
+        weights = LossWeights(indexer=1.0 if stage == "sparse" or dense_kl else 0.0, mtp=0.3)
         opt_state = tx.init(params)
         run = lambda p, o: train_step(graphdef, p, rest, o, inputs, targets, tx=tx, stage=stage,
                                       weights=weights, kernels=kernels, remat=True, keep_attention=keep,
