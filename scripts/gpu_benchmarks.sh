@@ -52,6 +52,13 @@
 # dense-kl-long  the dense-stage indexer KL of one default-model group alone,   3-6 min
 #                 forward and backward at 32K and 128K tokens, XLA against
 #                 the Pallas kernels, beside the op's matmul limit
+# dense-step-128k  train.py's dense warm-up step of the default model at 128K  4-7 min
+#                 (benchmarks/train_long.py): the attention alone, then with
+#                 the indexer KL by the Pallas kernels and by XLA; each traced
+# sparse-mla-cuda  the CUDA sparse MLA (scripts/build_cuda_kernels.sh first;   4-6 min
+#                 carry build/cuda): checks against the float64 oracle, bitwise
+#                 repeats, gradients, timings against pallas_gpu beside the
+#                 matmul rate and copy bandwidth; memcheck and racecheck runs
 # train-steps    the recipe's step alone, absorbed form, dense and sparse,    6-8 min
 #                 then the dense step with the Pallas dense-stage KL; each
 #                 traced (kernel table in profile/)
@@ -121,7 +128,7 @@ expand() {
     case $1 in
         training) echo training-parts training-memory training-64k training-128k ;;
         serving-all) echo serving serving-128k serving-full serving-1m serving-1m-full ;;
-        dense-kl-long|train-parts|train-steps|train-steps-trained|train-steps-expanded|train-loop) echo "$1" ;;
+        dense-kl-long|dense-step-128k|sparse-mla-cuda|train-parts|train-steps|train-steps-trained|train-steps-expanded|train-loop) echo "$1" ;;
         mtp-ablation|speculative|speculative-32|speculative-graphs|speculative-rows|speculative-sampled|speculative-context) echo "$1" ;;
         training-parts|serving-itl|training-glm52-profile|training-glm52-tuned|training-memory|training-64k|training-128k|training-glm52-64k|training-glm52-128k|kernels|prefill|serving|host|layer-split|layer-split-1m|layer-split-serving|serving-128k|serving-full|serving-1m|serving-1m-full)
             echo "$1" ;;
@@ -224,6 +231,19 @@ for group in "${groups[@]}"; do
                 --json "$stage/dense_kl_32k.json"
             run dense_kl_128k 300 "--smoke" "$py" benchmarks/dense_kl_long.py --seq-len 131072 --impls pallas_gpu xla \
                 --reps 2 --json "$stage/dense_kl_128k.json"
+            ;;
+        dense-step-128k)
+            run train_long_dense_128k 400 "--smoke" "${mem95[@]}" env XLA_FLAGS=--xla_gpu_enable_command_buffer= \
+                "$py" benchmarks/train_long.py --config configs/default-py.yaml --seq-len 131072 --stages dense \
+                --dense-kl none pallas_gpu xla --steps 1 --profile "$stage/profile" --json "$stage/train_long_dense_128k.json"
+            ;;
+        sparse-mla-cuda)
+            run sparse_mla_cuda 300 "--smoke" "$py" benchmarks/sparse_mla_cuda.py --json "$stage/sparse_mla_cuda.json"
+            if [ $smoke = 0 ]; then     # compute-sanitizer: CUDA's memory and shared-memory race checks
+                run cuda_memcheck 150 "" env XLA_PYTHON_CLIENT_ALLOCATOR=platform compute-sanitizer --tool memcheck \
+                    "$py" benchmarks/sparse_mla_cuda.py --sanitize
+                run cuda_racecheck 150 "" compute-sanitizer --tool racecheck "$py" benchmarks/sparse_mla_cuda.py --sanitize
+            fi
             ;;
         train-steps)
             run train_steps 330 "--smoke --reps 1" "${mem95[@]}" "$py" $parts steps \
