@@ -5,6 +5,7 @@ benchmarks/sparse_mla_cuda.py on a GPU."""
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import subprocess
@@ -85,7 +86,9 @@ def test_build_compiles_spill_free(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     kernels = [line for line in result.stdout.splitlines() if "sparse_mla_fwd_kernel<" in line]
     assert len(kernels) == 12, result.stdout
-    assert all("0 bytes spill stores, 0 bytes spill loads" in line for line in kernels), result.stdout
+    bwd = [line for line in result.stdout.splitlines() if "sparse_mla_dq_kernel<" in line or "sparse_mla_dkv_kernel" in line]
+    assert len(bwd) == 3, result.stdout
+    assert all("0 bytes spill stores, 0 bytes spill loads" in line for line in kernels + bwd), result.stdout
     assert (tmp_path / "libglm_sparse_mla.so").is_file()
 
 
@@ -155,8 +158,9 @@ def test_unsupported_calls_name_the_fallback(change, match):
 def test_config_is_validated():
     assert cuda.SparseMLACudaConfig().stages == 2
     assert cuda.SparseMLACudaConfig(block_k=32).stages == 4
+    assert cuda.SparseMLACudaConfig().backward == "cuda"
     for bad in (dict(block_k=48), dict(block_k=64, num_stages=3), dict(num_splits=0),
-                dict(backward=pk.XlaConfig())):
+                dict(backward=pk.XlaConfig()), dict(backward="triton"), dict(pallas_backward=pk.XlaConfig())):
         with pytest.raises(ValueError, match="SparseMLACudaConfig"):
             cuda.SparseMLACudaConfig(**bad)
 
@@ -225,3 +229,152 @@ def test_merge_splits_matches_one_softmax():
     np.testing.assert_allclose(np.asarray(out[:2]), full, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(np.asarray(lse[:2]), full_lse, rtol=1e-5)
     assert np.all(np.asarray(out[2]) == 0) and np.all(np.asarray(lse[2]) == -np.inf)
+
+
+# ----------------------------------------------------------------------------- the CUDA backward
+
+
+def _random_indices(rng, B, S, T, K):
+    """int32 [B, S, K]: rows with replacement (duplicates), some -1 and some >= T."""
+    idx = rng.integers(0, T, (B, S, K))
+    idx = np.where(rng.random((B, S, K)) < 0.15, -1, idx)
+    idx = np.where(rng.random((B, S, K)) < 0.05, T + 3, idx)
+    return idx.astype(np.int32)
+
+
+@pytest.mark.parametrize("B, S, T, K", [(1, 5, 70, 9), (2, 7, 64, 40), (2, 3, 100, 1)])
+def test_key_index_lists_every_pair_once(B, S, T, K):
+    """Per block of KEY_BLOCK rows: its units are the queries that selected one of its rows,
+    ascending, and each unit's run holds the rows it selected (duplicates repeated) as numpy finds."""
+    idx = _random_indices(np.random.default_rng(B * 100 + S), B, S, T, K)
+    ki = cuda.key_index(jnp.asarray(idx), T)
+    pair_row, unit_query, unit_start, block_units = (np.asarray(a) for a in
+                                                     (ki.pair_row, ki.unit_query, ki.unit_start, ki.block_units))
+    nblk = -(-T // cuda.KEY_BLOCK)
+    assert pair_row.shape == (B * S * K,) and unit_start.shape == (B * S * K + 1,)
+    assert block_units.shape == (B * nblk + 1,) and block_units[0] == 0
+    n_valid = int(np.sum((idx >= 0) & (idx < T)))
+    assert unit_start[block_units[-1]] == n_valid
+    for b in range(B):
+        for blk in range(nblk):
+            units = range(block_units[b * nblk + blk], block_units[b * nblk + blk + 1])
+            want = {}
+            for s in range(S):
+                sel = idx[b, s][(idx[b, s] >= blk * cuda.KEY_BLOCK) & (idx[b, s] < min(T, (blk + 1) * cuda.KEY_BLOCK))]
+                if sel.size:
+                    want[s] = sorted((sel % cuda.KEY_BLOCK).tolist())
+            got = {int(unit_query[u]): sorted(pair_row[unit_start[u]:unit_start[u + 1]].tolist()) for u in units}
+            assert [int(unit_query[u]) for u in units] == sorted(want)
+            assert got == want
+
+
+def _pair_terms(q, kv, idx, dout, lse, delta, scale):
+    """float64 p [B, S, H, K], ds [B, S, H, K] of every pair (0 where the slot is invalid)."""
+    T = kv.shape[1]
+    valid = (idx >= 0) & (idx < T)
+    rows = np.stack([kv[b][np.where(valid[b], idx[b], 0)] for b in range(kv.shape[0])])   # [B, S, K, Dk]
+    logits = np.einsum("bshd,bskd->bshk", q, rows) * scale
+    p = np.where(valid[:, :, None], np.exp(logits - lse[..., None]), 0.0)
+    dp = np.einsum("bshv,bskv->bshk", dout, rows[..., :dout.shape[-1]])
+    ds = p * (dp - delta[..., None])
+    return p, ds, rows, valid
+
+
+def test_dkv_walk_of_the_key_index_matches_the_pair_sum():
+    """A float64 numpy model of the dkv kernel's walk (per block of 32 rows, per unit in order,
+    per 32-head tile: counts from the unit's run, S^T / dP^T of the whole block, P'^T and dS'^T
+    masked by count, dkv += dS'^T Q + P'^T dO) against the contract's sum over pairs; and the dq
+    kernel's per-query sum. Duplicates, -1, out-of-range slots, T not a multiple of 32, B = 2."""
+    rng = np.random.default_rng(3)
+    B, S, H, T, K, dk, dv = 2, 6, 64, 70, 24, 16, 12     # narrow rows: the walk is what is modelled
+    scale = 0.3
+    q = rng.standard_normal((B, S, H, dk))
+    kv = rng.standard_normal((B, T, dk))
+    dout = rng.standard_normal((B, S, H, dv))
+    idx = _random_indices(rng, B, S, T, K)
+    idx[1, 2] = -1                                          # a query with no valid slot
+    lse = rng.standard_normal((B, S, H)) + 3.0
+    delta = rng.standard_normal((B, S, H))
+    p, ds, rows, valid = _pair_terms(q, kv, idx, dout, lse, delta, scale)
+    want = np.zeros((B, T, dk))
+    want_dq = np.einsum("bshk,bskd->bshd", ds, rows) * scale
+    for b in range(B):
+        for s in range(S):
+            for j in range(K):
+                if valid[b, s, j]:
+                    t = idx[b, s, j]
+                    want[b, t] += scale * ds[b, s, :, j] @ q[b, s]
+                    want[b, t, :dv] += p[b, s, :, j] @ dout[b, s]
+
+    ki = cuda.key_index(jnp.asarray(idx), T)
+    pair_row, unit_query, unit_start, block_units = (np.asarray(a) for a in
+                                                     (ki.pair_row, ki.unit_query, ki.unit_start, ki.block_units))
+    R, HT = cuda.KEY_BLOCK, 32
+    nblk = -(-T // R)
+    got = np.zeros((B, T, dk))
+    for blk in range(B * nblk):
+        b, t0 = divmod(blk, nblk)
+        t0 *= R
+        kblock = np.zeros((R, dk))
+        n = min(R, T - t0)
+        kblock[:n] = kv[b, t0:t0 + n]
+        acc = np.zeros((R, dk))
+        u0, u1 = block_units[blk], block_units[blk + 1]
+        for item in range((u1 - u0) * (H // HT)):
+            u = u0 + item // (H // HT)
+            h0 = (item % (H // HT)) * HT
+            s = unit_query[u]
+            count = np.array([np.sum(pair_row[unit_start[u]:unit_start[u + 1]] == r) for r in range(R)], float)
+            qt, dot = q[b, s, h0:h0 + HT], dout[b, s, h0:h0 + HT]
+            st = kblock @ qt.T                               # [R, 32]
+            dpt = kblock[:, :dv] @ dot.T
+            pe = np.exp(st * scale - lse[b, s, h0:h0 + HT][None])
+            ok = count[:, None] > 0
+            pt = np.where(ok, count[:, None] * pe, 0.0)
+            dst = np.where(ok, count[:, None] * scale * pe * (dpt - delta[b, s, h0:h0 + HT][None]), 0.0)
+            acc += dst @ qt
+            acc[:, :dv] += pt @ dot
+        got[b, t0:t0 + n] = acc[:n]
+    np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-10)
+    assert np.all(want_dq[1, 2] == 0)
+
+
+@pytest.mark.parametrize("H, K", [(64, 8), (128, 100)])
+def test_backward_shapes(no_library, H, K):
+    """Gradients through impl='cuda' trace with the CUDA backward (the library not needed for
+    shapes): dq like q, dkv like kv; the pallas_gpu backward still traces too."""
+    q, kv, idx = _inputs(B=2, S=3, H=H, K=K)
+
+    def loss(q, kv, config):
+        out, lse = cuda.sparse_mla(q, kv, idx, sm_scale=0.1, v_dim=512, config=config)
+        return jnp.sum(out.astype(jnp.float32)) + jnp.sum(lse)
+
+    for config in (cuda.SparseMLACudaConfig(), cuda.SparseMLACudaConfig(backward="pallas_gpu")):
+        dq, dkv = jax.eval_shape(jax.grad(functools.partial(loss, config=config), argnums=(0, 1)), q, kv)
+        assert (dq.shape, dq.dtype) == (q.shape, q.dtype) and (dkv.shape, dkv.dtype) == (kv.shape, kv.dtype)
+    dq, dkv = jax.eval_shape(lambda: cuda.backward(
+        q, kv, idx, jnp.zeros((2, 3, H, 512), jnp.bfloat16), jnp.zeros((2, 3, H)), jnp.zeros((2, 3, H)),
+        sm_scale=0.1, dq_dtype=jnp.float32))
+    assert (dq.shape, dq.dtype) == ((2, 3, H, 576), jnp.float32) and (dkv.shape, dkv.dtype) == ((2, 16, 576),
+                                                                                              jnp.float32)
+
+
+def test_backward_index_follows_the_config():
+    idx = jnp.zeros((1, 4, 8), jnp.int32)
+    ki = cuda.backward_index(idx, 16, dk=576, dtype=jnp.bfloat16)
+    assert isinstance(ki, cuda.KeyIndex) and ki.num_keys == 16
+    other = cuda.backward_index(idx, 16, dk=576, dtype=jnp.bfloat16,
+                                config=cuda.SparseMLACudaConfig(backward="pallas_gpu"))
+    assert not isinstance(other, cuda.KeyIndex)
+    entry = pk.REGISTRY["sparse_mla"]["cuda"]
+    assert isinstance(entry.backward_index(idx, 16, dk=576, dtype=jnp.bfloat16, config=cuda.SparseMLACudaConfig()),
+                      cuda.KeyIndex)
+
+
+def test_key_index_built_for_other_indices_is_refused(no_library):
+    q, kv, idx = _inputs(T=16, K=8)
+    wrong = cuda.key_index(jnp.zeros((1, 2, 8), jnp.int32), 32)
+    with pytest.raises(ValueError, match="key index was built for"):
+        jax.eval_shape(lambda: cuda.sparse_mla(q, kv, idx, sm_scale=0.1, v_dim=512, tindex=wrong))
+    with pytest.raises(ValueError, match="v_dim must be 512"):
+        cuda.backward(q, kv, idx, None, None, None, sm_scale=0.1, v_dim=128)
