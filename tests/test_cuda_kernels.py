@@ -378,3 +378,272 @@ def test_key_index_built_for_other_indices_is_refused(no_library):
         jax.eval_shape(lambda: cuda.sparse_mla(q, kv, idx, sm_scale=0.1, v_dim=512, tindex=wrong))
     with pytest.raises(ValueError, match="v_dim must be 512"):
         cuda.backward(q, kv, idx, None, None, None, sm_scale=0.1, v_dim=128)
+
+
+# ----------------------------------------------------------------------------- a warp-level model of the backward kernels
+# The dq and dkv kernels' index arithmetic (swizzle, ldmatrix addresses, mma fragments, roles of
+# the warps) replayed in numpy under the PTX semantics of ldmatrix.m8n8.x4 (plain and .trans) and
+# mma.m16n8k16 (row.col), one CTA each, with bf16 rounding where the kernels round.
+
+_LANES = np.arange(32)
+_G, _C = _LANES // 4, _LANES % 4
+
+
+def _bf16(x):
+    return np.asarray(jnp.asarray(np.asarray(x, np.float32), jnp.bfloat16).astype(jnp.float32), np.float64)
+
+
+def _swz(r, c, row_bytes=1152):
+    return r * row_bytes + ((c ^ (r & 7)) << 4)
+
+
+def _put_tile(smem, base, tile, row_bytes):
+    """Writes a [rows, width] tile at byte `base` with the kernels' swizzle (16-byte chunks)."""
+    for r in range(tile.shape[0]):
+        for ch in range(tile.shape[1] // 8):
+            at = (base + _swz(r, ch, row_bytes)) // 2
+            smem[at:at + 8] = tile[r, ch * 8:ch * 8 + 8]
+
+
+def _ldsm(smem, addrs, trans=False):
+    """ldmatrix.x4: addrs [32] byte addresses (lane 8 j + i: row i of matrix j) -> [32, 4, 2]."""
+    out = np.zeros((32, 4, 2))
+    for j in range(4):
+        rows = addrs[8 * j:8 * j + 8] // 2
+        if trans:
+            for e in range(2):
+                out[:, j, e] = smem[rows[2 * _C + e] + _G]
+        else:
+            for e in range(2):
+                out[:, j, e] = smem[rows[_G] + 2 * _C + e]
+    return out
+
+
+def _mma(c, a, b0, b1):
+    """c [32, 4] += A B with A from a [32, 4, 2], B from b0, b1 [32, 2] (m16n8k16 fragments)."""
+    A = np.zeros((16, 16))
+    B = np.zeros((16, 8))
+    for e in range(2):
+        A[_G, 2 * _C + e] = a[:, 0, e]
+        A[_G + 8, 2 * _C + e] = a[:, 1, e]
+        A[_G, 2 * _C + 8 + e] = a[:, 2, e]
+        A[_G + 8, 2 * _C + 8 + e] = a[:, 3, e]
+        B[2 * _C + e, _G] = b0[:, e]
+        B[2 * _C + 8 + e, _G] = b1[:, e]
+    D = A @ B
+    for e in range(2):
+        c[:, e] += D[_G, 2 * _C + e]
+        c[:, 2 + e] += D[_G + 8, 2 * _C + e]
+
+
+def _model_inputs(seed, S, T, K, heads=64):
+    rng = np.random.default_rng(seed)
+    q = _bf16(rng.standard_normal((S, heads, 576)))
+    kv = _bf16(rng.standard_normal((T, 576)))
+    dout = _bf16(rng.standard_normal((S, heads, 512)))
+    idx = rng.integers(0, T, (S, K))
+    idx[:, 1] = idx[:, 0]                                       # duplicates
+    idx = np.where(rng.random((S, K)) < 0.15, -1, idx)
+    idx[0, 2] = T + 1                                           # out of range
+    scale = 576 ** -0.5
+    lse = np.zeros((S, heads))
+    for s in range(S):
+        sel = idx[s][(idx[s] >= 0) & (idx[s] < T)]
+        z = q[s] @ kv[sel].T * scale
+        lse[s] = np.log(np.exp(z).sum(-1))
+    delta = rng.standard_normal((S, heads)) * 0.1
+    return q, kv, dout, idx.astype(np.int32), lse, delta, scale
+
+
+def _oracle_pairs(q, kv, dout, idx, lse, delta, scale):
+    S, heads, _ = q.shape
+    T = kv.shape[0]
+    dq = np.zeros_like(q)
+    dkv = np.zeros_like(kv)
+    for s in range(S):
+        sel = idx[s][(idx[s] >= 0) & (idx[s] < T)]
+        p = np.exp(q[s] @ kv[sel].T * scale - lse[s][:, None])
+        ds = p * (dout[s] @ kv[sel, :512].T - delta[s][:, None])
+        dq[s] = scale * ds @ kv[sel]
+        g = scale * ds.T @ q[s]
+        g[:, :512] += p.T @ dout[s]
+        np.add.at(dkv, sel, g)
+    return dq, dkv
+
+
+def test_warp_model_of_the_dq_kernel():
+    """One dq CTA (query 1, 64 heads, K = 40: a full block of 32 and a padded one) replayed warp by
+    warp as sparse_mla_bwd.cu computes it, against the float64 contract."""
+    S, T, K = 2, 90, 40
+    q, kv, dout, idx, lse, delta, scale = _model_inputs(1, S, T, K)
+    want, _ = _oracle_pairs(q, kv, dout, idx, lse, delta, scale)
+    row, BK, DS_STRIDE = 1, 32, 40
+    kQ, kDo = 0, 64 * 1152
+    kKV = kDo + 64 * 1024
+    kDs = kKV + 2 * BK * 1152
+    smem = np.zeros((kDs + 64 * DS_STRIDE * 2) // 2)
+    _put_tile(smem, kQ, q[row], 1152)
+    _put_tile(smem, kDo, dout[row], 1024)
+    l2 = lse[row] * np.log2(np.e)
+    acc = np.zeros((8, 2, 18, 32, 4))
+    for j in range(-(-K // BK)):
+        stage = j % 2
+        ks = np.zeros((BK, 576))
+        valid = np.zeros(BK, bool)
+        for r in range(BK):
+            k = j * BK + r
+            t = idx[row, k] if k < K else -1
+            valid[r] = 0 <= t < T
+            if valid[r]:
+                ks[r] = kv[t]
+        s_k = kKV + stage * BK * 1152
+        _put_tile(smem, s_k, ks, 1152)
+        for w in range(8):                      # S / dP phase
+            s_mt, col0 = w & 3, (w >> 2) * 16
+            s = np.zeros((2, 32, 4))
+            dp = np.zeros((2, 32, 4))
+            a_row = s_mt * 16 + (_LANES & 15)
+            a_ch = _LANES >> 4
+            b_row = col0 + ((_LANES >> 4) << 3) + (_LANES & 7)
+            b_ch = (_LANES >> 3) & 1
+            for kk in range(36):
+                a = _ldsm(smem, kQ + _swz(a_row, kk * 2 + a_ch))
+                bf = _ldsm(smem, s_k + _swz(b_row, kk * 2 + b_ch))
+                _mma(s[0], a, bf[:, 0], bf[:, 1])
+                _mma(s[1], a, bf[:, 2], bf[:, 3])
+            for kk in range(32):
+                a = _ldsm(smem, kDo + _swz(a_row, kk * 2 + a_ch, 1024))
+                bf = _ldsm(smem, s_k + _swz(b_row, kk * 2 + b_ch))
+                _mma(dp[0], a, bf[:, 0], bf[:, 1])
+                _mma(dp[1], a, bf[:, 2], bf[:, 3])
+            h_lo = s_mt * 16 + (_LANES >> 2)
+            for nt in range(2):
+                col = col0 + nt * 8 + (_LANES & 3) * 2
+                for i in range(2):
+                    h = h_lo + 8 * i
+                    for e in range(2):
+                        ok = valid[col + e]
+                        pv = np.where(ok, np.exp2(s[nt, :, 2 * i + e] * scale * np.log2(np.e) - l2[h]), 0.0)
+                        ds = np.where(ok, pv * (dp[nt, :, 2 * i + e] - delta[row, h]), 0.0)
+                        smem[(kDs + (h * DS_STRIDE + col + e) * 2) // 2] = _bf16(ds)
+        for w in range(8):                      # dq phase
+            dq_hh, dq_cg = w & 1, w >> 1
+            v_row = ((_LANES >> 3) & 1) * 8 + (_LANES & 7)
+            v_ch = dq_cg * 18 + (_LANES >> 4)
+            for kk in range(BK // 16):
+                a = [_ldsm(smem, kDs + ((dq_hh * 32 + mt * 16 + (_LANES & 15)) * DS_STRIDE + kk * 16
+                                        + (_LANES >> 4) * 8) * 2) for mt in range(2)]
+                for np_ in range(9):
+                    bf = _ldsm(smem, s_k + _swz(kk * 16 + v_row, v_ch + np_ * 2), trans=True)
+                    for mt in range(2):
+                        _mma(acc[w, mt, 2 * np_], a[mt], bf[:, 0], bf[:, 1])
+                        _mma(acc[w, mt, 2 * np_ + 1], a[mt], bf[:, 2], bf[:, 3])
+    got = np.zeros((64, 576))
+    for w in range(8):
+        dq_hh, dq_cg = w & 1, w >> 1
+        for mt in range(2):
+            for i in range(2):
+                h = dq_hh * 32 + mt * 16 + (_LANES >> 2) + 8 * i
+                for nt in range(18):
+                    col = dq_cg * 144 + nt * 8 + (_LANES & 3) * 2
+                    got[h, col] = acc[w, mt, nt, :, 2 * i] * scale
+                    got[h, col + 1] = acc[w, mt, nt, :, 2 * i + 1] * scale
+    err = np.linalg.norm(got - want[row]) / np.linalg.norm(want[row])
+    assert err < 1e-2, err
+
+
+def test_warp_model_of_the_dkv_kernel():
+    """One dkv CTA (block 1 of 32 rows, T = 50: rows past T) walking its units of the key index
+    as sparse_mla_bwd.cu does, warp by warp, against the float64 contract."""
+    S, T, K = 4, 50, 24
+    q, kv, dout, idx, lse, delta, scale = _model_inputs(2, S, T, K)
+    _, want = _oracle_pairs(q, kv, dout, idx, lse, delta, scale)
+    ki = cuda.key_index(jnp.asarray(idx[None]), T)
+    pair_row, unit_query, unit_start, block_units = (np.asarray(a) for a in
+                                                     (ki.pair_row, ki.unit_query, ki.unit_start, ki.block_units))
+    blk, R, HT, TS = 1, 32, 32, 40
+    t0 = blk * R
+    kK, kSt = 0, R * 1152
+    st_bytes = HT * 1152 + HT * 1024 + 3 * 128
+    kPt = kSt + 2 * st_bytes
+    kDst = kPt + R * TS * 2
+    smem = np.zeros((kDst + R * TS * 2) // 2)
+    kb = np.zeros((R, 576))
+    kb[:T - t0] = kv[t0:T]
+    _put_tile(smem, kK, kb, 1152)
+    u0 = block_units[blk]
+    n_items = (block_units[blk + 1] - u0) * 2
+    assert n_items >= 4
+    acc = np.zeros((8, 18, 32, 4))
+    for it in range(n_items):
+        stage = it % 2
+        u = u0 + it // 2
+        h0 = (it % 2) * HT
+        s_q = unit_query[u]
+        st = kSt + stage * st_bytes
+        _put_tile(smem, st, q[s_q, h0:h0 + HT], 1152)
+        _put_tile(smem, st + HT * 1152, dout[s_q, h0:h0 + HT], 1024)
+        lse_t, delta_t = lse[s_q, h0:h0 + HT], delta[s_q, h0:h0 + HT]
+        count = np.array([np.sum(pair_row[unit_start[u]:unit_start[u + 1]] == r) for r in range(R)], float)
+        for w in range(8):                      # S^T / dP^T phase
+            s_mt, s_nt = w & 1, w >> 1
+            s = np.zeros((32, 4))
+            dp = np.zeros((32, 4))
+            a_row = s_mt * 16 + (_LANES & 15)
+            a_ch = _LANES >> 4
+            b_row = s_nt * 8 + (_LANES & 7)
+            b_ch = _LANES >> 3
+            for kk in range(0, 36, 2):
+                a0 = _ldsm(smem, kK + _swz(a_row, kk * 2 + a_ch))
+                a1 = _ldsm(smem, kK + _swz(a_row, kk * 2 + 2 + a_ch))
+                bf = _ldsm(smem, st + _swz(b_row, kk * 2 + b_ch))
+                _mma(s, a0, bf[:, 0], bf[:, 1])
+                _mma(s, a1, bf[:, 2], bf[:, 3])
+            for kk in range(0, 32, 2):
+                a0 = _ldsm(smem, kK + _swz(a_row, kk * 2 + a_ch))
+                a1 = _ldsm(smem, kK + _swz(a_row, kk * 2 + 2 + a_ch))
+                bf = _ldsm(smem, st + HT * 1152 + _swz(b_row, kk * 2 + b_ch, 1024))
+                _mma(dp, a0, bf[:, 0], bf[:, 1])
+                _mma(dp, a1, bf[:, 2], bf[:, 3])
+            hh = s_nt * 8 + (_LANES & 3) * 2
+            for i in range(2):
+                r = s_mt * 16 + (_LANES >> 2) + 8 * i
+                cnt = count[r]
+                for e in range(2):
+                    l2 = lse_t[hh + e] * np.log2(np.e)
+                    ok = cnt > 0
+                    with np.errstate(over="ignore"):
+                        pe = np.where(ok, np.exp2(s[:, 2 * i + e] * scale * np.log2(np.e) - l2), 0.0)
+                    pv = np.where(ok, cnt * pe, 0.0)
+                    dsv = np.where(ok, cnt * scale * pe * (dp[:, 2 * i + e] - delta_t[hh + e]), 0.0)
+                    smem[(kPt + (r * TS + hh + e) * 2) // 2] = _bf16(pv)
+                    smem[(kDst + (r * TS + hh + e) * 2) // 2] = _bf16(dsv)
+        for w in range(8):                      # dkv phase
+            d_mt, d_cg = w & 1, w >> 1
+            v_row = ((_LANES >> 3) & 1) * 8 + (_LANES & 7)
+            v_ch = d_cg * 18 + (_LANES >> 4)
+            for kk in range(HT // 16):
+                off = ((d_mt * 16 + (_LANES & 15)) * TS + kk * 16 + (_LANES >> 4) * 8) * 2
+                a_ds = _ldsm(smem, kDst + off)
+                a_p = _ldsm(smem, kPt + off)
+                for np_ in range(9):
+                    bf = _ldsm(smem, st + _swz(kk * 16 + v_row, v_ch + np_ * 2), trans=True)
+                    _mma(acc[w, 2 * np_], a_ds, bf[:, 0], bf[:, 1])
+                    _mma(acc[w, 2 * np_ + 1], a_ds, bf[:, 2], bf[:, 3])
+                    if d_cg * 18 + np_ * 2 < 64:
+                        bf = _ldsm(smem, st + HT * 1152 + _swz(kk * 16 + v_row, v_ch + np_ * 2, 1024), trans=True)
+                        _mma(acc[w, 2 * np_], a_p, bf[:, 0], bf[:, 1])
+                        _mma(acc[w, 2 * np_ + 1], a_p, bf[:, 2], bf[:, 3])
+    got = np.zeros((R, 576))
+    for w in range(8):
+        d_mt, d_cg = w & 1, w >> 1
+        for i in range(2):
+            r = d_mt * 16 + (_LANES >> 2) + 8 * i
+            for nt in range(18):
+                col = d_cg * 144 + nt * 8 + (_LANES & 3) * 2
+                got[r, col] = acc[w, nt, :, 2 * i]
+                got[r, col + 1] = acc[w, nt, :, 2 * i + 1]
+    ref = want[t0:T]
+    assert np.all(got[T - t0:] == 0)
+    err = np.linalg.norm(got[:T - t0] - ref) / np.linalg.norm(ref)
+    assert err < 1e-2, err
