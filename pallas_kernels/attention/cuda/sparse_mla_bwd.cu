@@ -27,10 +27,12 @@
 // counts (a row listed twice by the query counts twice; 0 for rows it did not select):
 //   S^T/dP^T    warp w: block rows 16 (w % 2) .. + 16, heads 8 (w / 2) .. + 8:
 //               S^T = K Q^T (k = 576), dP^T = V dO^T (k = 512); P'^T = count p and
-//               dS'^T = count sm_scale p (dp - delta) (0 where count is 0) written bf16to shared memory;
+//               dS'^T = count sm_scale p (dp - delta) (0 where count is 0) written bf16 to shared memory;
 //   dkv phase   warp w: rows 16 (w % 2) .. + 16, columns 144 (w / 2) .. + 144:
 //               dkv += dS'^T Q (k = 32 heads) and, for columns < 512, dkv += P'^T dO;
 //               72 f32 registers a thread.
+// Both phases skip a warp's products where the item's query selected none of its 16 rows (a
+// warp-uniform test of the counts; at long contexts most 16-row tiles of an item are empty).
 // Epilogue: the block's dkv rows written f32 (rows >= T skipped; rows nobody selected get 0).
 
 #include "sparse_mla_common.cuh"
@@ -394,7 +396,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_dkv_kernel(const DkvPa
 
     // ---- S^T = K Q^T, dP^T = V dO^T for 16 rows x 8 heads (B fragments of two k-steps per ldmatrix)
     float s[4] = {0.f, 0.f, 0.f, 0.f}, dp[4] = {0.f, 0.f, 0.f, 0.f};
-    {
+    // a warp whose 16 rows the query did not select skips its products (P'^T, dS'^T are 0 there)
+    if (__any_sync(0xffffffffu, s_count[s_mt * 16 + (lane & 15)] > 0.f)) {
       const int a_row = s_mt * 16 + (lane & 15);
       const int a_ch = lane >> 4;
       const int b_row = s_nt * 8 + (lane & 7);
@@ -441,8 +444,9 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_dkv_kernel(const DkvPa
     }
     __syncthreads();
 
-    // ---- dkv += dS'^T Q (576 columns) + P'^T dO (512) for 16 rows x 144 columns
-    {
+    // ---- dkv += dS'^T Q (576 columns) + P'^T dO (512) for 16 rows x 144 columns (skipped, as
+    // adding zeros, where the query selected none of the 16 rows)
+    if (__any_sync(0xffffffffu, s_count[d_mt * 16 + (lane & 15)] > 0.f)) {
       const int v_row = ((lane >> 3) & 1) * 8 + (lane & 7);
       const int v_ch = d_cg * 18 + (lane >> 4);
 #pragma unroll
