@@ -378,6 +378,13 @@ def test_key_index_built_for_other_indices_is_refused(no_library):
         jax.eval_shape(lambda: cuda.sparse_mla(q, kv, idx, sm_scale=0.1, v_dim=512, tindex=wrong))
     with pytest.raises(ValueError, match="v_dim must be 512"):
         cuda.backward(q, kv, idx, None, None, None, sm_scale=0.1, v_dim=128)
+    lse = jnp.zeros(q.shape[:-1])
+    with pytest.raises(ValueError, match="dout must be"):
+        cuda.backward(q, kv, idx, jnp.zeros(q.shape[:-1] + (256,), jnp.bfloat16), lse, lse, sm_scale=0.1)
+    with pytest.raises(ValueError, match="a multiple of 64 heads.*use impl='pallas_gpu'"):
+        q32 = q[:, :, :32]
+        cuda.backward(q32, kv, idx, jnp.zeros(q32.shape[:-1] + (512,), jnp.bfloat16), lse[..., :32],
+                      lse[..., :32], sm_scale=0.1)
 
 
 # ----------------------------------------------------------------------------- a warp-level model of the backward kernels

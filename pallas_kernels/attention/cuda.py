@@ -266,6 +266,10 @@ def backward(q: jax.Array, kv: jax.Array, indices: jax.Array, dout: jax.Array, l
     (built here when None). Deterministic: fixed order, no atomics."""
     if v_dim != DV:
         raise ValueError(f"cuda.backward: v_dim must be {DV}, got {v_dim}")
+    check_supported("sparse_mla (backward)", q, kv, int(v_dim))
+    if dout.shape != q.shape[:-1] + (DV,) or lse.shape != q.shape[:-1] or delta.shape != q.shape[:-1]:
+        raise ValueError(f"cuda.backward: dout must be [B, S, H, {DV}] and lse, delta [B, S, H] for q "
+                         f"{tuple(q.shape)}; got {tuple(dout.shape)}, {tuple(lse.shape)}, {tuple(delta.shape)}")
     ensure_registered()
     idx = jnp.asarray(indices, jnp.int32)
     num_keys = kv.shape[1]
