@@ -24,7 +24,9 @@
 // (the selected rows' offsets within the block, duplicates repeated). The block's 32 rows stay
 // in shared memory; the CTA walks items (unit, 32-head tile) with a 2-buffer cp.async ring of
 // the query's Q tile [32, 576], dO tile [32, 512], lse and delta, and the unit's per-row pair
-// counts (a row listed twice by the query counts twice; 0 for rows it did not select):
+// counts (a row listed twice by the query counts twice; 0 for rows it did not select; warp 1,
+// lane = row, through shuffles). Index reads (the item's query, its run, the dq kernel's slot
+// indices) are made one item / block ahead of the copies that use them:
 //   S^T/dP^T    warp w: block rows 16 (w % 2) .. + 16, heads 8 (w / 2) .. + 8:
 //               S^T = K Q^T (k = 576), dP^T = V dO^T (k = 512); P'^T = count p and
 //               dS'^T = count sm_scale p (dp - delta) (0 where count is 0) written bf16 to shared memory;
@@ -126,9 +128,13 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_dq_kernel(const DqPara
 
   const int ld_row = tid / kTPR;
   const int ld_sub = tid % kTPR;
-  auto load_block = [&](int blk, int stage) {
+  // this thread's index of a block (read one block ahead of its copy, so that the copy does not
+  // wait for the index load)
+  auto fetch_index = [&](int blk) {
     const int k = blk * BK + ld_row;
-    const int t = k < p.topk ? __ldg(idx_row + k) : -1;
+    return k < p.topk ? __ldg(idx_row + k) : -1;
+  };
+  auto load_block = [&](int t, int stage) {
     const bool valid = t >= 0 && t < p.num_keys;
     const __nv_bfloat16* src = valid ? p.kv + (static_cast<long long>(b) * p.num_keys + t) * kDk : p.kv;
     const uint32_t dst = s_kv + stage * L::kStageBytes;
@@ -140,8 +146,9 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_dq_kernel(const DqPara
     if (ld_sub == 0) s_valid[stage * BK + ld_row] = valid ? 1 : 0;
   };
 
-  if (nblocks > 0) load_block(0, 0);
+  if (nblocks > 0) load_block(fetch_index(0), 0);
   cp_async_commit();
+  int next_t = nblocks > 1 ? fetch_index(1) : -1;
 
   // S/dP roles
   const int s_mt = warp & 3;
@@ -161,7 +168,10 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_dq_kernel(const DqPara
   for (int j = 0; j < nblocks; ++j) {
     cp_async_wait<0>();
     __syncthreads();  // block j (Q, dO) visible; everyone is done with block j - 1 and dS
-    if (j + 1 < nblocks) load_block(j + 1, (j + 1) % kDqStages);
+    if (j + 1 < nblocks) {
+      load_block(next_t, (j + 1) % kDqStages);
+      if (j + 2 < nblocks) next_t = fetch_index(j + 2);
+    }
     cp_async_commit();
     const int stage = j % kDqStages;
     const uint32_t s_k = s_kv + stage * L::kStageBytes;
@@ -331,10 +341,25 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_dkv_kernel(const DkvPa
     cp_async16(s_k + swizzle(r, ch), src, valid);
   }
 
-  auto load_item = [&](int item, int stage) {
+  // An item's metadata: its query, its unit's run of pairs and (warp 1) the run's first 32 rows,
+  // read one item ahead of the copies that need them so that no copy waits for an index load.
+  struct Meta {
+    int query, start, end, rows;
+  };
+  auto fetch_meta = [&](int item) {
+    Meta m;
     const int u = u0 + item / head_tiles;
+    m.query = __ldg(p.unit_query + u);
+    m.start = __ldg(p.unit_start + u);
+    m.end = __ldg(p.unit_start + u + 1);
+    m.rows = -1;
+    if (warp == 1 && m.start + lane < m.end) m.rows = __ldg(p.pair_row + m.start + lane);
+    return m;
+  };
+
+  auto load_item = [&](int item, const Meta& m, int stage) {
     const int h0 = (item - (item / head_tiles) * head_tiles) * kKvHeads;
-    const long long head_base = (static_cast<long long>(b) * p.seq_len + __ldg(p.unit_query + u)) * p.heads + h0;
+    const long long head_base = (static_cast<long long>(b) * p.seq_len + m.query) * p.heads + h0;
     const uint32_t st = s_st + stage * L::kStageBytes;
     const __nv_bfloat16* q_tile = p.q + head_base * kDk;
 #pragma unroll
@@ -356,18 +381,26 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_dkv_kernel(const DkvPa
       cp_async16(st + L::kStLse + tid * 16, p.lse + head_base + tid * 4, true);
     } else if (tid < 16) {
       cp_async16(st + L::kStDelta + (tid - 8) * 16, p.delta + head_base + (tid - 8) * 4, true);
-    } else if (tid >= 32 && tid < 32 + kKvRows) {
-      // pair counts of this block row in the unit's run (plain stores, seen after the next barrier)
-      const int r = tid - 32;
-      const int end = __ldg(p.unit_start + u + 1);
+    } else if (warp == 1) {
+      // pairs per block row (lane = row) over the unit's run, 32 rows at a time through shuffles;
+      // plain stores, seen after the next barrier
       int count = 0;
-      for (int i = __ldg(p.unit_start + u); i < end; ++i) count += __ldg(p.pair_row + i) == r;
-      reinterpret_cast<float*>(smem + L::kStages + stage * L::kStageBytes + L::kStCount)[r] = static_cast<float>(count);
+      int v = m.rows;
+      for (int base = m.start; base < m.end; base += 32) {
+        if (base != m.start) v = base + lane < m.end ? __ldg(p.pair_row + base + lane) : -1;
+#pragma unroll
+        for (int j = 0; j < 32; ++j) count += __shfl_sync(0xffffffffu, v, j) == lane;
+      }
+      reinterpret_cast<float*>(smem + L::kStages + stage * L::kStageBytes + L::kStCount)[lane] =
+          static_cast<float>(count);
     }
   };
+  static_assert(kKvRows == 32, "one lane of warp 1 per block row");
 
-  if (n_items > 0) load_item(0, 0);
+  if (n_items > 0) load_item(0, fetch_meta(0), 0);
   cp_async_commit();
+  Meta next{};
+  if (n_items > 1) next = fetch_meta(1);
 
   // S^T / dP^T roles
   const int s_mt = warp & 1;
@@ -385,7 +418,10 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_dkv_kernel(const DkvPa
   for (int it = 0; it < n_items; ++it) {
     cp_async_wait<0>();
     __syncthreads();  // item it visible; everyone is done with item it - 1 and P^T / dS^T
-    if (it + 1 < n_items) load_item(it + 1, (it + 1) % kKvStages);
+    if (it + 1 < n_items) {
+      load_item(it + 1, next, (it + 1) % kKvStages);
+      if (it + 2 < n_items) next = fetch_meta(it + 2);
+    }
     cp_async_commit();
     const int stage = it % kKvStages;
     const uint32_t st = s_st + stage * L::kStageBytes;
