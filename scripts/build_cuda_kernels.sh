@@ -67,8 +67,8 @@ for cfg in "64 2" "32 3" "32 4"; do
 done
 # backward (DqLayout, DkvLayout in sparse_mla_bwd.cu): dq Q + dO + 2 x 32 gathered rows + dS
 # [64][40] + lse, delta + valid flags; dkv 32 rows + 2 x (Q [32][576] + dO [32][512] + lse,
-# delta, counts) + P^T, dS^T [32][40]
-echo "  dq: $(( 64 * 1152 + 64 * 1024 + 2 * 32 * 1152 + 64 * 40 * 2 + 2 * 64 * 4 + 2 * 32 )) bytes, dkv: $(( 32 * 1152 + 2 * (32 * 1152 + 32 * 1024 + 3 * 128) + 2 * 32 * 40 * 2 )) bytes of dynamic shared memory (of 232448)"
+# delta, counts) + P^T, dS^T [32][40] bf16 + the S, dP partials [2][4][32][40] f32
+echo "  dq: $(( 64 * 1152 + 64 * 1024 + 2 * 32 * 1152 + 64 * 40 * 2 + 2 * 64 * 4 + 2 * 32 )) bytes, dkv: $(( 32 * 1152 + 2 * (32 * 1152 + 32 * 1024 + 3 * 128) + 2 * 32 * 40 * 2 + 2 * 4 * 32 * 40 * 4 )) bytes of dynamic shared memory (of 232448)"
 if grep -E "[1-9][0-9]* bytes spill (stores|loads)" "$LOG" >/dev/null; then
   die "a kernel spills registers (above); the library was still written to $LIB"
 fi

@@ -592,39 +592,47 @@ def test_warp_model_of_the_dkv_kernel():
         _put_tile(smem, st + HT * 1152, dout[s_q, h0:h0 + HT], 1024)
         lse_t, delta_t = lse[s_q, h0:h0 + HT], delta[s_q, h0:h0 + HT]
         count = np.array([np.sum(pair_row[unit_start[u]:unit_start[u + 1]] == r) for r in range(R)], float)
-        for w in range(8):                      # S^T / dP^T phase
-            s_mt, s_nt = w & 1, w >> 1
-            s = np.zeros((32, 4))
-            dp = np.zeros((32, 4))
+        red = np.zeros((2, 4, R, HT))                 # f32 partials [S, dP][quarter][row][head]
+        for w in range(8):                      # S^T / dP^T phase: a quarter of k per warp
+            s_mt, s_kq = w & 1, w >> 1
+            s = np.zeros((4, 32, 4))
+            dp = np.zeros((4, 32, 4))
             a_row = s_mt * 16 + (_LANES & 15)
             a_ch = _LANES >> 4
-            b_row = s_nt * 8 + (_LANES & 7)
-            b_ch = _LANES >> 3
-            for kk in range(0, 36, 2):
-                a0 = _ldsm(smem, kK + _swz(a_row, kk * 2 + a_ch))
-                a1 = _ldsm(smem, kK + _swz(a_row, kk * 2 + 2 + a_ch))
-                bf = _ldsm(smem, st + _swz(b_row, kk * 2 + b_ch))
-                _mma(s, a0, bf[:, 0], bf[:, 1])
-                _mma(s, a1, bf[:, 2], bf[:, 3])
-            for kk in range(0, 32, 2):
-                a0 = _ldsm(smem, kK + _swz(a_row, kk * 2 + a_ch))
-                a1 = _ldsm(smem, kK + _swz(a_row, kk * 2 + 2 + a_ch))
-                bf = _ldsm(smem, st + HT * 1152 + _swz(b_row, kk * 2 + b_ch, 1024))
-                _mma(dp, a0, bf[:, 0], bf[:, 1])
-                _mma(dp, a1, bf[:, 2], bf[:, 3])
-            hh = s_nt * 8 + (_LANES & 3) * 2
-            for i in range(2):
-                r = s_mt * 16 + (_LANES >> 2) + 8 * i
-                cnt = count[r]
-                for e in range(2):
-                    l2 = lse_t[hh + e] * np.log2(np.e)
-                    ok = cnt > 0
-                    with np.errstate(over="ignore"):
-                        pe = np.where(ok, np.exp2(s[:, 2 * i + e] * scale * np.log2(np.e) - l2), 0.0)
-                    pv = np.where(ok, cnt * pe, 0.0)
-                    dsv = np.where(ok, cnt * scale * pe * (dp[:, 2 * i + e] - delta_t[hh + e]), 0.0)
-                    smem[(kPt + (r * TS + hh + e) * 2) // 2] = _bf16(pv)
-                    smem[(kDst + (r * TS + hh + e) * 2) // 2] = _bf16(dsv)
+            b_row = ((_LANES >> 4) << 3) + (_LANES & 7)
+            b_ch = (_LANES >> 3) & 1
+            for kk in range(9):
+                ks = s_kq * 9 + kk
+                a = _ldsm(smem, kK + _swz(a_row, ks * 2 + a_ch))
+                for np_ in range(2):
+                    bf = _ldsm(smem, st + _swz(b_row + np_ * 16, ks * 2 + b_ch))
+                    _mma(s[2 * np_], a, bf[:, 0], bf[:, 1])
+                    _mma(s[2 * np_ + 1], a, bf[:, 2], bf[:, 3])
+            for kk in range(8):
+                ks = s_kq * 8 + kk
+                a = _ldsm(smem, kK + _swz(a_row, ks * 2 + a_ch))
+                for np_ in range(2):
+                    bf = _ldsm(smem, st + HT * 1152 + _swz(b_row + np_ * 16, ks * 2 + b_ch, 1024))
+                    _mma(dp[2 * np_], a, bf[:, 0], bf[:, 1])
+                    _mma(dp[2 * np_ + 1], a, bf[:, 2], bf[:, 3])
+            for nt in range(4):
+                for i in range(2):
+                    r = s_mt * 16 + (_LANES >> 2) + 8 * i
+                    for e in range(2):
+                        h = nt * 8 + (_LANES & 3) * 2 + e
+                        red[0, s_kq, r, h] = s[nt, :, 2 * i + e]
+                        red[1, s_kq, r, h] = dp[nt, :, 2 * i + e]
+        for tid in range(256):                  # the quarters summed, P'^T and dS'^T
+            r, h4 = tid >> 3, (tid & 7) * 4
+            for e in range(4):
+                sv = red[0, :, r, h4 + e].sum()
+                dv = red[1, :, r, h4 + e].sum()
+                ok = count[r] > 0
+                pe = np.exp2(sv * scale * np.log2(np.e) - lse_t[h4 + e] * np.log2(np.e)) if ok else 0.0
+                pv = count[r] * pe if ok else 0.0
+                dsv = count[r] * scale * pe * (dv - delta_t[h4 + e]) if ok else 0.0
+                smem[(kPt + (r * TS + h4 + e) * 2) // 2] = _bf16(pv)
+                smem[(kDst + (r * TS + h4 + e) * 2) // 2] = _bf16(dsv)
         for w in range(8):                      # dkv phase
             d_mt, d_cg = w & 1, w >> 1
             v_row = ((_LANES >> 3) & 1) * 8 + (_LANES & 7)

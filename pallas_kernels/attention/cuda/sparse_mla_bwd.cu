@@ -27,9 +27,11 @@
 // counts (a row listed twice by the query counts twice; 0 for rows it did not select; warp 1,
 // lane = row, through shuffles). Index reads (the item's query, its run, the dq kernel's slot
 // indices) are made one item / block ahead of the copies that use them:
-//   S^T/dP^T    warp w: block rows 16 (w % 2) .. + 16, heads 8 (w / 2) .. + 8:
-//               S^T = K Q^T (k = 576), dP^T = V dO^T (k = 512); P'^T = count p and
-//               dS'^T = count sm_scale p (dp - delta) (0 where count is 0) written bf16 to shared memory;
+//   S^T/dP^T    warp w: block rows 16 (w % 2) .. + 16, all 32 heads, quarter w / 2 of k:
+//               S^T = K Q^T (k = 576 / 4), dP^T = V dO^T (k = 512 / 4), f32 partials to shared
+//               memory; then every thread sums the quarters of 4 elements and writes
+//               P'^T = count p and dS'^T = count sm_scale p (dp - delta) (0 where count is 0)
+//               bf16 to shared memory;
 //   dkv phase   warp w: rows 16 (w % 2) .. + 16, columns 144 (w / 2) .. + 144:
 //               dkv += dS'^T Q (k = 32 heads) and, for columns < 512, dkv += P'^T dO;
 //               72 f32 registers a thread.
@@ -307,7 +309,9 @@ struct DkvLayout {
   static constexpr int kStages = kK + kKvRows * kRowBytes;
   static constexpr int kPt = kStages + kKvStages * kStageBytes;
   static constexpr int kDst = kPt + kKvRows * kTStride * 2;
-  static constexpr int kBytes = kDst + kKvRows * kTStride * 2;
+  static constexpr int kRedStride = kKvHeads + 8;                 // f32 per partial row
+  static constexpr int kRed = kDst + kKvRows * kTStride * 2;      // f32 [S, dP][4 quarters][32][40]
+  static constexpr int kBytes = kRed + 2 * 4 * kKvRows * kRedStride * 4;
   static_assert(kStageBytes % 128 == 0, "stages 128-byte aligned");
   static_assert(kBytes <= 232448, "more shared memory than a Hopper CTA may have");
 };
@@ -317,6 +321,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_dkv_kernel(const DkvPa
   extern __shared__ __align__(128) unsigned char smem[];
   __nv_bfloat16* s_pt = reinterpret_cast<__nv_bfloat16*>(smem + L::kPt);
   __nv_bfloat16* s_dst = reinterpret_cast<__nv_bfloat16*>(smem + L::kDst);
+  float* s_red = reinterpret_cast<float*>(smem + L::kRed);
   const uint32_t s_k = smem_addr(smem + L::kK);
   const uint32_t s_st = smem_addr(smem + L::kStages);
   const uint32_t s_pta = smem_addr(s_pt);
@@ -404,7 +409,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_dkv_kernel(const DkvPa
 
   // S^T / dP^T roles
   const int s_mt = warp & 1;
-  const int s_nt = warp >> 1;
+  const int s_kq = warp >> 1;
   // dkv roles
   const int d_mt = warp & 1;
   const int d_cg = warp >> 1;
@@ -417,7 +422,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_dkv_kernel(const DkvPa
 
   for (int it = 0; it < n_items; ++it) {
     cp_async_wait<0>();
-    __syncthreads();  // item it visible; everyone is done with item it - 1 and P^T / dS^T
+    __syncthreads();  // item it visible; everyone is done with item it - 1, the partials, P^T / dS^T
     if (it + 1 < n_items) {
       load_item(it + 1, next, (it + 1) % kKvStages);
       if (it + 2 < n_items) next = fetch_meta(it + 2);
@@ -430,53 +435,87 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_dkv_kernel(const DkvPa
     const float* s_delta = st_f + L::kStDelta / 4;
     const float* s_count = st_f + L::kStCount / 4;
 
-    // ---- S^T = K Q^T, dP^T = V dO^T for 16 rows x 8 heads (B fragments of two k-steps per ldmatrix)
-    float s[4] = {0.f, 0.f, 0.f, 0.f}, dp[4] = {0.f, 0.f, 0.f, 0.f};
-    // a warp whose 16 rows the query did not select skips its products (P'^T, dS'^T are 0 there)
-    if (__any_sync(0xffffffffu, s_count[s_mt * 16 + (lane & 15)] > 0.f)) {
-      const int a_row = s_mt * 16 + (lane & 15);
-      const int a_ch = lane >> 4;
-      const int b_row = s_nt * 8 + (lane & 7);
-      const int b_ch = lane >> 3;
-#pragma unroll 3
-      for (int kk = 0; kk < kDk / 16; kk += 2) {
-        uint32_t a0[4], a1[4], bf[4];
-        ldmatrix_x4(s_k + swizzle(a_row, kk * 2 + a_ch), a0);
-        ldmatrix_x4(s_k + swizzle(a_row, kk * 2 + 2 + a_ch), a1);
-        ldmatrix_x4(st + L::kStQ + swizzle(b_row, kk * 2 + b_ch), bf);
-        mma_bf16(s, a0, bf[0], bf[1]);
-        mma_bf16(s, a1, bf[2], bf[3]);
-      }
-#pragma unroll 4
-      for (int kk = 0; kk < kDv / 16; kk += 2) {
-        uint32_t a0[4], a1[4], bf[4];
-        ldmatrix_x4(s_k + swizzle(a_row, kk * 2 + a_ch), a0);
-        ldmatrix_x4(s_k + swizzle(a_row, kk * 2 + 2 + a_ch), a1);
-        ldmatrix_x4(st + L::kStDo + swizzle_v(b_row, kk * 2 + b_ch), bf);
-        mma_bf16(dp, a0, bf[0], bf[1]);
-        mma_bf16(dp, a1, bf[2], bf[3]);
-      }
-    }
-
-    // ---- P'^T = count p, dS'^T = count sm_scale p (dp - delta), bf16 to shared memory
+    // ---- S^T = K Q^T, dP^T = V dO^T: warp w computes 16 rows x 32 heads over a quarter of k
+    // (S: 144 columns, dP: 128) and stores its f32 partials
     {
-      const int hh = s_nt * 8 + (lane & 3) * 2;
+      float s[4][4], dp[4][4];
 #pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const int r = s_mt * 16 + (lane >> 2) + 8 * i;
-        const float count = s_count[r];
-        float pv[2], dsv[2];
+      for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float l2 = s_lse[hh + e] * kLog2e;
-          const bool ok = count > 0.f && l2 != -INFINITY;
-          const float pe = ok ? fast_exp2(s[2 * i + e] * p.scale_log2 - l2) : 0.f;
-          pv[e] = ok ? count * pe : 0.f;
-          dsv[e] = ok ? count * p.sm_scale * pe * (dp[2 * i + e] - s_delta[hh + e]) : 0.f;
+        for (int e = 0; e < 4; ++e) s[nt][e] = dp[nt][e] = 0.f;
+      // a warp whose 16 rows the query did not select skips its products (its partials are 0)
+      if (__any_sync(0xffffffffu, s_count[s_mt * 16 + (lane & 15)] > 0.f)) {
+        const int a_row = s_mt * 16 + (lane & 15);
+        const int a_ch = lane >> 4;
+        const int b_row = ((lane >> 4) << 3) + (lane & 7);
+        const int b_ch = (lane >> 3) & 1;
+#pragma unroll 3
+        for (int kk = 0; kk < kDk / 64; ++kk) {
+          const int ks = s_kq * (kDk / 64) + kk;
+          uint32_t a[4];
+          ldmatrix_x4(s_k + swizzle(a_row, ks * 2 + a_ch), a);
+#pragma unroll
+          for (int np = 0; np < 2; ++np) {
+            uint32_t bf[4];
+            ldmatrix_x4(st + L::kStQ + swizzle(b_row + np * 16, ks * 2 + b_ch), bf);
+            mma_bf16(s[2 * np], a, bf[0], bf[1]);
+            mma_bf16(s[2 * np + 1], a, bf[2], bf[3]);
+          }
         }
-        store_pair(s_pt + r * L::kTStride + hh, pv[0], pv[1]);
-        store_pair(s_dst + r * L::kTStride + hh, dsv[0], dsv[1]);
+#pragma unroll 4
+        for (int kk = 0; kk < kDv / 64; ++kk) {
+          const int ks = s_kq * (kDv / 64) + kk;
+          uint32_t a[4];
+          ldmatrix_x4(s_k + swizzle(a_row, ks * 2 + a_ch), a);
+#pragma unroll
+          for (int np = 0; np < 2; ++np) {
+            uint32_t bf[4];
+            ldmatrix_x4(st + L::kStDo + swizzle_v(b_row + np * 16, ks * 2 + b_ch), bf);
+            mma_bf16(dp[2 * np], a, bf[0], bf[1]);
+            mma_bf16(dp[2 * np + 1], a, bf[2], bf[3]);
+          }
+        }
       }
+      float* red_s = s_red + (s_kq * kKvRows) * L::kRedStride;
+      float* red_dp = s_red + ((4 + s_kq) * kKvRows) * L::kRedStride;
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const int off = (s_mt * 16 + (lane >> 2) + 8 * i) * L::kRedStride + nt * 8 + (lane & 3) * 2;
+          store_pair(red_s + off, s[nt][2 * i], s[nt][2 * i + 1]);
+          store_pair(red_dp + off, dp[nt][2 * i], dp[nt][2 * i + 1]);
+        }
+    }
+    __syncthreads();
+
+    // ---- the quarters summed; P'^T = count p, dS'^T = count sm_scale p (dp - delta), bf16 to
+    // shared memory (thread: row tid / 8, heads 4 (tid % 8) .. + 4)
+    {
+      const int r = tid >> 3;
+      const int h4 = (tid & 7) * 4;
+      float sv[4] = {0.f, 0.f, 0.f, 0.f}, dv[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int kq = 0; kq < 4; ++kq) {
+        const float4 a = *reinterpret_cast<const float4*>(s_red + (kq * kKvRows + r) * L::kRedStride + h4);
+        const float4 c = *reinterpret_cast<const float4*>(s_red + ((4 + kq) * kKvRows + r) * L::kRedStride + h4);
+        sv[0] += a.x; sv[1] += a.y; sv[2] += a.z; sv[3] += a.w;
+        dv[0] += c.x; dv[1] += c.y; dv[2] += c.z; dv[3] += c.w;
+      }
+      const float count = s_count[r];
+      float pv[4], dsv[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float l2 = s_lse[h4 + e] * kLog2e;
+        const bool ok = count > 0.f && l2 != -INFINITY;
+        const float pe = ok ? fast_exp2(sv[e] * p.scale_log2 - l2) : 0.f;
+        pv[e] = ok ? count * pe : 0.f;
+        dsv[e] = ok ? count * p.sm_scale * pe * (dv[e] - s_delta[h4 + e]) : 0.f;
+      }
+      store_pair(s_pt + r * L::kTStride + h4, pv[0], pv[1]);
+      store_pair(s_pt + r * L::kTStride + h4 + 2, pv[2], pv[3]);
+      store_pair(s_dst + r * L::kTStride + h4, dsv[0], dsv[1]);
+      store_pair(s_dst + r * L::kTStride + h4 + 2, dsv[2], dsv[3]);
     }
     __syncthreads();
 
