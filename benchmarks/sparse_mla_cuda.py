@@ -15,15 +15,27 @@ Stages, each catching and printing its whole exception so that the others still 
             never passes;
   paged     the paged decode form against the same oracle over a store of shuffled pages;
   bitwise   the same inputs twice (one split, several, paged): bitwise equal outputs;
-  grad      gradients through the VJP (CUDA forward, Pallas GPU backward) against the float32
-            reference's at a small shape;
+  backward  the CUDA backward kernels alone (`cuda.backward`: dq kernel, dkv kernel over the key
+            index) against a float64 numpy oracle of the contract (dq, dkv from lse, delta and
+            dout; duplicates counted each): H 64 and 128, K = 64, 2048 and 100, -1, out-of-range
+            and duplicate indices, a query with no valid index, T not a multiple of 32; outputs
+            poisoned with NaN first; relative errors of dq and dkv;
+  bwd_bitwise  the CUDA backward twice on the same inputs: bitwise equal dq and dkv;
+  grad      gradients through the VJP (CUDA forward with the CUDA backward, and with the Pallas
+            GPU backward) against the float32 reference's at a small shape;
   timing    a bf16 8192^3 matmul and a device copy (the ceilings), the forward at GLM-5.2's shape
             (B 1, S 4096, H 64, Dk 576, v 512, K 2048, T 4096) against pallas_gpu in TFLOP/s
             (2 B S H K (Dk + v) FLOPs) and % of the matmul rate; paged decode (batch 64 and 128,
             128K context, pages of 64 rows shuffled) against pallas_gpu in GB/s of the bytes
             moved (selected rows, q, out) and % of the copy bandwidth. Medians over repeats of
             loops of calls on 3 rotated input sets, after a warm-up, each repeat ended by
-            block_until_ready.
+            block_until_ready;
+  bwd_timing  the backward at GLM-5.2's shape (B 1, S 4096, T 4096, K 2048, H 64): the CUDA
+            backward (dq and dkv kernels, key index prebuilt) against the Pallas GPU backward
+            (its index prebuilt), each from the same out / lse / delta, in ms, TFLOP/s (FLOPs
+            2 B S H K (3 x 576 + 2 x 512): S recomputed, dP, dq, dkv's key and value parts) and %
+            of the bf16 matmul rate of the same run; the dq and dkv kernels alone; the key
+            index's build; forward + backward (jax.grad) of both.
 Then a short markdown table; --json writes everything (after each stage).
 
     --sanitize   tiny shapes, the CUDA kernels alone (no timing, no Pallas): for
@@ -241,8 +253,8 @@ def bitwise():
 
 def grad_check():
     """d/dq, d/dkv of sum(out * w) + sum(lse * w2) (lse of queries with a valid row) through impl
-    "cuda" against the float32 reference on the same bf16 inputs (indices without duplicates,
-    on which the reference counts once)."""
+    "cuda" (the CUDA backward, then the Pallas GPU one) against the float32 reference on the same
+    bf16 inputs (indices without duplicates, on which the reference counts once)."""
     B, S, T, K = 1, 4, 512, 128
     q, kv, idx = make_inputs(21, B, S, T, K, dup=False)
     rng = np.random.default_rng(22)
@@ -250,22 +262,224 @@ def grad_check():
     w2 = jnp.asarray(rng.standard_normal((B, S, H)), jnp.float32)
     idx = jnp.asarray(idx)
 
-    def loss(impl, q, kv):
-        out, lse = pk.sparse_mla(q, kv, idx, sm_scale=SCALE, v_dim=DV, impl=impl)
+    def loss(impl, q, kv, config):
+        out, lse = pk.sparse_mla(q, kv, idx, sm_scale=SCALE, v_dim=DV, impl=impl, config=config)
         lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
         return jnp.sum(out.astype(jnp.float32) * w) + jnp.sum(lse * w2)
 
-    got = jax.jit(jax.grad(lambda q, kv: loss("cuda", q, kv), argnums=(0, 1)))(q, kv)
     qf, kf = q.astype(jnp.float32), kv.astype(jnp.float32)
-    want = jax.jit(jax.grad(lambda q, kv: loss("reference", q, kv), argnums=(0, 1)))(qf, kf)
+    want = jax.jit(jax.grad(lambda q, kv: loss("reference", q, kv, None), argnums=(0, 1)))(qf, kf)
     res = {}
-    for name, g, r in zip(("dq", "dkv"), got, want):
-        g = np.asarray(jnp.asarray(g, jnp.float32), np.float64)
-        r = np.asarray(r, np.float64)
-        res[name] = dict(rel_err=float(np.linalg.norm(g - r) / max(np.linalg.norm(r), 1e-30)),
-                         nan=bool(np.isnan(g).any()))
+    for bwd in cuda.BACKWARDS:
+        config = cuda.SparseMLACudaConfig(backward=bwd)
+        try:
+            got = jax.jit(jax.grad(lambda q, kv: loss("cuda", q, kv, config), argnums=(0, 1)))(q, kv)
+            for name, g, r in zip(("dq", "dkv"), got, want):
+                g = np.asarray(jnp.asarray(g, jnp.float32), np.float64)
+                r = np.asarray(r, np.float64)
+                res[f"{bwd}_{name}"] = dict(rel_err=float(np.linalg.norm(g - r) / max(np.linalg.norm(r), 1e-30)),
+                                            nan=bool(np.isnan(g).any()))
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            res[f"{bwd}_error"] = dict(error=f"{type(e).__name__}: {e}", nan=True, rel_err=float("inf"))
     res["passed"] = all(not v["nan"] and v["rel_err"] < 2e-2 for v in res.values() if isinstance(v, dict))
     print(res, flush=True)
+    return res
+
+
+
+# ----------------------------------------------------------------------------- backward
+
+#: Pass threshold of the backward checks (bf16 operands, P and dS rounded to bf16 for the MMAs).
+GRAD_TOL = 2e-2
+#: Backward FLOPs per (query, head, selected row): S recomputed (576), dP (512), dq (576), dkv's
+#: key part (576) and value part (512), 2 FLOPs a multiply-add.
+BWD_FLOPS_PER_PAIR_HEAD = 2 * (3 * DK + 2 * DV)
+
+
+def backward_inputs(seed, B, S, T, K, heads=H):
+    """q, kv, idx (make_inputs), dout bf16, and lse f32 from the float64 oracle, delta f32 =
+    rowsum(out * dout) - dlse (dlse random; 0 where lse is -inf), as the rule computes it."""
+    q, kv, idx = make_inputs(seed, B, S, T, K, heads)
+    out, lse = oracle(q, kv, idx)
+    rng = np.random.default_rng(seed + 1000)
+    dout = jnp.asarray(rng.standard_normal((B, S, heads, DV), np.float32), jnp.bfloat16)
+    dlse = rng.standard_normal((B, S, heads))
+    dof = np.asarray(jnp.asarray(dout, jnp.float32), np.float64)
+    delta = np.sum(out * dof, -1) - np.where(np.isfinite(lse), dlse, 0.0)
+    return q, kv, idx, dout, jnp.asarray(lse, jnp.float32), jnp.asarray(delta, jnp.float32)
+
+
+def backward_oracle(q, kv, idx, dout, lse, delta):
+    """float64 numpy of the contract: (dq [B, S, H, Dk], dkv [B, T, Dk]); every valid slot counts
+    (duplicates each time)."""
+    qf = np.asarray(jnp.asarray(q, jnp.float32), np.float64)
+    kf = np.asarray(jnp.asarray(kv, jnp.float32), np.float64)
+    dof = np.asarray(jnp.asarray(dout, jnp.float32), np.float64)
+    lse = np.asarray(lse, np.float64)
+    delta = np.asarray(delta, np.float64)
+    B, S, heads, _ = qf.shape
+    T = kf.shape[1]
+    dq = np.zeros_like(qf)
+    dkv = np.zeros_like(kf)
+    for b in range(B):
+        for s in range(S):
+            sel = idx[b, s][(idx[b, s] >= 0) & (idx[b, s] < T)]
+            if sel.size == 0:
+                continue
+            rows = kf[b, sel]
+            p = np.exp(qf[b, s] @ rows.T * SCALE - lse[b, s][:, None])           # [H, n]
+            ds = p * (dof[b, s] @ rows[:, :DV].T - delta[b, s][:, None])
+            dq[b, s] = SCALE * ds @ rows
+            g = SCALE * ds.T @ qf[b, s]                                           # [n, Dk]
+            g[:, :DV] += p.T @ dof[b, s]
+            np.add.at(dkv[b], sel, g)
+    return dq, dkv
+
+
+def _rel(got, want):
+    got = np.asarray(jnp.asarray(got, jnp.float32), np.float64)
+    nan = bool(np.isnan(got).any())
+    rel = float(np.linalg.norm(np.where(np.isnan(got), np.inf, got) - want) / max(np.linalg.norm(want), 1e-30))
+    return rel, nan
+
+
+def backward_checks(cases):
+    rows = []
+    print("| B | S | T | K | H | dq rel err | dkv rel err | pass |")
+    print("|---|---|---|---|---|---|---|---|", flush=True)
+    for seed, (B, S, T, K, heads) in enumerate(cases):
+        row = dict(B=B, S=S, T=T, K=K, H=heads)
+        try:
+            q, kv, idx, dout, lse, delta = backward_inputs(300 + seed, B, S, T, K, heads)
+            want_dq, want_dkv = backward_oracle(q, kv, idx, dout, lse, delta)
+            fn = jax.jit(lambda q, kv, i, do, l, d: cuda.backward(q, kv, i, do, l, d, sm_scale=SCALE,
+                                                                  dq_dtype=jnp.float32))
+            dq, dkv = poisoned(lambda: fn(q, kv, jnp.asarray(idx), dout, lse, delta),
+                               [((B, S, heads, DK), jnp.float32), ((B, T, DK), jnp.float32)])
+            dq_rel, dq_nan = _rel(dq, want_dq)
+            dkv_rel, dkv_nan = _rel(dkv, want_dkv)
+            row.update(dq_rel_err=dq_rel, dkv_rel_err=dkv_rel, nan=dq_nan or dkv_nan,
+                       passed=bool(not (dq_nan or dkv_nan) and dq_rel <= GRAD_TOL and dkv_rel <= GRAD_TOL))
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            row.update(error=f"{type(e).__name__}: {e}", passed=False)
+        rows.append(row)
+        print(f"| {B} | {S} | {T} | {K} | {heads} | {row.get('dq_rel_err', float('nan')):.2e} | "
+              f"{row.get('dkv_rel_err', float('nan')):.2e} | {'PASS' if row['passed'] else 'FAIL'} |", flush=True)
+    return dict(rows=rows, passed=all(r["passed"] for r in rows))
+
+
+def backward_bitwise():
+    q, kv, idx, dout, lse, delta = backward_inputs(17, 2, 8, 4096, 2048)
+    ki = cuda.key_index(jnp.asarray(idx), 4096)
+    fn = jax.jit(lambda q, kv, i, do, l, d, ki: cuda.backward(q, kv, i, do, l, d, sm_scale=SCALE, tindex=ki))
+    a = jax.block_until_ready(fn(q, kv, jnp.asarray(idx), dout, lse, delta, ki))
+    b = jax.block_until_ready(fn(q, kv, jnp.asarray(idx), dout, lse, delta, ki))
+    same = {name: bool(np.array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8)))
+            for name, x, y in zip(("dq", "dkv"), a, b)}
+    print(same, flush=True)
+    return dict(**same, passed=all(same.values()))
+
+
+def bwd_timing(report, json_path, smoke):
+    """The backward at GLM-5.2's shape: CUDA against Pallas GPU (module docstring)."""
+    from pallas_kernels.attention import gpu, gpu_backward
+
+    res = {}
+    mm = (report.get("timing") or {}).get("matmul_tflops")
+    if mm is None:
+        mm = ceilings(smoke)[1] / 1e12
+    mm *= 1e12
+    res["matmul_tflops"] = mm / 1e12
+    report["bwd_timing"] = res
+    B, S, T, K = (1, 256, 512, 256) if smoke else (1, 4096, 4096, 2048)
+    flops = B * S * H * K * BWD_FLOPS_PER_PAIR_HEAD
+    print(f"backward B={B} S={S} T={T} K={K} H={H}: {flops / 1e12:.2f} TFLOP a call; bf16 matmul "
+          f"{mm / 1e12:.0f} TFLOP/s", flush=True)
+    fwd = jax.jit(lambda q, kv, i: cuda.forward(q, kv, i, sm_scale=SCALE))
+    sets = []
+    for i in range(3):
+        q, kv, idx = make_inputs(200 + i, B, S, T, K, invalid=False)
+        idx = jnp.asarray(idx)
+        out, lse = fwd(q, kv, idx)
+        dout = jax.random.normal(jax.random.key(i), out.shape, jnp.bfloat16)
+        delta = jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32), -1)
+        sets.append((q, kv, idx, dout, lse, delta))
+    del out
+
+    build = jax.jit(lambda i: cuda.key_index(i, T))
+    kidx = [jax.block_until_ready(build(s[2])) for s in sets]
+    c = gpu.SparseMLAGpuConfig()
+    mode = cuda._dkv_mode(c, sets[0][0], sets[0][1], sets[0][2], DV)
+    pidx = [jax.block_until_ready(gpu._indexed_index(s[2], T, mode, dk=DK, dtype=jnp.bfloat16, c=c)) for s in sets]
+    pallas_fn = {"sorted": gpu_backward.backward, "by_key": gpu_backward.backward_by_key}[mode]
+    settings = dict(gpu._backward_settings(c, mode))
+    res.update(pallas_dkv_mode=mode)
+
+    def cuda_bwd(q, kv, i, do, l, d, ki):
+        return cuda.backward(q, kv, i, do, l, d, sm_scale=SCALE, tindex=ki)
+
+    def dq_only(q, kv, i, do, l, d, ki):
+        return jax.ffi.ffi_call("glm_sparse_mla_dq", jax.ShapeDtypeStruct(q.shape, q.dtype))(
+            q, kv, i, do, l, d, sm_scale=np.float32(SCALE))
+
+    def dkv_only(q, kv, i, do, l, d, ki):
+        return jax.ffi.ffi_call("glm_sparse_mla_dkv", jax.ShapeDtypeStruct(kv.shape, jnp.float32))(
+            q, kv, do, l, d, ki.pair_row, ki.unit_query, ki.unit_start, ki.block_units, sm_scale=np.float32(SCALE))
+
+    def pallas_bwd(q, kv, i, do, l, d, ti):
+        return pallas_fn(q, kv, i, do, l, d, sm_scale=SCALE, v_dim=DV, tindex=ti, interpret=False, **settings)
+
+    dq_flops = B * S * H * K * 2 * (2 * DK + DV)          # S, dP, dq
+    dkv_flops = B * S * H * K * 2 * (2 * DK + 2 * DV)     # S, dP (recomputed), dkv key and value parts
+    rows = res["rows"] = []
+    print("| what | ms | TFLOP/s | % of matmul |")
+    print("|---|---|---|---|", flush=True)
+    cases = [("cuda backward (dq + dkv)", cuda_bwd, kidx, flops), ("cuda dq kernel", dq_only, kidx, dq_flops),
+             ("cuda dkv kernel", dkv_only, kidx, dkv_flops), (f"pallas_gpu backward ({mode})", pallas_bwd, pidx, flops)]
+    for name, fn, index, fl in cases:
+        row = dict(what=name)
+        try:
+            fn = jax.jit(fn)
+            t = timed(fn, [s + (ix,) for s, ix in zip(sets, index)])
+            row.update(ms=t * 1e3, tflops=fl / t / 1e12, pct_matmul=100 * fl / t / mm)
+            print(f"| {name} | {t * 1e3:.2f} | {fl / t / 1e12:.0f} | {100 * fl / t / mm:.1f}% |", flush=True)
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            row["error"] = f"{type(e).__name__}: {e}"
+            print(f"| {name} | failed: {type(e).__name__} | | |", flush=True)
+        rows.append(row)
+        write_json(json_path, report)
+    try:
+        t = timed(build, [(s[2],) for s in sets])
+        res["key_index_ms"] = t * 1e3
+        print(f"| key index build (once per index set) | {t * 1e3:.2f} | | |", flush=True)
+    except Exception as e:  # noqa: BLE001
+        traceback.print_exc()
+        res["key_index_error"] = f"{type(e).__name__}: {e}"
+    # forward + backward through the rule (index prebuilt), both backwards
+    for bwd, index in (("cuda", kidx), ("pallas_gpu", pidx)):
+        row = dict(what=f"forward + backward, backward={bwd}")
+        try:
+            config = cuda.SparseMLACudaConfig(backward=bwd)
+
+            def step(q, kv, i, do, ti, config=config):
+                f = lambda q, kv: cuda.sparse_mla(q, kv, i, sm_scale=SCALE, v_dim=DV, config=config, tindex=ti)[0]
+                out, vjp_fn = jax.vjp(f, q, kv)
+                return vjp_fn(do)
+
+            fn = jax.jit(step)
+            t = timed(fn, [(s[0], s[1], s[2], s[3], ix) for s, ix in zip(sets, index)])
+            fl = flops + B * S * H * K * 2 * (DK + DV)
+            row.update(ms=t * 1e3, tflops=fl / t / 1e12, pct_matmul=100 * fl / t / mm)
+            print(f"| {row['what']} | {t * 1e3:.2f} | {fl / t / 1e12:.0f} | {100 * fl / t / mm:.1f}% |", flush=True)
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            row["error"] = f"{type(e).__name__}: {e}"
+            print(f"| {row['what']} | failed: {type(e).__name__} | | |", flush=True)
+        rows.append(row)
+        write_json(json_path, report)
     return res
 
 
@@ -371,7 +585,7 @@ def summary(report):
     print("\n## summary")
     print("| check / measurement | result |")
     print("|---|---|")
-    for name in ("load", "forward", "paged", "bitwise", "grad"):
+    for name in ("load", "forward", "paged", "bitwise", "backward", "bwd_bitwise", "grad"):
         part = report.get(name)
         if part is None:
             continue
@@ -384,6 +598,9 @@ def summary(report):
             if name in ("forward", "paged"):
                 errs = [r.get("rel_err", float("inf")) for r in part["rows"]]
                 worst = f" (worst rel err {max(errs):.2e}, {len(errs)} runs)"
+            if name == "backward":
+                errs = [max(r.get("dq_rel_err", float("inf")), r.get("dkv_rel_err", float("inf"))) for r in part["rows"]]
+                worst = f" (worst rel err {max(errs):.2e}, {len(errs)} runs)"
             print(f"| {name} | {'PASS' if part.get('passed') else 'FAIL'}{worst} |")
     t = report.get("timing") or {}
     if "error" in t:
@@ -392,6 +609,14 @@ def summary(report):
         if "ms" in r:
             print(f"| forward {r['impl']} {r['config']} | {r['ms']:.2f} ms, {r['tflops']:.0f} TFLOP/s, "
                   f"{r['pct_matmul']:.1f}% of matmul |")
+    bt = report.get("bwd_timing") or {}
+    if "error" in bt:
+        print(f"| bwd_timing | ERROR {bt['error'].splitlines()[0][:120]} |")
+    for r in bt.get("rows", []):
+        if "ms" in r:
+            print(f"| {r['what']} | {r['ms']:.2f} ms, {r['tflops']:.0f} TFLOP/s, {r['pct_matmul']:.1f}% of matmul |")
+    if "key_index_ms" in bt:
+        print(f"| key index build | {bt['key_index_ms']:.2f} ms |")
     for r in t.get("paged_decode", []):
         if "us" in r:
             print(f"| decode b{r['batch']} {r['impl']} {r['config']} | {r['us']:.0f} us, {r['gbs']:.0f} GB/s, "
@@ -405,20 +630,36 @@ def main():
     ap.add_argument("--sanitize", action="store_true", help="tiny shapes, CUDA kernels only (compute-sanitizer)")
     ap.add_argument("--smoke", action="store_true", help="small timing shapes (a quick look)")
     ap.add_argument("--skip-timing", action="store_true")
+    ap.add_argument("--backward-only", action="store_true",
+                    help="only the backward's stages (load, backward, bwd_bitwise, grad, bwd_timing)")
     args = ap.parse_args()
     report = {"mode": "sanitize" if args.sanitize else "full"}
     stage(report, "load", load, args.json)
-    if args.sanitize:
+    if args.backward_only and not args.sanitize:
+        bcases = [(2, 4, 256, 64, 64), (1, 3, 4096, 2048, 64), (2, 5, 300, 100, 64), (1, 3, 512, 128, 128),
+                  (1, 4, 4096, 2048, 128)]
+        stage(report, "backward", lambda: backward_checks(bcases), args.json)
+        stage(report, "bwd_bitwise", backward_bitwise, args.json)
+        stage(report, "grad", grad_check, args.json)
+        if not args.skip_timing:
+            stage(report, "bwd_timing", lambda: bwd_timing(report, args.json, args.smoke), args.json)
+    elif args.sanitize:
         stage(report, "forward", lambda: forward_checks([(1, 3, 200, 100, 64)], CONFIGS, (1, 2)), args.json)
         stage(report, "paged", lambda: paged_checks(CONFIGS[:1], ((2, 300, 100),)), args.json)
+        stage(report, "backward", lambda: backward_checks([(1, 3, 200, 100, 64), (1, 2, 64, 40, 128)]), args.json)
     else:
         cases = [(2, 4, 256, 64, 64), (2, 3, 4096, 2048, 64), (1, 5, 300, 100, 64), (1, 3, 512, 128, 128)]
         stage(report, "forward", lambda: forward_checks(cases, CONFIGS, (1, 3)), args.json)
         stage(report, "paged", lambda: paged_checks(CONFIGS), args.json)
         stage(report, "bitwise", bitwise, args.json)
+        bcases = [(2, 4, 256, 64, 64), (1, 3, 4096, 2048, 64), (2, 5, 300, 100, 64), (1, 3, 512, 128, 128),
+                  (1, 4, 4096, 2048, 128)]
+        stage(report, "backward", lambda: backward_checks(bcases), args.json)
+        stage(report, "bwd_bitwise", backward_bitwise, args.json)
         stage(report, "grad", grad_check, args.json)
         if not args.skip_timing:
             stage(report, "timing", lambda: timing(report, args.json, args.smoke), args.json)
+            stage(report, "bwd_timing", lambda: bwd_timing(report, args.json, args.smoke), args.json)
     summary(report)
     write_json(args.json, report)
 

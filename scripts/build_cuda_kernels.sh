@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Builds the CUDA sparse MLA kernels (pallas_kernels/attention/cuda/*.cu) into
+# Builds the CUDA sparse MLA kernels (pallas_kernels/attention/cuda/*.cu: the forward and the
+# backward's dq and dkv kernels) into
 # build/cuda/libglm_sparse_mla.so, the library pallas_kernels.attention.cuda loads (impl="cuda").
 #
 #   scripts/build_cuda_kernels.sh
@@ -48,7 +49,7 @@ fi
 LOG="$OUT_DIR/ptxas.log"
 echo "build_cuda_kernels.sh: $NVCC -arch=$ARCH, FFI headers $FFI_INCLUDE"
 if ! "$NVCC" -std=c++17 -O3 -arch="$ARCH" -shared -Xcompiler -fPIC -Xptxas -v -lineinfo \
-    -I"$FFI_INCLUDE" -o "$LIB.tmp" "${SOURCES[@]}" >"$LOG" 2>&1; then
+    -I"$FFI_INCLUDE" -I"$ROOT/pallas_kernels/attention/cuda" -o "$LIB.tmp" "${SOURCES[@]}" >"$LOG" 2>&1; then
   cat "$LOG" >&2
   die "nvcc failed (log above, also in $LOG)"
 fi
@@ -59,11 +60,15 @@ FILT=cat; command -v c++filt >/dev/null 2>&1 && FILT=c++filt
 awk '/Compiling entry function/ {name=$0; sub(/.*function .?/, "", name); sub(/.? for .*/, "", name)}
      /bytes stack frame/ {match($0, /[0-9]+ bytes spill stores, [0-9]+ bytes spill loads/); spill=substr($0, RSTART, RLENGTH)}
      /Used [0-9]+ registers/ {match($0, /Used [0-9]+ registers/); print name "\t" substr($0, RSTART, RLENGTH) ", " spill}' "$LOG" \
-  | "$FILT" | sed -E 's/void glm_sparse_mla::sparse_mla_fwd_kernel/  sparse_mla_fwd_kernel/; s/\(glm_sparse_mla::Params\)//; s/__nv_bfloat16/bf16/'
+  | "$FILT" | sed -E 's/^(void )?glm_sparse_mla::(bwd::)?(sparse_mla_[a-z]+_kernel)/  \3/; s/\(glm_sparse_mla::(bwd::)?[A-Za-z]*Params\)//; s/__nv_bfloat16/bf16/'
 for cfg in "64 2" "32 3" "32 4"; do
   set -- $cfg
-  echo "  block_k=$1 stages=$2: $(( 64 * 1152 + $2 * $1 * 1152 + 64 * ($1 + 8) * 2 + 6 * 64 * 4 + $2 * $1 )) bytes of dynamic shared memory (of 232448)"
+  echo "  forward block_k=$1 stages=$2: $(( 64 * 1152 + $2 * $1 * 1152 + 64 * ($1 + 8) * 2 + 6 * 64 * 4 + $2 * $1 )) bytes of dynamic shared memory (of 232448)"
 done
+# backward (DqLayout, DkvLayout in sparse_mla_bwd.cu): dq Q + dO + 2 x 32 gathered rows + dS
+# [64][40] + lse, delta + valid flags; dkv 32 rows + 2 x (Q [32][576] + dO [32][512] + lse,
+# delta, counts) + P^T, dS^T [32][40] bf16 + the S, dP partials [2][4][32][40] f32
+echo "  dq: $(( 64 * 1152 + 64 * 1024 + 2 * 32 * 1152 + 64 * 40 * 2 + 2 * 64 * 4 + 2 * 32 )) bytes, dkv: $(( 32 * 1152 + 2 * (32 * 1152 + 32 * 1024 + 3 * 128) + 2 * 32 * 40 * 2 + 2 * 4 * 32 * 40 * 4 )) bytes of dynamic shared memory (of 232448)"
 if grep -E "[1-9][0-9]* bytes spill (stores|loads)" "$LOG" >/dev/null; then
   die "a kernel spills registers (above); the library was still written to $LIB"
 fi

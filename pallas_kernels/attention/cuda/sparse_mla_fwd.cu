@@ -24,25 +24,12 @@
 //
 // Deterministic: fixed loop order, no atomics.
 
-#include <cuda_bf16.h>
-#include <cuda_runtime.h>
-
-#include <cmath>
-#include <cstdint>
-#include <string>
-
-#include "xla/ffi/api/ffi.h"
-
-namespace ffi = xla::ffi;
+#include "sparse_mla_common.cuh"
 
 namespace glm_sparse_mla {
 
-constexpr int kDk = 576;               // latent + rope width
-constexpr int kDv = 512;               // value width
 constexpr int kHeads = 64;             // heads per CTA
 constexpr int kThreads = 256;          // 8 warps
-constexpr int kRowBytes = kDk * 2;     // 1152 bytes of one bf16 row
-constexpr int kChunks = kDk / 8;       // 72 chunks of 16 bytes per row
 
 struct Params {
   const __nv_bfloat16* q;    // [rows, heads, 576]
@@ -63,69 +50,6 @@ struct Params {
   int pages_in_slot;
   float scale_log2;          // sm_scale * log2(e)
 };
-
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// Byte offset of 16-byte chunk c of row r in a [rows][576] bf16 tile. The chunk index is XORed
-// with r % 8 (within its aligned group of 8 chunks; 72 = 9 x 8) so that the 8 rows an ldmatrix
-// reads at one column land in 8 different bank groups.
-__device__ __forceinline__ uint32_t swizzle(int r, int c) {
-  return static_cast<uint32_t>(r * kRowBytes + ((c ^ (r & 7)) << 4));
-}
-
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
-  const int bytes = valid ? 16 : 0;  // 0: the 16 bytes are zero-filled, src is not read
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
-}
-
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
-__device__ __forceinline__ void ldmatrix_x4(uint32_t addr, uint32_t (&r)[4]) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t addr, uint32_t (&r)[4]) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-
-// c[16x8] += a[16x16] b[16x8], bf16 operands, f32 accumulators.
-__device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&v);
-}
-
-__device__ __forceinline__ void store_pair(__nv_bfloat16* dst, float a, float b) {
-  *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(a, b);
-}
-
-__device__ __forceinline__ void store_pair(float* dst, float a, float b) {
-  *reinterpret_cast<float2*>(dst) = make_float2(a, b);
-}
 
 template <int BK, int STAGES>
 struct Layout {
@@ -410,12 +334,6 @@ cudaError_t dispatch(const Params& p, int rows, int block_k, int stages, cudaStr
   return cudaErrorInvalidValue;
 }
 
-std::string dims_str(ffi::Span<const int64_t> d) {
-  std::string s = "[";
-  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
-  return s + "]";
-}
-
 // Checks shared by both forms; fills p.q, p.indices, p.out, p.lse and the sizes.
 ffi::Error check_common(const char* name, ffi::AnyBuffer& q, ffi::Buffer<ffi::S32>& indices,
                         ffi::Result<ffi::AnyBuffer>& out, ffi::Result<ffi::Buffer<ffi::F32>>& lse, int64_t block_k,
@@ -454,11 +372,6 @@ ffi::Error check_common(const char* name, ffi::AnyBuffer& q, ffi::Buffer<ffi::S3
   p.splits = static_cast<int>(splits);
   p.blocks_per_split = (total_blocks + p.splits - 1) / p.splits;
   return ffi::Error::Success();
-}
-
-ffi::Error finish(const char* name, cudaError_t err) {
-  if (err == cudaSuccess) return ffi::Error::Success();
-  return ffi::Error::Internal(std::string(name) + ": kernel launch failed: " + cudaGetErrorString(err));
 }
 
 ffi::Error SparseMlaFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer kv, ffi::Buffer<ffi::S32> indices,
