@@ -15,8 +15,8 @@ one row per measurement and a final markdown table:
   |out_fp8 - out_bf16| of the same implementation (random rows: the quantization error, not a
   quality measurement).
 * the paged indexer top-k at 1M context (32 heads x 128, top-k 2048): bf16 keys against FP8
-  keys (`Fp8Keys`, 132 bytes a key against 256) per implementation (pallas_gpu does not read
-  FP8 keys yet: its FP8 row is the op's refusal). GB/s counts every key's bytes (B x T x key bytes);
+  keys (`Fp8Keys`, 132 bytes a key against 256) per implementation (one that does not read
+  FP8 keys gives a row with the op's refusal). GB/s counts every key's bytes (B x T x key bytes);
   "vs bf16" is the share of the bf16 selection the FP8 one keeps.
 
 The pages: sequences' page tables point at random into one pool of at most `--pool-gib` GiB

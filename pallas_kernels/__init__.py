@@ -69,13 +69,14 @@ from pallas_kernels.registry import REGISTRY, impl_choices, resolve_impl
 
 __all__ = ["REGISTRY", "impl_choices", "resolve_impl", "indexer_scores", "indexer_topk", "sparse_mla",
            "sparse_mla_backward_index",
-           "indexer_cross_entropy", "causal_attention", "paged_indexer_topk", "paged_sparse_mla", "FP8_IMPLS", "NoConfig",
+           "indexer_cross_entropy", "causal_attention", "paged_indexer_topk", "paged_sparse_mla", "FP8_IMPLS",
+           "NoConfig",
            "XlaConfig", "IndexerGpuConfig", "IndexerTpuConfig", "IndexerKLGpuConfig", "SparseMLAGpuConfig",
            "SparseMLATpuConfig", "dense_indexer_kl", "DenseKLXlaConfig", "DenseKLGpuConfig"]
 
 #: The implementations of the paged ops that read FP8 stores (`pallas_kernels.fp8`).
 FP8_IMPLS = {"paged_sparse_mla": ("reference", "xla", "pallas_gpu"),
-             "paged_indexer_topk": ("reference", "xla")}
+             "paged_indexer_topk": ("reference", "xla", "pallas_gpu")}
 
 
 def _store_impl(op: str, store, impl: str) -> str:
@@ -295,8 +296,8 @@ def paged_sparse_mla(q: jax.Array, kv_pages: jax.Array, page_table: jax.Array, i
 
     Returns:
       (out [B, S, H, v_dim] in q.dtype, lse float32 [B, S, H]): `sparse_mla` of the logical
-      rows kv[b, t] (FP8 rows dequantized to float32, then cast to q's dtype). Forward only (decode reads the cache; nothing
-      differentiates through it).
+      rows kv[b, t] (FP8 rows dequantized to float32), cast to q's dtype. Forward only (decode
+      reads the cache; nothing differentiates through it).
     """
     checks.paged_sparse_mla(q, kv_pages, page_table, indices, sm_scale, v_dim, slot)
     impl = _store_impl("paged_sparse_mla", kv_pages, impl)

@@ -483,6 +483,16 @@ def check_paged_sparse_mla_fp8(impl, q, kv, idx, *, page_size, sm_scale, v_dim, 
     return out, lse
 
 
+def fp8_exact_keys(rng, B, T, D) -> jax.Array:
+    """float32 keys [B, T, D] that the FP8 layout stores exactly: quarter-integers in [-1.75,
+    1.75], each key holding +-1.75, so its scale is 1.75 / 448 = 2^-8 and every value a
+    multiple of 64 up to 448 after scaling (3 significant bits): the dequantized keys are the
+    keys, their scores exact in float32 (ties stay ties)."""
+    k = rng.integers(-7, 8, (B, T, D)).astype(np.float32)
+    k[..., 0] = np.where(rng.random((B, T)) < 0.5, 7, -7)
+    return jnp.asarray(k * 0.25)
+
+
 def check_paged_topk_fp8(impl, q, k, w, *, page_size, topk, q_pos, kv_len, config=None):
     """paged_indexer_topk over keys k [B, T, D] laid out by `paged_store` and quantized to the FP8
     layout equals the brute force over the dequantized logical keys (float64 scores)."""

@@ -19,6 +19,8 @@ import jax.numpy as jnp
 
 import pallas_kernels as pk
 from conftest import ROOT
+from kernel_contract import (check_paged_sparse_mla_fp8, check_paged_topk_fp8, fp8_exact_keys, int_inputs, positions,
+                             sparse_inputs)
 from glm_jax.cache import fp8 as cache_fp8, page_bytes
 from glm_jax.cache.store import cache_bytes_per_token
 from glm_jax.config import load_config
@@ -187,8 +189,9 @@ def test_impls_without_fp8_refuse_and_auto_falls_back(monkeypatch):
     keys = fp8.empty_key_pages((1, 3, 4), 16)
     topk_args = (jnp.zeros((1, 1, 2, 16)), keys, jnp.zeros((1, 1), jnp.int32), jnp.ones((1, 1, 2)))
     topk_kw = dict(topk=2, q_pos=jnp.zeros((1, 1), jnp.int32), kv_len=jnp.ones((1,), jnp.int32))
-    with pytest.raises(ValueError, match=r"impl='pallas_gpu' does not read FP8 pages"):
-        pk.paged_indexer_topk(*topk_args, **topk_kw, impl="pallas_gpu", interpret=True)
+    with pytest.raises(ValueError, match=r"impl='pallas_tpu' does not read FP8 pages; the implementations that do: "
+                                         r"reference, xla, pallas_gpu"):
+        pk.paged_indexer_topk(*topk_args, **topk_kw, impl="pallas_tpu", interpret=True)
     # on a TPU "auto" picks pallas_tpu, which does not read FP8: the op runs the xla form instead
     monkeypatch.setattr(pk.registry.jax, "default_backend", lambda: "tpu")
     assert pk.resolve_impl("paged_sparse_mla", "auto") == "pallas_tpu"
@@ -198,19 +201,86 @@ def test_impls_without_fp8_refuse_and_auto_falls_back(monkeypatch):
 
 
 def test_benchmark_smoke(tmp_path, capsys):
-    """benchmarks/fp8_decode.py --smoke: every MLA row measured in both layouts with the FP8
-    output near the bf16 one; the indexer's pallas_gpu FP8 row is its refusal, kept as a row;
-    the JSON holds the rows and the final table is printed."""
+    """benchmarks/fp8_decode.py --smoke: every row measured in both layouts, the FP8 MLA output
+    near the bf16 one and the FP8 top-k mostly the bf16 one; a refused implementation (pallas_tpu
+    off a TPU) is a row with its exception; the JSON holds the rows and the table is printed."""
     from benchmarks import fp8_decode
 
-    rows = fp8_decode.main(["--smoke", "--json", str(tmp_path / "out.json")])
+    rows = fp8_decode.main(["--smoke", "--json", str(tmp_path / "out.json"), "--indexer-impls", "pallas_gpu", "xla",
+                            "pallas_tpu"])
     mla = [r for r in rows if r["op"] == "paged_sparse_mla"]
     assert len(mla) == 4 and all("ms" in r and "failed" not in r for r in mla)
     assert {r["row_bytes"] for r in mla} == {640, 256 + 8 + 128}
     assert all(r["vs_bf16"] < 0.2 for r in mla if r["layout"] == "fp8")
-    refused = [r for r in rows if r["op"] == "paged_indexer_topk" and "failed" in r]
-    assert [(r["impl"], r["layout"]) for r in refused] == [("pallas_gpu", "fp8")]
-    assert "does not read FP8 pages" in refused[0]["failed"]
+    topk = [r for r in rows if r["op"] == "paged_indexer_topk"]
+    assert all("ms" in r for r in topk if r["impl"] != "pallas_tpu")
+    assert all(r["vs_bf16"] > 0.8 for r in topk if r["layout"] == "fp8" and "ms" in r)
+    refused = [r for r in topk if "failed" in r]
+    assert [r["layout"] for r in refused if r["impl"] == "pallas_tpu"][-1:] == ["fp8"]
+    assert "does not read FP8 pages" in refused[-1]["failed"]
     import json
-    assert len(json.loads((tmp_path / "out.json").read_text())["rows"]) == len(rows) == 8
+    assert len(json.loads((tmp_path / "out.json").read_text())["rows"]) == len(rows) == 10
     assert "| op | layout | impl |" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------- the GPU kernel
+
+
+def test_gpu_paged_sparse_mla_fp8_head_groups_and_splits():
+    """pallas_gpu over FP8 pages with 20 heads in 2 groups of 16 and K split in 2 (interpret
+    mode): the op over the dequantized rows."""
+    q, kv, idx = sparse_inputs(19, B=2, S=1, T=60, K=40, H=20, Dk=256 + 16)
+    check_paged_sparse_mla_fp8("pallas_gpu", q, kv, idx, page_size=8, sm_scale=0.0625, v_dim=256,
+                               config=pk.SparseMLAGpuConfig(block_k=16, num_splits=2, head_group=16))
+
+
+def test_gpu_paged_indexer_fp8_key_tiles_inside_pages():
+    """pallas_gpu's paged top-k over FP8 keys with tiles of 64 inside pages of 128, 3 tiles a
+    program (interpret mode): the top-k of the keys (`fp8_exact_keys`: quantized exactly, so
+    ties stay ties whatever the summation order)."""
+    rng = np.random.default_rng(128)
+    q, _, w = int_inputs(rng, 2, 2, 500, 4, 16)
+    k = fp8_exact_keys(rng, 2, 500, 16)
+    q_pos, kv_len = positions(rng, 2, 2, 500, "offset")
+    check_paged_topk_fp8("pallas_gpu", q, k, w, page_size=128, topk=24, q_pos=q_pos, kv_len=kv_len,
+                         config=pk.IndexerGpuConfig(block_t=64, tiles_per_program=3))
+
+
+def _h100():
+    return jax.sharding.AbstractMesh((1,), ("x",), abstract_device=jax.sharding.AbstractDevice(
+        device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu"))
+
+
+def test_gpu_paged_indexer_fp8_lowers_to_triton_for_h100():
+    """The paged top-k over FP8 keys (32 heads x 128, top-k 2048, pages of 64) lowered to Triton
+    for an H100: the scores kernel, two counting passes, the compaction."""
+    s = jax.ShapeDtypeStruct
+    B, pages, lead = 4, 128, (2, 4 * 128 + 1, 64)
+    store = fp8.Fp8Keys(s(lead + (128,), jnp.float8_e4m3fn), s(lead + (1,), jnp.float32))
+    args = (s((B, 1, 32, 128), jnp.bfloat16), store, s((B, pages), jnp.int32), s((B, 1, 32), jnp.float32),
+            s((B, 1), jnp.int32), s((B,), jnp.int32), s((), jnp.int32))
+
+    def fn(q, st, table, w, p, n, slot):
+        return pk.paged_indexer_topk(q, st, table, w, topk=2048, q_pos=p, kv_len=n, slot=slot, impl="pallas_gpu")
+
+    with jax.sharding.use_abstract_mesh(_h100()):
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("xla.gpu.triton") == 4
+
+
+def test_gpu_paged_sparse_mla_fp8_lowers_to_triton_for_h100():
+    """The FP8 paged decode kernel at GLM-5.2's shapes (64 heads, 512 e4m3 + 4 scales + 64 bf16
+    rope, top-k 2048, pages of 64) lowered to Triton for an H100 (no GPU needed): one kernel."""
+    s = jax.ShapeDtypeStruct
+    B, pages, lead = 4, 128, (3, 4 * 128 + 1, 64)
+    store = fp8.Fp8Latent(s(lead + (512,), jnp.float8_e4m3fn), s(lead + (4,), jnp.float32),
+                          s(lead + (64,), jnp.bfloat16))
+    args = (s((B, 1, 64, 576), jnp.bfloat16), store, s((B, pages), jnp.int32), s((B, 1, 2048), jnp.int32),
+            s((), jnp.int32))
+
+    def fn(q, st, table, idx, slot):
+        return pk.paged_sparse_mla(q, st, table, idx, slot=slot, sm_scale=0.04, v_dim=512, impl="pallas_gpu")
+
+    with jax.sharding.use_abstract_mesh(_h100()):
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("xla.gpu.triton") == 1

@@ -20,10 +20,10 @@ from pallas_kernels import fp8
 from kernel_contract import (call, float_score_inputs, check_causal_attention, check_dense_indexer_kl,
                              check_indexer_cross_entropy, dense_kl_inputs,
                              check_paged_sparse_mla, check_paged_sparse_mla_fp8, check_paged_topk,
-                             check_paged_topk_fp8, check_scores, check_sparse_mla, fp8_impl_params,
+                             check_paged_topk_fp8, check_scores, check_sparse_mla, fp8_exact_keys, fp8_impl_params,
                              check_sparse_mla_target, check_topk, cross_entropy_inputs, doc_starts,
-                             f64, impl_params, int_inputs, np_scores, paged_store, np_scores_grads, np_topk, packed_documents,
-                             positions, sparse_inputs)
+                             f64, impl_params, int_inputs, np_scores, np_scores_grads, np_topk, packed_documents,
+                             paged_store, positions, sparse_inputs)
 
 OPS = list(pk.REGISTRY)
 
@@ -395,16 +395,14 @@ def paged_store_of(rows, idx, page_size):
 
 @pytest.mark.parametrize("impl", fp8_impl_params("paged_indexer_topk"))
 def test_paged_indexer_topk_fp8(impl):
-    """FP8 keys (one scale per key): keys of quarter-integers in [-1.75, 1.75], each holding
-    +-1.75, so every key's scale is 2^-8 and its quantization exact: the top-k equals the exact
-    one of the unquantized keys, ties everywhere; pages of 64 rows, decode and a chunk of 3."""
+    """FP8 keys (one scale per key) that quantize exactly (`fp8_exact_keys`): the top-k equals
+    the exact one of the unquantized keys, ties everywhere; pages of 64 rows, decode and a
+    chunk of 3."""
     rng = np.random.default_rng(41)
     B, T, H, D, topk = 3, 200, 4, 16, 16
     for S, mode, page_size in ((1, "offset", 64), (3, "random", 256)):
-        q, k, w = int_inputs(rng, B, S, T, H, D, lim=7)
-        k = np.array(k)
-        k[..., 0] = np.where(rng.random(k.shape[:-1]) < 0.5, 7, -7)
-        k = jnp.asarray(k * 0.25, jnp.float32)
+        q, _, w = int_inputs(rng, B, S, T, H, D)
+        k = fp8_exact_keys(rng, B, T, D)
         np.testing.assert_array_equal(np.asarray(fp8.dequantize(fp8.quantize_keys(k))), np.asarray(k))
         q_pos, kv_len = positions(rng, B, S, T, mode)
         got = check_paged_topk_fp8(impl, q, k, w, page_size=page_size, topk=topk, q_pos=q_pos, kv_len=kv_len)
