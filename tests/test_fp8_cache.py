@@ -177,6 +177,22 @@ def test_paged_sparse_mla_refuses_bad_fp8_stores(bad, error, message):
     assert "\n" not in str(info.value) and str(info.value).startswith("pallas_kernels.paged_sparse_mla: ")
 
 
+@pytest.mark.parametrize("store,error,message", [
+    (fp8.Fp8Keys(jnp.zeros((1, 3, 4, 16), jnp.float8_e4m3fn), jnp.zeros((1, 3, 4, 2))), ValueError,
+     r"k_pages.scales must hold one float32 scale per key \(\[.., 1\]\), got 2"),
+    (fp8.Fp8Keys(jnp.zeros((1, 3, 4, 8), jnp.float8_e4m3fn), jnp.zeros((1, 3, 4, 1))), ValueError,
+     r"k_pages.values has shape \(1, 3, 4, 8\) .* so D=8, but q has D=16"),
+    (fp8.empty_latent_pages((1, 3, 4), 128, 16), TypeError, r"k_pages is a pallas_kernels.fp8.Fp8Latent, but this op "
+                                                           r"reads a Fp8Keys"),
+])
+def test_paged_indexer_refuses_bad_fp8_stores(store, error, message):
+    args = (jnp.zeros((1, 1, 2, 16)), store, jnp.zeros((1, 1), jnp.int32), jnp.ones((1, 1, 2)))
+    with pytest.raises(error, match=message) as info:
+        pk.paged_indexer_topk(*args, topk=2, q_pos=jnp.zeros((1, 1), jnp.int32), kv_len=jnp.ones((1,), jnp.int32),
+                              impl="xla")
+    assert "\n" not in str(info.value) and str(info.value).startswith("pallas_kernels.paged_indexer_topk: ")
+
+
 def test_impls_without_fp8_refuse_and_auto_falls_back(monkeypatch):
     store = fp8.empty_latent_pages((2, 3, 4), 128, 16)
     args, kw = _mla_args(store)
