@@ -300,3 +300,26 @@ def test_gpu_paged_sparse_mla_fp8_lowers_to_triton_for_h100():
     with jax.sharding.use_abstract_mesh(_h100()):
         text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("xla.gpu.triton") == 1
+
+
+def test_cache_pages_write_and_read_fp8_stores():
+    """glm_jax.cache.pages over an FP8 latent store: rows written at positions through a page
+    table (quantized on write; a position past the table dropped; mine=False keeps the old
+    rows) read back dequantized by gather_rows and read_sequence, as a bf16 store of the same
+    rows dequantized would."""
+    from glm_jax.cache import pages as cache_pages
+
+    rows = jnp.asarray(_rows(5, (2, 3, 128 + 16)))
+    table = jnp.asarray([[2, 0], [1, 3]], jnp.int32)
+    positions = jnp.asarray([[0, 5, 9], [2, 3, 7]], jnp.int32)          # 9: past 2 pages of 4, dropped
+    store = cache_pages.write_rows(fp8.empty_latent_pages((2, 4, 4), 128, 16), 1, table, positions, rows)
+    want = fp8.dequantize(fp8.quantize_latent(rows, 128))
+    got = cache_pages.gather_rows(store, 1, table, positions)
+    np.testing.assert_array_equal(np.asarray(got)[0, :2], np.asarray(want)[0, :2])
+    np.testing.assert_array_equal(np.asarray(got)[1], np.asarray(want)[1])
+    seq = np.asarray(cache_pages.read_sequence(store, 1, table))           # [2, 8, 144]
+    np.testing.assert_array_equal(seq[1, [2, 3, 7]], np.asarray(want)[1])
+    assert (seq[0, [1, 2, 3, 4, 6, 7]] == 0).all() and (np.asarray(fp8.dequantize(store))[0] == 0).all()
+    kept = cache_pages.write_rows(store, 1, table, positions, 2 * rows, jnp.bool_(False))
+    for a, b in zip(kept, store):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
