@@ -267,11 +267,13 @@ def _h100():
         device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu"))
 
 
-def test_gpu_paged_indexer_fp8_lowers_to_triton_for_h100():
-    """The paged top-k over FP8 keys (32 heads x 128, top-k 2048, pages of 64) lowered to Triton
-    for an H100: the scores kernel, two counting passes, the compaction."""
+@pytest.mark.parametrize("page", [64, 256])
+def test_gpu_paged_indexer_fp8_lowers_to_triton_for_h100(page):
+    """The paged top-k over FP8 keys (32 heads x 128, top-k 2048) lowered to Triton for an H100:
+    the scores kernel, two counting passes, the compaction; pages of 64 (key tiles gathered row
+    by row) and of 256 (tiles inside one page)."""
     s = jax.ShapeDtypeStruct
-    B, pages, lead = 4, 128, (2, 4 * 128 + 1, 64)
+    B, pages, lead = 4, 8192 // page, (2, 4 * 8192 // page + 1, page)
     store = fp8.Fp8Keys(s(lead + (128,), jnp.float8_e4m3fn), s(lead + (1,), jnp.float32))
     args = (s((B, 1, 32, 128), jnp.bfloat16), store, s((B, pages), jnp.int32), s((B, 1, 32), jnp.float32),
             s((B, 1), jnp.int32), s((B,), jnp.int32), s((), jnp.int32))
