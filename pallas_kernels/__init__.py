@@ -76,7 +76,7 @@ __all__ = ["REGISTRY", "impl_choices", "resolve_impl", "indexer_scores", "indexe
 
 #: The implementations of the paged ops that read FP8 stores (`pallas_kernels.fp8`).
 FP8_IMPLS = {"paged_sparse_mla": ("reference", "xla", "pallas_gpu"),
-             "paged_indexer_topk": ("reference", "xla", "pallas_gpu")}
+             "paged_indexer_topk": ("reference", "xla", "pallas_gpu", "pallas_tpu")}
 
 
 def _store_impl(op: str, store, impl: str) -> str:

@@ -21,9 +21,10 @@ a bitcast of a byte vector inside a kernel (Triton-lowered Pallas cannot view [K
 the same bytes (each field's part of a row is contiguous: 512 B, 16 B, 128 B). A NamedTuple is a
 pytree, so it passes through jit, and the paged ops tell the layout from the store's type
 (`is_fp8`): the same op reads bf16 and FP8 pages, no extra argument. On TPUs the narrow
-fields would not keep their bytes: HBM arrays are tiled (8, 128) over their two minor dims, so
-scales [.., P, 4] would be padded to 128 lanes; a TPU kernel would want them page-transposed
-([.., 4, P]) or packed into the values' words. No TPU kernel reads this layout yet.
+fields may not keep their bytes: TPU HBM arrays are tiled over their two minor dims, so scales
+[.., P, 4] (or a key's [.., P, 1]) may be padded to 128 lanes. The TPU paged indexer reads FP8
+keys as they are (compiled, not measured); a TPU sparse-MLA kernel would want the scales
+page-transposed ([.., 4, P]) or packed into the values' words, and none reads FP8 latents yet.
 
 Quantization (no calibration: each token's scale from its own values). For a group g of values
 x (128 latent values, or one whole key): scale = max|x| / 448 (448 = the largest finite e4m3),

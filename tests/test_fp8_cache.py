@@ -202,12 +202,6 @@ def test_impls_without_fp8_refuse_and_auto_falls_back(monkeypatch):
     with pytest.raises(ValueError, match=r"impl='pallas_gpu' reads FP8 pages with v_dim = the FP8 values' width "
                                          r"\(128\), got v_dim=120"):
         pk.paged_sparse_mla(*args, **{**kw, "v_dim": 120}, impl="pallas_gpu", interpret=True)
-    keys = fp8.empty_key_pages((1, 3, 4), 16)
-    topk_args = (jnp.zeros((1, 1, 2, 16)), keys, jnp.zeros((1, 1), jnp.int32), jnp.ones((1, 1, 2)))
-    topk_kw = dict(topk=2, q_pos=jnp.zeros((1, 1), jnp.int32), kv_len=jnp.ones((1,), jnp.int32))
-    with pytest.raises(ValueError, match=r"impl='pallas_tpu' does not read FP8 pages; the implementations that do: "
-                                         r"reference, xla, pallas_gpu"):
-        pk.paged_indexer_topk(*topk_args, **topk_kw, impl="pallas_tpu", interpret=True)
     # on a TPU "auto" picks pallas_tpu, which does not read FP8: the op runs the xla form instead
     monkeypatch.setattr(pk.registry.jax, "default_backend", lambda: "tpu")
     assert pk.resolve_impl("paged_sparse_mla", "auto") == "pallas_tpu"
@@ -218,22 +212,22 @@ def test_impls_without_fp8_refuse_and_auto_falls_back(monkeypatch):
 
 def test_benchmark_smoke(tmp_path, capsys):
     """benchmarks/fp8_decode.py --smoke: every row measured in both layouts, the FP8 MLA output
-    near the bf16 one and the FP8 top-k mostly the bf16 one; a refused implementation (pallas_tpu
-    off a TPU) is a row with its exception; the JSON holds the rows and the table is printed."""
+    near the bf16 one and the FP8 top-k mostly the bf16 one; an implementation that refuses FP8
+    pages (pallas_tpu's sparse MLA) is a row with its exception; the JSON holds the rows and the
+    table is printed."""
     from benchmarks import fp8_decode
 
-    rows = fp8_decode.main(["--smoke", "--json", str(tmp_path / "out.json"), "--indexer-impls", "pallas_gpu", "xla",
+    rows = fp8_decode.main(["--smoke", "--json", str(tmp_path / "out.json"), "--impls", "pallas_gpu", "xla",
                             "pallas_tpu"])
     mla = [r for r in rows if r["op"] == "paged_sparse_mla"]
-    assert len(mla) == 4 and all("ms" in r and "failed" not in r for r in mla)
+    assert all("ms" in r for r in mla if r["impl"] != "pallas_tpu")
     assert {r["row_bytes"] for r in mla} == {640, 256 + 8 + 128}
-    assert all(r["vs_bf16"] < 0.2 for r in mla if r["layout"] == "fp8")
+    assert all(r["vs_bf16"] < 0.2 for r in mla if r["layout"] == "fp8" and "ms" in r)
+    refused = [r for r in rows if "failed" in r]
+    assert [(r["impl"], r["layout"]) for r in refused] == [("pallas_tpu", "fp8")]
+    assert "does not read FP8 pages" in refused[0]["failed"]
     topk = [r for r in rows if r["op"] == "paged_indexer_topk"]
-    assert all("ms" in r for r in topk if r["impl"] != "pallas_tpu")
-    assert all(r["vs_bf16"] > 0.8 for r in topk if r["layout"] == "fp8" and "ms" in r)
-    refused = [r for r in topk if "failed" in r]
-    assert [r["layout"] for r in refused if r["impl"] == "pallas_tpu"][-1:] == ["fp8"]
-    assert "does not read FP8 pages" in refused[-1]["failed"]
+    assert len(topk) == 4 and all(r["vs_bf16"] > 0.8 for r in topk if r["layout"] == "fp8")
     import json
     assert len(json.loads((tmp_path / "out.json").read_text())["rows"]) == len(rows) == 10
     assert "| op | layout | impl |" in capsys.readouterr().out
@@ -325,3 +319,28 @@ def test_cache_pages_write_and_read_fp8_stores():
     kept = cache_pages.write_rows(store, 1, table, positions, 2 * rows, jnp.bool_(False))
     for a, b in zip(kept, store):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+# ----------------------------------------------------------------------------- the TPU kernel
+
+
+@pytest.mark.parametrize("topology", ["v5p:2x2x1", "v6e:2x2", "tpu7x:2x2x1"])
+def test_tpu_paged_indexer_fp8_compiles(topology):
+    """pallas_tpu's paged scores over FP8 keys (32 heads x 128, pages of 64, each e4m3 tile
+    fetched with its scales through the scalar-prefetched page table) compiled ahead of time."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from conftest import tpu_compile_mesh
+    from pallas_kernels.indexer import tpu as indexer_tpu
+
+    rep = NamedSharding(tpu_compile_mesh(topology), P())
+    s = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=rep)   # noqa: E731
+    B, pages, lead = 4, 128, (2, 4 * 128 + 1, 64)
+    store = fp8.Fp8Keys(s(lead + (128,), jnp.float8_e4m3fn), s(lead + (1,), jnp.float32))
+    args = (s((B, 1, 32, 128), jnp.bfloat16), store, s((B, pages), jnp.int32), s((B, 1, 32), jnp.float32),
+            s((B, 1), jnp.int32), s((B,), jnp.int32), s((), jnp.int32))
+
+    def fn(q, st, table, w, p, n, slot):
+        return indexer_tpu.paged_scores(q, st, table, slot, w, q_pos=p, kv_len=n)
+
+    text = jax.jit(fn).lower(*args).compile().as_text()
+    assert "paged_indexer_scores" in text

@@ -32,6 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels import fp8
 from pallas_kernels._common import check_positive_fields, pad_axis, start_or_zero, tpu_interpret
 from pallas_kernels.indexer import pallas_ops, threshold
 
@@ -75,10 +76,14 @@ def _tile_of(key, block_t: int, page_size: int | None):
 
 
 def _score_kernel(first_ref, last_ref, len_ref, *refs, block_q, heads, block_t, n_qblocks, precision,
-                  page_size):
+                  page_size, scaled=False):
     """Grid (b, query block, key tile), or for paged keys (b, query block, page j, tile i in
-    the page); refs: (q, w, pos, start, k, scores), after the paged scalars (page table, slot)."""
-    q_ref, w_ref, pos_ref, start_ref, k_ref, s_ref = refs[-6:]
+    the page); refs: (q, w, pos, start, k, scores), after the paged scalars (page table, slot);
+    scaled (FP8 keys): (q, w, pos, start, k e4m3, scales [block_t, 1] f32, scores)."""
+    if scaled:
+        q_ref, w_ref, pos_ref, start_ref, k_ref, scale_ref, s_ref = refs[-7:]
+    else:
+        q_ref, w_ref, pos_ref, start_ref, k_ref, s_ref = refs[-6:]
     b, qb = pl.program_id(0), pl.program_id(1)
     lane = lax.broadcasted_iota(jnp.int32, (block_q, block_t), 1)
     if page_size is None:
@@ -93,7 +98,8 @@ def _score_kernel(first_ref, last_ref, len_ref, *refs, block_q, heads, block_t, 
 
     @pl.when(needed)
     def _():
-        logits = lax.dot_general(q_ref[...], k_ref[...].astype(q_ref.dtype), (((1,), (1,)), ((), ())),
+        k = k_ref[...].astype(jnp.float32) * scale_ref[...] if scaled else k_ref[...]
+        logits = lax.dot_general(q_ref[...], k.astype(q_ref.dtype), (((1,), (1,)), ((), ())),
                                  precision=precision, preferred_element_type=jnp.float32)
         weighted = jnp.maximum(logits, 0.0) * w_ref[...]                 # [M, block_t]
         s = jnp.sum(weighted.reshape(block_q, heads, block_t), axis=1)  # [block_q, block_t]
@@ -135,7 +141,9 @@ def _query_layout(q, weights, q_pos, kv_start, kv_len, block_t: int, page_size: 
 
 def _score_call(kernel, grid, scalars, q, w, pos, start, k, k_spec, out_shape, out_spec, *, block_q, interpret):
     """The score pallas_call: scalars prefetched, the query block's rows (block_q queries x
-    heads) of q, w, pos and start, the key tile k_spec -> out_shape in out_spec blocks."""
+    heads) of q, w, pos and start, the key tile k_spec -> out_shape in out_spec blocks. k and
+    k_spec may be tuples (FP8 keys: the values and their scales)."""
+    k, k_spec = (k, k_spec) if isinstance(k, tuple) else ((k,), (k_spec,))
     rows = q.shape[1] // pos.shape[1] * block_q
     return pl.pallas_call(
         kernel,
@@ -147,7 +155,7 @@ def _score_call(kernel, grid, scalars, q, w, pos, start, k, k_spec, out_shape, o
                 pl.BlockSpec((None, rows, 1), lambda b, qb, *_: (b, qb, 0)),
                 pl.BlockSpec((None, block_q, 1), lambda b, qb, *_: (b, qb, 0)),
                 pl.BlockSpec((None, block_q, 1), lambda b, qb, *_: (b, qb, 0)),
-                k_spec,
+                *k_spec,
             ],
             out_specs=out_spec,
         ),
@@ -156,7 +164,7 @@ def _score_call(kernel, grid, scalars, q, w, pos, start, k, k_spec, out_shape, o
             dimension_semantics=("parallel", "parallel") + ("arbitrary",) * (len(grid) - 2)),
         interpret=tpu_interpret(interpret),
         name="indexer_scores" if len(grid) == 3 else "paged_indexer_scores",
-    )(*scalars, q, w, pos, start, k)
+    )(*scalars, q, w, pos, start, *k)
 
 
 def scores(q, k, weights, *, q_pos, kv_len, kv_start=None, config: IndexerTpuConfig = IndexerTpuConfig(),
@@ -198,7 +206,10 @@ def paged_scores(q, k_pages, page_table, slot, weights, *, q_pos, kv_len, kv_sta
     page of P <= block_t keys is one tile), clamped to the tiles the block may see like
     `scores`. SMEM holds B * n page ids. The scores come out page-major ([B, n, S, P]; a
     block's last two dims must be whole or (8, 128)-aligned) and are moved to [B, S, n * P]
-    in XLA (a bitcast for one query)."""
+    in XLA (a bitcast for one query). FP8 keys (`fp8.Fp8Keys`): each e4m3 tile is fetched with
+    its scales [block_t, 1] and dequantized in VMEM (float32 values * scale)."""
+    scales = (k_pages.scales,) if fp8.is_fp8(k_pages) else ()
+    k_pages = k_pages.values if scales else k_pages
     batch, seq_len, _, dim = q.shape
     page_size, n = k_pages.shape[2], page_table.shape[1]
     block_t = min(config.block_t, page_size)
@@ -216,11 +227,12 @@ def paged_scores(q, k_pages, page_table, slot, weights, *, q_pos, kv_len, kv_sta
         return slot_ref[0], pages_ref[b * n + lax.div(tile, per_page)], lax.rem(tile, per_page), 0
 
     kernel = functools.partial(_score_kernel, block_q=bq, heads=hp, block_t=block_t, n_qblocks=n_qb,
-                               precision=_precision(q), page_size=page_size)
+                               precision=_precision(q), page_size=page_size, scaled=bool(scales))
     scalars = (first, last, kv_len, page_table.reshape(-1), jnp.reshape(jnp.asarray(slot, jnp.int32), (1,)))
     out = _score_call(
-        kernel, (batch, n_qb, n, per_page), scalars, q, w, pos, start, k_pages,
-        pl.BlockSpec((None, None, block_t, dim), key_block),
+        kernel, (batch, n_qb, n, per_page), scalars, q, w, pos, start, (k_pages, *scales),
+        (pl.BlockSpec((None, None, block_t, dim), key_block),) + ((pl.BlockSpec((None, None, block_t, 1),
+                                                                                key_block),) if scales else ()),
         jax.ShapeDtypeStruct((batch, n, sp, per_page * block_t), jnp.float32),
         pl.BlockSpec((None, None, bq, block_t), lambda b, qb, j, i, *_: (b, j, qb, i)), block_q=bq,
         interpret=interpret)
@@ -290,7 +302,8 @@ def paged_indexer_topk(q, k_pages, page_table, weights, *, topk, q_pos, kv_len, 
     """Contract of `pallas_kernels.paged_indexer_topk`: `indexer_topk` with the paged score
     kernel (`paged_scores`: key tiles fetched through the scalar-prefetched page table)."""
     scores_fn = lambda q_c, w_c, **kw: paged_scores(q_c, k_pages, page_table, slot, w_c, kv_len=kv_len, **kw)
-    return _topk(q, weights, scores_fn, page_table.shape[1] * k_pages.shape[2], topk=topk, q_pos=q_pos,
+    page_size = (k_pages.values if fp8.is_fp8(k_pages) else k_pages).shape[2]
+    return _topk(q, weights, scores_fn, page_table.shape[1] * page_size, topk=topk, q_pos=q_pos,
                  kv_start=None, config=config, interpret=interpret)
 
 
