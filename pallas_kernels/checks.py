@@ -171,21 +171,24 @@ def _store(sig: Signature, name: str, store, width: str, fp8_type: type = fp8.Fp
 def _fp8_store(sig: Signature, name: str, store, width: str, fp8_type: type) -> None:
     """An FP8 store (`pallas_kernels.fp8`): fields sharing [(slots,) pages, P]; values e4m3
     [.., C]; Fp8Latent: scales float32 [.., C / 128], rope bfloat16 [.., R], C + R = width;
-    Fp8Keys: scales float32 [.., 1], C = width."""
+    Fp8Keys: scales float32 [..] (one per key), C = width."""
     if type(store) is not fp8_type:
         sig.fail(f"{name} is a pallas_kernels.fp8.{type(store).__name__}, but this op reads a "
                  f"{fp8_type.__name__}", TypeError)
+    if fp8_type is fp8.Fp8Keys:
+        rank = len(_shape_dtype(store.values)[0])
+        if rank not in (3, 4) or len(_shape_dtype(store.scales)[0]) != rank - 1:
+            sig.fail(f"the FP8 store {name} must be values [(slots,) pages, P, {width}] and scales [(slots,) "
+                     f"pages, P], got shapes {[_shape_dtype(x)[0] for x in store]}")
+        lead = ("slots " if rank == 4 else "") + "pages P"
+        sig.array(f"{name}.values", store.values, f"{lead} {width}", E4M3)
+        sig.array(f"{name}.scales", store.scales, lead, FLOAT32)
+        return
     ranks = {len(_shape_dtype(x)[0]) for x in store}
     if len(ranks) != 1 or ranks - {3, 4}:
         sig.fail(f"the fields of the FP8 store {name} must all be [pages, P, .] or [slots, pages, P, .], got "
                  f"shapes {[_shape_dtype(x)[0] for x in store]}")
     lead = ("slots " if ranks == {4} else "") + "pages P "
-    if fp8_type is fp8.Fp8Keys:
-        sig.array(f"{name}.values", store.values, lead + width, E4M3)
-        sig.array(f"{name}.scales", store.scales, lead + "one", FLOAT32)
-        if sig.size("one") != 1:
-            sig.fail(f"{name}.scales must hold one float32 scale per key ([.., 1]), got {sig.size('one')}")
-        return
     sig.array(f"{name}.values", store.values, lead + "C", E4M3)
     sig.array(f"{name}.scales", store.scales, lead + "G", FLOAT32)
     sig.array(f"{name}.rope", store.rope, lead + "R", BF16)

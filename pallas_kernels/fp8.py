@@ -8,7 +8,7 @@ Latent row of one token and layer ([c_kv | k_rope], kv_lora + rope values):
     = kv_lora + 4 kv_lora / 128 + 2 rope bytes: 656 at GLM-5.2's 512 + 64 (1,152 in bf16).
 Indexer key of one token (D values):
     values  float8_e4m3fn [D]               k / scale
-    scales  float32 [1]                     max|k| / 448 of the whole key
+    scale   float32 (scales [..] without a width axis: lane-dense pages on a TPU)  max|k| / 448
     = D + 4 bytes: 132 at D = 128 (256 in bf16).
 
 Representation: a NamedTuple of arrays (`Fp8Latent`, `Fp8Keys`), each field a paged store of its
@@ -21,10 +21,11 @@ a bitcast of a byte vector inside a kernel (Triton-lowered Pallas cannot view [K
 the same bytes (each field's part of a row is contiguous: 512 B, 16 B, 128 B). A NamedTuple is a
 pytree, so it passes through jit, and the paged ops tell the layout from the store's type
 (`is_fp8`): the same op reads bf16 and FP8 pages, no extra argument. On TPUs the narrow
-fields may not keep their bytes: TPU HBM arrays are tiled over their two minor dims, so scales
-[.., P, 4] (or a key's [.., P, 1]) may be padded to 128 lanes. The TPU paged indexer reads FP8
-keys as they are (compiled, not measured); a TPU sparse-MLA kernel would want the scales
-page-transposed ([.., 4, P]) or packed into the values' words, and none reads FP8 latents yet.
+fields may not keep their bytes: TPU HBM arrays are tiled over their two minor dims, so latent
+scales [.., P, 4] are padded to 128 lanes (32x). A key's scales are therefore [.., P] (a page's
+P scales along the lanes; [.., P, 1] measured 128x its bytes in a v5p program's arguments). A
+TPU sparse-MLA kernel would want the latent scales page-transposed ([.., 4, P]) or packed into
+the values' words; none reads FP8 latents yet.
 
 Quantization (no calibration: each token's scale from its own values). For a group g of values
 x (128 latent values, or one whole key): scale = max|x| / 448 (448 = the largest finite e4m3),
@@ -66,7 +67,7 @@ class Fp8Latent(NamedTuple):
 
 
 class Fp8Keys(NamedTuple):
-    """Indexer keys in FP8: values float8_e4m3fn [..., D], scales float32 [..., 1]."""
+    """Indexer keys in FP8: values float8_e4m3fn [..., D], scales float32 [...] (one per key)."""
 
     values: jax.Array
     scales: jax.Array
@@ -107,13 +108,15 @@ def quantize_latent(rows: jax.Array, kv_lora: int) -> Fp8Latent:
 
 
 def quantize_keys(keys: jax.Array) -> Fp8Keys:
-    """keys [..., D] -> Fp8Keys (values [..., D], scales [..., 1]): one scale per key."""
+    """keys [..., D] -> Fp8Keys (values [..., D], scales [...]): one scale per key."""
     values, scales = quantize_groups(keys, keys.shape[-1])
-    return Fp8Keys(values, scales)
+    return Fp8Keys(values, scales[..., 0])
 
 
 def dequantize(x: Fp8Latent | Fp8Keys) -> jax.Array:
     """FP8 rows -> float32 [..., width]: the latent's [values * scale | rope], a key's values * scale."""
+    if isinstance(x, Fp8Keys):
+        return x.values.astype(jnp.float32) * x.scales[..., None]
     out = dequantize_groups(x.values, x.scales)
     if isinstance(x, Fp8Latent):
         out = jnp.concatenate([out, x.rope.astype(jnp.float32)], axis=-1)
@@ -151,8 +154,8 @@ def empty_latent_pages(lead: tuple[int, ...], kv_lora: int, rope: int) -> Fp8Lat
 
 
 def empty_key_pages(lead: tuple[int, ...], dim: int) -> Fp8Keys:
-    """Zero indexer-key store of shape lead + the key's fields."""
-    return Fp8Keys(jnp.zeros(lead + (dim,), FP8), jnp.zeros(lead + (1,), jnp.float32))
+    """Zero indexer-key store: values lead + (dim,), scales lead."""
+    return Fp8Keys(jnp.zeros(lead + (dim,), FP8), jnp.zeros(lead, jnp.float32))
 
 
 def latent_row_bytes(kv_lora: int, rope: int) -> int:
@@ -169,6 +172,8 @@ def key_row_bytes(dim: int) -> int:
 
 def row_bytes(store) -> int:
     """Bytes one row of a store occupies (any layout)."""
+    if isinstance(store, Fp8Keys):
+        return store.values.shape[-1] + 4
     return sum(x.shape[-1] * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(store))
 
 

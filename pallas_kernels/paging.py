@@ -25,7 +25,7 @@ from pallas_kernels import fp8
 def as_slots(store, op: str):
     """store [pages, P, D] or [slots, pages, P, D] -> [slots, pages, P, D] (each field of an FP8 store)."""
     if fp8.is_fp8(store):
-        return type(store)(*(as_slots(x, op) for x in store))
+        return type(store)(*(x[None] for x in store)) if store.values.ndim == 3 else store
     if store.ndim == 3:
         return store[None]
     if store.ndim != 4:
@@ -62,8 +62,9 @@ def row_addresses(page_table: jax.Array, rows: jax.Array, page_size: int):
 def read_pages(store, slot, page_table: jax.Array) -> jax.Array:
     """store [slots, pages, P, D] -> [B, n * P, D]: every logical row of slot `slot`, in order
     (an FP8 store's rows dequantized to float32)."""
-    if fp8.is_fp8(store):
-        return fp8.dequantize(type(store)(*(read_pages(x, slot, page_table) for x in store)))
+    if fp8.is_fp8(store):     # fields [slots, pages, P, ...] -> [B, n * P, ...]
+        return fp8.dequantize(type(store)(*(x[slot][page_table].reshape(page_table.shape[0], -1, *x.shape[3:])
+                                            for x in store)))
     pages = store[slot][page_table]                                    # [B, n, P, D]
     return pages.reshape(pages.shape[0], -1, pages.shape[-1])
 

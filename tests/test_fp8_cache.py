@@ -100,7 +100,7 @@ def test_zero_rows_and_groups_give_zeros_not_nan():
 def test_keys_one_scale_each_within_the_bound():
     x = _rows(3, (2, 9, 128))
     k = fp8.quantize_keys(jnp.asarray(x))
-    assert k.values.shape == (2, 9, 128) and k.scales.shape == (2, 9, 1) and k.scales.dtype == jnp.float32
+    assert k.values.shape == (2, 9, 128) and k.scales.shape == (2, 9) and k.scales.dtype == jnp.float32
     back = np.asarray(fp8.dequantize(k), np.float64)
     kmax = np.abs(x).max(-1, keepdims=True).astype(np.float64)
     assert (np.abs(back - x) <= 2.0 ** -4 * kmax * (1 + 1e-5)).all()
@@ -137,7 +137,7 @@ def test_bytes_at_glm_5_2():
     assert cache_fp8.pages_that_fit(cfg, 100, 64, "fp8") == 0
     latent, keys = cache_fp8.empty_stores(cfg, 2, 1, 3, 4)
     assert fp8.row_bytes(latent) == 656 and fp8.row_bytes(keys) == 132
-    assert latent.values.shape == (2, 3, 4, 512) and keys.scales.shape == (1, 3, 4, 1)
+    assert latent.values.shape == (2, 3, 4, 512) and keys.scales.shape == (1, 3, 4)
     with pytest.raises(ValueError, match="layout must be one of 'bf16', 'fp8'"):
         cache_fp8.bytes_per_token(cfg, "fp4")
 
@@ -178,9 +178,11 @@ def test_paged_sparse_mla_refuses_bad_fp8_stores(bad, error, message):
 
 
 @pytest.mark.parametrize("store,error,message", [
-    (fp8.Fp8Keys(jnp.zeros((1, 3, 4, 16), jnp.float8_e4m3fn), jnp.zeros((1, 3, 4, 2))), ValueError,
-     r"k_pages.scales must hold one float32 scale per key \(\[.., 1\]\), got 2"),
-    (fp8.Fp8Keys(jnp.zeros((1, 3, 4, 8), jnp.float8_e4m3fn), jnp.zeros((1, 3, 4, 1))), ValueError,
+    (fp8.Fp8Keys(jnp.zeros((1, 3, 4, 16), jnp.float8_e4m3fn), jnp.zeros((1, 3, 4, 1))), ValueError,
+     r"k_pages must be values \[\(slots,\) pages, P, D\] and scales \[\(slots,\) pages, P\], got shapes"),
+    (fp8.Fp8Keys(jnp.zeros((1, 3, 4, 16), jnp.float8_e4m3fn), jnp.zeros((1, 3, 5))), ValueError,
+     r"k_pages.scales has shape \(1, 3, 5\) .* but k_pages.values has P=4"),
+    (fp8.Fp8Keys(jnp.zeros((1, 3, 4, 8), jnp.float8_e4m3fn), jnp.zeros((1, 3, 4))), ValueError,
      r"k_pages.values has shape \(1, 3, 4, 8\) .* so D=8, but q has D=16"),
     (fp8.empty_latent_pages((1, 3, 4), 128, 16), TypeError, r"k_pages is a pallas_kernels.fp8.Fp8Latent, but this op "
                                                            r"reads a Fp8Keys"),
@@ -268,7 +270,7 @@ def test_gpu_paged_indexer_fp8_lowers_to_triton_for_h100(page):
     by row) and of 256 (tiles inside one page)."""
     s = jax.ShapeDtypeStruct
     B, pages, lead = 4, 8192 // page, (2, 4 * 8192 // page + 1, page)
-    store = fp8.Fp8Keys(s(lead + (128,), jnp.float8_e4m3fn), s(lead + (1,), jnp.float32))
+    store = fp8.Fp8Keys(s(lead + (128,), jnp.float8_e4m3fn), s(lead, jnp.float32))
     args = (s((B, 1, 32, 128), jnp.bfloat16), store, s((B, pages), jnp.int32), s((B, 1, 32), jnp.float32),
             s((B, 1), jnp.int32), s((B,), jnp.int32), s((), jnp.int32))
 
@@ -335,7 +337,7 @@ def test_tpu_paged_indexer_fp8_compiles(topology):
     rep = NamedSharding(tpu_compile_mesh(topology), P())
     s = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=rep)   # noqa: E731
     B, pages, lead = 4, 128, (2, 4 * 128 + 1, 64)
-    store = fp8.Fp8Keys(s(lead + (128,), jnp.float8_e4m3fn), s(lead + (1,), jnp.float32))
+    store = fp8.Fp8Keys(s(lead + (128,), jnp.float8_e4m3fn), s(lead, jnp.float32))
     args = (s((B, 1, 32, 128), jnp.bfloat16), store, s((B, pages), jnp.int32), s((B, 1, 32), jnp.float32),
             s((B, 1), jnp.int32), s((B,), jnp.int32), s((), jnp.int32))
 

@@ -64,7 +64,8 @@ def gather_rows(store, slot, page_table, indices):
 
 def read_sequence(store, slot, page_table):
     """-> [B, pages per sequence * P, D]: every row of each sequence, pages gathered in order."""
-    if fp8.is_fp8(store):
-        return fp8.dequantize(type(store)(*(read_sequence(x, slot, page_table) for x in store)))
+    if fp8.is_fp8(store):     # fields [slots, pages, P, ...] -> [B, n * P, ...]
+        return fp8.dequantize(type(store)(*(x[slot][page_table].reshape(page_table.shape[0], -1, *x.shape[3:])
+                                            for x in store)))
     pages = store[slot][page_table]                      # [B, n, P, D]
     return pages.reshape(pages.shape[0], -1, pages.shape[-1])

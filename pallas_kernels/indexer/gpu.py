@@ -61,10 +61,10 @@ def _key_tile(k_ref, paged_refs, *, b, t0, block_t, page_size):
     """Keys [t0, t0 + block_t) of sequence b: a block of k_ref [B, T, D]; paged (page_size
     set; paged_refs = (page table [B, n], slot [1]), k_ref [slots, pages, P, D]): one page's
     block when P is a multiple of block_t, else a gather of the rows' (page, offset); FP8 keys
-    (paged_refs + (scales [slots, pages, P, 1],), k_ref the e4m3 values): float32 values * scale."""
+    (paged_refs + (scales [slots, pages, P],), k_ref the e4m3 values): float32 values * scale."""
     if page_size is None:
         return k_ref[b, pl.ds(t0, block_t), :]
-    pt_ref, slot_ref, *scales_ref = paged_refs       # FP8 keys: k_ref e4m3, scales [.., P, 1] f32
+    pt_ref, slot_ref, *scales_ref = paged_refs       # FP8 keys: k_ref e4m3, scales [.., P] f32
     slot = slot_ref[0]
     if page_size % block_t == 0:
         at = (slot, pt_ref[b, t0 // page_size], pl.ds(t0 % page_size, block_t))
@@ -72,7 +72,7 @@ def _key_tile(k_ref, paged_refs, *, b, t0, block_t, page_size):
         t = t0 + lax.broadcasted_iota(jnp.int32, (block_t,), 0)
         at = (slot, pt_ref[b, jnp.minimum(t // page_size, pt_ref.shape[1] - 1)], t % page_size)
     if scales_ref:                                    # dequantized in registers, f32
-        return k_ref[(*at, slice(None))].astype(jnp.float32) * scales_ref[0][(*at, 0)][:, None]
+        return k_ref[(*at, slice(None))].astype(jnp.float32) * scales_ref[0][at][:, None]
     return k_ref[(*at, slice(None))]
 
 

@@ -79,7 +79,8 @@ def _score_kernel(first_ref, last_ref, len_ref, *refs, block_q, heads, block_t, 
                   page_size, scaled=False):
     """Grid (b, query block, key tile), or for paged keys (b, query block, page j, tile i in
     the page); refs: (q, w, pos, start, k, scores), after the paged scalars (page table, slot);
-    scaled (FP8 keys): (q, w, pos, start, k e4m3, scales [block_t, 1] f32, scores)."""
+    scaled (FP8 keys): (q, w, pos, start, k e4m3, scales [1, block_t] f32, scores): the logits of
+    the e4m3 values (exact in q's dtype) times each key's scale, before the relu (scale >= 0)."""
     if scaled:
         q_ref, w_ref, pos_ref, start_ref, k_ref, scale_ref, s_ref = refs[-7:]
     else:
@@ -98,9 +99,10 @@ def _score_kernel(first_ref, last_ref, len_ref, *refs, block_q, heads, block_t, 
 
     @pl.when(needed)
     def _():
-        k = k_ref[...].astype(jnp.float32) * scale_ref[...] if scaled else k_ref[...]
-        logits = lax.dot_general(q_ref[...], k.astype(q_ref.dtype), (((1,), (1,)), ((), ())),
+        logits = lax.dot_general(q_ref[...], k_ref[...].astype(q_ref.dtype), (((1,), (1,)), ((), ())),
                                  precision=precision, preferred_element_type=jnp.float32)
+        if scaled:
+            logits = logits * scale_ref[...]                             # [M, block_t] * [1, block_t]
         weighted = jnp.maximum(logits, 0.0) * w_ref[...]                 # [M, block_t]
         s = jnp.sum(weighted.reshape(block_q, heads, block_t), axis=1)  # [block_q, block_t]
         valid = in_page & (key <= pos_ref[...]) & (key < len_ref[b]) & (key >= start_ref[...])
@@ -207,8 +209,11 @@ def paged_scores(q, k_pages, page_table, slot, weights, *, q_pos, kv_len, kv_sta
     `scores`. SMEM holds B * n page ids. The scores come out page-major ([B, n, S, P]; a
     block's last two dims must be whole or (8, 128)-aligned) and are moved to [B, S, n * P]
     in XLA (a bitcast for one query). FP8 keys (`fp8.Fp8Keys`): each e4m3 tile is fetched with
-    its scales [block_t, 1] and dequantized in VMEM (float32 values * scale)."""
-    scales = (k_pages.scales,) if fp8.is_fp8(k_pages) else ()
+    its scales, the logits of the values scaled per key (exact algebra; unlike the contract's
+    order the scaled key is not rounded to q's dtype). The scales are viewed [slots, pages, 1, P]
+    (a lane-dense block of a page; in the row-major layout the decode step pins, XLA copies the
+    [slots, pages, P] scales into that shape: 4 bytes a key)."""
+    scales = (k_pages.scales[:, :, None, :],) if fp8.is_fp8(k_pages) else ()
     k_pages = k_pages.values if scales else k_pages
     batch, seq_len, _, dim = q.shape
     page_size, n = k_pages.shape[2], page_table.shape[1]
@@ -231,12 +236,18 @@ def paged_scores(q, k_pages, page_table, slot, weights, *, q_pos, kv_len, kv_sta
     scalars = (first, last, kv_len, page_table.reshape(-1), jnp.reshape(jnp.asarray(slot, jnp.int32), (1,)))
     out = _score_call(
         kernel, (batch, n_qb, n, per_page), scalars, q, w, pos, start, (k_pages, *scales),
-        (pl.BlockSpec((None, None, block_t, dim), key_block),) + ((pl.BlockSpec((None, None, block_t, 1),
-                                                                                key_block),) if scales else ()),
+        (pl.BlockSpec((None, None, block_t, dim), key_block),)
+        + ((pl.BlockSpec((None, None, 1, block_t), lambda *ids: _scale_block(key_block(*ids))),) if scales else ()),
         jax.ShapeDtypeStruct((batch, n, sp, per_page * block_t), jnp.float32),
         pl.BlockSpec((None, None, bq, block_t), lambda b, qb, j, i, *_: (b, j, qb, i)), block_q=bq,
         interpret=interpret)
     return jnp.moveaxis(out[:, :, :seq_len, :page_size], 1, 2).reshape(batch, seq_len, n * page_size)
+
+
+def _scale_block(key_block):
+    """The block of a page's scales [1, block_t] beside the key tile (slot, page, tile, 0)."""
+    slot, page, tile, _ = key_block
+    return slot, page, 0, tile
 
 
 def _precision(q):
