@@ -329,20 +329,30 @@ def test_cache_pages_write_and_read_fp8_stores():
 @pytest.mark.parametrize("topology", ["v5p:2x2x1", "v6e:2x2", "tpu7x:2x2x1"])
 def test_tpu_paged_indexer_fp8_compiles(topology):
     """pallas_tpu's paged scores over FP8 keys (32 heads x 128, pages of 64, each e4m3 tile
-    fetched with its scales through the scalar-prefetched page table) compiled ahead of time."""
+    fetched with its scales through the scalar-prefetched page table) compiled ahead of time
+    over stores pinned row-major (as the decode step keeps the cache): the values are read in
+    place, and the temporaries (the scales' [slots, pages, 1, P] copy) stay under 10% of their
+    bytes; the arguments hold the scales at most 2x padded (lane-dense [.., P])."""
+    from jax.experimental.layout import Format, Layout
     from jax.sharding import NamedSharding, PartitionSpec as P
     from conftest import tpu_compile_mesh
     from pallas_kernels.indexer import tpu as indexer_tpu
 
     rep = NamedSharding(tpu_compile_mesh(topology), P())
     s = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=rep)   # noqa: E731
-    B, pages, lead = 4, 128, (2, 4 * 128 + 1, 64)
-    store = fp8.Fp8Keys(s(lead + (128,), jnp.float8_e4m3fn), s(lead, jnp.float32))
+    pinned = lambda shape, dtype: jax.ShapeDtypeStruct(                         # noqa: E731
+        shape, dtype, sharding=Format(Layout(major_to_minor=tuple(range(len(shape)))), rep))
+    B, pages, lead = 4, 128, (2, 8 * 4 * 128 + 1, 64)
+    store = fp8.Fp8Keys(pinned(lead + (128,), jnp.float8_e4m3fn), pinned(lead, jnp.float32))
     args = (s((B, 1, 32, 128), jnp.bfloat16), store, s((B, pages), jnp.int32), s((B, 1, 32), jnp.float32),
             s((B, 1), jnp.int32), s((B,), jnp.int32), s((), jnp.int32))
 
     def fn(q, st, table, w, p, n, slot):
         return indexer_tpu.paged_scores(q, st, table, slot, w, q_pos=p, kv_len=n)
 
-    text = jax.jit(fn).lower(*args).compile().as_text()
-    assert "paged_indexer_scores" in text
+    compiled = jax.jit(fn).lower(*args).compile()
+    assert "paged_indexer_scores" in compiled.as_text()
+    values_bytes = store.values.size
+    memory = compiled.memory_analysis()
+    assert memory.temp_size_in_bytes < 0.1 * values_bytes
+    assert memory.argument_size_in_bytes < values_bytes + 2.1 * 4 * store.scales.size + 2 ** 20
