@@ -1,7 +1,8 @@
 """The FP8 cache layout (`pallas_kernels.fp8`, `glm_jax.cache.fp8`): the quantizer against a
 float64 reference and its error bound, per-token scales, zeros, writes into a paged store, the
 byte accounting at GLM-5.2's shapes, and the paged ops' refusals of bad FP8 stores. The ops'
-contract over FP8 stores is in test_kernel_contract.py (`test_paged_*_fp8`).
+contract over FP8 stores is in test_kernel_contract.py (`test_paged_*_fp8`, checks in
+fp8_contract.py).
 
 Bound (module docstring of pallas_kernels.fp8): e4m3 keeps 3 mantissa bits, so with
 scale = max|x| / 448 over a group, each element errs by at most max(2^-4 |x|, 2^-10 scale),
@@ -19,8 +20,8 @@ import jax.numpy as jnp
 
 import pallas_kernels as pk
 from conftest import ROOT
-from kernel_contract import (check_paged_sparse_mla_fp8, check_paged_topk_fp8, fp8_exact_keys, int_inputs, positions,
-                             sparse_inputs)
+from fp8_contract import check_paged_sparse_mla_fp8, check_paged_topk_fp8, fp8_exact_keys
+from kernel_contract import int_inputs, positions, sparse_inputs
 from glm_jax.cache import fp8 as cache_fp8, page_bytes
 from glm_jax.cache.store import cache_bytes_per_token
 from glm_jax.config import load_config

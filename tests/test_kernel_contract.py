@@ -17,10 +17,10 @@ import pytest
 
 import pallas_kernels as pk
 from pallas_kernels import fp8
+from fp8_contract import check_paged_sparse_mla_fp8, check_paged_topk_fp8, fp8_exact_keys, fp8_impl_params
 from kernel_contract import (call, float_score_inputs, check_causal_attention, check_dense_indexer_kl,
                              check_indexer_cross_entropy, dense_kl_inputs,
-                             check_paged_sparse_mla, check_paged_sparse_mla_fp8, check_paged_topk,
-                             check_paged_topk_fp8, check_scores, check_sparse_mla, fp8_exact_keys, fp8_impl_params,
+                             check_paged_sparse_mla, check_paged_topk, check_scores, check_sparse_mla,
                              check_sparse_mla_target, check_topk, cross_entropy_inputs, doc_starts,
                              f64, impl_params, int_inputs, np_scores, np_scores_grads, np_topk, packed_documents,
                              paged_store, positions, sparse_inputs)
