@@ -16,14 +16,15 @@ own [slots, pages, P, width] (or one slot [pages, P, width]), rather than one ui
 656-byte rows viewed through bitcasts. Why: every field then has its natural dtype, so XLA
 gathers, the Pallas Triton lowering (`ref[slot, pages, offsets, cols]` pointer gathers) and
 Mosaic address each with the same indexing as a bf16 store and load e4m3 / f32 / bf16 without
-a bitcast of a byte vector inside a kernel (Triton-lowered Pallas cannot view [K, 16] uint8 as
-[K, 4] float32). The cost: a row is three gathers from three arrays instead of one, which moves
+reinterpreting bytes inside a kernel (a width-changing bitcast of a gathered tile, [K, 16]
+uint8 to [K, 4] float32, would need a reshape the kernels avoid; not tried here). The cost: a row is three gathers from three arrays instead of one, which moves
 the same bytes (each field's part of a row is contiguous: 512 B, 16 B, 128 B). A NamedTuple is a
 pytree, so it passes through jit, and the paged ops tell the layout from the store's type
 (`is_fp8`): the same op reads bf16 and FP8 pages, no extra argument. On TPUs the narrow
-fields may not keep their bytes: TPU HBM arrays are tiled over their two minor dims, so latent
-scales [.., P, 4] are padded to 128 lanes (32x). A key's scales are therefore [.., P] (a page's
-P scales along the lanes; [.., P, 1] measured 128x its bytes in a v5p program's arguments). A
+fields may not keep their bytes: TPU HBM arrays are tiled over their two minor dims, and in the
+row-major layout a decode step pins, latent scales [.., P, 4] took 32x their bytes in a
+compiled v5p program's arguments. A key's scales are therefore [.., P] (a page's P scales along
+the lanes: 2x at P = 64; [.., P, 1] took 128x). A
 TPU sparse-MLA kernel would want the latent scales page-transposed ([.., 4, P]) or packed into
 the values' words; none reads FP8 latents yet.
 
