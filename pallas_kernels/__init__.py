@@ -20,6 +20,11 @@ instead of a contiguous [B, T, D] copy (forward only):
     paged_sparse_mla(q, kv_pages, page_table, indices, *, sm_scale, v_dim, slot, ...)
                                                                 -> (out [B, S, H, v_dim], lse [B, S, H])
 
+Their stores may be in the FP8 layout (`pallas_kernels.fp8`: `Fp8Latent` latent rows, `Fp8Keys`
+indexer keys, quantized per token): the op tells it from the store's type and dequantizes the
+rows it reads; `FP8_IMPLS` lists the implementations that read it ("auto" falls back to "xla"
+where the backend's does not).
+
 Every op takes
     impl       "reference" (the dense plain-jnp oracle: [B, S, T]-sized matrices; tests, small
                shapes), "xla" (memory-sane jnp or `jax.nn`), "pallas_tpu" (Mosaic TPU
@@ -49,7 +54,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import checks, registry
+from pallas_kernels import checks, fp8, registry
 from pallas_kernels import paging
 from pallas_kernels._common import NoConfig, XlaConfig, start_or_zero
 from pallas_kernels.attention.gpu import SparseMLAGpuConfig
@@ -64,9 +69,29 @@ from pallas_kernels.registry import REGISTRY, impl_choices, resolve_impl
 
 __all__ = ["REGISTRY", "impl_choices", "resolve_impl", "indexer_scores", "indexer_topk", "sparse_mla",
            "sparse_mla_backward_index",
-           "indexer_cross_entropy", "causal_attention", "paged_indexer_topk", "paged_sparse_mla", "NoConfig",
+           "indexer_cross_entropy", "causal_attention", "paged_indexer_topk", "paged_sparse_mla", "FP8_IMPLS",
+           "NoConfig",
            "XlaConfig", "IndexerGpuConfig", "IndexerTpuConfig", "IndexerKLGpuConfig", "SparseMLAGpuConfig",
            "SparseMLATpuConfig", "dense_indexer_kl", "DenseKLXlaConfig", "DenseKLGpuConfig"]
+
+#: The implementations of the paged ops that read FP8 stores (`pallas_kernels.fp8`).
+FP8_IMPLS = {"paged_sparse_mla": ("reference", "xla", "pallas_gpu"),
+             "paged_indexer_topk": ("reference", "xla", "pallas_gpu", "pallas_tpu")}
+
+
+def _store_impl(op: str, store, impl: str) -> str:
+    """impl for a paged op over `store`: itself for a bf16 / float32 store or an implementation in
+    FP8_IMPLS; for FP8 pages "auto" falls back to "xla" where the backend's implementation does
+    not read them, and a named one that does not is a ValueError."""
+    if not fp8.is_fp8(store):
+        return impl
+    name = resolve_impl(op, impl)
+    if name in FP8_IMPLS[op]:
+        return impl
+    if impl == registry.AUTO:
+        return registry.FALLBACK
+    raise ValueError(f"pallas_kernels.{op}: impl={name!r} does not read FP8 pages; the implementations that do: "
+                     f"{', '.join(FP8_IMPLS[op])} (or 'auto')")
 
 
 def indexer_scores(q: jax.Array, k: jax.Array, weights: jax.Array, *, q_pos: jax.Array,
@@ -230,17 +255,20 @@ def paged_indexer_topk(q: jax.Array, k_pages: jax.Array, page_table: jax.Array, 
     Args:
       q: [B, S, H, D];  weights: float32 [B, S, H];  q_pos: int32 [B, S];  kv_len: int32 [B]
         -- as in `indexer_topk` (no kv_start: decode and chunked prefill of one document).
-      k_pages: [slots, pages, P, D] (or one slot [pages, P, D]) indexer keys.
+      k_pages: [slots, pages, P, D] (or one slot [pages, P, D]) indexer keys, or an
+        `fp8.Fp8Keys` of such stores (values e4m3 [.., D], scales float32 [.., 1]).
       page_table: int32 [B, n]; key t of sequence b is k_pages[slot, page_table[b, t // P], t % P]
         for t < n * P (`pallas_kernels.paging`); every page id in [0, pages).
       slot: int or int32 scalar, the store's slot to read.
       topk, impl, config, interpret: as in `indexer_topk` (the same config classes).
 
     Returns:
-      int32 [B, S, topk]: `indexer_topk` of the keys k[b, t] (T = n * P), cast to q's dtype.
+      int32 [B, S, topk]: `indexer_topk` of the keys k[b, t] (T = n * P; FP8 keys dequantized
+      to float32), cast to q's dtype.
       Not differentiated.
     """
     checks.paged_indexer(q, k_pages, page_table, weights, q_pos, kv_len, slot).static_int("topk", topk)
+    impl = _store_impl("paged_indexer_topk", k_pages, impl)
     entry, config = registry.select("paged_indexer_topk", impl, config, interpret)
     k_pages = paging.as_slots(k_pages, "paged_indexer_topk")
     page_table = paging.check_page_table(page_table, q.shape[0], "paged_indexer_topk")
@@ -256,7 +284,9 @@ def paged_sparse_mla(q: jax.Array, kv_pages: jax.Array, page_table: jax.Array, i
 
     Args:
       q: [B, S, H, Dk] queries.
-      kv_pages: [slots, pages, P, Dk] (or one slot [pages, P, Dk]) latent rows.
+      kv_pages: [slots, pages, P, Dk] (or one slot [pages, P, Dk]) latent rows, or an
+        `fp8.Fp8Latent` of such stores (values e4m3 [.., C], scales float32 [.., C / 128],
+        rope bfloat16 [.., Dk - C]).
       page_table: int32 [B, n]; logical row t of sequence b is kv_pages[slot,
         page_table[b, t // P], t % P] for t < n * P (`pallas_kernels.paging`); every page id
         in [0, pages).
@@ -266,10 +296,11 @@ def paged_sparse_mla(q: jax.Array, kv_pages: jax.Array, page_table: jax.Array, i
 
     Returns:
       (out [B, S, H, v_dim] in q.dtype, lse float32 [B, S, H]): `sparse_mla` of the logical
-      rows kv[b, t] (cast to q's dtype). Forward only (decode reads the cache; nothing
-      differentiates through it).
+      rows kv[b, t] (FP8 rows dequantized to float32), cast to q's dtype. Forward only (decode
+      reads the cache; nothing differentiates through it).
     """
     checks.paged_sparse_mla(q, kv_pages, page_table, indices, sm_scale, v_dim, slot)
+    impl = _store_impl("paged_sparse_mla", kv_pages, impl)
     entry, config = registry.select("paged_sparse_mla", impl, config, interpret)
     kv_pages = paging.as_slots(kv_pages, "paged_sparse_mla")
     page_table = paging.check_page_table(page_table, q.shape[0], "paged_sparse_mla")

@@ -21,12 +21,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import fp8
+
 #: Dtype kinds of array arguments (the documented ones; integer arrays are cast to int32).
 FLOAT = "float32 or bfloat16"
 STORE = "a floating dtype (float32, bfloat16 or float8)"
 FLOAT32 = "float32"
 INT = "an integer dtype (int32)"
 BOOL = "bool"
+E4M3 = "float8_e4m3fn"
+BF16 = "bfloat16"
 
 _KIND_TEST = {
     FLOAT: lambda d: d in (np.float32, jnp.bfloat16),
@@ -34,6 +38,8 @@ _KIND_TEST = {
     FLOAT32: lambda d: d == np.float32,
     INT: lambda d: jnp.issubdtype(d, jnp.integer),
     BOOL: lambda d: d == np.bool_,
+    E4M3: lambda d: d == jnp.float8_e4m3fn,
+    BF16: lambda d: d == jnp.bfloat16,
 }
 
 
@@ -140,20 +146,58 @@ def paged_indexer(q, k_pages, page_table, weights, q_pos, kv_len, slot) -> Signa
     weights float32 [B, S, H], q_pos int [B, S], kv_len int [B], slot an int scalar."""
     sig = Signature("paged_indexer_topk")
     sig.array("q", q, "B S H D", FLOAT)
-    _store(sig, "k_pages", k_pages, "D")
+    _store(sig, "k_pages", k_pages, "D", fp8.Fp8Keys)
     sig.array("page_table", page_table, "B n", INT)
     _query_side(sig, weights, q_pos, kv_len)
     sig.array("slot", slot, "", INT)
     return sig
 
 
-def _store(sig: Signature, name: str, store, width: str) -> None:
-    """A paged store [pages, P, width] or [slots, pages, P, width] of any float dtype."""
+def _store(sig: Signature, name: str, store, width: str, fp8_type: type = fp8.Fp8Latent) -> None:
+    """A paged store [pages, P, width] or [slots, pages, P, width] of any float dtype, or in
+    the FP8 layout `fp8_type` (`_fp8_store`)."""
+    if fp8.is_fp8(store):
+        return _fp8_store(sig, name, store, width, fp8_type)
+    if isinstance(store, tuple):
+        sig.fail(f"{name} must be an array or a pallas_kernels.fp8.{fp8_type.__name__}, got a "
+                 f"{type(store).__name__}", TypeError)
     rank = len(_shape_dtype(store)[0])
     if rank not in (3, 4):
         sig.fail(f"the paged store {name} must be [pages, P, {width}] or [slots, pages, P, {width}], "
                  f"got shape {_shape_dtype(store)[0]}")
     sig.array(name, store, ("slots " if rank == 4 else "") + f"pages P {width}", STORE)
+
+
+def _fp8_store(sig: Signature, name: str, store, width: str, fp8_type: type) -> None:
+    """An FP8 store (`pallas_kernels.fp8`): fields sharing [(slots,) pages, P]; values e4m3
+    [.., C]; Fp8Latent: scales float32 [.., C / 128], rope bfloat16 [.., R], C + R = width;
+    Fp8Keys: scales float32 [..] (one per key), C = width."""
+    if type(store) is not fp8_type:
+        sig.fail(f"{name} is a pallas_kernels.fp8.{type(store).__name__}, but this op reads a "
+                 f"{fp8_type.__name__}", TypeError)
+    if fp8_type is fp8.Fp8Keys:
+        rank = len(_shape_dtype(store.values)[0])
+        if rank not in (3, 4) or len(_shape_dtype(store.scales)[0]) != rank - 1:
+            sig.fail(f"the FP8 store {name} must be values [(slots,) pages, P, {width}] and scales [(slots,) "
+                     f"pages, P], got shapes {[_shape_dtype(x)[0] for x in store]}")
+        lead = ("slots " if rank == 4 else "") + "pages P"
+        sig.array(f"{name}.values", store.values, f"{lead} {width}", E4M3)
+        sig.array(f"{name}.scales", store.scales, lead, FLOAT32)
+        return
+    ranks = {len(_shape_dtype(x)[0]) for x in store}
+    if len(ranks) != 1 or ranks - {3, 4}:
+        sig.fail(f"the fields of the FP8 store {name} must all be [pages, P, .] or [slots, pages, P, .], got "
+                 f"shapes {[_shape_dtype(x)[0] for x in store]}")
+    lead = ("slots " if ranks == {4} else "") + "pages P "
+    sig.array(f"{name}.values", store.values, lead + "C", E4M3)
+    sig.array(f"{name}.scales", store.scales, lead + "G", FLOAT32)
+    sig.array(f"{name}.rope", store.rope, lead + "R", BF16)
+    c, g, r = sig.size("C"), sig.size("G"), sig.size("R")
+    if c != g * fp8.GROUP:
+        sig.fail(f"{name}.scales must hold one scale per {fp8.GROUP} values ([.., {c // fp8.GROUP}] for "
+                 f"{c} values), got [.., {g}]")
+    if c + r != sig.size(width):
+        sig.fail(f"{name} holds rows of {c} + {r} = {c + r} values, but q has {width}={sig.size(width)}")
 
 
 def sparse_mla(op: str, q, kv, indices, sm_scale, v_dim, *, width: str = "Dk") -> Signature:

@@ -8,7 +8,10 @@ entries at a scratch page). A contiguous cache is one page per sequence (page ta
 `[[0], [1], ...]`, P = its length).
 
 The plain-jnp helpers here define the addressing; the Pallas kernels apply the same
-arithmetic to their index vectors inside the kernel.
+arithmetic to their index vectors inside the kernel. A store may also be in the FP8 layout
+(`pallas_kernels.fp8`: a NamedTuple of per-field stores sharing [slots, pages, P]); the
+helpers then address every field alike and `read_pages` / `gather_pages` return the rows
+dequantized to float32.
 """
 
 from __future__ import annotations
@@ -16,9 +19,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import fp8
 
-def as_slots(store: jax.Array, op: str) -> jax.Array:
-    """store [pages, P, D] or [slots, pages, P, D] -> [slots, pages, P, D]."""
+
+def as_slots(store, op: str):
+    """store [pages, P, D] or [slots, pages, P, D] -> [slots, pages, P, D] (each field of an FP8 store)."""
+    if fp8.is_fp8(store):
+        return type(store)(*(x[None] for x in store)) if store.values.ndim == 3 else store
     if store.ndim == 3:
         return store[None]
     if store.ndim != 4:
@@ -52,14 +59,22 @@ def row_addresses(page_table: jax.Array, rows: jax.Array, page_size: int):
     return pages.reshape(rows.shape), (t % page_size).reshape(rows.shape), valid
 
 
-def read_pages(store: jax.Array, slot, page_table: jax.Array) -> jax.Array:
-    """store [slots, pages, P, D] -> [B, n * P, D]: every logical row of slot `slot`, in order."""
+def read_pages(store, slot, page_table: jax.Array) -> jax.Array:
+    """store [slots, pages, P, D] -> [B, n * P, D]: every logical row of slot `slot`, in order
+    (an FP8 store's rows dequantized to float32)."""
+    if fp8.is_fp8(store):     # fields [slots, pages, P, ...] -> [B, n * P, ...]
+        return fp8.dequantize(type(store)(*(x[slot][page_table].reshape(page_table.shape[0], -1, *x.shape[3:])
+                                            for x in store)))
     pages = store[slot][page_table]                                    # [B, n, P, D]
     return pages.reshape(pages.shape[0], -1, pages.shape[-1])
 
 
-def gather_pages(store: jax.Array, slot, page_table: jax.Array, rows: jax.Array) -> tuple[jax.Array, jax.Array]:
+def gather_pages(store, slot, page_table: jax.Array, rows: jax.Array) -> tuple[jax.Array, jax.Array]:
     """store [slots, pages, P, D], rows int32 [B, ...] logical rows
-    -> (the rows [B, ..., D] (an invalid one reads a valid address), valid bool [B, ...])."""
+    -> (the rows [B, ..., D] (an invalid one reads a valid address), valid bool [B, ...]).
+    An FP8 store: each field gathered (its own bytes only), then dequantized to float32."""
+    if fp8.is_fp8(store):
+        pages, offsets, valid = row_addresses(page_table, rows, store.values.shape[2])
+        return fp8.dequantize(type(store)(*(x[slot, pages, offsets] for x in store))), valid
     pages, offsets, valid = row_addresses(page_table, rows, store.shape[2])
     return store[slot, pages, offsets], valid

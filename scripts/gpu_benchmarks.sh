@@ -29,6 +29,8 @@
 #                 indexer top-k decode against the gather path, beside the
 #                 copy bandwidth; the prefill forward at 64 heads (16K
 #                 queries over 64K keys), Triton against Mosaic GPU
+# fp8             paged decode over FP8 against bf16 cache pages: sparse MLA  2-5 min
+#                 at 128K and 1M (batch 64, 128), the indexer top-k at 1M
 # prefill         one 200K-token prompt, IndexShare against all Full          2-4 min
 # serving         host time per engine step (16K context, 12,000 tokens);    6-8 min
 #                 the load benchmark at 32K, IndexShare: a rate sweep to
@@ -130,7 +132,7 @@ expand() {
         serving-all) echo serving serving-128k serving-full serving-1m serving-1m-full ;;
         dense-kl-long|dense-step-128k|sparse-mla-cuda|train-parts|train-steps|train-steps-trained|train-steps-expanded|train-loop) echo "$1" ;;
         mtp-ablation|speculative|speculative-32|speculative-graphs|speculative-rows|speculative-sampled|speculative-context) echo "$1" ;;
-        training-parts|serving-itl|training-glm52-profile|training-glm52-tuned|training-memory|training-64k|training-128k|training-glm52-64k|training-glm52-128k|kernels|prefill|serving|host|layer-split|layer-split-1m|layer-split-serving|serving-128k|serving-full|serving-1m|serving-1m-full)
+        training-parts|serving-itl|training-glm52-profile|training-glm52-tuned|training-memory|training-64k|training-128k|training-glm52-64k|training-glm52-128k|kernels|fp8|prefill|serving|host|layer-split|layer-split-1m|layer-split-serving|serving-128k|serving-full|serving-1m|serving-1m-full)
             echo "$1" ;;
         *) return 1 ;;
     esac
@@ -383,6 +385,9 @@ for group in "${groups[@]}"; do
                 --prefill-queries 16384 --prefill-context 65536 --json "$stage/sparse_mla_prefill_mosaic.json"
             run indexer_topk_paged 240 "--smoke" "$py" benchmarks/indexer_topk.py --paged-only \
                 --json "$stage/indexer_topk_paged.json"
+            ;;
+        fp8)
+            run fp8_decode 420 "--smoke" "$py" benchmarks/fp8_decode.py --json "$stage/fp8_decode.json"
             ;;
         prefill)
             run long_prefill_200k 420 "--smoke --prefill 512 --prefill-chunk 128" "$py" benchmarks/long_context.py \

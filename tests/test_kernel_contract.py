@@ -16,12 +16,14 @@ import numpy as np
 import pytest
 
 import pallas_kernels as pk
+from pallas_kernels import fp8
+from fp8_contract import check_paged_sparse_mla_fp8, check_paged_topk_fp8, fp8_exact_keys, fp8_impl_params
 from kernel_contract import (call, float_score_inputs, check_causal_attention, check_dense_indexer_kl,
                              check_indexer_cross_entropy, dense_kl_inputs,
                              check_paged_sparse_mla, check_paged_topk, check_scores, check_sparse_mla,
                              check_sparse_mla_target, check_topk, cross_entropy_inputs, doc_starts,
                              f64, impl_params, int_inputs, np_scores, np_scores_grads, np_topk, packed_documents,
-                             positions, sparse_inputs)
+                             paged_store, positions, sparse_inputs)
 
 OPS = list(pk.REGISTRY)
 
@@ -368,6 +370,66 @@ def test_paged_indexer_topk(impl):
         q, k, w = int_inputs(rng, B, S, T, H, D)
         q_pos, kv_len = positions(rng, B, S, T, mode)
         check_paged_topk(impl, q, k, w, page_size=page_size, topk=topk, q_pos=q_pos, kv_len=kv_len)
+
+
+@pytest.mark.parametrize("impl", fp8_impl_params("paged_sparse_mla"))
+def test_paged_sparse_mla_fp8(impl):
+    """The FP8 layout (`pallas_kernels.fp8`): 2 scale groups of 128 values + 16 bf16 rope
+    columns, in the shuffled pages of `test_paged_sparse_mla`: the op over the dequantized rows
+    (float32 queries: no further rounding), and within the quantization error of the op over
+    the unquantized rows."""
+    q, kv, idx = sparse_inputs(241, B=2, S=2, T=50, K=24, H=4, Dk=272)
+    out, lse = check_paged_sparse_mla_fp8(impl, q, kv, idx, page_size=16, sm_scale=0.0625, v_dim=256)
+    exact, exact_lse = call("paged_sparse_mla", impl, q, *paged_store_of(kv, idx, 16), idx, slot=jnp.int32(1),
+                            sm_scale=0.0625, v_dim=256)
+    fin = np.isfinite(np.asarray(exact_lse))
+    assert np.max(np.abs(f64(out) - f64(exact))) < 0.25 * np.max(np.abs(f64(kv)))   # values err <= 2^-4 max
+    assert np.max(np.abs(np.asarray(lse)[fin] - np.asarray(exact_lse)[fin])) < 0.25
+
+
+def paged_store_of(rows, idx, page_size):
+    """(store, page table) of `paged_store` with the seed the FP8 checks use for these indices."""
+    store, table, _ = paged_store(idx.shape[-1] + page_size, rows, page_size)
+    return store, table
+
+
+@pytest.mark.parametrize("impl", fp8_impl_params("paged_indexer_topk"))
+def test_paged_indexer_topk_fp8(impl):
+    """FP8 keys (one scale per key) that quantize exactly (`fp8_exact_keys`): the top-k equals
+    the exact one of the unquantized keys, ties everywhere; pages of 64 rows, decode and a
+    chunk of 3."""
+    rng = np.random.default_rng(41)
+    B, T, H, D, topk = 3, 200, 4, 16, 16
+    for S, mode, page_size in ((1, "offset", 64), (3, "random", 256)):
+        q, _, w = int_inputs(rng, B, S, T, H, D)
+        k = fp8_exact_keys(rng, B, T, D)
+        np.testing.assert_array_equal(np.asarray(fp8.dequantize(fp8.quantize_keys(k))), np.asarray(k))
+        q_pos, kv_len = positions(rng, B, S, T, mode)
+        got = check_paged_topk_fp8(impl, q, k, w, page_size=page_size, topk=topk, q_pos=q_pos, kv_len=kv_len)
+        np.testing.assert_array_equal(np.asarray(got), np_topk(np_scores(q, k, w, q_pos, kv_len), topk))
+
+
+@pytest.mark.parametrize("impl", fp8_impl_params("paged_indexer_topk"))
+def test_paged_indexer_topk_fp8_well_separated(impl):
+    """Normal keys whose top 16 scores stand well apart from the rest (a margin far above the
+    quantization error of e4m3 with one scale per key): FP8 keys select the same set as bf16."""
+    rng = np.random.default_rng(42)
+    B, T, H, D, topk = 2, 300, 4, 32, 16
+    u = rng.normal(size=D)
+    u /= np.linalg.norm(u)
+    level = np.where(rng.permutation(T)[None, :] < topk, rng.uniform(4, 6, (B, T)), rng.uniform(0, 1.5, (B, T)))
+    k = level[..., None] * u + 0.05 * rng.normal(size=(B, T, D))
+    q = jnp.asarray(np.broadcast_to(u, (B, 1, H, D)) * (1 + 0.1 * rng.random((B, 1, H, 1))), jnp.float32)
+    w = jnp.asarray(rng.uniform(0.5, 1.5, (B, 1, H)), jnp.float32)
+    q_pos, kv_len = jnp.full((B, 1), T - 1, jnp.int32), jnp.full((B,), T, jnp.int32)
+    k = jnp.asarray(k, jnp.float32)
+    got = check_paged_topk_fp8(impl, q, k, w, page_size=64, topk=topk, q_pos=q_pos, kv_len=kv_len)
+    store, table = paged_store_of(k.astype(jnp.bfloat16), jnp.zeros((1, 1, topk)), 64)
+    bf16 = call("paged_indexer_topk", impl, q, store, table, w, slot=jnp.int32(1), topk=topk, q_pos=q_pos,
+                kv_len=kv_len)
+    assert (np.sort(np.asarray(got), -1) == np.sort(np.asarray(bf16), -1)).all()
+    for b in range(B):
+        assert set(np.asarray(got)[b, 0].tolist()) == set(np.flatnonzero(level[b] > 2).tolist())
 
 
 # ----------------------------------------------------------------------------- causal attention

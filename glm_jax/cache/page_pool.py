@@ -24,6 +24,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
+from glm_jax.cache import fp8
 from glm_jax.cache.layer_split import LayerSplit
 from glm_jax.cache.store import KVCache, create_paged_cache
 from glm_jax.config import GLMConfig
@@ -33,8 +34,11 @@ class CacheFullError(RuntimeError):
     """A request needs more cache pages than the pool can give it."""
 
 
-def page_bytes(cfg: GLMConfig, page_size: int, dtype=None) -> int:
-    """Bytes of one page over all layers: latent rows on every layer, keys on Full layers."""
+def page_bytes(cfg: GLMConfig, page_size: int, dtype=None, *, layout: str | None = None) -> int:
+    """Bytes of one page over all layers: latent rows on every layer, keys on Full layers; in
+    `dtype` (default the model's), or in a layout of `fp8.LAYOUTS` ("fp8": `fp8.page_bytes`)."""
+    if layout is not None:
+        return fp8.page_bytes(cfg, page_size, layout)
     itemsize = jnp.dtype(dtype or cfg.dtype).itemsize
     return page_size * itemsize * (cfg.num_hidden_layers * cfg.latent_dim + len(cfg.full_layers) * cfg.index_head_dim)
 

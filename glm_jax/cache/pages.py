@@ -4,11 +4,19 @@ A store is [slots, pages, P, D] (P = page size; D = kv_lora + rope for the laten
 indexer head dim for the key store); a page table int32 [B, pages per sequence] names the page
 of each block of P rows: row t of sequence b is at page_table[b, t // P], offset t % P. A
 contiguous cache is one page per sequence (page table [[0], [1], ...]).
+
+A store may also be in the FP8 layout (`pallas_kernels.fp8.Fp8Latent` / `Fp8Keys`: a NamedTuple of
+stores sharing [slots, pages, P]): `write_rows` then quantizes each row on write (its own
+scales) and `gather_rows` / `read_sequence` return the rows dequantized to float32. (The cache
+and its views do not create FP8 stores yet.)
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+
+from pallas_kernels import fp8
 
 
 def contiguous_page_table(batch: int) -> jnp.ndarray:
@@ -32,6 +40,13 @@ def write_rows(store, slot, page_table, positions, rows, mine=True):
     """store [slots, pages, P, D]; rows [B, S, D] at positions int32 [B, S] of local `slot`.
 
     mine: False (traced bool) keeps the old rows (another device owns this layer)."""
+    if fp8.is_fp8(store):
+        pages, offs = page_addresses(page_table, store.values.shape[2], store.values.shape[1], positions)
+        new = fp8.quantize_like(store, rows)
+        if mine is not True:
+            new = jax.tree.map(lambda s, n: jnp.where(mine, n, s[slot, jnp.minimum(pages, s.shape[1] - 1), offs]),
+                               store, new)
+        return jax.tree.map(lambda s, n: s.at[slot, pages, offs].set(n, mode="drop"), store, new)
     pages, offs = page_addresses(page_table, store.shape[2], store.shape[1], positions)
     rows = rows.astype(store.dtype)
     if mine is not True:
@@ -41,11 +56,16 @@ def write_rows(store, slot, page_table, positions, rows, mine=True):
 
 def gather_rows(store, slot, page_table, indices):
     """-> [B, S, K, D]: rows at indices int32 [B, S, K] of local `slot` (row 0 where index < 0)."""
+    if fp8.is_fp8(store):
+        return fp8.dequantize(type(store)(*(gather_rows(x, slot, page_table, indices) for x in store)))
     pages, offs = page_addresses(page_table, store.shape[2], store.shape[1], indices)
     return store[slot, jnp.minimum(pages, store.shape[1] - 1), offs]
 
 
 def read_sequence(store, slot, page_table):
     """-> [B, pages per sequence * P, D]: every row of each sequence, pages gathered in order."""
+    if fp8.is_fp8(store):     # fields [slots, pages, P, ...] -> [B, n * P, ...]
+        return fp8.dequantize(type(store)(*(x[slot][page_table].reshape(page_table.shape[0], -1, *x.shape[3:])
+                                            for x in store)))
     pages = store[slot][page_table]                      # [B, n, P, D]
     return pages.reshape(pages.shape[0], -1, pages.shape[-1])

@@ -24,6 +24,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from glm_jax.cache import fp8
 from glm_jax.cache.layer_split import LayerSplit, Placement, padded_slots
 from glm_jax.cache.pages import contiguous_page_table
 from glm_jax.cache.view import GroupCacheView
@@ -111,13 +112,5 @@ def cache_bytes_per_token(cfg: GLMConfig, *, layout: str = "bf16", index_share: 
 
     layout "bf16": latent 2 B x (kv_lora + rope), indexer key 2 B x D.
     layout "fp8":  latent kv_lora e4m3 + kv_lora/128 fp32 scales + rope bf16 (656 B for GLM-5.2),
-                   indexer key D e4m3 + one fp32 scale (132 B)."""
-    if layout == "bf16":
-        latent, key = 2 * cfg.latent_dim, 2 * cfg.index_head_dim
-    elif layout == "fp8":
-        latent = cfg.kv_lora_rank + 4 * (cfg.kv_lora_rank // 128) + 2 * cfg.qk_rope_head_dim
-        key = cfg.index_head_dim + 4
-    else:
-        raise ValueError(f"layout must be 'bf16' or 'fp8', got {layout!r}")
-    full = len(cfg.full_layers) if index_share else cfg.num_hidden_layers
-    return cfg.num_hidden_layers * latent + full * key
+                   indexer key D e4m3 + one fp32 scale (132 B). (`fp8.bytes_per_token`)"""
+    return fp8.bytes_per_token(cfg, layout, index_share=index_share)

@@ -23,7 +23,8 @@ per group, each re-reading the query's rows).
 Paged decode (`paged_sparse_mla`): the same forward kernel over a paged store [slots, pages,
 P, Dk]; each block's logical indices are translated to (page, offset) through the page table
 inside the kernel and the rows gathered from their pages, so no contiguous copy is made. By
-default it runs head groups rather than K splits (`default_head_group`).
+default it runs head groups rather than K splits (`default_head_group`). An FP8 store
+(`pallas_kernels.fp8.Fp8Latent`) is dequantized in registers (`gpu_fp8`).
 
 Indexer target (`return_target`). Once a program's loop has its lse, a second loop over the
 same K rows (just gathered by this program, so mostly served from L2) recomputes the logits
@@ -56,8 +57,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import fp8
 from pallas_kernels._common import dot_nt, online_softmax_step, pad_slots
-from pallas_kernels.attention import gpu_backward, transpose, vjp
+from pallas_kernels.attention import gpu_backward, gpu_fp8, transpose, vjp
 from pallas_kernels.attention.gpu_backward import head_rows, next_pow2, pow2_chunks
 
 #: Rows per loop step of the forward for 2-byte inputs (halved for 4-byte). Sized for Hopper's
@@ -110,12 +112,13 @@ def _load_paged_block(idx_ref, pt_ref, kv_ref, *, b, slot, row, k0, block_k, pag
 
 
 def _fwd_kernel(q_ref, kv_ref, idx_ref, *refs, seq_len, num_keys, sm_scale, block_k, blocks_per_split, kchunks,
-                vchunks, group, page_size, heads):
+                vchunks, group, page_size, heads, fp8_store=False):
     """One (query, K split, head group) program over q [B*S, H, Dk] (the group's `group` heads in
     a tile, those >= H masked: read as 0, not written). Contiguous: refs = (out, lse[, target])
     and kv [B, T, Dk]; with target (one split, one group of all heads) a second pass over the
     rows writes the indexer target. Paged (page_size set): refs = (page table [B, n], slot [1],
-    out, lse) and kv [slots, pages, P, Dk]. out [B*S, splits, H, v], lse [B*S, splits, H]."""
+    out, lse) and kv [slots, pages, P, Dk]; an FP8 store (fp8 set): refs = (page table, slot,
+    scales, rope, out, lse) and kv the e4m3 values. out [B*S, splits, H, v], lse [B*S, splits, H]."""
     row = pl.program_id(0)                  # b * S + s
     split = pl.program_id(1)
     h0 = pl.program_id(2) * group
@@ -123,6 +126,12 @@ def _fwd_kernel(q_ref, kv_ref, idx_ref, *refs, seq_len, num_keys, sm_scale, bloc
     if page_size is None:
         out_ref, lse_ref, *target_ref = refs
         load = functools.partial(_load_block, idx_ref, kv_ref, b=b, row=row, block_k=block_k,
+                                 num_keys=num_keys, chunks=kchunks)
+    elif fp8_store:
+        pt_ref, slot_ref, scales_ref, rope_ref, out_ref, lse_ref = refs
+        target_ref = []
+        load = functools.partial(gpu_fp8.load_block, idx_ref, pt_ref, kv_ref, scales_ref, rope_ref, b=b,
+                                 slot=slot_ref[0], row=row, block_k=block_k, page_size=page_size,
                                  num_keys=num_keys, chunks=kchunks)
     else:
         pt_ref, slot_ref, out_ref, lse_ref = refs
@@ -179,14 +188,16 @@ def _forward(q, kv, idx, *, sm_scale, v_dim, block_k, splits, num_warps, num_sta
     """q [B, S, H, Dk]; idx int32 [B*S, Kp] (Kp a multiple of block_k * splits); head_group: heads
     per program (a power of two >= 16, or None: all, in head_rows(H) rows). Contiguous: kv [B, T, Dk].
     paged = (page_table int32 [B, n], slot int32 [1]): kv is a store [slots, pages, P, Dk] and idx
-    holds logical rows. -> (out, lse), and with `topk` (contiguous, one split, all heads in
+    holds logical rows; kv may then be an `fp8.Fp8Latent` of such stores (v_dim its values' width).
+    -> (out, lse), and with `topk` (contiguous, one split, all heads in
     one program) the indexer target float32 [B, S, topk] as well. q is read and out / lse
     written unpadded (the program's head tile is masked)."""
     batch, seq_len, heads, dk = q.shape
     hp = head_rows(heads)
     group = min(hp, head_group or hp)
-    kchunks = pow2_chunks(0, v_dim) + pow2_chunks(v_dim, dk)
-    vchunks = pow2_chunks(0, v_dim)
+    fp8_store = fp8.is_fp8(kv)
+    kv, extra, vchunks = gpu_fp8.split_store(kv, v_dim) if fp8_store else (kv, (), pow2_chunks(0, v_dim))
+    kchunks = vchunks + pow2_chunks(v_dim, dk)
     rows_total = batch * seq_len
     kp = idx.shape[-1]
     blocks_per_split = kp // (block_k * splits)
@@ -199,7 +210,7 @@ def _forward(q, kv, idx, *, sm_scale, v_dim, block_k, splits, num_warps, num_sta
     kernel = functools.partial(
         _fwd_kernel, seq_len=seq_len, num_keys=num_keys, sm_scale=sm_scale, block_k=block_k,
         blocks_per_split=blocks_per_split, kchunks=kchunks, vchunks=vchunks, group=group, page_size=page_size,
-        heads=heads)
+        heads=heads, fp8_store=fp8_store)
     out_dtype = q.dtype if final else jnp.float32
     out_shape = [jax.ShapeDtypeStruct((rows_total, splits, heads, v_dim), out_dtype),
                  jax.ShapeDtypeStruct((rows_total, splits, heads), jnp.float32)]
@@ -212,7 +223,7 @@ def _forward(q, kv, idx, *, sm_scale, v_dim, block_k, splits, num_warps, num_sta
         compiler_params=_params(num_warps, num_stages),
         interpret=interpret,
         name="sparse_mla_fwd" if paged is None else "paged_sparse_mla_fwd",
-    )(q.reshape(rows_total, heads, dk), kv, idx, *(paged or ()))
+    )(q.reshape(rows_total, heads, dk), kv, idx, *(paged or ()), *extra)
     if not final:
         lse_all = lse
         lse = jax.nn.logsumexp(lse_all, axis=1, keepdims=True)
@@ -470,12 +481,14 @@ def paged_sparse_mla(q: jax.Array, kv_pages: jax.Array, page_table: jax.Array, i
     q [B, S, H, Dk], kv_pages [slots, pages, P, Dk], page_table int32 [B, n], slot int32
     scalar, indices int32 [B, S, K] (-1 or >= n * P = skip) -> (out [B, S, H, v_dim] in
     q.dtype, lse f32 [B, S, H]). Forward only. Programs: one per (query, K split, head group)
-    (`default_head_group`, `default_splits`); the backward knobs of the config are unused."""
+    (`default_head_group`, `default_splits`); the backward knobs of the config are unused.
+    kv_pages may be an `fp8.Fp8Latent` (dequantized in registers; v_dim must be its values' width)."""
     c = config
     batch, seq_len, heads = q.shape[:3]
     group = int(c.head_group or default_head_group(batch * seq_len, heads))
     groups = max(1, head_rows(heads) // group)
-    bk, splits = _block_and_splits(c, kv_pages.dtype, indices.shape[-1], batch * seq_len * groups)
+    dtype = gpu_fp8.check(kv_pages, v_dim) if fp8.is_fp8(kv_pages) else kv_pages.dtype
+    bk, splits = _block_and_splits(c, dtype, indices.shape[-1], batch * seq_len * groups)
     idx = pad_slots(indices, bk * splits)
     slot = jnp.reshape(jnp.asarray(slot, jnp.int32), (1,))
     return _forward(q, kv_pages, idx.reshape(batch * seq_len, -1), sm_scale=float(sm_scale), v_dim=int(v_dim),

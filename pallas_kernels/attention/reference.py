@@ -65,7 +65,7 @@ def sparse_mla(q: jax.Array, kv: jax.Array, indices: jax.Array, *, sm_scale: flo
 def paged_sparse_mla(q: jax.Array, kv_pages: jax.Array, page_table: jax.Array, indices: jax.Array, *, slot,
                      sm_scale: float, v_dim: int, config: NoConfig = NoConfig(), interpret: bool = False):
     """The paged form's oracle: every logical row of slot `slot` read through the page table
-    (`paging.read_pages`, cast to q's dtype), then `sparse_mla`.
+    (`paging.read_pages`: an FP8 store dequantized to float32; cast to q's dtype), then `sparse_mla`.
 
     q [B, S, H, Dk], kv_pages [slots, pages, P, Dk], page_table int32 [B, n], indices int32
     [B, S, K] logical rows (-1 or >= n * P = skip) -> (out [B, S, H, v_dim], lse f32 [B, S, H])."""

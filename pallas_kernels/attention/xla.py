@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels._common import XlaConfig
+from pallas_kernels import fp8
 from pallas_kernels.chunking import choose_q_chunk, map_query_chunks
 from pallas_kernels.paging import gather_pages
 
@@ -82,13 +83,16 @@ def paged_sparse_mla(q: jax.Array, kv_pages: jax.Array, page_table: jax.Array, i
                      sm_scale: float, v_dim: int, config: XlaConfig = XlaConfig(), interpret: bool = False):
     """`sparse_mla` over the rows the logical indices name through the page table, gathered
     from the store (`paging.gather_pages`, cast to q's dtype) `config.q_chunk` queries at a time.
+    An FP8 store (`pallas_kernels.fp8.Fp8Latent`) is gathered field by field (its own bytes)
+    and dequantized to float32 before the cast.
 
-    q [B, S, H, Dk], kv_pages [slots, pages, P, Dk], page_table int32 [B, n], indices int32
+    q [B, S, H, Dk], kv_pages [slots, pages, P, Dk] (or an Fp8Latent of such stores), page_table int32 [B, n], indices int32
     [B, S, K] (-1 or >= n * P = skip) -> (out [B, S, H, v_dim], lse f32 [B, S, H])."""
     del interpret
     batch, seq_len, num_heads, dk = q.shape
     topk = indices.shape[-1]
-    per_query = _bytes_per_query(batch, num_heads, topk, dk, v_dim, jnp.dtype(kv_pages.dtype).itemsize)
+    itemsize = 4 if fp8.is_fp8(kv_pages) else jnp.dtype(kv_pages.dtype).itemsize
+    per_query = _bytes_per_query(batch, num_heads, topk, dk, v_dim, itemsize)
     chunk = choose_q_chunk(seq_len, per_query, config.q_chunk)
 
     def body(q_c, idx_c):

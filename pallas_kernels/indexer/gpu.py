@@ -34,6 +34,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import fp8
 from pallas_kernels._common import check_positive_fields, check_topk, pad_axis, pad_topk, start_or_zero
 from pallas_kernels.chunking import map_query_chunks
 from pallas_kernels.indexer import pallas_ops, threshold
@@ -59,16 +60,20 @@ def _params(num_warps: int, num_stages: int = 1):
 def _key_tile(k_ref, paged_refs, *, b, t0, block_t, page_size):
     """Keys [t0, t0 + block_t) of sequence b: a block of k_ref [B, T, D]; paged (page_size
     set; paged_refs = (page table [B, n], slot [1]), k_ref [slots, pages, P, D]): one page's
-    block when P is a multiple of block_t, else a gather of the rows' (page, offset)."""
+    block when P is a multiple of block_t, else a gather of the rows' (page, offset); FP8 keys
+    (paged_refs + (scales [slots, pages, P],), k_ref the e4m3 values): float32 values * scale."""
     if page_size is None:
         return k_ref[b, pl.ds(t0, block_t), :]
-    pt_ref, slot_ref = paged_refs
+    pt_ref, slot_ref, *scales_ref = paged_refs       # FP8 keys: k_ref e4m3, scales [.., P] f32
     slot = slot_ref[0]
     if page_size % block_t == 0:
-        return k_ref[slot, pt_ref[b, t0 // page_size], pl.ds(t0 % page_size, block_t), :]
-    t = t0 + lax.broadcasted_iota(jnp.int32, (block_t,), 0)
-    pages = pt_ref[b, jnp.minimum(t // page_size, pt_ref.shape[1] - 1)]
-    return k_ref[slot, pages, t % page_size, :]
+        at = (slot, pt_ref[b, t0 // page_size], pl.ds(t0 % page_size, block_t))
+    else:
+        t = t0 + lax.broadcasted_iota(jnp.int32, (block_t,), 0)
+        at = (slot, pt_ref[b, jnp.minimum(t // page_size, pt_ref.shape[1] - 1)], t % page_size)
+    if scales_ref:                                    # dequantized in registers, f32
+        return k_ref[(*at, slice(None))].astype(jnp.float32) * scales_ref[0][at][:, None]
+    return k_ref[(*at, slice(None))]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,12 +235,14 @@ def paged_scores(q, k_pages, page_table, slot, weights, *, q_pos, kv_len, kv_sta
                  config: IndexerGpuConfig = IndexerGpuConfig(), interpret: bool = False):
     """`scores` of the keys of a paged store, read through the page table inside the kernel
     (no copy): k_pages [slots, pages, P, D] (D a power of two >= 16), page_table int32 [B, n],
-    slot int32 scalar -> f32 [B, S, n * P]."""
+    slot int32 scalar -> f32 [B, S, n * P]. k_pages may be an `fp8.Fp8Keys` of such stores."""
+    scales = (k_pages.scales,) if fp8.is_fp8(k_pages) else ()
+    k_pages = k_pages.values if scales else k_pages
     dim = k_pages.shape[-1]
     if dim != max(16, _next_pow2(dim)):
         raise ValueError(f"pallas_gpu paged indexer: the key width must be a power of two >= 16, got {dim}")
     num_keys = page_table.shape[1] * k_pages.shape[2]
-    keys = (k_pages, page_table, jnp.reshape(jnp.asarray(slot, jnp.int32), (1,)))
+    keys = (k_pages, page_table, jnp.reshape(jnp.asarray(slot, jnp.int32), (1,)), *scales)
     return _scores(q, weights, keys, num_keys, q_pos=q_pos, kv_len=kv_len, kv_start=kv_start,
                    tiling=config.tiling(q.shape[1], q.shape[2]), config=config, interpret=interpret,
                    page_size=k_pages.shape[2])[..., :num_keys]
@@ -390,7 +397,8 @@ def paged_indexer_topk(q, k_pages, page_table, weights, *, topk, q_pos, kv_len, 
     kernel (`paged_scores`: key tiles read through the page table, no copy of the keys)."""
     config = _whole_tiling(config, q.shape)
     scores_fn = lambda q_c, w_c, **kw: paged_scores(q_c, k_pages, page_table, slot, w_c, kv_len=kv_len, **kw)
-    return _topk(q, weights, scores_fn, page_table.shape[1] * k_pages.shape[2], topk=topk, q_pos=q_pos,
+    page_size = (k_pages.values if fp8.is_fp8(k_pages) else k_pages).shape[2]
+    return _topk(q, weights, scores_fn, page_table.shape[1] * page_size, topk=topk, q_pos=q_pos,
                  kv_start=None, config=config, interpret=interpret)
 
 

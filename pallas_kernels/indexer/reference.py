@@ -68,7 +68,7 @@ def paged_indexer_topk(q: jax.Array, k_pages: jax.Array, page_table: jax.Array, 
                        topk: int, q_pos: jax.Array, kv_len: jax.Array, slot, config: NoConfig = NoConfig(),
                        interpret: bool = False) -> jax.Array:
     """`indexer_topk` of every key of slot `slot` read through the page table
-    (`paging.read_pages`, cast to q's dtype): the oracle of the paged form.
+    (`paging.read_pages`: an FP8 store dequantized to float32; cast to q's dtype): the oracle of the paged form.
 
     q [B, S, H, D], k_pages [slots, pages, P, D], page_table int32 [B, n], weights f32 [B, S, H],
     q_pos int32 [B, S], kv_len int32 [B] -> int32 [B, S, topk]."""

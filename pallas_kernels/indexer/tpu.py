@@ -32,6 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels import fp8
 from pallas_kernels._common import check_positive_fields, pad_axis, start_or_zero, tpu_interpret
 from pallas_kernels.indexer import pallas_ops, threshold
 
@@ -75,10 +76,15 @@ def _tile_of(key, block_t: int, page_size: int | None):
 
 
 def _score_kernel(first_ref, last_ref, len_ref, *refs, block_q, heads, block_t, n_qblocks, precision,
-                  page_size):
+                  page_size, scaled=False):
     """Grid (b, query block, key tile), or for paged keys (b, query block, page j, tile i in
-    the page); refs: (q, w, pos, start, k, scores), after the paged scalars (page table, slot)."""
-    q_ref, w_ref, pos_ref, start_ref, k_ref, s_ref = refs[-6:]
+    the page); refs: (q, w, pos, start, k, scores), after the paged scalars (page table, slot);
+    scaled (FP8 keys): (q, w, pos, start, k e4m3, scales [1, block_t] f32, scores): the logits of
+    the e4m3 values (exact in q's dtype) times each key's scale, before the relu (scale >= 0)."""
+    if scaled:
+        q_ref, w_ref, pos_ref, start_ref, k_ref, scale_ref, s_ref = refs[-7:]
+    else:
+        q_ref, w_ref, pos_ref, start_ref, k_ref, s_ref = refs[-6:]
     b, qb = pl.program_id(0), pl.program_id(1)
     lane = lax.broadcasted_iota(jnp.int32, (block_q, block_t), 1)
     if page_size is None:
@@ -95,6 +101,8 @@ def _score_kernel(first_ref, last_ref, len_ref, *refs, block_q, heads, block_t, 
     def _():
         logits = lax.dot_general(q_ref[...], k_ref[...].astype(q_ref.dtype), (((1,), (1,)), ((), ())),
                                  precision=precision, preferred_element_type=jnp.float32)
+        if scaled:
+            logits = logits * scale_ref[...]                             # [M, block_t] * [1, block_t]
         weighted = jnp.maximum(logits, 0.0) * w_ref[...]                 # [M, block_t]
         s = jnp.sum(weighted.reshape(block_q, heads, block_t), axis=1)  # [block_q, block_t]
         valid = in_page & (key <= pos_ref[...]) & (key < len_ref[b]) & (key >= start_ref[...])
@@ -135,7 +143,9 @@ def _query_layout(q, weights, q_pos, kv_start, kv_len, block_t: int, page_size: 
 
 def _score_call(kernel, grid, scalars, q, w, pos, start, k, k_spec, out_shape, out_spec, *, block_q, interpret):
     """The score pallas_call: scalars prefetched, the query block's rows (block_q queries x
-    heads) of q, w, pos and start, the key tile k_spec -> out_shape in out_spec blocks."""
+    heads) of q, w, pos and start, the key tile k_spec -> out_shape in out_spec blocks. k and
+    k_spec may be tuples (FP8 keys: the values and their scales)."""
+    k, k_spec = (k, k_spec) if isinstance(k, tuple) else ((k,), (k_spec,))
     rows = q.shape[1] // pos.shape[1] * block_q
     return pl.pallas_call(
         kernel,
@@ -147,7 +157,7 @@ def _score_call(kernel, grid, scalars, q, w, pos, start, k, k_spec, out_shape, o
                 pl.BlockSpec((None, rows, 1), lambda b, qb, *_: (b, qb, 0)),
                 pl.BlockSpec((None, block_q, 1), lambda b, qb, *_: (b, qb, 0)),
                 pl.BlockSpec((None, block_q, 1), lambda b, qb, *_: (b, qb, 0)),
-                k_spec,
+                *k_spec,
             ],
             out_specs=out_spec,
         ),
@@ -156,7 +166,7 @@ def _score_call(kernel, grid, scalars, q, w, pos, start, k, k_spec, out_shape, o
             dimension_semantics=("parallel", "parallel") + ("arbitrary",) * (len(grid) - 2)),
         interpret=tpu_interpret(interpret),
         name="indexer_scores" if len(grid) == 3 else "paged_indexer_scores",
-    )(*scalars, q, w, pos, start, k)
+    )(*scalars, q, w, pos, start, *k)
 
 
 def scores(q, k, weights, *, q_pos, kv_len, kv_start=None, config: IndexerTpuConfig = IndexerTpuConfig(),
@@ -198,7 +208,13 @@ def paged_scores(q, k_pages, page_table, slot, weights, *, q_pos, kv_len, kv_sta
     page of P <= block_t keys is one tile), clamped to the tiles the block may see like
     `scores`. SMEM holds B * n page ids. The scores come out page-major ([B, n, S, P]; a
     block's last two dims must be whole or (8, 128)-aligned) and are moved to [B, S, n * P]
-    in XLA (a bitcast for one query)."""
+    in XLA (a bitcast for one query). FP8 keys (`fp8.Fp8Keys`): each e4m3 tile is fetched with
+    its scales, the logits of the values scaled per key (exact algebra; unlike the contract's
+    order the scaled key is not rounded to q's dtype). The scales are viewed [slots, pages, 1, P]
+    (a lane-dense block of a page; in the row-major layout the decode step pins, XLA copies the
+    [slots, pages, P] scales into that shape: 4 bytes a key)."""
+    scales = (k_pages.scales[:, :, None, :],) if fp8.is_fp8(k_pages) else ()
+    k_pages = k_pages.values if scales else k_pages
     batch, seq_len, _, dim = q.shape
     page_size, n = k_pages.shape[2], page_table.shape[1]
     block_t = min(config.block_t, page_size)
@@ -216,15 +232,22 @@ def paged_scores(q, k_pages, page_table, slot, weights, *, q_pos, kv_len, kv_sta
         return slot_ref[0], pages_ref[b * n + lax.div(tile, per_page)], lax.rem(tile, per_page), 0
 
     kernel = functools.partial(_score_kernel, block_q=bq, heads=hp, block_t=block_t, n_qblocks=n_qb,
-                               precision=_precision(q), page_size=page_size)
+                               precision=_precision(q), page_size=page_size, scaled=bool(scales))
     scalars = (first, last, kv_len, page_table.reshape(-1), jnp.reshape(jnp.asarray(slot, jnp.int32), (1,)))
     out = _score_call(
-        kernel, (batch, n_qb, n, per_page), scalars, q, w, pos, start, k_pages,
-        pl.BlockSpec((None, None, block_t, dim), key_block),
+        kernel, (batch, n_qb, n, per_page), scalars, q, w, pos, start, (k_pages, *scales),
+        (pl.BlockSpec((None, None, block_t, dim), key_block),)
+        + ((pl.BlockSpec((None, None, 1, block_t), lambda *ids: _scale_block(key_block(*ids))),) if scales else ()),
         jax.ShapeDtypeStruct((batch, n, sp, per_page * block_t), jnp.float32),
         pl.BlockSpec((None, None, bq, block_t), lambda b, qb, j, i, *_: (b, j, qb, i)), block_q=bq,
         interpret=interpret)
     return jnp.moveaxis(out[:, :, :seq_len, :page_size], 1, 2).reshape(batch, seq_len, n * page_size)
+
+
+def _scale_block(key_block):
+    """The block of a page's scales [1, block_t] beside the key tile (slot, page, tile, 0)."""
+    slot, page, tile, _ = key_block
+    return slot, page, 0, tile
 
 
 def _precision(q):
@@ -290,7 +313,8 @@ def paged_indexer_topk(q, k_pages, page_table, weights, *, topk, q_pos, kv_len, 
     """Contract of `pallas_kernels.paged_indexer_topk`: `indexer_topk` with the paged score
     kernel (`paged_scores`: key tiles fetched through the scalar-prefetched page table)."""
     scores_fn = lambda q_c, w_c, **kw: paged_scores(q_c, k_pages, page_table, slot, w_c, kv_len=kv_len, **kw)
-    return _topk(q, weights, scores_fn, page_table.shape[1] * k_pages.shape[2], topk=topk, q_pos=q_pos,
+    page_size = (k_pages.values if fp8.is_fp8(k_pages) else k_pages).shape[2]
+    return _topk(q, weights, scores_fn, page_table.shape[1] * page_size, topk=topk, q_pos=q_pos,
                  kv_start=None, config=config, interpret=interpret)
 
 

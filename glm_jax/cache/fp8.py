@@ -1,0 +1,74 @@
+"""The FP8 cache layout at a model's shapes: bytes per row, token and page, and empty FP8 stores.
+
+The layout, its quantizer and the error bound are `pallas_kernels.fp8` (the kernels read it
+without glm_jax). Per token and decoder layer a latent row [c_kv | k_rope] is kv_lora e4m3
+values + kv_lora / 128 float32 scales + rope bf16 values (656 bytes at GLM-5.2's 512 + 64,
+against 1,152 in bf16); per token and Full layer an indexer key is D e4m3 + one float32 scale
+(132 bytes at D = 128, against 256). The engine's page count can come from `page_bytes` /
+`pages_that_fit` with layout="fp8"; nothing here is wired into the engine yet.
+"""
+
+from __future__ import annotations
+
+from glm_jax.config import GLMConfig
+from pallas_kernels import fp8
+from pallas_kernels.fp8 import (Fp8Keys, Fp8Latent, dequantize, is_fp8, quantize_keys, quantize_latent,
+                                write_rows)
+
+__all__ = ["LAYOUTS", "Fp8Keys", "Fp8Latent", "dequantize", "is_fp8", "quantize_keys", "quantize_latent",
+           "write_rows", "latent_row_bytes", "key_row_bytes", "bytes_per_token", "page_bytes", "pages_that_fit",
+           "empty_stores"]
+
+#: The cache layouts: "bf16" (rows in the model's dtype, 2 bytes a value) and "fp8".
+LAYOUTS = ("bf16", "fp8")
+
+
+def _check(layout: str) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(repr(x) for x in LAYOUTS)}, got {layout!r}")
+
+
+def latent_row_bytes(cfg: GLMConfig, layout: str = "bf16") -> int:
+    """Bytes of one token's latent row in one layer: 2 (kv_lora + rope) in bf16; kv_lora +
+    4 kv_lora / 128 + 2 rope in FP8."""
+    _check(layout)
+    if layout == "bf16":
+        return 2 * cfg.latent_dim
+    return fp8.latent_row_bytes(cfg.kv_lora_rank, cfg.qk_rope_head_dim)
+
+
+def key_row_bytes(cfg: GLMConfig, layout: str = "bf16") -> int:
+    """Bytes of one token's indexer key in one Full layer: 2 D in bf16, D + 4 in FP8."""
+    _check(layout)
+    return 2 * cfg.index_head_dim if layout == "bf16" else fp8.key_row_bytes(cfg.index_head_dim)
+
+
+def bytes_per_token(cfg: GLMConfig, layout: str = "bf16", *, index_share: bool = True) -> int:
+    """Bytes one token occupies across all decoder layers (the MTP layer not included): a
+    latent row per layer, an indexer key per Full layer (per layer without IndexShare)."""
+    keys = len(cfg.full_layers) if index_share else cfg.num_hidden_layers
+    return cfg.num_hidden_layers * latent_row_bytes(cfg, layout) + keys * key_row_bytes(cfg, layout)
+
+
+def page_bytes(cfg: GLMConfig, page_size: int, layout: str = "bf16") -> int:
+    """Bytes of one page of page_size tokens over all layers, as the paged cache stores them
+    (latent rows on every layer, keys on Full layers)."""
+    if page_size < 1:
+        raise ValueError(f"page_size must be >= 1, got {page_size}")
+    return page_size * bytes_per_token(cfg, layout)
+
+
+def pages_that_fit(cfg: GLMConfig, budget_bytes: int, page_size: int, layout: str = "bf16") -> int:
+    """How many whole pages of page_size tokens fit in budget_bytes (0 if not one)."""
+    return max(0, int(budget_bytes) // page_bytes(cfg, page_size, layout))
+
+
+def empty_stores(cfg: GLMConfig, latent_slots: int, key_slots: int, num_pages: int,
+                 page_size: int) -> tuple[Fp8Latent, Fp8Keys]:
+    """Zero FP8 stores shaped as `store.create_paged_cache` shapes bf16 ones: latent (values
+    e4m3 [latent_slots, num_pages, page_size, kv_lora], scales f32 [.., kv_lora / 128], rope
+    bf16 [.., rope]) and keys (values e4m3 [key_slots, num_pages, page_size, D], scales f32
+    [.., 1])."""
+    latent = fp8.empty_latent_pages((latent_slots, num_pages, page_size), cfg.kv_lora_rank, cfg.qk_rope_head_dim)
+    keys = fp8.empty_key_pages((key_slots, num_pages, page_size), cfg.index_head_dim)
+    return latent, keys
