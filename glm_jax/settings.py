@@ -13,6 +13,9 @@ A dataclass may hold sections (fields whose default is another `Settings`); `fro
 the nested mapping of a YAML file, `to_dict` writes it, `with_values` sets fields by their
 flat names (each field name is unique over the sections, so a flag's dest names one field) and
 `differences` lists what changed between two of them.
+
+Settings are hashable (a settings value may be a static argument of a jitted function): a
+mapping-valued setting is a `FrozenDict` (a tuple of pairs that reads as a mapping).
 """
 
 from __future__ import annotations
@@ -28,6 +31,46 @@ MISSING = dataclasses.MISSING
 
 class SettingError(ValueError):
     """A setting whose value is of the wrong type or outside its rule, or a name no setting has."""
+
+
+class FrozenDict(Mapping):
+    """An immutable, hashable mapping (its `items`: a tuple of (key, value) pairs, in order);
+    nested mappings are FrozenDicts too. Equal to a dict of the same items, shown as one."""
+
+    __slots__ = ("pairs",)
+
+    def __init__(self, mapping: Mapping | Iterator = ()):
+        pairs = mapping.items() if isinstance(mapping, Mapping) else mapping
+        object.__setattr__(self, "pairs", tuple((k, FrozenDict(v) if isinstance(v, Mapping) else v)
+                                                for k, v in pairs))
+
+    def __setattr__(self, name, value):
+        raise AttributeError("a FrozenDict is immutable")
+
+    def __getitem__(self, key):
+        for k, v in self.pairs:
+            if k == key:
+                return v
+        raise KeyError(key)
+
+    def __iter__(self):
+        return (k for k, _ in self.pairs)
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def __hash__(self) -> int:
+        return hash(frozenset(self.pairs))
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Mapping) and dict(self.pairs) == dict(other.items())
+
+    def to_dict(self) -> dict:
+        """A plain dict (nested ones too), e.g. for YAML."""
+        return {k: v.to_dict() if isinstance(v, FrozenDict) else v for k, v in self.pairs}
+
+    def __repr__(self) -> str:
+        return repr(self.to_dict())
 
 
 def setting(default: Any = MISSING, *, default_factory: Any = MISSING, at_least: float | None = None,
@@ -95,6 +138,8 @@ def _checked(owner: Settings, f: dataclasses.Field, hint: Any, value: Any) -> An
         value = float(value)
     if tuple in allowed and isinstance(value, list):
         value = tuple(value)
+    if FrozenDict in allowed and isinstance(value, Mapping) and not isinstance(value, FrozenDict):
+        value = FrozenDict(value)
     if isinstance(value, bool) and bool not in allowed or not isinstance(value, tuple(allowed)):
         kinds = " or ".join(sorted(t.__name__ for t in allowed if t is not type(None)))
         raise SettingError(f"{name} must be {_article(kinds)}, got {value!r}")
@@ -129,7 +174,8 @@ def to_dict(settings: Settings, *, per_invocation: bool = True) -> dict:
         if _is_section(f):
             out[f.name] = to_dict(value, per_invocation=per_invocation)
         elif per_invocation or not f.metadata.get("per_invocation"):
-            out[f.name] = list(value) if isinstance(value, tuple) else value
+            out[f.name] = (list(value) if isinstance(value, tuple) else value.to_dict()
+                           if isinstance(value, FrozenDict) else value)
     return out
 
 

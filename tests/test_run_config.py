@@ -93,3 +93,27 @@ def test_hints_name_the_interpreter_as_run_from_the_working_directory(tmp_path, 
     assert cli.python_command() == ".venv/bin/python"
     monkeypatch.setattr("sys.executable", "/usr/bin/python3")
     assert cli.python_command() == "/usr/bin/python3"
+
+
+def test_every_settings_class_is_frozen_and_hashable(tmp_path):
+    """Settings may be static arguments of jitted functions: equal settings hash equal, a
+    kernel_config (a FrozenDict) included, and one read back from run_config.yaml too."""
+    from glm_jax.decoding.decode_config import DecodeConfig
+    from glm_jax.serving.serve_config import ServeConfig
+
+    classes = [TrainConfig, DecodeConfig, ServeConfig] + [f.default_factory for f in dataclasses.fields(TrainConfig)
+                                                          if settings._is_section(f)]
+    for cls in classes:
+        assert dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen, cls
+        assert hash(cls()) == hash(cls()), cls
+    configs = {"attention": {"block_k": 64}, "indexer": {"q_chunk": 16}}
+    a = settings.with_values(TrainConfig(out="r"), {"kernel_config": configs})
+    b = settings.with_values(TrainConfig(out="r"), {"kernel_config": dict(reversed(configs.items()))})
+    assert a == b and hash(a) == hash(b) and a.kernels.kernel_config == configs
+    assert hash(DecodeConfig(kernel_config=configs)) == hash(DecodeConfig(kernel_config=configs))
+    with pytest.raises(AttributeError):
+        a.kernels.kernel_config.pairs = ()
+    run_config.save(a, tmp_path)
+    assert "block_k: 64" in (tmp_path / run_config.FILE_NAME).read_text()
+    back = run_config.load(tmp_path / run_config.FILE_NAME)
+    assert hash(back) == hash(dataclasses.replace(a, out=None)) and back.kernels.kernel_config == configs

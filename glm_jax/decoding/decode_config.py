@@ -10,7 +10,7 @@ import dataclasses
 from glm_jax import ops
 from glm_jax.kernel_configs import configured
 from glm_jax.decoding.sampling import SamplingError, SamplingParams
-from glm_jax.settings import Settings, SettingError, setting
+from glm_jax.settings import FrozenDict, Settings, SettingError, setting
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,7 +33,7 @@ class DecodeConfig(Settings):
     collective: str = setting("permute")
     attention_impl: str = setting("auto")
     indexer_impl: str = setting("auto")
-    kernel_config: dict[str, dict] = setting(default_factory=dict)
+    kernel_config: FrozenDict = setting(FrozenDict())
     batch_invariant: bool = setting(False)
     decode_steps: int = setting(1, at_least=1)
 

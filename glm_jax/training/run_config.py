@@ -23,7 +23,8 @@ from pathlib import Path
 
 import yaml
 
-from glm_jax.settings import Settings, SettingError, differences, from_dict, section, setting, shown, to_dict
+from glm_jax.settings import (FrozenDict, Settings, SettingError, differences, from_dict, section, setting, shown,
+                              to_dict)
 
 #: The file in the run directory that holds the run's settings.
 FILE_NAME = "run_config.yaml"
@@ -89,7 +90,7 @@ class KernelsConfig(Settings):
     attention_form: str = setting("auto")
     attention_impl: str = setting("auto")
     indexer_impl: str = setting("auto")
-    kernel_config: dict[str, dict] = setting(default_factory=dict)
+    kernel_config: FrozenDict = setting(FrozenDict())
     remat: bool = setting(False)
     keep_attention: bool = setting(False)
 
