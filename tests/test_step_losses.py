@@ -44,3 +44,20 @@ def test_first_losses_are_those_of_the_code_before(tmp_path):
     assert len(got["loss"]) == 20
     for term in TERMS:
         assert got[term] == want[term], term
+
+
+def test_the_step_config_is_one_hashable_value_built_from_the_settings():
+    import dataclasses
+
+    from glm_jax import ops
+    from glm_jax.training.run_config import LossConfig, TrainConfig
+    from glm_jax.training.step import LossWeights, OptimizerConfig, StepConfig
+
+    settings = TrainConfig(out="r")
+    a = StepConfig.of(settings, kernels=ops.KernelChoice(), form="absorbed", stage="dense")
+    b = StepConfig.of(TrainConfig(out="elsewhere"), kernels=ops.KernelChoice(), form="absorbed", stage="dense")
+    assert a == b and hash(a) == hash(b) and a.tx is b.tx          # one compiled step for both
+    assert a.weights == LossWeights() == LossWeights.of(LossConfig())  # the defaults are LossConfig's
+    assert a.optimizer == OptimizerConfig(3e-3, 600, 50)
+    other = dataclasses.replace(settings, losses=dataclasses.replace(settings.losses, mtp_weight=0.5))
+    assert StepConfig.of(other, kernels=ops.KernelChoice(), form="absorbed", stage="dense").weights.mtp == 0.5
