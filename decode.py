@@ -80,7 +80,9 @@ def parse_args(argv=None):
                          "prompt is prefilled or admitted (1..the page size: 16, or --page-size with --serve; a new "
                          "request waits up to one block, the host's cost of a call is spread over N tokens; "
                          "docs/serving.md)")
-    ap.add_argument("--quiet", action="store_true", help="print only the generated text")
+    ap.add_argument("--quiet", action="store_true",
+                    help="print only the generated text: no prompt, marker line or statistics (with "
+                         "--prompt-ids: the prompt's ids and the new ones, as without it)")
     cli.add_mesh_flag(ap, "e.g. data=1,layer=8; layer > 1 splits the KV cache across devices by layer (LayerSplit)")
     ap.add_argument("--collective", default="permute", choices=("permute", "psum"),
                     help="how a layer's cache owner sends rows to the other devices (LayerSplit)")
@@ -191,6 +193,8 @@ def _prompt_shown(args):
 
     if args.prompt_ids:
         return lambda p: p
+    if args.quiet:              # only the generated text
+        return lambda p: ""
     return functools.partial(display.prompt_text, style=display.styled(sys.stdout))
 
 

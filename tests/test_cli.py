@@ -50,6 +50,17 @@ def test_training_lowers_the_loss_and_writes_checkpoints(trained_run):
     assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.isdigit()) == ["12", "6"]
 
 
+@pytest.mark.parametrize("flags", [["--speculative", "0"], ["--speculative", "3"]], ids=["plain", "speculative"])
+def test_decode_quiet_prints_only_the_generated_text(trained_run, capsys, flags):
+    """Piped (capsys is no terminal) --quiet prints neither the prompt nor the marker line."""
+    out, _ = trained_run
+    assert decode.main(["--checkpoint", str(out), "--prompt", "def f(x):", "--max-new-tokens", "8", "--quiet",
+                        *flags]) == 0
+    captured = capsys.readouterr()
+    assert "def f(x):" not in captured.out and display.COMPLETION_MARK not in captured.out
+    assert captured.out.strip() and captured.err == ""
+
+
 @pytest.mark.parametrize("flags", [["--speculative", "3"], []], ids=["speculative", "policy"])
 def test_decode_prints_text_and_speed(trained_run, capsys, flags):
     out, _ = trained_run
