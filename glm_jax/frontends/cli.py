@@ -137,6 +137,10 @@ def impl_choices(op: str) -> tuple[str, ...]:
     return registered(op)
 
 
+#: The --kernel-config example of the help: a field of the kernel "auto" runs on a CPU.
+KERNEL_CONFIG_EXAMPLE = "attention.q_chunk=64"
+
+
 def add_kernel_flags(ap: argparse.ArgumentParser, *, attention_help: str = "") -> None:
     """--attention-impl and --indexer-impl (see `kernel_choice`); `attention_help`: more help for
     --attention-impl (e.g. what the front end makes of auto)."""
@@ -149,9 +153,10 @@ def add_kernel_flags(ap: argparse.ArgumentParser, *, attention_help: str = "") -
                          help="the lightning indexer's kernels (scores and top-k)")
     kernels.add_argument("--kernel-config", dest="kernel_config_items", action="append", default=None,
                          metavar="GROUP.FIELD=VALUE",
-                         help="set a field of a kernel's config dataclass (repeatable), e.g. attention.block_k=64; "
-                              "groups: attention, indexer, indexer_kl; the fields are those of the config of the "
-                              "implementation the group runs (pallas_kernels registry)")
+                         help=f"set a field of a kernel's config dataclass (repeatable), e.g. {KERNEL_CONFIG_EXAMPLE} "
+                              "(the xla kernel's, which a CPU runs) or attention.block_k=64 (pallas_gpu, pallas_tpu); "
+                              "groups: attention, indexer, indexer_kl, dense_kl; the fields are those of the config "
+                              "of the implementation the group runs (pallas_kernels registry)")
 
 
 def kernel_config(items: list[str] | None, base: dict | None = None) -> dict[str, dict]:
