@@ -376,6 +376,23 @@ def test_cpu_runs_do_not_start_the_tpu_runtime():
     assert cli.choose_platforms({"JAX_PLATFORMS": "tpu"}, tpu_chips=False) is None
 
 
+def test_long_context_eval_on_a_cpu_does_not_start_the_tpu_runtime():
+    """benchmarks/long_context_eval.py (after the --dev setup, which installs libtpu) chooses the
+    platforms before its first jax call, as the front ends do: no libtpu errors on a CPU host."""
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("libtpu") is None or cli.has_tpu_chips():
+        pytest.skip("needs libtpu installed on a host without TPU chips")
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"} | {"PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "benchmarks/long_context_eval.py", "--smoke", "--model", "/nonexistent"],
+                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1 and "/nonexistent: failed" in done.stdout, done.stdout + done.stderr
+    assert "device: cpu" in done.stderr and "TPU" not in done.stderr and "E0000" not in done.stderr, done.stderr
+
+
 def test_mesh_too_large_to_simulate_is_refused_at_once(capsys, monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", "")
     assert decode.main(["--mesh", "data=100000", "--max-new-tokens", "4"]) == 2
