@@ -39,7 +39,7 @@ class FrozenDict(Mapping):
 
     __slots__ = ("pairs",)
 
-    def __init__(self, mapping: Mapping | Iterator = ()):
+    def __init__(self, mapping: Any = ()):      # a mapping or (key, value) pairs
         pairs = mapping.items() if isinstance(mapping, Mapping) else mapping
         object.__setattr__(self, "pairs", tuple((k, FrozenDict(v) if isinstance(v, Mapping) else v)
                                                 for k, v in pairs))
@@ -74,14 +74,21 @@ class FrozenDict(Mapping):
 
 
 def setting(default: Any = MISSING, *, default_factory: Any = MISSING, at_least: float | None = None,
-            above: float | None = None, at_most: float | None = None, flag: str | None = None,
-            fixed: str | None = None, per_invocation: bool = False) -> Any:
-    """A settings field. at_least / above / at_most: bounds of a number (None passes);
-    flag: its command-line name (default `--` + the name with dashes); fixed: why a resumed run
-    cannot change it; per_invocation: a setting of one invocation, not of the run (never compared)."""
+            above: float | None = None, at_most: float | None = None, choices: Any = None,
+            flag: str | None = None, help: str | None = None, metavar: str | None = None,
+            aliases: tuple[str, ...] = (), deprecated: tuple[str, ...] = (), fixed: str | None = None,
+            per_invocation: bool = False) -> Any:
+    """A settings field. at_least / above / at_most: bounds of a number (None passes); choices:
+    the values it may take (a tuple, checked; or a function giving them, for the command line);
+    flag: its command-line name in messages (default `--` + the name with dashes); help,
+    metavar: its command line's (the front ends generate their parsers from these); aliases:
+    other spellings its flag is accepted by; deprecated: old spellings, accepted with a note
+    naming the flag; fixed: why a resumed run cannot change it; per_invocation: a setting of one
+    invocation, not of the run (never compared)."""
     rule = {"at_least": at_least, "above": above, "at_most": at_most}
     metadata = {"rule": {k: v for k, v in rule.items() if v is not None}, "flag": flag, "fixed": fixed,
-                "per_invocation": per_invocation}
+                "per_invocation": per_invocation, "help": help, "metavar": metavar, "choices": choices,
+                "aliases": tuple(aliases), "deprecated": tuple(deprecated)}
     if default_factory is not MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
@@ -143,6 +150,9 @@ def _checked(owner: Settings, f: dataclasses.Field, hint: Any, value: Any) -> An
     if isinstance(value, bool) and bool not in allowed or not isinstance(value, tuple(allowed)):
         kinds = " or ".join(sorted(t.__name__ for t in allowed if t is not type(None)))
         raise SettingError(f"{name} must be {_article(kinds)}, got {value!r}")
+    choices = f.metadata.get("choices")
+    if isinstance(choices, tuple) and value not in choices:
+        raise SettingError(f"{name} must be one of {', '.join(map(str, choices))}, got {value!r}")
     rule = f.metadata.get("rule", {})
     for key, bound, ok in (("at_least", ">=", lambda v, b: v >= b), ("above", ">", lambda v, b: v > b),
                            ("at_most", "<=", lambda v, b: v <= b)):

@@ -270,9 +270,9 @@ def test_train_from_a_hugging_face_checkpoint(tmp_path, monkeypatch, capsys):
 
 
 def test_init_from_hf_is_a_deprecated_spelling_of_hf_checkpoint(capsys):
-    assert train.parse_args(["--init-from-hf", "ckpt/", "--out", "run"]).hf_checkpoint == "ckpt/"
+    assert train.parse_args(["--init-from-hf", "ckpt/", "--out", "run"]).settings.model.hf_checkpoint == "ckpt/"
     assert capsys.readouterr().err == "note: --init-from-hf is deprecated; use --hf-checkpoint\n"
-    assert train.parse_args(["--hf-checkpoint", "ckpt/", "--out", "run"]).hf_checkpoint == "ckpt/"
+    assert train.parse_args(["--hf-checkpoint", "ckpt/", "--out", "run"]).settings.model.hf_checkpoint == "ckpt/"
     assert capsys.readouterr().err == ""
 
 

@@ -117,3 +117,21 @@ def test_every_settings_class_is_frozen_and_hashable(tmp_path):
     assert "block_k: 64" in (tmp_path / run_config.FILE_NAME).read_text()
     back = run_config.load(tmp_path / run_config.FILE_NAME)
     assert hash(back) == hash(dataclasses.replace(a, out=None)) and back.kernels.kernel_config == configs
+
+
+def test_every_parser_default_is_its_settings_default():
+    """A default is written once, in its settings class: train.py's flags are generated from
+    TrainConfig; decode.py's (and --serve's) parser takes DecodeConfig's and ServeConfig's."""
+    import decode
+    from glm_jax.decoding.decode_config import DecodeConfig
+    from glm_jax.serving.serve_config import ServeConfig
+
+    assert train.parse_args(["--out", "r"]).settings == TrainConfig(out="r")
+    ap = decode.build_parser()
+    args = ap.parse_args([])
+    for name, default in settings.flat(DecodeConfig()).items():
+        if name != "kernel_config":                 # set by --kernel-config items
+            assert getattr(args, name) == default, name
+    for name in ("host", "port", "page_size", "step_token_budget"):
+        assert getattr(args, name) == getattr(ServeConfig(), name), name
+    assert decode.decode_config(args) == DecodeConfig()

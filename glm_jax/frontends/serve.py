@@ -16,13 +16,16 @@ def add_server_flags(ap: argparse.ArgumentParser) -> None:
     group = ap.add_argument_group("HTTP server", "--serve answers OpenAI-style /v1/completions requests "
                                   "(docs/serving.md, HTTP endpoint) instead of decoding --prompt")
     group.add_argument("--serve", action="store_true", help="run the HTTP server")
-    group.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
-    group.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free one)")
-    group.add_argument("--page-size", type=int, default=16, help="cache rows per page of the engine's pool")
-    group.add_argument("--step-token-budget", type=int, default=None, metavar="N",
+    group.add_argument("--host", help="address to listen on (0.0.0.0: every interface)")
+    group.add_argument("--port", type=int, help="port to listen on (0: any free one)")
+    group.add_argument("--page-size", type=int, help="cache rows per page of the engine's pool")
+    group.add_argument("--step-token-budget", type=int, metavar="N",
                        help="at most N tokens (prefill + decode) per engine step while requests decode: bounds "
                             "their inter-token latency, lengthens long prompts' time to first token (default: no "
                             "budget, whole --prefill-chunk per step; docs/serving.md)")
+    defaults = ServeConfig()        # the defaults are ServeConfig's (slots: decode.py's --max-batch)
+    ap.set_defaults(host=defaults.host, port=defaults.port, page_size=defaults.page_size,
+                    step_token_budget=defaults.step_token_budget)
 
 
 def serve_config(args) -> ServeConfig:

@@ -27,7 +27,7 @@ from glm_jax.layers.decoder import AttentionSettings
 from glm_jax.layers.segments import same_segment_ahead
 from glm_jax.training.head_losses import linear_cross_entropy, linear_cross_entropy_with_tv, linear_nll_and_tv
 from glm_jax.training.losses import end_to_end_tv, head_cross_entropy, masked_mean, shift_left
-from glm_jax.training.run_config import LossConfig, ScheduleConfig, TrainConfig
+from glm_jax.training.run_config import EXPANDED_MAX_LEN, LossConfig, ScheduleConfig, TrainConfig
 
 
 _LOSSES = LossConfig()
@@ -198,8 +198,6 @@ def _mtp_losses(model, out, targets, settings, weights: LossWeights, terms: dict
     return total + weights.mtp * terms["mtp"] + weights.tv * terms["mtp_tv"]
 
 
-#: Longest sequence "auto" trains in the expanded form ([S, S] matrices) on a CPU.
-EXPANDED_MAX_LEN = 4096
 
 
 def attention_form(form: str, seq_len: int, backend: str | None = None) -> str:
