@@ -12,6 +12,7 @@
                                                        # finds these by itself on a TPU pod or under SLURM
     python decode.py --config configs/glm-5.2.yaml --topology v5p:4x4x4 --max-context 1048576 --compile-only
     python decode.py --serve --port 8000               # OpenAI-style /v1/completions over HTTP (docs/serving.md)
+    python decode.py --decode-config sampling.yaml --top-k 0   # settings from a YAML file, flags overriding them
 
 Output: the prompt, then its completion. On a terminal the prompt is dimmed; piped (or with
 NO_COLOR set) a line `----- completion -----` follows the prompt, so the completion is everything
@@ -22,7 +23,7 @@ the ids only, unmarked; --output writes {prompt, completion} JSON lines.
 from __future__ import annotations
 
 from glm_jax.frontends import cli
-from glm_jax.frontends.decode import build_parser, decode_config, main, parse_args  # noqa: F401 - the command line
+from glm_jax.frontends.decode import DecodeCommand, decode_config, main, parse_args  # noqa: F401 - the command line
 
 if __name__ == "__main__":
     cli.exit_with(main())

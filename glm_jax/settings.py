@@ -76,22 +76,33 @@ class FrozenDict(Mapping):
 def setting(default: Any = MISSING, *, default_factory: Any = MISSING, at_least: float | None = None,
             above: float | None = None, at_most: float | None = None, choices: Any = None,
             flag: str | None = None, help: str | None = None, metavar: str | None = None,
-            aliases: tuple[str, ...] = (), deprecated: tuple[str, ...] = (), fixed: str | None = None,
-            per_invocation: bool = False) -> Any:
+            aliases: tuple[str, ...] = (), deprecated: tuple[str, ...] = (), cli: bool = True,
+            fixed: str | None = None, per_invocation: bool = False) -> Any:
     """A settings field. at_least / above / at_most: bounds of a number (None passes); choices:
     the values it may take (a tuple, checked; or a function giving them, for the command line);
     flag: its command-line name in messages (default `--` + the name with dashes); help,
     metavar: its command line's (the front ends generate their parsers from these); aliases:
     other spellings its flag is accepted by; deprecated: old spellings, accepted with a note
-    naming the flag; fixed: why a resumed run cannot change it; per_invocation: a setting of one
+    naming the flag; cli: False for a setting the front end sets itself (no flag of its own);
+    fixed: why a resumed run cannot change it; per_invocation: a setting of one
     invocation, not of the run (never compared)."""
     rule = {"at_least": at_least, "above": above, "at_most": at_most}
     metadata = {"rule": {k: v for k, v in rule.items() if v is not None}, "flag": flag, "fixed": fixed,
                 "per_invocation": per_invocation, "help": help, "metavar": metavar, "choices": choices,
-                "aliases": tuple(aliases), "deprecated": tuple(deprecated)}
+                "aliases": tuple(aliases), "deprecated": tuple(deprecated), "cli": cli}
     if default_factory is not MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
+
+
+def impl_choices(op: str):
+    """`choices` of a kernel setting: a function giving the implementations of pallas_kernels op
+    `op` (its registry; imports jax, so only a command line calls it)."""
+    def choices() -> tuple[str, ...]:
+        from pallas_kernels import impl_choices as registered
+
+        return tuple(registered(op))
+    return choices
 
 
 def section(cls: type) -> Any:

@@ -121,17 +121,26 @@ def test_every_settings_class_is_frozen_and_hashable(tmp_path):
 
 def test_every_parser_default_is_its_settings_default():
     """A default is written once, in its settings class: train.py's flags are generated from
-    TrainConfig; decode.py's (and --serve's) parser takes DecodeConfig's and ServeConfig's."""
+    TrainConfig, decode.py's from DecodeConfig and ServeConfig; no flag given, the settings are
+    the classes' defaults."""
     import decode
     from glm_jax.decoding.decode_config import DecodeConfig
     from glm_jax.serving.serve_config import ServeConfig
 
     assert train.parse_args(["--out", "r"]).settings == TrainConfig(out="r")
-    ap = decode.build_parser()
-    args = ap.parse_args([])
-    for name, default in settings.flat(DecodeConfig()).items():
-        if name != "kernel_config":                 # set by --kernel-config items
-            assert getattr(args, name) == default, name
-    for name in ("host", "port", "page_size", "step_token_budget"):
-        assert getattr(args, name) == getattr(ServeConfig(), name), name
-    assert decode.decode_config(args) == DecodeConfig()
+    command = decode.parse_args([])
+    assert command.settings == DecodeConfig() and command.serving == ServeConfig()
+    assert decode.decode_config(command) == DecodeConfig()
+
+
+def test_decode_settings_file_with_flags_over_it(tmp_path):
+    """decode.py --decode-config FILE: the same mechanism as train.py's --run-config."""
+    import decode
+
+    path = tmp_path / "decode.yaml"
+    path.write_text("temperature: 0.7\ntop_k: 0\nkernel_config:\n  attention: {q_chunk: 32}\n")
+    command = decode.parse_args(["--decode-config", str(path), "--top-k", "5", "--kernel-config",
+                                 "indexer.q_chunk=16"])
+    settings = decode.decode_config(command)
+    assert (settings.temperature, settings.top_k) == (0.7, 5)
+    assert settings.kernel_config == {"attention": {"q_chunk": 32}, "indexer": {"q_chunk": 16}}

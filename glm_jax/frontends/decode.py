@@ -1,93 +1,103 @@
-"""decode.py's command line and its work: the prompts, the model and tokenizer the flags name, the
-generator (`decoding.decode_config.build_generator`) or the serving engine (--max-batch), and
-the output; --serve hands over to `frontends.serve`. The settings' defaults are DecodeConfig's
-and ServeConfig's (written once, in those classes)."""
-
+"""decode.py's command line and its work: `DecodeCommand` (DecodeConfig's and ServeConfig's
+flags generated from them, `settings_cli`, over a --decode-config file), the prompts, the model
+and tokenizer the flags name, the generator (`decoding.decode_config.build_generator`) or the
+serving engine (--max-batch), and the output; --serve hands over to `frontends.serve`."""
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import functools
 import json
 import sys
 import time
 from pathlib import Path
+from typing import Annotated
 
 import numpy as np
+import tyro
 
-from glm_jax import settings as settings_lib
 from glm_jax.decoding.decode_config import DecodeConfig
-from glm_jax.frontends import cli
-from glm_jax.frontends.serve import add_server_flags, serve, serve_config
+from glm_jax.frontends import cli, settings_cli
+from glm_jax.frontends.serve import serve, serve_config
+from glm_jax.frontends.settings_cli import Processes
+from glm_jax.serving.serve_config import ServeConfig
 
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parents[2] / "checkpoints" / "default"
 DESCRIPTION = "Generate text with a trained model: prefill with sparse attention, then decode from the KV cache."
 DEFAULT_PROMPT = "import os\n\n\ndef read_lines(path):\n"
 
 
-DEFAULTS = DecodeConfig()
+@dataclasses.dataclass(frozen=True)
+class DecodeCommand:
+    """decode.py's command line: the decode's settings (DecodeConfig), the server's (ServeConfig,
+    with --serve), a --decode-config file they start from, and the prompts, model and output."""
+
+    settings: DecodeConfig = DecodeConfig()
+    serving: ServeConfig = ServeConfig()
+    decode_config: str | None = None
+    """the decode's settings as YAML (DecodeConfig's fields, FILE); flags given override them"""
+    checkpoint: Annotated[str | None, tyro.conf.arg(metavar="DIR")] = None
+    """a model directory (config.yaml, params/, tokenizer.json; what train.py writes; default: checkpoints/default)"""
+    hf_checkpoint: Annotated[str | None, tyro.conf.arg(metavar="DIR")] = None
+    """a Hugging Face checkpoint directory (config.json, *.safetensors; tokenizer.json for text)"""
+    config: str | None = None
+    """expected config; refused if the checkpoint's differs"""
+    prompt: str | None = None
+    """prompt text (default: a Python function header)"""
+    prompt_file: str | None = None
+    """read the prompt from this file"""
+    prompt_ids: str | None = None
+    """the prompt as comma-separated token ids (prints ids)"""
+    prompts_file: str | None = None
+    """a batch: JSON lines, each a string or {"prompt": ...}; prompts may differ in length"""
+    output: str | None = None
+    """write {prompt, completion} JSON lines here"""
+    quiet: Annotated[bool, tyro.conf.FlagCreatePairsOff] = False
+    """print only the generated text: no prompt, marker line or statistics (with --prompt-ids: the prompt's ids and
+    the new ones, as without it)"""
+    kernel_config: Annotated[tuple[str, ...], tyro.conf.UseAppendAction,
+                             tyro.conf.arg(metavar="GROUP.FIELD=VALUE")] = ()
+    """set a field of a kernel's config dataclass, e.g. attention.q_chunk=64 (the xla kernel's, which a CPU runs) or
+    attention.block_k=64 (pallas_gpu, pallas_tpu); groups: attention, indexer, indexer_kl, dense_kl"""
+    serve: Annotated[bool, tyro.conf.FlagCreatePairsOff] = False
+    """run the HTTP server: OpenAI-style /v1/completions requests (docs/serving.md) instead of decoding --prompt"""
+    compile_only: Annotated[bool, tyro.conf.FlagCreatePairsOff] = False
+    """compile one decode step for --topology ahead of time and print per-chip memory"""
+    topology: str | None = None
+    """TPU slice for --compile-only, e.g. v5p:4x4x4"""
+    max_context: int | None = None
+    """cache rows per sequence for --compile-only (default: the model's context)"""
+    batch: int = 1
+    """sequences per step for --compile-only"""
+    processes: Processes = Processes()
+
+    coordinator = property(lambda self: self.processes.coordinator)     # what cli.join_processes reads
+    num_processes = property(lambda self: self.processes.num_processes)
+    process_id = property(lambda self: self.processes.process_id)
+    distributed = property(lambda self: self.processes.distributed)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=DESCRIPTION)
-    cli.add_model_flags(ap, checkpoint=DEFAULT_CHECKPOINT,
-                        config_help="expected config; refused if the checkpoint's differs")
-    ap.add_argument("--prompt", default=None, help="prompt text (default: a Python function header)")
-    ap.add_argument("--prompt-file", default=None, help="read the prompt from this file")
-    ap.add_argument("--prompt-ids", default=None, help="the prompt as comma-separated token ids (prints ids)")
-    ap.add_argument("--prompts-file", default=None,
-                    help="a batch: JSON lines, each a string or {\"prompt\": ...}; prompts may differ in length")
-    ap.add_argument("--output", default=None, help="write {prompt, completion} JSON lines here")
-    ap.add_argument("--max-new-tokens", type=int)
-    ap.add_argument("--max-len", type=int, help="cache length (default: the model's context)")
-    ap.add_argument("--temperature", type=float, help="0 = greedy")
-    ap.add_argument("--top-p", type=float, help="nucleus mass to keep (1 = off)")
-    ap.add_argument("--top-k", type=int, help="keep the k most likely tokens (0 = off)")
-    ap.add_argument("--min-p", type=float,
-                    help="keep tokens at least this fraction as likely as the most likely one (0 = off)")
-    ap.add_argument("--seed", type=int)
-    ap.add_argument("--speculative", type=int, metavar="K",
-                    help="draft K tokens per step with the MTP layer (0 = plain decoding; default: K where it "
-                         "measured faster than plain decoding for this backend and batch, else plain; "
-                         "glm_jax/decoding/policy.py)")
-    ap.add_argument("--no-kv-share", dest="kv_share", action="store_false",
-                    help="draft steps 2..K run their own indexer over target+draft KV (the baseline)")
-    ap.add_argument("--prefill-chunk", type=int)
-    ap.add_argument("--batch-invariant", action="store_true",
-                    help="give each prompt the tokens it gets alone, whatever its batch, chunk size or "
-                         "speculation: every token computed in row chunks of one shape (glm_jax.ops.KernelChoice; "
-                         "its cost: benchmarks/speculative.py --batch-invariant)")
-    ap.add_argument("--max-batch", type=int, metavar="N",
-                    help="decode the prompts through the serving engine, N sequences at a time (continuous "
-                         "batching; plain decoding, each prompt its own sampling stream); with --serve, the "
-                         "requests decoded together (default 4)")
-    ap.add_argument("--decode-steps", type=int, metavar="N",
-                    help="with --max-batch or --serve: up to N decode steps per call of the serving engine while no "
-                         "prompt is prefilled or admitted (1..the page size: 16, or --page-size with --serve; a new "
-                         "request waits up to one block, the host's cost of a call is spread over N tokens; "
-                         "docs/serving.md)")
-    ap.add_argument("--quiet", action="store_true",
-                    help="print only the generated text: no prompt, marker line or statistics (with "
-                         "--prompt-ids: the prompt's ids and the new ones, as without it)")
-    cli.add_mesh_flag(ap, "e.g. data=1,layer=8; layer > 1 splits the KV cache across devices by layer (LayerSplit)")
-    ap.add_argument("--collective", choices=("permute", "psum"),
-                    help="how a layer's cache owner sends rows to the other devices (LayerSplit)")
-    ap.add_argument("--compile-only", action="store_true",
-                    help="compile one decode step for --topology ahead of time and print per-chip memory")
-    ap.add_argument("--topology", default=None, help="TPU slice for --compile-only, e.g. v5p:4x4x4")
-    ap.add_argument("--max-context", type=int, default=None,
-                    help="cache rows per sequence for --compile-only (default: the model's context)")
-    ap.add_argument("--batch", type=int, default=1, help="sequences per step for --compile-only")
-    cli.add_kernel_flags(ap)
-    cli.add_distributed_flags(ap, "--output")
-    add_server_flags(ap)
-    # The settings' defaults are DecodeConfig's (and ServeConfig's, add_server_flags): written once.
-    ap.set_defaults(**{k: v for k, v in settings_lib.flat(DEFAULTS).items() if k != "kernel_config"})
-    return ap
+def parse_args(argv=None) -> DecodeCommand:
+    """decode.py's flags (DecodeConfig's and ServeConfig's generated from them) over the --decode-config file."""
+    command = settings_cli.parse(DecodeCommand, argv, description=DESCRIPTION, settings_file="decode_config",
+                                 load_file=_load_settings, deprecated={"--init-from-hf": "--hf-checkpoint"})
+    if command.checkpoint and command.hf_checkpoint:
+        raise cli.UserError("--checkpoint and --hf-checkpoint both name the model; give one")
+    if not command.checkpoint and not command.hf_checkpoint:
+        command = dataclasses.replace(command, checkpoint=str(DEFAULT_CHECKPOINT))
+    return command
 
 
-def parse_args(argv=None):
-    return build_parser().parse_args(argv)
+def _load_settings(path: str) -> DecodeConfig:
+    import yaml
+
+    from glm_jax.settings import SettingError, from_dict
+
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except yaml.YAMLError as e:
+        raise SettingError(f"{path}: not YAML ({str(e).splitlines()[0]})") from None
+    return from_dict(DecodeConfig, data, where=path)
 
 
 @cli.reports_user_errors
@@ -104,15 +114,17 @@ def main(argv=None) -> int:
     from glm_jax.multihost import is_main_process, stdout_of_main_process_only
 
     with stdout_of_main_process_only():
-        return _decode(args if is_main_process()
-                       else argparse.Namespace(**{**vars(args), "quiet": True, "output": None}), settings)
+        return _decode(args if is_main_process() else dataclasses.replace(args, quiet=True, output=None), settings)
 
 
-def decode_config(args) -> DecodeConfig:
-    """The DecodeConfig of decode.py's flags (each a field of the same name; --kernel-config's
-    items make `kernel_config`)."""
-    values = {name: getattr(args, name) for name in settings_lib.flat(DecodeConfig()) if name != "kernel_config"}
-    return DecodeConfig(**values, kernel_config=cli.kernel_config(args.kernel_config_items))
+def decode_config(args: DecodeCommand) -> DecodeConfig:
+    """The DecodeConfig of decode.py's flags, its kernel_config from the --kernel-config items
+    over the --decode-config file's."""
+    settings = args.settings
+    if args.kernel_config:
+        settings = dataclasses.replace(settings, kernel_config=cli.kernel_config(list(args.kernel_config),
+                                                                                 settings.kernel_config))
+    return settings
 
 
 def _decode(args, settings: DecodeConfig) -> int:
@@ -264,12 +276,12 @@ def _compile_only(args) -> int:
     with cli.user_errors():
         cfg = load_config(args.config)
         chips = len(topology_devices(args.topology))
-        mesh = args.mesh or default_mesh_spec(chips)
+        mesh = args.settings.mesh or default_mesh_spec(chips)
         max_len = args.max_context or cfg.max_position_embeddings
         try:
             compiled = compile_decode_step(cfg, topology=args.topology, mesh_spec=mesh, batch=args.batch,
-                                           max_len=max_len, collective=args.collective,
-                                           kernels=cli.kernel_choice(args))
+                                           max_len=max_len, collective=args.settings.collective,
+                                           kernels=decode_config(args).kernels())
         except cli.USER_ERRORS:
             raise
         except Exception as e:          # the TPU compiler refusing the program, e.g. out of HBM

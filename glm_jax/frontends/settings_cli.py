@@ -7,12 +7,13 @@ field's flag, default, rule, choices and help are written once, in its `setting(
         run_config: str | None = None       # the settings file (SETTINGS_FILE_FIELD)
         coordinator: str | None = None
 
-    command = settings_cli.parse(TrainCommand, argv, description="...")   # UserError on a bad value
-    command.settings                                                        # a checked TrainConfig
+    command = settings_cli.parse(TrainCommand, argv, description="...", load_file=run_config.load)
+    command.settings                        # a checked TrainConfig (a bad value: cli.UserError)
 
-One override mechanism for every front end: the settings file that the command's `run_config`
-field names (YAML, sections as a run directory's run_config.yaml: `run_config.load`) gives the
-defaults, and the flags given override them. Flags keep the flat spellings of the fields
+One override mechanism for every front end: the settings file that the command's settings-file
+field names (YAML: train.py --run-config, sections as a run directory's run_config.yaml;
+decode.py --decode-config, DecodeConfig's fields) gives the defaults, and the flags given
+override them. Flags keep the flat spellings of the fields
 (`--lr`, not `--schedule.lr`); a bool is a `--x/--no-x` pair; a field's `aliases` are accepted
 as they are and its `deprecated` spellings with a note naming the flag. A mapping setting
 (FrozenDict) has no flag of its own: the front end sets it (e.g. from --kernel-config items).
@@ -36,6 +37,22 @@ def _tyro():
     from glm_jax.extras import require
 
     return require("tyro")
+
+
+@dataclasses.dataclass(frozen=True)
+class Processes:
+    """Several processes (hosts): every process runs the same command; the mesh spans all their
+    devices; only process 0 prints and writes files."""
+
+    coordinator: str | None = None
+    """process 0's address HOST:PORT, which every process gives (with --num-processes, --process-id)"""
+    num_processes: int | None = None
+    """N processes"""
+    process_id: int | None = None
+    """0..N-1"""
+    distributed: bool = False
+    """join a multi-process run that jax.distributed detects by itself (TPU pod, SLURM, Open MPI, or
+    JAX_COORDINATOR_ADDRESS in the environment, which also turns this on)"""
 
 
 class _Pending(dict):
@@ -109,19 +126,23 @@ def _settings_fields(command_cls: type) -> dict[str, type]:
 SETTINGS_FILE_FIELD = "run_config"
 
 
-def parse(command_cls: type, argv: list[str] | None, *, description: str, load_file=None) -> Any:
+def parse(command_cls: type, argv: list[str] | None, *, description: str, load_file=None,
+          settings_file: str = SETTINGS_FILE_FIELD, deprecated: dict[str, str] | None = None) -> Any:
     """Parse `argv` (default sys.argv[1:]) into an instance of the dataclass `command_cls`, whose
     Settings fields are built and checked (a SettingError -> cli.UserError); `load_file(path)` ->
-    the settings of the command's settings file (its SETTINGS_FILE_FIELD), the flags' defaults."""
+    the settings of the file the command's field `settings_file` names, the flags' defaults;
+    `deprecated`: old spellings of the command's own flags -> the flags."""
     tyro = _tyro()
     argv = list(sys.argv[1:] if argv is None else argv)
     settings_fields = _settings_fields(command_cls)
-    for name, cls in settings_fields.items():
-        argv = _renamed(argv, deprecated_spellings(cls))
+    spellings = dict(deprecated or {})      # old spelling -> flag, of the command's own fields
+    for cls in settings_fields.values():
+        spellings |= deprecated_spellings(cls)
+    argv = _renamed(argv, spellings)
     defaults = {}
     if load_file is not None:
         pre = argparse.ArgumentParser(add_help=False)
-        pre.add_argument("--" + SETTINGS_FILE_FIELD.replace("_", "-"), dest="file", default=None)
+        pre.add_argument("--" + settings_file.replace("_", "-"), dest="file", default=None)
         path = pre.parse_known_args(argv)[0].file
         if path:
             with cli.user_errors():

@@ -12,25 +12,9 @@ import tyro
 
 from glm_jax import multihost
 from glm_jax.frontends import cli, settings_cli
+from glm_jax.frontends.settings_cli import Processes
 from glm_jax.training import run, run_config
 from glm_jax.training.run_config import TrainConfig
-
-
-@dataclasses.dataclass(frozen=True)
-class Processes:
-    """Several processes (hosts): every process runs the same command; the mesh spans all their
-    devices; only process 0 prints and writes the run directory's files (the checkpoints are
-    written together)."""
-
-    coordinator: str | None = None
-    """process 0's address HOST:PORT, which every process gives (with --num-processes, --process-id)"""
-    num_processes: int | None = None
-    """N processes"""
-    process_id: int | None = None
-    """0..N-1"""
-    distributed: bool = False
-    """join a multi-process run that jax.distributed detects by itself (TPU pod, SLURM, Open MPI, or
-    JAX_COORDINATOR_ADDRESS in the environment, which also turns this on)"""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +37,6 @@ class TrainCommand:
     num_processes = property(lambda self: self.processes.num_processes)
     process_id = property(lambda self: self.processes.process_id)
     distributed = property(lambda self: self.processes.distributed)
-    hf_checkpoint = property(lambda self: self.settings.model.hf_checkpoint)
 
 
 def parse_args(argv=None, description: str = "Train a GLM-5.2-style model") -> TrainCommand:

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import yaml
 
-from glm_jax.settings import (FrozenDict, Settings, SettingError, differences, from_dict, section, setting, shown,
-                              to_dict)
+from glm_jax.settings import (FrozenDict, Settings, SettingError, differences, from_dict, impl_choices, section,
+                              setting, shown, to_dict)
 
 #: The file in the run directory that holds the run's settings.
 FILE_NAME = "run_config.yaml"
@@ -33,15 +33,6 @@ _DATA_ORDER = "it fixes the order of the batches, which the checkpoint's data po
 
 #: Longest sequence "auto" trains in the expanded form ([S, S] matrices) on a CPU (`step.attention_form`).
 EXPANDED_MAX_LEN = 4096
-
-
-def _impl_choices(op: str):
-    """The implementations of a pallas_kernels op (its registry: imports jax), for the command line."""
-    def choices() -> tuple[str, ...]:
-        from pallas_kernels import impl_choices
-
-        return tuple(impl_choices(op))
-    return choices
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,12 +120,12 @@ class KernelsConfig(Settings):
                                        "kernels (the dense stage's indexer loss computed blockwise); both train "
                                        "every loss. auto: absorbed on a GPU or TPU; on a CPU expanded up to "
                                        f"{EXPANDED_MAX_LEN} tokens")
-    attention_impl: str = setting("auto", choices=_impl_choices("sparse_mla"),
+    attention_impl: str = setting("auto", choices=impl_choices("sparse_mla"),
                                   help="the sparse attention (sparse MLA) kernel; auto: the backend's Pallas kernel, "
                                        "except on a TPU the chunked xla one for absorbed-form training of sequences "
                                        "over 8192 tokens (the TPU kernel's backward keeps one 576-wide row per "
                                        "query and selected key)")
-    indexer_impl: str = setting("auto", choices=_impl_choices("indexer_topk"),
+    indexer_impl: str = setting("auto", choices=impl_choices("indexer_topk"),
                                 help="the lightning indexer's kernels (scores and top-k)")
     kernel_config: FrozenDict = setting(FrozenDict(), help="group -> field -> value (the command line's "
                                                            "--kernel-config GROUP.FIELD=VALUE items)")
