@@ -144,3 +144,40 @@ def test_decode_settings_file_with_flags_over_it(tmp_path):
     settings = decode.decode_config(command)
     assert (settings.temperature, settings.top_k) == (0.7, 5)
     assert settings.kernel_config == {"attention": {"q_chunk": 32}, "indexer": {"q_chunk": 16}}
+
+
+def test_the_flags_of_before_keep_their_spellings():
+    """Every flag train.py and decode.py took before their parsers were generated is accepted
+    as it was spelled (--init-from-hf: a deprecated spelling of --hf-checkpoint)."""
+    import decode
+
+    got = train.parse_args(
+        "--out r --steps 7 --batch-size 3 --seq-len 64 --lr 1e-3 --warmup-steps 2 --decay-steps 4 --dense-steps 1 "
+        "--indexer-weight 0.5 --mtp-weight 0.2 --mtp-depth 2 --tv-weight 0.1 --no-mtp-kv-share --log-every 2 "
+        "--metrics-file m.jsonl --peak-tflops 900 --eval-every 5 --eval-batches 2 --save-every 3 --data a b "
+        "--heldout-data c --max-files 9 --prefetch-batches 0 --data-shards 2 --seed 1 --export-dtype bfloat16 "
+        "--resume --stop-after 2 --remat --keep-attention --mesh data=2 --attention-form absorbed "
+        "--attention-impl xla --indexer-impl xla --kernel-config attention.q_chunk=8 --coordinator h:1 "
+        "--num-processes 2 --process-id 1 --distributed --init-from-hf hf/ --config c.yaml "
+        "--context-length 512".split())
+    s = train.train_config(got)
+    assert (s.out, s.schedule.steps, s.data.data, s.losses.mtp_kv_share, s.kernels.keep_attention) == \
+        ("r", 7, ("a", "b"), False, True)
+    assert (s.model.hf_checkpoint, s.model.context_length, s.kernels.kernel_config) == \
+        ("hf/", 512, {"attention": {"q_chunk": 8}})
+    assert (got.coordinator, got.num_processes, got.process_id, got.distributed) == ("h:1", 2, 1, True)
+    assert train.parse_args(["--checkpoint", "d", "--out", "r"]).settings.model.checkpoint == "d"
+    got = decode.parse_args(
+        "--checkpoint d --config c --prompt p --prompt-file f --prompt-ids 1,2 --prompts-file g --output o "
+        "--max-new-tokens 5 --max-len 64 --temperature 0.5 --top-p 0.9 --top-k 3 --min-p 0.1 --seed 2 "
+        "--speculative 2 --no-kv-share --prefill-chunk 8 --batch-invariant --max-batch 2 --decode-steps 2 --quiet "
+        "--mesh data=1 --collective psum --compile-only --topology v5p:2x2x1 --max-context 128 --batch 2 "
+        "--attention-impl xla --indexer-impl xla --kernel-config attention.q_chunk=8 --coordinator h:1 "
+        "--num-processes 2 --process-id 0 --distributed --serve --host 0.0.0.0 --port 9 --page-size 8 "
+        "--step-token-budget 64".split())
+    s = decode.decode_config(got)
+    assert (s.top_k, s.kv_share, s.batch_invariant, s.collective, s.kernel_config) == \
+        (3, False, True, "psum", {"attention": {"q_chunk": 8}})
+    assert (got.prompt_ids, got.quiet, got.serve, got.compile_only, got.batch, got.serving.port) == \
+        ("1,2", True, True, True, 2, 9)
+    assert decode.parse_args(["--init-from-hf", "hf/"]).hf_checkpoint == "hf/"
