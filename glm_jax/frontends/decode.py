@@ -14,13 +14,15 @@ from pathlib import Path
 from typing import Annotated
 
 import numpy as np
-import tyro
 
 from glm_jax.decoding.decode_config import DecodeConfig
+from glm_jax.extras import require
 from glm_jax.frontends import cli, settings_cli
 from glm_jax.frontends.serve import serve, serve_config
 from glm_jax.frontends.settings_cli import Processes
 from glm_jax.serving.serve_config import ServeConfig
+
+tyro = require("tyro")     # the cli extra: an ImportError naming it where it is missing
 
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parents[2] / "checkpoints" / "default"
 DESCRIPTION = "Generate text with a trained model: prefill with sparse attention, then decode from the KV cache."

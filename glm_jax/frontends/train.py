@@ -8,13 +8,14 @@ import dataclasses
 import sys
 from typing import Annotated
 
-import tyro
-
 from glm_jax import multihost
+from glm_jax.extras import require
 from glm_jax.frontends import cli, settings_cli
 from glm_jax.frontends.settings_cli import Processes
 from glm_jax.training import run, run_config
 from glm_jax.training.run_config import TrainConfig
+
+tyro = require("tyro")     # the cli extra: an ImportError naming it where it is missing
 
 
 @dataclasses.dataclass(frozen=True)
