@@ -49,6 +49,7 @@ from glm_jax.checkpoint import load_model_dir
 from glm_jax.config import extend_context
 from glm_jax.model import GLMModel
 from glm_jax.data.tokenizer import eos_id, load_tokenizer
+from glm_jax.frontends import cli
 from glm_jax.layers.decoder import AttentionSettings
 
 BUCKETS = (4096, 16384, 65536, 131072)
@@ -220,6 +221,7 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true", help="512-token rows, buckets 128,256,512, distance 384")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    cli.choose_platforms()      # before jax starts a backend: no TPU runtime (libtpu) on a host without TPU chips
     if args.smoke:
         args.length, args.buckets, args.distance, args.chunk, args.rows, args.probes = 512, (128, 256, 512), 384, 128, 1, 2
     models = args.model or ["checkpoints/default"]

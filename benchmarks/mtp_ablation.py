@@ -42,7 +42,7 @@ from glm_jax.data.tokenizer import load_tokenizer
 from glm_jax.decoding.generate import committed
 from glm_jax.decoding.sampling import SamplingParams
 from glm_jax.decoding.speculative import SpeculativeGenerator
-from glm_jax.training.step import LossWeights, make_optimizer, train_step
+from glm_jax.training.step import Batch, LossWeights, OptimizerConfig, StepConfig, train_step_program
 
 PUBLISHED = {"a": 4.56, "b": 5.10, "c": 5.29, "d": 5.47}
 METHODS = {"a": "base MTP", "b": "+ IndexShare + KVShare", "c": "+ rejection sampling", "d": "+ end-to-end TV loss"}
@@ -56,7 +56,9 @@ def finetune_mtp(model, docs, tok, weights: LossWeights, args) -> tuple[nnx.Stat
     """The model's MTP parameters after --finetune-steps steps on `docs` with the backbone frozen
     (the same batches for every call) -> (MTP params, loss of each step)."""
     graphdef, params, rest = nnx.split(model, MTP_PARAMS, ...)
-    tx, _ = make_optimizer(args.lr, args.finetune_steps, max(1, args.finetune_steps // 10))
+    optimizer = OptimizerConfig(args.lr, args.finetune_steps, max(1, args.finetune_steps // 10))
+    tx = optimizer.tx
+    config = StepConfig(optimizer, stage="sparse", weights=weights, kernels=ops.KernelChoice(), form="expanded")
     params = committed(jax.tree.map(lambda x: x.copy(), params))   # train_step donates them
     opt_state = committed(tx.init(params))     # as train_step's outputs are: else it compiles twice
     batches = pipeline.PackedBatches(docs, pipeline.token_encoder(tok), seq_len=args.seq_len,
@@ -64,9 +66,8 @@ def finetune_mtp(model, docs, tok, weights: LossWeights, args) -> tuple[nnx.Stat
     losses = []
     for step in range(1, args.finetune_steps + 1):
         b = next(batches)
-        params, opt_state, terms = train_step(graphdef, params, rest, opt_state, b.inputs, b.targets,
-                                              b.segment_ids, tx=tx, stage="sparse", weights=weights,
-                                              kernels=ops.KernelChoice(), form="expanded")
+        params, opt_state, terms = train_step_program(graphdef, params, rest, opt_state,
+                                                      Batch(b.inputs, b.targets, b.segment_ids), config=config)
         losses.append(float(terms["mtp"] + terms.get("mtp_tv", 0.0) * weights.tv))
         if step == 1 or step % max(1, args.finetune_steps // 5) == 0 or step == args.finetune_steps:
             print(f"  fine-tuning step {step}/{args.finetune_steps}: MTP loss {losses[-1]:.3f}", flush=True)

@@ -41,7 +41,7 @@ from benchmarks._measure import ceilings
 from glm_jax import costs, ops
 from glm_jax.config import load_config
 from glm_jax.model import GLMModel, params_by_part
-from glm_jax.training.step import LossWeights, make_optimizer, train_step
+from glm_jax.training.step import Batch, LossWeights, OptimizerConfig, StepConfig, train_step_program
 
 
 def main() -> None:
@@ -81,7 +81,8 @@ def main() -> None:
     active = costs.active_params(cfg, params_by_part(model))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     del model
-    tx, _ = make_optimizer(3e-4, 1000, 10)
+    optimizer = OptimizerConfig(3e-4, 1000, 10)
+    tx = optimizer.tx
     if args.batch_size < 1:
         ap.error("--batch-size must be at least 1")
     batch = args.batch_size
@@ -118,9 +119,9 @@ def main() -> None:
                                    attention_config=sparse_config if impl == "pallas_gpu" else None)
         weights = LossWeights(indexer=1.0 if stage == "sparse" or dense_kl else 0.0, mtp=0.3)
         opt_state = tx.init(params)
-        run = lambda p, o: train_step(graphdef, p, rest, o, inputs, targets, tx=tx, stage=stage,
-                                      weights=weights, kernels=kernels, remat=True, keep_attention=keep,
-                                      form="absorbed")
+        config = StepConfig(optimizer, stage=stage, weights=weights, kernels=kernels, remat=True,
+                            keep_attention=keep, form="absorbed")
+        run = lambda p, o: train_step_program(graphdef, p, rest, o, Batch(inputs, targets), config=config)
         p = jax.tree.map(jnp.copy, params)
         try:
             p, opt_state, terms = run(p, opt_state)             # compile

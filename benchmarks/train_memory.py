@@ -33,7 +33,7 @@ from flax import nnx
 from glm_jax import ops
 from glm_jax.config import load_config
 from glm_jax.model import GLMModel
-from glm_jax.training.step import LossWeights, make_optimizer, train_step
+from glm_jax.training.step import Batch, LossWeights, OptimizerConfig, StepConfig, train_step_program
 
 GIB = 2 ** 30
 
@@ -60,7 +60,8 @@ def compiled_memory(cfg, seq_len: int, stage: str, *, batch: int = 1, packed: bo
     the Pallas TPU kernels (raises DoesNotFit when the plan exceeds its memory)."""
     model = nnx.eval_shape(lambda: GLMModel(cfg, rngs=nnx.Rngs(0)))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    tx, _ = make_optimizer(3e-4, 1000, 10)
+    optimizer = OptimizerConfig(3e-4, 1000, 10)
+    tx = optimizer.tx
     opt_state = jax.eval_shape(tx.init, params)
     tokens = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32)
     weights = LossWeights(indexer=1.0 if stage == "sparse" else 0.0, mtp=mtp)
@@ -76,9 +77,10 @@ def compiled_memory(cfg, seq_len: int, stage: str, *, batch: int = 1, packed: bo
         placed = jax.sharding.use_abstract_mesh(jax.sharding.Mesh(np.array([tpu_chip]), ("chip",)).abstract_mesh)
     t = time.perf_counter()
     with placed:
-        lowered = train_step.trace(graphdef, params, rest, opt_state, tokens, tokens, tokens if packed else None,
-                                   tx=tx, stage=stage, weights=weights, kernels=kernels, remat=True,
-                                   form="absorbed", max_segments=max_segments).lower()
+        config = StepConfig(optimizer, stage=stage, weights=weights, kernels=kernels, remat=True, form="absorbed",
+                            max_segments=max_segments)
+        lowered = train_step_program.trace(graphdef, params, rest, opt_state,
+                                           Batch(tokens, tokens, tokens if packed else None), config=config).lower()
     try:
         compiled = lowered.compile()
     except Exception as e:

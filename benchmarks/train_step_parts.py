@@ -87,7 +87,7 @@ def time_step(variant: str, recipe: dict, reps: int, smoke: bool, trace_dir: str
     from glm_jax.layers.segments import count_segments, segment_bound
     from glm_jax.model import GLMModel, params_by_part
     from glm_jax.training.run import memory_in_use
-    from glm_jax.training.step import LossWeights, make_optimizer, train_step
+    from glm_jax.training.step import Batch, LossWeights, OptimizerConfig, StepConfig, train_step_program
 
     stage, form = variant.split(":")
     if params_dir:
@@ -101,8 +101,8 @@ def time_step(variant: str, recipe: dict, reps: int, smoke: bool, trace_dir: str
     active = costs.active_params(cfg, params_by_part(model))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     del model
-    tx, _ = make_optimizer(recipe["lr"], recipe["steps"], recipe["warmup_steps"])
-    opt_state = tx.init(params)
+    optimizer = OptimizerConfig(recipe["lr"], recipe["steps"], recipe["warmup_steps"])
+    opt_state = optimizer.tx.init(params)
     batch = real_batch(recipe, cfg.vocab_size, data=data, tokenizer_dir=params_dir)
     weights = LossWeights(indexer=1.0, mtp=recipe["mtp_weight"], mtp_depth=recipe["mtp_depth"],
                           tv=recipe["tv_weight"])
@@ -113,9 +113,11 @@ def time_step(variant: str, recipe: dict, reps: int, smoke: bool, trace_dir: str
         max_segments = segment_bound(count_segments(batch.segment_ids))
     inputs, targets, segments = (jnp.asarray(a) for a in (batch.inputs, batch.targets, batch.segment_ids))
 
+    config = StepConfig(optimizer, stage=stage, weights=weights, kernels=kernels, remat=True, form=form,
+                        max_segments=max_segments)
+
     def run(p, o):
-        return train_step(graphdef, p, rest, o, inputs, targets, segments, tx=tx, stage=stage, weights=weights,
-                          kernels=kernels, remat=True, form=form, max_segments=max_segments)
+        return train_step_program(graphdef, p, rest, o, Batch(inputs, targets, segments), config=config)
 
     t = time.perf_counter()
     params, opt_state, terms = run(params, opt_state)

@@ -17,6 +17,7 @@ EXTRA_OF = {
     "tokenizers": "tokenizers",
     "orbax": "checkpoints",
     "tqdm": "train",
+    "tyro": "cli",
     "starlette": "serve",
     "uvicorn": "serve",
 }

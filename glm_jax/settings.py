@@ -13,6 +13,9 @@ A dataclass may hold sections (fields whose default is another `Settings`); `fro
 the nested mapping of a YAML file, `to_dict` writes it, `with_values` sets fields by their
 flat names (each field name is unique over the sections, so a flag's dest names one field) and
 `differences` lists what changed between two of them.
+
+Settings are hashable (a settings value may be a static argument of a jitted function): a
+mapping-valued setting is a `FrozenDict` (a tuple of pairs that reads as a mapping).
 """
 
 from __future__ import annotations
@@ -30,18 +33,76 @@ class SettingError(ValueError):
     """A setting whose value is of the wrong type or outside its rule, or a name no setting has."""
 
 
+class FrozenDict(Mapping):
+    """An immutable, hashable mapping (its `items`: a tuple of (key, value) pairs, in order);
+    nested mappings are FrozenDicts too. Equal to a dict of the same items, shown as one."""
+
+    __slots__ = ("pairs",)
+
+    def __init__(self, mapping: Any = ()):      # a mapping or (key, value) pairs
+        pairs = mapping.items() if isinstance(mapping, Mapping) else mapping
+        object.__setattr__(self, "pairs", tuple((k, FrozenDict(v) if isinstance(v, Mapping) else v)
+                                                for k, v in pairs))
+
+    def __setattr__(self, name, value):
+        raise AttributeError("a FrozenDict is immutable")
+
+    def __getitem__(self, key):
+        for k, v in self.pairs:
+            if k == key:
+                return v
+        raise KeyError(key)
+
+    def __iter__(self):
+        return (k for k, _ in self.pairs)
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def __hash__(self) -> int:
+        return hash(frozenset(self.pairs))
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Mapping) and dict(self.pairs) == dict(other.items())
+
+    def to_dict(self) -> dict:
+        """A plain dict (nested ones too), e.g. for YAML."""
+        return {k: v.to_dict() if isinstance(v, FrozenDict) else v for k, v in self.pairs}
+
+    def __repr__(self) -> str:
+        return repr(self.to_dict())
+
+
 def setting(default: Any = MISSING, *, default_factory: Any = MISSING, at_least: float | None = None,
-            above: float | None = None, at_most: float | None = None, flag: str | None = None,
+            above: float | None = None, at_most: float | None = None, choices: Any = None,
+            flag: str | None = None, help: str | None = None, metavar: str | None = None,
+            aliases: tuple[str, ...] = (), deprecated: tuple[str, ...] = (), cli: bool = True,
             fixed: str | None = None, per_invocation: bool = False) -> Any:
-    """A settings field. at_least / above / at_most: bounds of a number (None passes);
-    flag: its command-line name (default `--` + the name with dashes); fixed: why a resumed run
-    cannot change it; per_invocation: a setting of one invocation, not of the run (never compared)."""
+    """A settings field. at_least / above / at_most: bounds of a number (None passes); choices:
+    the values it may take (a tuple, checked; or a function giving them, for the command line);
+    flag: its command-line name in messages (default `--` + the name with dashes); help,
+    metavar: its command line's (the front ends generate their parsers from these); aliases:
+    other spellings its flag is accepted by; deprecated: old spellings, accepted with a note
+    naming the flag; cli: False for a setting the front end sets itself (no flag of its own);
+    fixed: why a resumed run cannot change it; per_invocation: a setting of one
+    invocation, not of the run (never compared)."""
     rule = {"at_least": at_least, "above": above, "at_most": at_most}
     metadata = {"rule": {k: v for k, v in rule.items() if v is not None}, "flag": flag, "fixed": fixed,
-                "per_invocation": per_invocation}
+                "per_invocation": per_invocation, "help": help, "metavar": metavar, "choices": choices,
+                "aliases": tuple(aliases), "deprecated": tuple(deprecated), "cli": cli}
     if default_factory is not MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
+
+
+def impl_choices(op: str):
+    """`choices` of a kernel setting: a function giving the implementations of pallas_kernels op
+    `op` (its registry; imports jax, so only a command line calls it)."""
+    def choices() -> tuple[str, ...]:
+        from pallas_kernels import impl_choices as registered
+
+        return tuple(registered(op))
+    return choices
 
 
 def section(cls: type) -> Any:
@@ -95,9 +156,14 @@ def _checked(owner: Settings, f: dataclasses.Field, hint: Any, value: Any) -> An
         value = float(value)
     if tuple in allowed and isinstance(value, list):
         value = tuple(value)
+    if FrozenDict in allowed and isinstance(value, Mapping) and not isinstance(value, FrozenDict):
+        value = FrozenDict(value)
     if isinstance(value, bool) and bool not in allowed or not isinstance(value, tuple(allowed)):
         kinds = " or ".join(sorted(t.__name__ for t in allowed if t is not type(None)))
         raise SettingError(f"{name} must be {_article(kinds)}, got {value!r}")
+    choices = f.metadata.get("choices")
+    if isinstance(choices, tuple) and value not in choices:
+        raise SettingError(f"{name} must be one of {', '.join(map(str, choices))}, got {value!r}")
     rule = f.metadata.get("rule", {})
     for key, bound, ok in (("at_least", ">=", lambda v, b: v >= b), ("above", ">", lambda v, b: v > b),
                            ("at_most", "<=", lambda v, b: v <= b)):
@@ -129,7 +195,8 @@ def to_dict(settings: Settings, *, per_invocation: bool = True) -> dict:
         if _is_section(f):
             out[f.name] = to_dict(value, per_invocation=per_invocation)
         elif per_invocation or not f.metadata.get("per_invocation"):
-            out[f.name] = list(value) if isinstance(value, tuple) else value
+            out[f.name] = (list(value) if isinstance(value, tuple) else value.to_dict()
+                           if isinstance(value, FrozenDict) else value)
     return out
 
 

@@ -4,8 +4,9 @@ repository-level code data is built. Single-file modules are left out.
 
     python3 scripts/long_documents.py --out runs/long_docs.jsonl              # the standard library
     python3 scripts/long_documents.py --root ~/src --min-chars 100000 --out docs.jsonl
-    python3 scripts/long_documents.py --root .venv/lib/python3.12/site-packages --out train.jsonl \
-        --heldout-packages 2 --heldout-min-chars 400000 --heldout-out heldout.jsonl
+    python3 scripts/long_documents.py --root "$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
+        --out train.jsonl --heldout-packages 2 --heldout-min-chars 400000 --heldout-out heldout.jsonl
+                                                 # the venv's site-packages, whatever its Python version
 
 The output is JSON lines ({"text": ...}) for `train.py --data`. With --root omitted the tree is
 the running interpreter's standard library (`glm_jax.data.corpus`: no tests or site-packages),

@@ -50,6 +50,17 @@ def test_training_lowers_the_loss_and_writes_checkpoints(trained_run):
     assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.isdigit()) == ["12", "6"]
 
 
+@pytest.mark.parametrize("flags", [["--speculative", "0"], ["--speculative", "3"]], ids=["plain", "speculative"])
+def test_decode_quiet_prints_only_the_generated_text(trained_run, capsys, flags):
+    """Piped (capsys is no terminal) --quiet prints neither the prompt nor the marker line."""
+    out, _ = trained_run
+    assert decode.main(["--checkpoint", str(out), "--prompt", "def f(x):", "--max-new-tokens", "8", "--quiet",
+                        *flags]) == 0
+    captured = capsys.readouterr()
+    assert "def f(x):" not in captured.out and display.COMPLETION_MARK not in captured.out
+    assert captured.out.strip() and captured.err == ""
+
+
 @pytest.mark.parametrize("flags", [["--speculative", "3"], []], ids=["speculative", "policy"])
 def test_decode_prints_text_and_speed(trained_run, capsys, flags):
     out, _ = trained_run
@@ -244,7 +255,8 @@ def test_train_from_a_hugging_face_checkpoint(tmp_path, monkeypatch, capsys):
     hf.write_checkpoint(hf_dir, dict(hf.GLM, vocab_size=320))
     seen = []
     step = run.train_step
-    monkeypatch.setattr(run, "train_step", lambda *a, **k: seen.append(k["kernels"]) or step(*a, **k))
+    monkeypatch.setattr(run, "train_step", lambda state, batch, config: seen.append(config.kernels)
+                        or step(state, batch, config))
     assert train.main(["--hf-checkpoint", str(hf_dir), "--out", str(out), "--steps", "1", "--lr", "0",
                        "--batch-size", "2", "--seq-len", "16", "--max-files", "2", "--eval-batches", "1",
                        "--indexer-impl", "xla"]) == 0
@@ -258,9 +270,9 @@ def test_train_from_a_hugging_face_checkpoint(tmp_path, monkeypatch, capsys):
 
 
 def test_init_from_hf_is_a_deprecated_spelling_of_hf_checkpoint(capsys):
-    assert train.parse_args(["--init-from-hf", "ckpt/", "--out", "run"]).hf_checkpoint == "ckpt/"
+    assert train.parse_args(["--init-from-hf", "ckpt/", "--out", "run"]).settings.model.hf_checkpoint == "ckpt/"
     assert capsys.readouterr().err == "note: --init-from-hf is deprecated; use --hf-checkpoint\n"
-    assert train.parse_args(["--hf-checkpoint", "ckpt/", "--out", "run"]).hf_checkpoint == "ckpt/"
+    assert train.parse_args(["--hf-checkpoint", "ckpt/", "--out", "run"]).settings.model.hf_checkpoint == "ckpt/"
     assert capsys.readouterr().err == ""
 
 
@@ -362,6 +374,23 @@ def test_cpu_runs_do_not_start_the_tpu_runtime():
     # a host with TPU chips, or JAX_PLATFORMS already set: left as it is
     assert cli.choose_platforms({}, tpu_chips=True) is None
     assert cli.choose_platforms({"JAX_PLATFORMS": "tpu"}, tpu_chips=False) is None
+
+
+def test_long_context_eval_on_a_cpu_does_not_start_the_tpu_runtime():
+    """benchmarks/long_context_eval.py (after the --dev setup, which installs libtpu) chooses the
+    platforms before its first jax call, as the front ends do: no libtpu errors on a CPU host."""
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("libtpu") is None or cli.has_tpu_chips():
+        pytest.skip("needs libtpu installed on a host without TPU chips")
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"} | {"PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "benchmarks/long_context_eval.py", "--smoke", "--model", "/nonexistent"],
+                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1 and "/nonexistent: failed" in done.stdout, done.stdout + done.stderr
+    assert "device: cpu" in done.stderr and "TPU" not in done.stderr and "E0000" not in done.stderr, done.stderr
 
 
 def test_mesh_too_large_to_simulate_is_refused_at_once(capsys, monkeypatch):

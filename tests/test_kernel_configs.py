@@ -3,6 +3,8 @@ against the config dataclass of the implementation each group runs, and recorded
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
 import train
@@ -59,3 +61,15 @@ def test_a_changed_kernel_config_is_named_on_resume():
 def test_a_malformed_item_is_one_line(item):
     with pytest.raises(cli.UserError, match="expected GROUP.FIELD=VALUE"):
         cli.kernel_config([item])
+
+
+def test_the_help_example_is_accepted_on_a_cpu():
+    """--kernel-config's example in --help sets a field of what auto runs here (the xla kernel on a CPU)."""
+    import jax
+
+    assert jax.default_backend() == "cpu"
+    ap = argparse.ArgumentParser()
+    cli.add_kernel_flags(ap)
+    assert f"e.g. {cli.KERNEL_CONFIG_EXAMPLE} " in " ".join(ap.format_help().split())
+    choice = configured(ops.KernelChoice(), cli.kernel_config([cli.KERNEL_CONFIG_EXAMPLE]))
+    assert choice.attention == "xla" and choice.attention_config.q_chunk == 64

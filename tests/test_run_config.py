@@ -93,3 +93,91 @@ def test_hints_name_the_interpreter_as_run_from_the_working_directory(tmp_path, 
     assert cli.python_command() == ".venv/bin/python"
     monkeypatch.setattr("sys.executable", "/usr/bin/python3")
     assert cli.python_command() == "/usr/bin/python3"
+
+
+def test_every_settings_class_is_frozen_and_hashable(tmp_path):
+    """Settings may be static arguments of jitted functions: equal settings hash equal, a
+    kernel_config (a FrozenDict) included, and one read back from run_config.yaml too."""
+    from glm_jax.decoding.decode_config import DecodeConfig
+    from glm_jax.serving.serve_config import ServeConfig
+
+    classes = [TrainConfig, DecodeConfig, ServeConfig] + [f.default_factory for f in dataclasses.fields(TrainConfig)
+                                                          if settings._is_section(f)]
+    for cls in classes:
+        assert dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen, cls
+        assert hash(cls()) == hash(cls()), cls
+    configs = {"attention": {"block_k": 64}, "indexer": {"q_chunk": 16}}
+    a = settings.with_values(TrainConfig(out="r"), {"kernel_config": configs})
+    b = settings.with_values(TrainConfig(out="r"), {"kernel_config": dict(reversed(configs.items()))})
+    assert a == b and hash(a) == hash(b) and a.kernels.kernel_config == configs
+    assert hash(DecodeConfig(kernel_config=configs)) == hash(DecodeConfig(kernel_config=configs))
+    with pytest.raises(AttributeError):
+        a.kernels.kernel_config.pairs = ()
+    run_config.save(a, tmp_path)
+    assert "block_k: 64" in (tmp_path / run_config.FILE_NAME).read_text()
+    back = run_config.load(tmp_path / run_config.FILE_NAME)
+    assert hash(back) == hash(dataclasses.replace(a, out=None)) and back.kernels.kernel_config == configs
+
+
+def test_every_parser_default_is_its_settings_default():
+    """A default is written once, in its settings class: train.py's flags are generated from
+    TrainConfig, decode.py's from DecodeConfig and ServeConfig; no flag given, the settings are
+    the classes' defaults."""
+    import decode
+    from glm_jax.decoding.decode_config import DecodeConfig
+    from glm_jax.serving.serve_config import ServeConfig
+
+    assert train.parse_args(["--out", "r"]).settings == TrainConfig(out="r")
+    command = decode.parse_args([])
+    assert command.settings == DecodeConfig() and command.serving == ServeConfig()
+    assert decode.decode_config(command) == DecodeConfig()
+
+
+def test_decode_settings_file_with_flags_over_it(tmp_path):
+    """decode.py --decode-config FILE: the same mechanism as train.py's --run-config."""
+    import decode
+
+    path = tmp_path / "decode.yaml"
+    path.write_text("temperature: 0.7\ntop_k: 0\nkernel_config:\n  attention: {q_chunk: 32}\n")
+    command = decode.parse_args(["--decode-config", str(path), "--top-k", "5", "--kernel-config",
+                                 "indexer.q_chunk=16"])
+    settings = decode.decode_config(command)
+    assert (settings.temperature, settings.top_k) == (0.7, 5)
+    assert settings.kernel_config == {"attention": {"q_chunk": 32}, "indexer": {"q_chunk": 16}}
+
+
+def test_the_flags_of_before_keep_their_spellings():
+    """Every flag train.py and decode.py took before their parsers were generated is accepted
+    as it was spelled (--init-from-hf: a deprecated spelling of --hf-checkpoint)."""
+    import decode
+
+    got = train.parse_args(
+        "--out r --steps 7 --batch-size 3 --seq-len 64 --lr 1e-3 --warmup-steps 2 --decay-steps 4 --dense-steps 1 "
+        "--indexer-weight 0.5 --mtp-weight 0.2 --mtp-depth 2 --tv-weight 0.1 --no-mtp-kv-share --log-every 2 "
+        "--metrics-file m.jsonl --peak-tflops 900 --eval-every 5 --eval-batches 2 --save-every 3 --data a b "
+        "--heldout-data c --max-files 9 --prefetch-batches 0 --data-shards 2 --seed 1 --export-dtype bfloat16 "
+        "--resume --stop-after 2 --remat --keep-attention --mesh data=2 --attention-form absorbed "
+        "--attention-impl xla --indexer-impl xla --kernel-config attention.q_chunk=8 --coordinator h:1 "
+        "--num-processes 2 --process-id 1 --distributed --init-from-hf hf/ --config c.yaml "
+        "--context-length 512".split())
+    s = train.train_config(got)
+    assert (s.out, s.schedule.steps, s.data.data, s.losses.mtp_kv_share, s.kernels.keep_attention) == \
+        ("r", 7, ("a", "b"), False, True)
+    assert (s.model.hf_checkpoint, s.model.context_length, s.kernels.kernel_config) == \
+        ("hf/", 512, {"attention": {"q_chunk": 8}})
+    assert (got.coordinator, got.num_processes, got.process_id, got.distributed) == ("h:1", 2, 1, True)
+    assert train.parse_args(["--checkpoint", "d", "--out", "r"]).settings.model.checkpoint == "d"
+    got = decode.parse_args(
+        "--checkpoint d --config c --prompt p --prompt-file f --prompt-ids 1,2 --prompts-file g --output o "
+        "--max-new-tokens 5 --max-len 64 --temperature 0.5 --top-p 0.9 --top-k 3 --min-p 0.1 --seed 2 "
+        "--speculative 2 --no-kv-share --prefill-chunk 8 --batch-invariant --max-batch 2 --decode-steps 2 --quiet "
+        "--mesh data=1 --collective psum --compile-only --topology v5p:2x2x1 --max-context 128 --batch 2 "
+        "--attention-impl xla --indexer-impl xla --kernel-config attention.q_chunk=8 --coordinator h:1 "
+        "--num-processes 2 --process-id 0 --distributed --serve --host 0.0.0.0 --port 9 --page-size 8 "
+        "--step-token-budget 64".split())
+    s = decode.decode_config(got)
+    assert (s.top_k, s.kv_share, s.batch_invariant, s.collective, s.kernel_config) == \
+        (3, False, True, "psum", {"attention": {"q_chunk": 8}})
+    assert (got.prompt_ids, got.quiet, got.serve, got.compile_only, got.batch, got.serving.port) == \
+        ("1,2", True, True, True, 2, 9)
+    assert decode.parse_args(["--init-from-hf", "hf/"]).hf_checkpoint == "hf/"

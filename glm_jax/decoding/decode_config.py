@@ -10,32 +10,55 @@ import dataclasses
 from glm_jax import ops
 from glm_jax.kernel_configs import configured
 from glm_jax.decoding.sampling import SamplingError, SamplingParams
-from glm_jax.settings import Settings, SettingError, setting
+from glm_jax.settings import FrozenDict, Settings, SettingError, impl_choices, setting
 
 
 @dataclasses.dataclass(frozen=True)
 class DecodeConfig(Settings):
-    max_new_tokens: int = setting(128, above=0)
-    max_len: int | None = setting(None, at_least=1)
+    max_new_tokens: int = setting(128, above=0, help="tokens to generate per prompt")
+    max_len: int | None = setting(None, at_least=1, help="cache length (default: the model's context)")
     # Sampling: chosen by benchmarks/repetition.py (docs/default-model.md, "Default sampling"): at
     # temperature 0.7 / top-p 0.9 the default model repeated a line more than 3 times in 8 of 20
     # held-out completions, at temperature 1 / top-k 40 in 1 of 20.
-    temperature: float = setting(1.0)
-    top_p: float = setting(1.0)
-    top_k: int = setting(40)
-    min_p: float = setting(0.0)
-    seed: int = setting(0)
-    speculative: int | None = setting(None, at_least=0)
-    kv_share: bool = setting(True, flag="--no-kv-share")
-    prefill_chunk: int = setting(256, at_least=1)
-    max_batch: int | None = setting(None, at_least=1)
-    mesh: str | None = setting(None)
-    collective: str = setting("permute")
-    attention_impl: str = setting("auto")
-    indexer_impl: str = setting("auto")
-    kernel_config: dict[str, dict] = setting(default_factory=dict)
-    batch_invariant: bool = setting(False)
-    decode_steps: int = setting(1, at_least=1)
+    temperature: float = setting(1.0, help="0 = greedy")
+    top_p: float = setting(1.0, help="nucleus mass to keep (1 = off)")
+    top_k: int = setting(40, help="keep the k most likely tokens (0 = off)")
+    min_p: float = setting(0.0, help="keep tokens at least this fraction as likely as the most likely one (0 = off)")
+    seed: int = setting(0, help="the sampling seed")
+    speculative: int | None = setting(None, at_least=0, metavar="K",
+                                      help="draft K tokens per step with the MTP layer (0 = plain decoding; default: "
+                                           "K where it measured faster than plain decoding for this backend and "
+                                           "batch, else plain; glm_jax/decoding/policy.py)")
+    kv_share: bool = setting(True, flag="--no-kv-share",
+                             help="draft steps 2..K reuse the target's indexer selection (--no-kv-share: they run "
+                                  "their own indexer over target+draft KV, the baseline)")
+    prefill_chunk: int = setting(256, at_least=1, help="prompt tokens per prefill call")
+    max_batch: int | None = setting(None, at_least=1, metavar="N",
+                                    help="decode the prompts through the serving engine, N sequences at a time "
+                                         "(continuous batching; plain decoding, each prompt its own sampling "
+                                         "stream); with --serve, the requests decoded together (default 4)")
+    mesh: str | None = setting(None, metavar="SPEC",
+                               help="a device mesh 'axis=size,...' over data, context, tensor, layer: e.g. "
+                                    "data=1,layer=8; layer > 1 splits the KV cache across devices by layer "
+                                    "(LayerSplit); on a CPU the devices are simulated")
+    collective: str = setting("permute", choices=("permute", "psum"),
+                              help="how a layer's cache owner sends rows to the other devices (LayerSplit)")
+    attention_impl: str = setting("auto", choices=impl_choices("sparse_mla"),
+                                  help="the sparse attention (sparse MLA) kernel; auto: the backend's Pallas kernel "
+                                       "on a TPU or GPU, else xla")
+    indexer_impl: str = setting("auto", choices=impl_choices("indexer_topk"),
+                                help="the lightning indexer's kernels (scores and top-k)")
+    kernel_config: FrozenDict = setting(FrozenDict(), help="group -> field -> value (the command line's "
+                                                           "--kernel-config GROUP.FIELD=VALUE items)")
+    batch_invariant: bool = setting(False, help="give each prompt the tokens it gets alone, whatever its batch, "
+                                                "chunk size or speculation: every token computed in row chunks of "
+                                                "one shape (glm_jax.ops.KernelChoice; its cost: "
+                                                "benchmarks/speculative.py --batch-invariant)")
+    decode_steps: int = setting(1, at_least=1, metavar="N",
+                                help="with --max-batch or --serve: up to N decode steps per call of the serving "
+                                     "engine while no prompt is prefilled or admitted (1..the page size: 16, or "
+                                     "--page-size with --serve; a new request waits up to one block, the host's "
+                                     "cost of a call is spread over N tokens; docs/serving.md)")
 
     def __post_init__(self) -> None:
         super().__post_init__()

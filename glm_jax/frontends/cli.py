@@ -1,17 +1,17 @@
-"""The command line that train.py, decode.py and the IndexShare pattern search
-(`python -m glm_jax.frontends.indexcache_search`) share: the flags naming the model, the mesh, the kernels
-and the processes of a run, how a mistake in them is reported, and the interpreter a hint names.
+"""What the front ends share: how a mistake in the flags is reported, the processes a run joins,
+the platforms, the interpreter a hint names, --kernel-config items, and the argparse flags naming
+the model and the kernels of the programs whose parsers are still written by hand (the IndexShare
+pattern search, `python -m glm_jax.frontends.indexcache_search`, and benchmarks). train.py's and
+decode.py's parsers are generated from their settings classes (`settings_cli`).
 
     ap = argparse.ArgumentParser()
     cli.add_model_flags(ap, checkpoint="checkpoints/default")  # --checkpoint | --hf-checkpoint, --config
-    cli.add_mesh_flag(ap, "e.g. data=1,layer=8")                # --mesh
     cli.add_kernel_flags(ap)                                    # --attention-impl, --indexer-impl, --kernel-config
-    cli.add_distributed_flags(ap, "--output")                   # --coordinator, --num-processes, ...
 
     @cli.reports_user_errors                  # UserError -> "error: <message>" on stderr, exit code 2
     def main(argv=None) -> int:
         args = ap.parse_args(argv)
-        cli.join_processes(args, args.mesh)   # before the first jax computation
+        cli.choose_platforms()                # before the first jax computation
         with cli.user_errors():               # ValueError, FileNotFoundError -> UserError
             model = load_model(cli.model_source(args), config=...)
         ... Generator(model, kernels=cli.kernel_choice(args)) ...
@@ -123,18 +123,15 @@ def model_source(args):
 
 
 # ---------------------------------------------------------------------- mesh and kernels
-def add_mesh_flag(ap: argparse.ArgumentParser, use: str) -> None:
-    """--mesh SPEC; `use`: examples and what the front end splits over the axes."""
-    ap.add_argument("--mesh", default=None, metavar="SPEC",
-                    help=f"a device mesh 'axis=size,...' over data, context, tensor, layer: {use}; on a CPU "
-                         "the devices are simulated")
-
-
 def impl_choices(op: str) -> tuple[str, ...]:
     """The implementations a kernel flag offers for the pallas_kernels op `op` (its registry)."""
     from pallas_kernels import impl_choices as registered
 
     return registered(op)
+
+
+#: The --kernel-config example of the help: a field of the kernel "auto" runs on a CPU.
+KERNEL_CONFIG_EXAMPLE = "attention.q_chunk=64"
 
 
 def add_kernel_flags(ap: argparse.ArgumentParser, *, attention_help: str = "") -> None:
@@ -149,9 +146,10 @@ def add_kernel_flags(ap: argparse.ArgumentParser, *, attention_help: str = "") -
                          help="the lightning indexer's kernels (scores and top-k)")
     kernels.add_argument("--kernel-config", dest="kernel_config_items", action="append", default=None,
                          metavar="GROUP.FIELD=VALUE",
-                         help="set a field of a kernel's config dataclass (repeatable), e.g. attention.block_k=64; "
-                              "groups: attention, indexer, indexer_kl; the fields are those of the config of the "
-                              "implementation the group runs (pallas_kernels registry)")
+                         help=f"set a field of a kernel's config dataclass (repeatable), e.g. {KERNEL_CONFIG_EXAMPLE} "
+                              "(the xla kernel's, which a CPU runs) or attention.block_k=64 (pallas_gpu, pallas_tpu); "
+                              "groups: attention, indexer, indexer_kl, dense_kl; the fields are those of the config "
+                              "of the implementation the group runs (pallas_kernels registry)")
 
 
 def kernel_config(items: list[str] | None, base: dict | None = None) -> dict[str, dict]:
@@ -181,22 +179,9 @@ def kernel_choice(args, *, attention: str | None = None):
 
 
 # ---------------------------------------------------------------------- several processes
-def add_distributed_flags(ap: argparse.ArgumentParser, writes: str) -> None:
-    """--coordinator, --num-processes, --process-id and --distributed (see `join_processes`);
-    `writes`: what only process 0 writes, for the help text."""
-    hosts = ap.add_argument_group("several processes (hosts)", "every process runs the same command; "
-                                  f"the mesh spans all their devices; only process 0 prints and writes {writes}")
-    hosts.add_argument("--coordinator", default=None, metavar="HOST:PORT",
-                       help="process 0's address, which every process gives (with --num-processes, --process-id)")
-    hosts.add_argument("--num-processes", type=int, default=None, metavar="N")
-    hosts.add_argument("--process-id", type=int, default=None, metavar="I", help="0..N-1")
-    hosts.add_argument("--distributed", action="store_true",
-                       help="join a multi-process run that jax.distributed detects by itself (TPU pod, SLURM, "
-                            "Open MPI, or JAX_COORDINATOR_ADDRESS in the environment, which also turns this on)")
-
-
 def join_processes(args, mesh: str | None) -> None:
-    """Join the run that the distributed flags or the environment describe, after choosing the
+    """Join the run that the process flags (`args`: coordinator, num_processes, process_id,
+    distributed; `settings_cli.Processes`) or the environment describe, after choosing the
     platforms (`choose_platforms`) and letting the CPU platform simulate this process's share of
     the devices of `mesh` (the --mesh spec, if any). Call before anything else uses jax; flags
     that describe no run (or a bad mesh) raise UserError."""

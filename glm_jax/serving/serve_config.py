@@ -13,8 +13,12 @@ DEFAULT_SLOTS = 4
 
 @dataclasses.dataclass(frozen=True)
 class ServeConfig(Settings):
-    host: str = setting("127.0.0.1")
-    port: int = setting(8000, at_least=0, at_most=65535)
-    slots: int = setting(DEFAULT_SLOTS, at_least=1, flag="--max-batch")
-    page_size: int = setting(16, at_least=1)
-    step_token_budget: int | None = setting(None, at_least=1)
+    host: str = setting("127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    port: int = setting(8000, at_least=0, at_most=65535, help="port to listen on (0: any free one)")
+    slots: int = setting(DEFAULT_SLOTS, at_least=1, flag="--max-batch", cli=False)   # decode.py's --max-batch
+    page_size: int = setting(16, at_least=1, help="cache rows per page of the engine's pool")
+    step_token_budget: int | None = setting(None, at_least=1, metavar="N",
+                                            help="at most N tokens (prefill + decode) per engine step while requests "
+                                                 "decode: bounds their inter-token latency, lengthens long prompts' "
+                                                 "time to first token (default: no budget, whole --prefill-chunk per "
+                                                 "step; docs/serving.md)")

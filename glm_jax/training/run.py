@@ -45,8 +45,8 @@ from glm_jax.model import GLMModel, abstract_model, count_params, init_model, pa
 from glm_jax.training import background_output, checkpointing, run_config
 from glm_jax.training.compiles import CompileWatch
 from glm_jax.training.run_config import DataConfig, KernelsConfig, ModelSourceConfig, TrainConfig
-from glm_jax.training.step import (LearningRateSchedule, LossWeights, attention_form, eval_step, make_optimizer,
-                                   train_step, train_step_keeping)
+from glm_jax.training.step import (Batch, LearningRateSchedule, OptimizerConfig, StepConfig, TrainState,
+                                   attention_form, eval_step, train_step, train_step_keeping)
 
 DEFAULT_CONFIG = "configs/tiny.yaml"
 TOKENIZER_DOCS = 20_000  # documents the tokenizer is trained on (and the most held-out ones encoded)
@@ -76,7 +76,7 @@ class Run:
     start: int            # the step restored (0: a new run)
     form: str             # attention form (training.step.attention_form)
     kernels: ops.KernelChoice
-    weights: LossWeights
+    step_config: StepConfig   # the train step's static settings (its stage and max_segments set per step)
     step: Callable        # train_step, on a mesh with the state's layouts pinned (`_step_for`)
     prefetch: int         # batches packed ahead on a thread while the loop runs (`prefetch_depth`)
     exported: int | None = None   # the step whose weights `export` wrote to params/, if it ran
@@ -123,8 +123,8 @@ def setup(settings: TrainConfig) -> Run:
         model = init_model(cfg, settings.seed)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     schedule_settings = settings.schedule
-    tx, schedule = make_optimizer(schedule_settings.lr, schedule_settings.steps, schedule_settings.warmup_steps,
-                                  decay_steps=schedule_settings.decay_steps)
+    optimizer = OptimizerConfig.of(schedule_settings)
+    tx, schedule = optimizer.build()
     params, rest, opt_state = _place_state(mesh, params, rest, tx)
     if mesh is not None:
         print(f"mesh: {sharding.format_mesh(mesh)} over {mesh.size} devices of {jax.process_count()} process(es); "
@@ -148,12 +148,10 @@ def setup(settings: TrainConfig) -> Run:
                                                         read=shards_read)
             print(f"resume: continuing from step {start}")
 
-    losses = settings.losses
-    weights = LossWeights(indexer=losses.indexer_weight, mtp=losses.mtp_weight, mtp_depth=losses.mtp_depth,
-                          kv_share=losses.mtp_kv_share, tv=losses.tv_weight)
+    step_config = StepConfig.of(settings, kernels=kernels, form=form)
     return Run(settings=settings, cfg=cfg, out=out, model=model, graphdef=graphdef, params=params, rest=rest,
                opt_state=opt_state, tx=tx, schedule=schedule, feed=feed, batches=batches, heldout=heldout,
-               mngr=mngr, start=start, form=form, kernels=kernels, weights=weights,
+               mngr=mngr, start=start, form=form, kernels=kernels, step_config=step_config,
                step=_step_for(mesh, params, opt_state), prefetch=prefetch)
 
 
@@ -325,12 +323,12 @@ def _loop(run: Run, stop_requested: "StopSignals", compiles: CompileWatch) -> in
     for step in range(run.start + 1, schedule.steps + 1):
         batch = next(run.batches)
         stage = "dense" if step <= schedule.dense_steps else "sparse"
-        run.params, run.opt_state, terms = run.step(
-            run.graphdef, run.params, run.rest, run.opt_state, run.feed.from_rows(batch.inputs),
-            run.feed.from_rows(batch.targets), run.feed.from_rows(batch.segment_ids), tx=run.tx, stage=stage,
-            weights=run.weights, kernels=run.kernels, remat=settings.kernels.remat,
-            keep_attention=settings.kernels.keep_attention, form=run.form,
-            max_segments=segment_bounds.for_step(batch.segment_ids, stage, run.form))
+        config = dataclasses.replace(run.step_config, stage=stage,
+                                     max_segments=segment_bounds.for_step(batch.segment_ids, stage, run.form))
+        state, terms = run.step(TrainState(run.graphdef, run.params, run.rest, run.opt_state),
+                                Batch(*(run.feed.from_rows(a) for a in (batch.inputs, batch.targets,
+                                                                        batch.segment_ids))), config)
+        run.params, run.opt_state = state.params, state.opt_state
         faults.reached("step", step)
         record = log.step(step, stage, lambda: run.schedule.on_host(step - 1), terms, batch,
                           full=step % settings.logging.log_every == 0 or step == schedule.steps

@@ -1,6 +1,9 @@
 """The jitted train step: LM loss + IndexCache indexer KL + MTP cross-entropy, AdamW update.
 
-Stages (`stage` argument, static):
+`train_step(state, batch, config)`: `state` a `TrainState`, `batch` a `Batch`, `config` one
+hashable `StepConfig` (static: the optimizer, stage, loss weights, kernels, attention form...).
+
+Stages (`StepConfig.stage`):
   "dense"   dense causal attention; the indexer learns the head-summed attention (warm-up)
   "sparse"  attention over the indexer's top-k; the indexer's KL is restricted to that set
 The indexer's inputs are detached in both, so the indexer learns only from its KL and the rest
@@ -12,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +27,10 @@ from glm_jax.layers.decoder import AttentionSettings
 from glm_jax.layers.segments import same_segment_ahead
 from glm_jax.training.head_losses import linear_cross_entropy, linear_cross_entropy_with_tv, linear_nll_and_tv
 from glm_jax.training.losses import end_to_end_tv, head_cross_entropy, masked_mean, shift_left
+from glm_jax.training.run_config import EXPANDED_MAX_LEN, LossConfig, ScheduleConfig, TrainConfig
+
+
+_LOSSES = LossConfig()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,11 +42,17 @@ class LossWeights:
     and top-k indices; tv: weight of the end-to-end total-variation loss between the target's
     and the MTP layer's distributions (the target side detached)."""
 
-    indexer: float = 1.0
-    mtp: float = 0.3
-    mtp_depth: int = 1
-    kv_share: bool = True
-    tv: float = 0.0
+    indexer: float = _LOSSES.indexer_weight
+    mtp: float = _LOSSES.mtp_weight
+    mtp_depth: int = _LOSSES.mtp_depth
+    kv_share: bool = _LOSSES.mtp_kv_share
+    tv: float = _LOSSES.tv_weight
+
+    @classmethod
+    def of(cls, losses: LossConfig) -> "LossWeights":
+        """The weights of a run's `losses` settings (whose defaults these are)."""
+        return cls(indexer=losses.indexer_weight, mtp=losses.mtp_weight, mtp_depth=losses.mtp_depth,
+                   kv_share=losses.mtp_kv_share, tv=losses.tv_weight)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +108,7 @@ def make_optimizer(lr: float, total_steps: int, warmup_steps: int, weight_decay:
     """AdamW with gradient clipping, and its learning-rate schedule (`LearningRateSchedule`). With
     `decay_steps` > 0 the schedule is warmup-stable-decay: every step before the decay is the same
     whatever `total_steps` is, so a run may be lengthened or shortened on resume while it is still
-    stable. The same arguments give the same objects: the optimizer is a static argument of
+    stable. The same arguments give the same objects: the optimizer is part of the static StepConfig of
     `train_step`, so runs of one schedule in one process (a run and its resume) share its
     compiled steps."""
     warmup_steps = max(1, min(warmup_steps, total_steps - 1))
@@ -184,8 +198,6 @@ def _mtp_losses(model, out, targets, settings, weights: LossWeights, terms: dict
     return total + weights.mtp * terms["mtp"] + weights.tv * terms["mtp_tv"]
 
 
-#: Longest sequence "auto" trains in the expanded form ([S, S] matrices) on a CPU.
-EXPANDED_MAX_LEN = 4096
 
 
 def attention_form(form: str, seq_len: int, backend: str | None = None) -> str:
@@ -201,25 +213,106 @@ def attention_form(form: str, seq_len: int, backend: str | None = None) -> str:
     return form
 
 
-_STEP_STATIC = ("graphdef", "tx", "stage", "weights", "kernels", "remat", "keep_attention", "form", "max_segments")
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """The optimizer of `make_optimizer`, as a hashable value: `tx` and `schedule` are the same
+    objects for equal configs (make_optimizer's cache), so a step config holding it compiles once."""
+
+    lr: float
+    total_steps: int
+    warmup_steps: int
+    weight_decay: float = 0.1
+    decay_steps: int = 0
+
+    @classmethod
+    def of(cls, schedule: ScheduleConfig) -> "OptimizerConfig":
+        return cls(schedule.lr, schedule.steps, schedule.warmup_steps, decay_steps=schedule.decay_steps)
+
+    def build(self) -> tuple[optax.GradientTransformation, LearningRateSchedule]:
+        return make_optimizer(self.lr, self.total_steps, self.warmup_steps, self.weight_decay, self.decay_steps)
+
+    @property
+    def tx(self) -> optax.GradientTransformation:
+        return self.build()[0]
 
 
-@functools.partial(jax.jit, static_argnames=_STEP_STATIC, donate_argnames=("params", "opt_state"))
-def train_step(graphdef, params, rest, opt_state, inputs, targets, segment_ids=None, *, tx, stage, weights,
-               kernels, remat=False, keep_attention=False, form="expanded", max_segments=None):
-    """One optimizer step; inputs, targets, segment_ids (optional) int32 [B, S], remat,
-    keep_attention and max_segments as in `loss_terms`. -> (params, opt_state, metrics dict of float32 scalars)."""
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+    """Everything static about one train step (hashable: `train_step`'s static argument).
+
+    stage: "dense" or "sparse"; form: "expanded" or "absorbed" (`attention_form`, resolved);
+    kernels: the resolved `ops.KernelChoice`; remat, keep_attention and max_segments as in
+    `loss_terms`. `of(settings, ...)` builds one from a run's `TrainConfig`."""
+
+    optimizer: OptimizerConfig
+    stage: str = "sparse"
+    weights: LossWeights = LossWeights()
+    kernels: ops.KernelChoice = ops.KernelChoice()
+    remat: bool = False
+    keep_attention: bool = False
+    form: str = "expanded"
+    max_segments: int | None = None
+
+    @classmethod
+    def of(cls, settings: TrainConfig, *, kernels: ops.KernelChoice, form: str, stage: str = "sparse",
+           max_segments: int | None = None) -> "StepConfig":
+        """The step of a run's settings; `kernels` and `form` resolved for the backend (the
+        settings may say "auto")."""
+        return cls(optimizer=OptimizerConfig.of(settings.schedule), stage=stage,
+                   weights=LossWeights.of(settings.losses), kernels=kernels, remat=settings.kernels.remat,
+                   keep_attention=settings.kernels.keep_attention, form=form, max_segments=max_segments)
+
+    @property
+    def tx(self) -> optax.GradientTransformation:
+        return self.optimizer.tx
+
+
+class TrainState(NamedTuple):
+    """What a train step updates: the model split by `nnx.split(model, nnx.Param, ...)` and the
+    optimizer state of its params."""
+
+    graphdef: nnx.GraphDef
+    params: nnx.State
+    rest: nnx.State
+    opt_state: optax.OptState
+
+
+class Batch(NamedTuple):
+    """inputs, targets, segment_ids (optional: packed documents) int32 [B, S]."""
+
+    inputs: jax.Array
+    targets: jax.Array
+    segment_ids: jax.Array | None = None
+
+
+def _step(graphdef, params, rest, opt_state, batch: Batch, *, config: StepConfig):
     def loss_fn(p):
-        return loss_terms(nnx.merge(graphdef, p, rest), inputs, targets, stage=stage, weights=weights,
-                          kernels=kernels, remat=remat, keep_attention=keep_attention, form=form,
-                          segment_ids=segment_ids,
-                          max_segments=max_segments)
+        return loss_terms(nnx.merge(graphdef, p, rest), batch.inputs, batch.targets, stage=config.stage,
+                          weights=config.weights, kernels=config.kernels, remat=config.remat,
+                          keep_attention=config.keep_attention, form=config.form, segment_ids=batch.segment_ids,
+                          max_segments=config.max_segments)
 
     (_, terms), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-    updates, opt_state = tx.update(grads, opt_state, params)
+    updates, opt_state = config.tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
     terms["grad_norm"] = optax.tree.norm(grads)
     return params, opt_state, terms
+
+
+_step.__name__ = _step.__qualname__ = "train_step"       # compiles as jit(train_step)
+_JIT = dict(static_argnames=("graphdef", "config"), donate_argnames=("params", "opt_state"))
+#: The jitted step on the split state: (graphdef, params, rest, opt_state, batch, *, config) ->
+#: (params, opt_state, metrics); params and opt_state donated. For `.trace(...).lower()`.
+train_step_program = jax.jit(_step, **_JIT)
+
+
+def train_step(state: TrainState, batch: Batch | tuple, config: StepConfig, *,
+               program=train_step_program) -> tuple[TrainState, dict]:
+    """One optimizer step -> (the new state, metrics dict of float32 scalars). The state's params
+    and optimizer state are donated: use the returned ones."""
+    params, opt_state, terms = program(state.graphdef, state.params, state.rest, state.opt_state, Batch(*batch),
+                                       config=config)
+    return state._replace(params=params, opt_state=opt_state), terms
 
 
 def train_step_keeping(param_shardings, opt_shardings):
@@ -231,8 +324,8 @@ def train_step_keeping(param_shardings, opt_shardings):
     routers) it returns them split over the data axis, so the second step, receiving them so,
     would compile the step again. Pinned, every step of a stage gets the layouts of the first and
     the step compiles once per stage (fresh or resumed: a checkpoint restores the placed layouts)."""
-    return jax.jit(train_step.__wrapped__, static_argnames=_STEP_STATIC, donate_argnames=("params", "opt_state"),
-                   out_shardings=(param_shardings, opt_shardings, None))
+    return functools.partial(train_step, program=jax.jit(_step, **_JIT,
+                                                         out_shardings=(param_shardings, opt_shardings, None)))
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "stage", "kernels"))
