@@ -26,18 +26,25 @@ from glm_jax.layers.mtp import MTPLayer
 from glm_jax.layers.norms import RMSNorm
 from glm_jax.layers.segments import segment_layout
 from glm_jax.row_chunks import in_row_chunks
+from glm_jax.logical_axes import add_stack_axis
 from glm_jax.sharding import split_tokens
 
 
 def _stacked_groups(cfg: GLMConfig, plan: GroupStackPlan, key: jax.Array, dtype) -> IndexShareGroup:
-    """An IndexShareGroup whose variables carry a leading axis of plan.count independent inits."""
+    """An IndexShareGroup whose variables carry a leading axis of plan.count independent inits
+    (their logical names a leading "stack")."""
     def init_one(k):
-        return nnx.state(IndexShareGroup(cfg, plan.kinds, rngs=nnx.Rngs(params=k), dtype=dtype))
+        return nnx.state(IndexShareGroup(cfg, plan.kinds, rngs=nnx.Rngs(params=k), param_dtype=dtype))
 
     states = jax.vmap(init_one)(jax.random.split(key, plan.count))
-    group = nnx.eval_shape(lambda: IndexShareGroup(cfg, plan.kinds, rngs=nnx.Rngs(0), dtype=dtype))
+    group = nnx.eval_shape(lambda: IndexShareGroup(cfg, plan.kinds, rngs=nnx.Rngs(0), param_dtype=dtype))
     nnx.update(group, states)
+    add_stack_axis(group)
     return group
+
+
+#: The logical names of an nnx.Embed table [vocab, embed] (its `embedding_metadata`).
+EMBEDDING_AXES = {"out_sharding": ("vocab", "embed"), "eager_sharding": False}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,11 +60,12 @@ class GLMModel(nnx.Module):
         self.cfg = cfg
         self.plan = plan_groups(cfg)
         self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=dtype,
-                                      embedding_init=jax.nn.initializers.normal(1.0), rngs=rngs)
+                                      embedding_init=jax.nn.initializers.normal(1.0), rngs=rngs,
+                                      embedding_metadata=EMBEDDING_AXES)
         self.stacks = nnx.List([_stacked_groups(cfg, p, rngs.params(), dtype) for p in self.plan])
-        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, rngs=rngs, dtype=dtype)
-        self.mtp = MTPLayer(cfg, rngs=rngs, dtype=dtype) if cfg.num_nextn_predict_layers else None
+        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=dtype)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, rngs=rngs, param_dtype=dtype, axes=("embed", "vocab"))
+        self.mtp = MTPLayer(cfg, rngs=rngs, param_dtype=dtype) if cfg.num_nextn_predict_layers else None
 
     def logits(self, hidden_normed: jnp.ndarray) -> jnp.ndarray:
         return self.lm_head(hidden_normed).astype(jnp.float32)
@@ -86,8 +94,8 @@ class GLMModel(nnx.Module):
 
             def body(carry, group_state, graphdef=graphdef):
                 x, kl = carry
-                x, group_kl, _, _ = nnx.merge(graphdef, group_state).forward(x, positions, kv_len, settings,
-                                                                             kv_start=kv_start)
+                x, group_kl, _, _ = nnx.merge(graphdef, group_state)(x, positions, kv_len, settings,
+                                                                     kv_start=kv_start)
                 return (x, kl + group_kl), None
 
             (x, kl), _ = jax.lax.scan(body, (x, kl), state)

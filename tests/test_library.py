@@ -86,10 +86,10 @@ def test_settings_and_layer_constructors_check_their_arguments():
     cfg = load_config("tiny-attention")
     full, shared = LayerKind(is_full=True, is_moe=False), LayerKind(is_full=False, is_moe=False)
     with pytest.raises(ValueError, match=r"IndexShareGroup: a group is one Full layer followed by Shared ones"):
-        IndexShareGroup(cfg, (shared, full), rngs=nnx.Rngs(0), dtype=jnp.float32)
+        IndexShareGroup(cfg, (shared, full), rngs=nnx.Rngs(0), param_dtype=jnp.float32)
     with pytest.raises(TypeError, match=r"IndexShareGroup: cfg must be a GLMConfig .*got dict"):
-        IndexShareGroup(cfg.to_dict(), (full,), rngs=nnx.Rngs(0), dtype=jnp.float32)
-    group = IndexShareGroup(cfg, (full, shared), rngs=nnx.Rngs(0), dtype=jnp.float32)
+        IndexShareGroup(cfg.to_dict(), (full,), rngs=nnx.Rngs(0), param_dtype=jnp.float32)
+    group = IndexShareGroup(cfg, (full, shared), rngs=nnx.Rngs(0), param_dtype=jnp.float32)
     s = cfg.max_position_embeddings + 1
     with pytest.raises(ValueError, match=rf"a sequence of {s} tokens is longer than max_position_embeddings="):
         group.forward(jnp.zeros((1, s, cfg.hidden_size)), jnp.zeros((1, s), jnp.int32), jnp.full((1,), s, jnp.int32),
