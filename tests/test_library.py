@@ -33,7 +33,7 @@ DISTRIBUTION = {"orbax": "orbax-checkpoint"}
 #: The modules that need an optional package, and the extra their ImportError must name.
 NEEDS_EXTRA = {"glm_jax.checkpoint": "checkpoints", "glm_jax.training.checkpointing": "checkpoints",
                "glm_jax.data.tokenizer": "tokenizers", "glm_jax.data.pipeline": "tokenizers",
-               "glm_jax.serving.app": "serve", "glm_jax.serving.server": "serve"}
+               "glm_jax.serving.app": "serve", "glm_jax.serving.server": "serve", "glm_jax.training.run": "train"}
 
 
 def _project() -> dict:
