@@ -144,9 +144,9 @@ def core_run(tmp_path_factory):
     """(stdout lines, the JSON it printed last) of the core-only subprocess."""
     page = (ROOT / "docs" / "using-the-layers.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", page, re.S)
-    assert len(blocks) == 1, "the page holds one complete example"
+    assert len(blocks) == 2, "the page holds a complete example and a finer-grained one after it"
     example = tmp_path_factory.mktemp("docs") / "example.py"
-    example.write_text(blocks[0])
+    example.write_text("\n".join(blocks))
     optional = sorted(set(EXTRA_OF) | {"safetensors", "matplotlib", "httpx", "openai"})
     script = _CORE_SCRIPT.format(optional=optional, needs_extra=sorted(NEEDS_EXTRA))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
@@ -170,3 +170,4 @@ def test_the_docs_example_trains_on_a_mesh_with_the_core_alone(core_run):
     lines, _ = core_run
     first, last = map(float, re.fullmatch(r"loss (\S+) -> (\S+)", lines[-2]).groups())
     assert last < first / 2
+    assert "P('q_lora', 'heads')" in "\n".join(lines)
