@@ -20,12 +20,14 @@ data, context, tensor, layer).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from flax.core import spmd as core_spmd
 
 #: The logical names, each with what it names.
 LOGICAL_AXES: dict[str, str] = {
@@ -194,3 +196,29 @@ def on_auto_axes(module, fn, args: tuple, out_sharding):
         return fn(nnx.merge(graphdef, state), *args)
 
     return jax.sharding.auto_axes(pure, out_sharding=out_sharding)(state, args)
+
+
+def _present(entry, axes: set[str]):
+    """A rule's value with the mesh axes outside `axes` dropped (None where none is left)."""
+    kept = tuple(a for a in ((entry,) if isinstance(entry, str) else entry or ()) if a in axes)
+    return kept[0] if len(kept) == 1 else (kept or None)
+
+
+@contextlib.contextmanager
+def flax_rules(rules=None):
+    """Within: Flax's logical-axis rules (`flax.core.spmd.logical_axis_rules`) are `rules`
+    (default `current_rules()`) on the ambient mesh, so that Flax's own machinery that places
+    annotated Variables on that mesh (`nnx.eval_shape`, `nnx.get_abstract_model`,
+    `nnx.get_partition_spec`) resolves the layers' logical names to its axes."""
+    mesh = jax.sharding.get_abstract_mesh()
+    axes = set() if mesh.empty else set(mesh.axis_names)
+    rules = current_rules() if rules is None else as_rules(rules)
+    with core_spmd.logical_axis_rules(tuple((name, _present(entry, axes)) for name, entry in rules.items())):
+        yield
+
+
+def eval_shape(fn):
+    """nnx.eval_shape(fn) (a module of ShapeDtypeStructs) under `flax_rules()`: on a mesh set
+    with `jax.set_mesh` Flax gives each annotated Variable the sharding its logical names map to."""
+    with flax_rules():
+        return nnx.eval_shape(fn)

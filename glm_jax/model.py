@@ -26,7 +26,7 @@ from glm_jax.layers.mtp import MTPLayer
 from glm_jax.layers.norms import RMSNorm
 from glm_jax.layers.segments import segment_layout
 from glm_jax.row_chunks import in_row_chunks
-from glm_jax.logical_axes import add_stack_axis
+from glm_jax.logical_axes import add_stack_axis, eval_shape
 from glm_jax.sharding import split_tokens
 
 
@@ -37,7 +37,7 @@ def _stacked_groups(cfg: GLMConfig, plan: GroupStackPlan, key: jax.Array, dtype)
         return nnx.state(IndexShareGroup(cfg, plan.kinds, rngs=nnx.Rngs(params=k), param_dtype=dtype))
 
     states = jax.vmap(init_one)(jax.random.split(key, plan.count))
-    group = nnx.eval_shape(lambda: IndexShareGroup(cfg, plan.kinds, rngs=nnx.Rngs(0), param_dtype=dtype))
+    group = eval_shape(lambda: IndexShareGroup(cfg, plan.kinds, rngs=nnx.Rngs(0), param_dtype=dtype))
     nnx.update(group, states)
     add_stack_axis(group)
     return group
@@ -250,4 +250,4 @@ def init_model(cfg: GLMConfig, seed: int = 0) -> GLMModel:
 
 def abstract_model(cfg: GLMConfig) -> GLMModel:
     """The module tree with ShapeDtypeStructs instead of arrays: no memory, for counting and planning."""
-    return nnx.eval_shape(lambda: GLMModel(cfg, rngs=nnx.Rngs(0)))
+    return eval_shape(lambda: GLMModel(cfg, rngs=nnx.Rngs(0)))

@@ -186,7 +186,7 @@ def with_config(model: GLMModel, cfg: GLMConfig) -> GLMModel:
     e.g. the position encoding of `extend_context`); `model` itself where it has that config."""
     if model.cfg == cfg:
         return model
-    graphdef, _ = nnx.split(nnx.eval_shape(lambda: GLMModel(cfg, rngs=nnx.Rngs(0))))
+    graphdef, _ = nnx.split(abstract_model(cfg))
     return nnx.merge(graphdef, nnx.state(model))
 
 
