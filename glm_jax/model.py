@@ -82,6 +82,7 @@ class GLMModel(nnx.Module):
         On a mesh set with `jax.set_mesh` whose context axis splits S (context parallelism,
         `glm_jax.sharding`), each device computes the activations of its S / context tokens; the
         results are those of one device."""
+        _check_call("GLMModel", tokens, settings)
         b, s = tokens.shape
         positions, kv_start = _layout(b, s, segment_ids)
         kv_len = jnp.full((b,), s, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
@@ -111,6 +112,7 @@ class GLMModel(nnx.Module):
 
         shared_kv: (latent, indices) of depth 1, reused by depths >= 2 (KVShare training).
         -> (ForwardOutput, (latent [B, S, latent], indices [B, S, topk] or None)) of this depth."""
+        _check_call("GLMModel.mtp_forward", next_tokens, settings, name="next_tokens")
         b, s = next_tokens.shape
         positions, kv_start = _layout(b, s, segment_ids)
         kv_len = jnp.full((b,), s, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
@@ -192,6 +194,17 @@ class GLMModel(nnx.Module):
         """next_tokens int32 [B, S], hidden [B, S, hidden] -> the MTP block's input [B, S, hidden]
         (`MTPLayer.inputs`), in fixed row chunks when batch-invariant."""
         return in_row_chunks(self.mtp.inputs, embed(self.embed_tokens, next_tokens), hidden, rows=kernels.token_rows)
+
+
+def _check_call(owner: str, tokens, settings, name: str = "tokens") -> None:
+    """TypeError / ValueError naming the argument unless tokens are int [B, S] and settings an
+    AttentionSettings."""
+    if not isinstance(settings, AttentionSettings):
+        raise TypeError(f"{owner}: settings must be an AttentionSettings (e.g. AttentionSettings(mode=\"sparse\")), "
+                        f"got {type(settings).__name__} {settings!r}")
+    if getattr(tokens, "ndim", None) != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise ValueError(f"{owner}: {name} must be token ids int32 [batch, sequence], got "
+                         f"{getattr(tokens, 'dtype', type(tokens).__name__)} {tuple(getattr(tokens, 'shape', ()))}")
 
 
 def _mtp_view(cache: KVCache, positions):

@@ -132,6 +132,11 @@ def test_misuse_is_one_line_naming_the_layers_argument():
         RMSNorm(4)(jnp.ones((2, 5)))
     with pytest.raises(ValueError, match=r"Embed: ids must hold integers"):
         Embed(4, 2, rngs=nnx.Rngs(0))(jnp.zeros((2,)))
+    model = abstract_model(cfg)
+    with pytest.raises(TypeError, match=r"GLMModel: settings must be an AttentionSettings .*got str 'dense'"):
+        model(jnp.zeros((1, 4), jnp.int32), settings="dense")
+    with pytest.raises(ValueError, match=r"GLMModel: tokens must be token ids int32 \[batch, sequence\], got int32 \(4,\)"):
+        model(jnp.zeros((4,), jnp.int32))
 
 
 def test_the_group_is_called_like_a_flax_module():

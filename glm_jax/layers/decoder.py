@@ -27,7 +27,7 @@ from glm_jax.layers.dense_kl import DenseTarget, dense_group_kl
 from glm_jax.layers.indexer import Indexer
 from glm_jax.layers.mla import MLAProjection, indices_to_mask
 from glm_jax.layers.moe import MLP, MoE
-from glm_jax.layers.selected_kl import add_target, selected_set_kl
+from glm_jax.layers.selected_kl import add_target, head_summed_target, indexer_kl, selected_set_kl
 from glm_jax.layers.checks import check_config, check_hidden, check_rows
 from glm_jax.layers.norms import RMSNorm
 from glm_jax.logical_axes import check_dtype, explicit_axes, leading_spec, on_auto_axes
@@ -142,26 +142,6 @@ class DecoderLayer(nnx.Module):
         x = x + attn_out
         h = self.post_attention_layernorm(x)
         return x + (self.mlp(h, dispatch) if self.kind.is_moe else self.mlp(h))
-
-
-def head_summed_target(probs: jnp.ndarray) -> jnp.ndarray:
-    """probs [B, nh, S, T] -> L1-normalised head sum [B, S, T], no gradient."""
-    p = jax.lax.stop_gradient(jnp.sum(probs, axis=1))
-    return p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)
-
-
-def indexer_kl(target: jnp.ndarray, logits: jnp.ndarray, mask: jnp.ndarray) -> jnp.ndarray:
-    """sum over queries of KL(target || softmax(logits restricted to mask)), averaged over B.
-
-    target [B, S, T] (rows sum to 1, zero outside mask), logits [B, S, T], mask bool [B, S, T]."""
-    masked = jnp.where(mask, logits, -jnp.inf)
-    row_max = jax.lax.stop_gradient(jnp.max(masked, axis=-1, keepdims=True))
-    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
-    log_z = jnp.log(jnp.maximum(jnp.sum(jnp.exp(masked - row_max), axis=-1, keepdims=True), 1e-30)) + row_max
-    log_q = jnp.where(mask, logits - log_z, 0.0)
-    safe_p = jnp.where(target > 0, target, 1.0)
-    kl = jnp.where(target > 0, target * (jnp.log(safe_p) - log_q), 0.0)
-    return jnp.sum(kl) / target.shape[0]
 
 
 _TOPK_NAME = "indexer_topk"
