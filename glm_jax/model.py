@@ -20,7 +20,7 @@ from glm_jax import ops
 from glm_jax.cache import KVCache
 from glm_jax.config import GLMConfig
 from glm_jax.layers.decoder import AttentionSettings, GroupStackPlan, IndexShareGroup, plan_groups
-from glm_jax.layers.embedding import embed
+from glm_jax.layers.embedding import Embed
 from glm_jax.layers.linear import Linear
 from glm_jax.layers.mtp import MTPLayer
 from glm_jax.layers.norms import RMSNorm
@@ -43,10 +43,6 @@ def _stacked_groups(cfg: GLMConfig, plan: GroupStackPlan, key: jax.Array, dtype)
     return group
 
 
-#: The logical names of an nnx.Embed table [vocab, embed] (its `embedding_metadata`).
-EMBEDDING_AXES = {"out_sharding": ("vocab", "embed"), "eager_sharding": False}
-
-
 @dataclasses.dataclass(frozen=True)
 class ForwardOutput:
     logits: jnp.ndarray                # [B, S, vocab] float32
@@ -59,9 +55,8 @@ class GLMModel(nnx.Module):
         dtype = jnp.dtype(cfg.dtype)
         self.cfg = cfg
         self.plan = plan_groups(cfg)
-        self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=dtype,
-                                      embedding_init=jax.nn.initializers.normal(1.0), rngs=rngs,
-                                      embedding_metadata=EMBEDDING_AXES)
+        self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=dtype,
+                                  embedding_init=jax.nn.initializers.normal(1.0), rngs=rngs)
         self.stacks = nnx.List([_stacked_groups(cfg, p, rngs.params(), dtype) for p in self.plan])
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=dtype)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, rngs=rngs, param_dtype=dtype, axes=("embed", "vocab"))
@@ -88,7 +83,7 @@ class GLMModel(nnx.Module):
         kv_len = jnp.full((b,), s, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
         if remat:
             settings = dataclasses.replace(settings, remat=True)
-        x = embed(self.embed_tokens, tokens)
+        x = self.embed_tokens(tokens)
         kl = jnp.zeros((), jnp.float32)
         for stack in self.stacks:
             graphdef, state = nnx.split(stack)
@@ -116,7 +111,7 @@ class GLMModel(nnx.Module):
         b, s = next_tokens.shape
         positions, kv_start = _layout(b, s, segment_ids)
         kv_len = jnp.full((b,), s, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
-        out, kl, latent, indices = self.mtp.forward(embed(self.embed_tokens, next_tokens), hidden, positions,
+        out, kl, latent, indices = self.mtp.forward(self.embed_tokens(next_tokens), hidden, positions,
                                                     kv_len, settings, shared_kv=shared_kv, kv_start=kv_start)
         return ForwardOutput(self.logits(out), out, kl), (latent, indices)
 
@@ -131,7 +126,7 @@ class GLMModel(nnx.Module):
         -> (logits float32 [B, S, vocab], hidden normed [B, S, hidden], updated cache)."""
         s = tokens.shape[1]
         positions = cache.positions(s)
-        x, cache = self._cached_stacks(embed(self.embed_tokens, tokens), positions, cache, kernels)
+        x, cache = self._cached_stacks(self.embed_tokens(tokens), positions, cache, kernels)
         logits, hidden = self._cached_head(self.norm, x, kernels)
         return logits, hidden, cache.advance(_advance(s, num_valid))
 
@@ -193,7 +188,7 @@ class GLMModel(nnx.Module):
     def _mtp_inputs(self, next_tokens, hidden, kernels: ops.KernelChoice):
         """next_tokens int32 [B, S], hidden [B, S, hidden] -> the MTP block's input [B, S, hidden]
         (`MTPLayer.inputs`), in fixed row chunks when batch-invariant."""
-        return in_row_chunks(self.mtp.inputs, embed(self.embed_tokens, next_tokens), hidden, rows=kernels.token_rows)
+        return in_row_chunks(self.mtp.inputs, self.embed_tokens(next_tokens), hidden, rows=kernels.token_rows)
 
 
 def _check_call(owner: str, tokens, settings, name: str = "tokens") -> None:

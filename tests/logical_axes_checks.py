@@ -69,6 +69,29 @@ class _nothing:
         return False
 
 
+def model_logit_diffs() -> dict:
+    """GLMModel("tiny": MoE, MTP) logits on meshes of each kind against one device: {mesh: max |diff|}."""
+    from glm_jax.model import GLMModel
+
+    cfg = load_config("tiny")
+    model = GLMModel(cfg, rngs=nnx.Rngs(0))
+    tokens = (jnp.arange(4)[:, None] * 5 + jnp.arange(16)[None, :]) % cfg.vocab_size
+    settings = AttentionSettings(form="expanded", indexer_loss=True)
+    logits = nnx.jit(lambda model, tokens: model(tokens, settings=settings).logits)
+    want = logits(model, tokens)
+    out = {}
+    for name, mesh, rules in (("library mesh", make_mesh("data=2,tensor=2"), None),
+                              ("jax.make_mesh explicit", jax.make_mesh((2, 2), ("data", "tensor")), None),
+                              ("batch/model explicit", jax.make_mesh((2, 2), ("batch", "model")),
+                               {**USER_RULES, "experts": "model"})):
+        with jax.set_mesh(mesh), use_rules(rules):
+            sharded = nnx.merge(*nnx.split(model))
+            nnx.update(sharded, shard_params(nnx.state(sharded), mesh))
+            rows = jax.device_put(tokens, jax.sharding.NamedSharding(mesh, jax.P(mesh.axis_names[0])))
+            out[name] = float(jnp.max(jnp.abs(logits(sharded, rows) - want)))
+    return out
+
+
 def main():
     auto = (jax.sharding.AxisType.Auto,) * 2
     cases = {
@@ -84,7 +107,7 @@ def main():
             out[name] = run()
         except Exception as e:        # reported, so that one case's failure shows the others'
             out[name] = f"{type(e).__name__}: {str(e).splitlines()[0]}"
-    print(json.dumps({"devices": len(jax.devices()), "cases": out}))
+    print(json.dumps({"devices": len(jax.devices()), "cases": out, "model": model_logit_diffs()}))
 
 
 if __name__ == "__main__":

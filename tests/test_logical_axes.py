@@ -2,7 +2,8 @@
 metadata), one rules table maps them to any mesh, the library's own mesh gets the shardings it
 always had, and misuse is one line naming the argument. The model of docs/using-the-layers.md
 on 4 simulated devices (library mesh, jax.make_mesh's Explicit axes, a batch/model mesh with
-rules of its own) gives the single-device losses (`logical_axes_checks.py`, in a subprocess)."""
+rules of its own) gives the single-device losses, and GLMModel its logits
+(`logical_axes_checks.py`, in a subprocess)."""
 
 from __future__ import annotations
 
@@ -189,3 +190,9 @@ def test_a_users_model_on_any_mesh_gives_the_single_device_losses(mesh_losses):
         assert isinstance(got, list), (name, got)
         assert got[-1] > 0, (name, "no parameter was split")
         np.testing.assert_allclose(got[:-1], single[:-1], rtol=2e-5, err_msg=name)
+
+
+def test_the_model_on_any_mesh_gives_the_one_device_logits(mesh_losses):
+    diffs = mesh_losses["model"]
+    assert set(diffs) == {"library mesh", "jax.make_mesh explicit", "batch/model explicit"}
+    assert all(d < 1e-4 for d in diffs.values()), diffs
