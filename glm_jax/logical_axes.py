@@ -91,19 +91,26 @@ def make_rules(**mesh_axes) -> dict:
     unknown = sorted(set(mesh_axes) - set(LOGICAL_AXES))
     if unknown:
         raise ValueError(f"make_rules: {unknown[0]!r} is not a logical axis; the logical axes are "
-                         f"{', '.join(LOGICAL_AXES)}")
+                         f"{', '.join(LOGICAL_AXES)} (a name of your own layers: add it to the dict make_rules returns)")
     return {**dict.fromkeys(LOGICAL_AXES), **mesh_axes}
 
 
 def as_rules(rules) -> dict:
     """A rules dict from a dict or Flax's sequence of (logical name, mesh axis) pairs."""
     if isinstance(rules, Mapping):
-        return dict(rules)
-    try:
-        return {name: axis for name, axis in rules}
-    except (TypeError, ValueError):
-        raise TypeError(f"rules must be a dict {{logical name: mesh axis or None}} or (name, axis) pairs, "
-                        f"got {type(rules).__name__}") from None
+        out = dict(rules)
+    else:
+        try:
+            out = {name: axis for name, axis in rules}
+        except (TypeError, ValueError):
+            raise TypeError(f"rules must be a dict {{logical name: mesh axis or None}} or (name, axis) pairs, "
+                            f"got {type(rules).__name__}") from None
+    for name, axis in out.items():
+        axes = axis if isinstance(axis, tuple) else (axis,)
+        if not all(isinstance(a, str) for a in axes) and axis is not None:
+            raise TypeError(f"rules: {name!r} maps to {axis!r}; a rule's value is a mesh axis name, a tuple of "
+                            "them, or None (replicated)")
+    return out
 
 
 class _Current(threading.local):

@@ -107,6 +107,8 @@ def test_rules_errors_name_the_axis_and_the_fix():
         make_rules(head="model")
     with pytest.raises(ShardingError, match=r"mesh axis 'model' would split both 'embed' and 'vocab'"):
         param_shardings(state, mesh, make_rules(embed="model", vocab="model"))
+    with pytest.raises(TypeError, match=r"rules: 'vocab' maps to 2; a rule's value is a mesh axis name"):
+        use_rules({"vocab": 2})
     assert isinstance(ShardingError("x"), ValueError)
 
 
