@@ -24,7 +24,7 @@ from glm_jax import load_config
 from glm_jax.layers import (AttentionSettings, DecoderLayer, Embed, GroupOutput, IndexShareGroup, Indexer, LayerKind,
                             Linear, MLAProjection, MLP, MoE, MTPLayer, RMSNorm)
 from glm_jax.logical_axes import LOGICAL_AXES, param
-from glm_jax.model import abstract_model
+from glm_jax.model import abstract_model, init_model
 from glm_jax.sharding import (LOGICAL_AXIS_RULES, TRAINING_RULES, ShardingError, _path_str, logical_spec, make_rules,
                               param_shardings, use_rules)
 
@@ -49,6 +49,8 @@ def test_every_parameter_of_the_layers_names_its_dimensions():
     assert specs["stacks/0/layers/0/self_attn/q_b_proj/kernel"] == P("stack", "q_lora", "heads")
     assert specs["embed_tokens/embedding"] == P("vocab", "embed")
     assert specs["mtp/block/layers/0/mlp/gate_proj"] == P("experts", "embed", "expert_mlp")
+    small = load_config("tiny-attention")                             # the compiled init keeps the names
+    assert _specs(init_model(small)) == _specs(abstract_model(small))
     rngs = nnx.Rngs(0)
     for layer in (IndexShareGroup(cfg, (FULL, SHARED), rngs=rngs), DecoderLayer(cfg, FULL, rngs=rngs),
                   MLAProjection(cfg, rngs=rngs), Indexer(cfg, rngs=rngs), MoE(cfg, rngs=rngs), MTPLayer(cfg, rngs=rngs),

@@ -23,15 +23,15 @@ from jax.ad_checkpoint import checkpoint_name
 
 from glm_jax import ops
 from glm_jax.config import GLMConfig
+from glm_jax.layers.checks import check_config, check_hidden, check_rows
 from glm_jax.layers.dense_kl import DenseTarget, dense_group_kl
 from glm_jax.layers.indexer import Indexer
 from glm_jax.layers.mla import MLAProjection, indices_to_mask
 from glm_jax.layers.moe import MLP, MoE
-from glm_jax.layers.selected_kl import add_target, head_summed_target, indexer_kl, selected_set_kl
-from glm_jax.layers.checks import check_config, check_hidden, check_rows
 from glm_jax.layers.norms import RMSNorm
-from glm_jax.logical_axes import check_dtype, explicit_axes, leading_spec, on_auto_axes
 from glm_jax.layers.segments import query_rows, segment_table
+from glm_jax.layers.selected_kl import add_target, head_summed_target, indexer_kl, selected_set_kl
+from glm_jax.logical_axes import check_dtype, explicit_axes, leading_spec, on_auto_axes
 from glm_jax.row_chunks import in_row_chunks
 from glm_jax.sharding import gather_keys, split_tokens
 

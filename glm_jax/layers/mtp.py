@@ -11,8 +11,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from glm_jax.config import GLMConfig
-from glm_jax.layers.decoder import AttentionSettings, IndexShareGroup, LayerKind
 from glm_jax.layers.checks import check_config
+from glm_jax.layers.decoder import AttentionSettings, IndexShareGroup, LayerKind
 from glm_jax.layers.linear import Linear
 from glm_jax.layers.norms import RMSNorm
 
