@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numbers
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -21,7 +23,7 @@ class Linear(nnx.Module):
     def __init__(self, in_features: int, out_features: int, *, rngs: nnx.Rngs, dtype=None, param_dtype=jnp.float32,
                  axes: tuple[str | None, str | None] = (None, None)):
         for name, value in (("in_features", in_features), ("out_features", out_features)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"Linear: {name} must be a positive int, got {value!r}")
         check_dtype("Linear", "dtype", dtype)
         check_dtype("Linear", "param_dtype", param_dtype)

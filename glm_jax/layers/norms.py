@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numbers
+
 import jax.numpy as jnp
 from flax import nnx
 
@@ -9,9 +11,9 @@ from glm_jax.logical_axes import check_dtype, param
 
 
 def _check(owner: str, dim, eps, dtype, param_dtype) -> None:
-    if not isinstance(dim, int) or isinstance(dim, bool) or dim < 1:
+    if not isinstance(dim, numbers.Integral) or isinstance(dim, bool) or dim < 1:
         raise ValueError(f"{owner}: dim must be a positive int, got {dim!r}")
-    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or eps < 0:
+    if not isinstance(eps, numbers.Real) or isinstance(eps, bool) or eps < 0:
         raise ValueError(f"{owner}: eps must be a number >= 0, got {eps!r}")
     check_dtype(owner, "dtype", dtype)
     check_dtype(owner, "param_dtype", param_dtype)
