@@ -32,7 +32,7 @@ from flax import nnx
 
 from glm_jax import ops
 from glm_jax.config import load_config
-from glm_jax.model import GLMModel
+from glm_jax.model import abstract_model
 from glm_jax.training.step import Batch, LossWeights, OptimizerConfig, StepConfig, train_step_program
 
 GIB = 2 ** 30
@@ -58,7 +58,7 @@ def compiled_memory(cfg, seq_len: int, stage: str, *, batch: int = 1, packed: bo
     """-> (temp bytes, argument bytes, compile seconds) of one train step at seq_len tokens;
     tpu_chip: a device of a described TPU topology (`aot.topology_devices`) to compile for, with
     the Pallas TPU kernels (raises DoesNotFit when the plan exceeds its memory)."""
-    model = nnx.eval_shape(lambda: GLMModel(cfg, rngs=nnx.Rngs(0)))
+    model = abstract_model(cfg)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     optimizer = OptimizerConfig(3e-4, 1000, 10)
     tx = optimizer.tx

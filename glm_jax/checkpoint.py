@@ -24,7 +24,7 @@ from glm_jax.checkpoint_damage import (MANIFEST_NAME, DamagedFilesError, check_f
 from glm_jax.config import GLMConfig, load_config, save_config
 from glm_jax.convert import load_hf_checkpoint
 from glm_jax.extras import require
-from glm_jax.model import GLMModel
+from glm_jax.model import GLMModel, abstract_model
 from glm_jax.multihost import barrier, is_main_process
 
 ocp = require("orbax.checkpoint")
@@ -138,7 +138,7 @@ def load_model_dir(directory: str | Path, *, config: GLMConfig | None = None, dt
                                      "(or re-export it from its training run)") from e
     if dtype is not None:
         cfg = cfg.replace(dtype=dtype)
-    abstract = nnx.eval_shape(lambda: GLMModel(cfg, rngs=nnx.Rngs(0)))
+    abstract = abstract_model(cfg)
     graphdef, abstract_state = nnx.split(abstract)
     # Restore onto this process's default device, whatever machine the checkpoint was written on.
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])

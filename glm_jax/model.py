@@ -20,23 +20,26 @@ from glm_jax import ops
 from glm_jax.cache import KVCache
 from glm_jax.config import GLMConfig
 from glm_jax.layers.decoder import AttentionSettings, GroupStackPlan, IndexShareGroup, plan_groups
-from glm_jax.layers.embedding import embed
+from glm_jax.layers.embedding import Embed
 from glm_jax.layers.linear import Linear
 from glm_jax.layers.mtp import MTPLayer
 from glm_jax.layers.norms import RMSNorm
 from glm_jax.layers.segments import segment_layout
 from glm_jax.row_chunks import in_row_chunks
+from glm_jax.logical_axes import add_stack_axis, eval_shape
 from glm_jax.sharding import split_tokens
 
 
 def _stacked_groups(cfg: GLMConfig, plan: GroupStackPlan, key: jax.Array, dtype) -> IndexShareGroup:
-    """An IndexShareGroup whose variables carry a leading axis of plan.count independent inits."""
+    """An IndexShareGroup whose variables carry a leading axis of plan.count independent inits
+    (their logical names a leading "stack")."""
     def init_one(k):
-        return nnx.state(IndexShareGroup(cfg, plan.kinds, rngs=nnx.Rngs(params=k), dtype=dtype))
+        return nnx.state(IndexShareGroup(cfg, plan.kinds, rngs=nnx.Rngs(params=k), param_dtype=dtype))
 
     states = jax.vmap(init_one)(jax.random.split(key, plan.count))
-    group = nnx.eval_shape(lambda: IndexShareGroup(cfg, plan.kinds, rngs=nnx.Rngs(0), dtype=dtype))
+    group = eval_shape(lambda: IndexShareGroup(cfg, plan.kinds, rngs=nnx.Rngs(0), param_dtype=dtype))
     nnx.update(group, states)
+    add_stack_axis(group)
     return group
 
 
@@ -52,12 +55,12 @@ class GLMModel(nnx.Module):
         dtype = jnp.dtype(cfg.dtype)
         self.cfg = cfg
         self.plan = plan_groups(cfg)
-        self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=dtype,
-                                      embedding_init=jax.nn.initializers.normal(1.0), rngs=rngs)
+        self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=dtype,
+                                  embedding_init=jax.nn.initializers.normal(1.0), rngs=rngs)
         self.stacks = nnx.List([_stacked_groups(cfg, p, rngs.params(), dtype) for p in self.plan])
-        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, rngs=rngs, dtype=dtype)
-        self.mtp = MTPLayer(cfg, rngs=rngs, dtype=dtype) if cfg.num_nextn_predict_layers else None
+        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=dtype)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, rngs=rngs, param_dtype=dtype, axes=("embed", "vocab"))
+        self.mtp = MTPLayer(cfg, rngs=rngs, param_dtype=dtype) if cfg.num_nextn_predict_layers else None
 
     def logits(self, hidden_normed: jnp.ndarray) -> jnp.ndarray:
         return self.lm_head(hidden_normed).astype(jnp.float32)
@@ -74,20 +77,21 @@ class GLMModel(nnx.Module):
         On a mesh set with `jax.set_mesh` whose context axis splits S (context parallelism,
         `glm_jax.sharding`), each device computes the activations of its S / context tokens; the
         results are those of one device."""
+        _check_call("GLMModel", tokens, settings)
         b, s = tokens.shape
         positions, kv_start = _layout(b, s, segment_ids)
         kv_len = jnp.full((b,), s, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
         if remat:
             settings = dataclasses.replace(settings, remat=True)
-        x = embed(self.embed_tokens, tokens)
+        x = self.embed_tokens(tokens)
         kl = jnp.zeros((), jnp.float32)
         for stack in self.stacks:
             graphdef, state = nnx.split(stack)
 
             def body(carry, group_state, graphdef=graphdef):
                 x, kl = carry
-                x, group_kl, _, _ = nnx.merge(graphdef, group_state).forward(x, positions, kv_len, settings,
-                                                                             kv_start=kv_start)
+                x, group_kl, _, _ = nnx.merge(graphdef, group_state)(x, positions, kv_len, settings,
+                                                                     kv_start=kv_start)
                 return (x, kl + group_kl), None
 
             (x, kl), _ = jax.lax.scan(body, (x, kl), state)
@@ -103,10 +107,11 @@ class GLMModel(nnx.Module):
 
         shared_kv: (latent, indices) of depth 1, reused by depths >= 2 (KVShare training).
         -> (ForwardOutput, (latent [B, S, latent], indices [B, S, topk] or None)) of this depth."""
+        _check_call("GLMModel.mtp_forward", next_tokens, settings, name="next_tokens")
         b, s = next_tokens.shape
         positions, kv_start = _layout(b, s, segment_ids)
         kv_len = jnp.full((b,), s, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
-        out, kl, latent, indices = self.mtp.forward(embed(self.embed_tokens, next_tokens), hidden, positions,
+        out, kl, latent, indices = self.mtp.forward(self.embed_tokens(next_tokens), hidden, positions,
                                                     kv_len, settings, shared_kv=shared_kv, kv_start=kv_start)
         return ForwardOutput(self.logits(out), out, kl), (latent, indices)
 
@@ -121,7 +126,7 @@ class GLMModel(nnx.Module):
         -> (logits float32 [B, S, vocab], hidden normed [B, S, hidden], updated cache)."""
         s = tokens.shape[1]
         positions = cache.positions(s)
-        x, cache = self._cached_stacks(embed(self.embed_tokens, tokens), positions, cache, kernels)
+        x, cache = self._cached_stacks(self.embed_tokens(tokens), positions, cache, kernels)
         logits, hidden = self._cached_head(self.norm, x, kernels)
         return logits, hidden, cache.advance(_advance(s, num_valid))
 
@@ -183,7 +188,18 @@ class GLMModel(nnx.Module):
     def _mtp_inputs(self, next_tokens, hidden, kernels: ops.KernelChoice):
         """next_tokens int32 [B, S], hidden [B, S, hidden] -> the MTP block's input [B, S, hidden]
         (`MTPLayer.inputs`), in fixed row chunks when batch-invariant."""
-        return in_row_chunks(self.mtp.inputs, embed(self.embed_tokens, next_tokens), hidden, rows=kernels.token_rows)
+        return in_row_chunks(self.mtp.inputs, self.embed_tokens(next_tokens), hidden, rows=kernels.token_rows)
+
+
+def _check_call(owner: str, tokens, settings, name: str = "tokens") -> None:
+    """TypeError / ValueError naming the argument unless tokens are int [B, S] and settings an
+    AttentionSettings."""
+    if not isinstance(settings, AttentionSettings):
+        raise TypeError(f"{owner}: settings must be an AttentionSettings (e.g. AttentionSettings(mode=\"sparse\")), "
+                        f"got {type(settings).__name__} {settings!r}")
+    if getattr(tokens, "ndim", None) != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise ValueError(f"{owner}: {name} must be token ids int32 [batch, sequence], got "
+                         f"{getattr(tokens, 'dtype', type(tokens).__name__)} {tuple(getattr(tokens, 'shape', ()))}")
 
 
 def _mtp_view(cache: KVCache, positions):
@@ -242,4 +258,4 @@ def init_model(cfg: GLMConfig, seed: int = 0) -> GLMModel:
 
 def abstract_model(cfg: GLMConfig) -> GLMModel:
     """The module tree with ShapeDtypeStructs instead of arrays: no memory, for counting and planning."""
-    return nnx.eval_shape(lambda: GLMModel(cfg, rngs=nnx.Rngs(0)))
+    return eval_shape(lambda: GLMModel(cfg, rngs=nnx.Rngs(0)))

@@ -16,8 +16,10 @@ Mesh axes (always in this order; a missing one has size 1):
             layers (glm_jax.cache.layer_split); routed experts are split over tensor x layer, the
             other weights and the activations are replicated along it
 
-Layers never name mesh axes: every array dimension carries a logical name and LOGICAL_AXIS_RULES
-(the only table) maps it to a mesh axis or to None (replicated).
+Layers never name mesh axes: every parameter carries its dimensions' logical names (Flax NNX
+sharding metadata, `glm_jax.logical_axes`), every constrained activation names its dimensions,
+and one rules table maps the names to mesh axes or to None (replicated): LOGICAL_AXIS_RULES for
+this mesh, or your own for a mesh of your own (`make_rules`, `use_rules`, `shard_params(..., rules)`).
 """
 
 from __future__ import annotations
@@ -28,31 +30,22 @@ import re
 
 import jax
 import numpy as np
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from glm_jax.logical_axes import (LOGICAL_AXES, LOGICAL_AXIS_RULES, as_rules, current_rules, make_rules, names_of,
+                                  use_rules)
 from glm_jax.multihost import place
 
+__all__ = ["LOGICAL_AXES", "LOGICAL_AXIS_RULES", "MESH_AXES", "TRAINING_RULES", "ShardingError", "batch_sharding",
+           "checked_spec", "constrain", "context_size", "format_mesh", "gather_keys", "logical_sharding",
+           "logical_spec", "make_mesh", "make_rules", "param_shardings", "parse_mesh_spec", "per_device_bytes",
+           "shard_params", "simulate_cpu_devices", "split_queries", "split_tokens", "use_rules"]
+
 MESH_AXES = ("data", "context", "tensor", "layer")
+
 AXIS_ALIASES = {"expert": "tensor", "experts": "tensor", "dp": "data", "tp": "tensor", "ep": "tensor",
                 "cp": "context", "seq": "context"}
-
-# logical dimension name -> mesh axis, tuple of mesh axes (split over their product), or None
-LOGICAL_AXIS_RULES: dict[str, str | tuple[str, ...] | None] = {
-    "batch": "data",
-    "activation_length": "context",  # tokens of full-sequence activations (the queries)
-    "kv_length": None,          # key rows every query may attend (latent rows, indexer keys): gathered
-    "embed": None,
-    "heads": "tensor",          # attention heads (q_b, kv_b outputs; o_proj input)
-    "index_heads": "tensor",    # lightning-indexer query heads
-    "mlp": "tensor",            # dense FFN columns
-    "experts": ("tensor", "layer"),  # routed experts: expert parallelism over tensor x layer devices
-    "vocab": "tensor",
-    "stack": None,              # stacked IndexShare groups (the scan axis of parameters)
-    "cache_layers": "layer",    # LayerSplit: one slot per layer (latent) / per Full layer (keys)
-    "cache_pages": "data",      # pages of the cache pool (contiguous cache: one page per row)
-    "page_rows": None,          # token rows inside a page
-    "latent": None,             # kv_lora + rope (576) or the indexer head dim
-}
 
 
 class ShardingError(ValueError):
@@ -154,17 +147,28 @@ def format_mesh(sizes: dict[str, int] | Mesh) -> str:
     return ",".join(f"{a}={shape.get(a, 1)}" for a in MESH_AXES)
 
 
-def logical_spec(names: tuple[str | None, ...], rules: dict[str, str | None] = LOGICAL_AXIS_RULES
-                 ) -> PartitionSpec:
-    """Logical dimension names (None = unnamed, replicated) -> PartitionSpec of mesh axes."""
+def _axes(entry) -> tuple[str, ...]:
+    """A rule's value (a mesh axis, a tuple of them, or None) as a tuple of mesh axes."""
+    return (entry,) if isinstance(entry, str) else tuple(entry or ())
+
+
+def _rules(rules) -> dict:
+    return current_rules() if rules is None else as_rules(rules)
+
+
+def logical_spec(names: tuple[str | None, ...], rules=None) -> PartitionSpec:
+    """Logical dimension names (None = unnamed, replicated) -> PartitionSpec of mesh axes by
+    `rules` (default: those of `use_rules`, else LOGICAL_AXIS_RULES)."""
+    rules = _rules(rules)
     for n in names:
         if n is not None and n not in rules:
-            raise ShardingError(f"logical axis {n!r} has no rule; add it to LOGICAL_AXIS_RULES")
+            raise ShardingError(f"logical axis {n!r} has no rule; add {n!r}: <mesh axis or None> to the rules "
+                                "(glm_jax.sharding.make_rules / use_rules, or shard_params(..., rules))")
     return PartitionSpec(*(None if n is None else rules[n] for n in names))
 
 
 def logical_sharding(mesh: Mesh, names: tuple[str | None, ...], shape: tuple[int, ...], what: str,
-                     rules: dict[str, str | None] = LOGICAL_AXIS_RULES) -> NamedSharding:
+                     rules=None) -> NamedSharding:
     """NamedSharding for an array of `shape` whose dims are named `names`; checks divisibility.
 
     Raises ShardingError naming the array (`what`), the dimension and the fix."""
@@ -172,50 +176,46 @@ def logical_sharding(mesh: Mesh, names: tuple[str | None, ...], shape: tuple[int
 
 
 def checked_spec(mesh_shape, names: tuple[str | None, ...], shape: tuple[int, ...], what: str,
-                 rules: dict[str, str | None] = LOGICAL_AXIS_RULES) -> PartitionSpec:
-    """`logical_spec(names)` after checking that every mesh axis it splits a dimension over
-    divides that dimension; mesh_shape: {axis: size} of a Mesh or AbstractMesh."""
+                 rules=None) -> PartitionSpec:
+    """`logical_spec(names)` on a mesh of `mesh_shape` ({axis: size} of a Mesh or AbstractMesh),
+    checking that every mesh axis a rule names is one of the mesh's (the library's own axes
+    data/context/tensor/layer may be left out of a mesh that has some of them: size 1, dropped)
+    and divides the dimension it splits, and that no mesh axis splits two dimensions."""
     if len(names) != len(shape):
         raise ShardingError(f"{what}: {len(names)} logical names {names} for shape {shape}")
-    spec = logical_spec(names, rules)
-    for name, size, axis in zip(names, shape, spec):
-        if axis is None:
-            continue
-        n = math.prod(mesh_shape[a] for a in ((axis,) if isinstance(axis, str) else axis))
+    mesh_shape = dict(mesh_shape)
+    library_mesh = any(a in mesh_shape for a in MESH_AXES)
+    spec, used = [], {}
+    for name, size, axis in zip(names, shape, logical_spec(names, rules)):
+        kept = []
+        for a in _axes(axis):
+            if a in mesh_shape:
+                kept.append(a)
+            elif not (library_mesh and a in MESH_AXES):
+                raise ShardingError(
+                    f"{what}: logical axis {name!r} maps to mesh axis {a!r}, which the mesh lacks (its axes: "
+                    f"{', '.join(mesh_shape)}); map {name!r} to one of them or None in the rules "
+                    "(glm_jax.sharding.make_rules)")
+        for a in kept:
+            if a in used:
+                raise ShardingError(f"{what}: mesh axis {a!r} would split both {used[a]!r} and {name!r}; "
+                                    f"map one of them to another mesh axis or None in the rules")
+            used[a] = name
+        n = math.prod(mesh_shape[a] for a in kept)
         if size % n:
+            shown = kept[0] if len(kept) == 1 else tuple(kept)
             raise ShardingError(
                 f"{what}: dimension {name!r} of size {size} (shape {shape}) is split over mesh axis "
-                f"{axis!r} of size {n}, which does not divide it; use a mesh whose {axis!r} size divides "
-                f"{size} (mesh is {format_mesh(dict(mesh_shape))}), or change the rule for {name!r} in "
-                "LOGICAL_AXIS_RULES")
-    return spec
+                f"{shown!r} of size {n}, which does not divide it; use a mesh whose {shown!r} size divides "
+                f"{size} (mesh is {format_mesh(mesh_shape)}), or change the rule for {name!r} in the rules "
+                "(LOGICAL_AXIS_RULES, or your own: glm_jax.sharding.make_rules)")
+        spec.append(kept[0] if len(kept) == 1 else (tuple(kept) or None))
+    return PartitionSpec(*spec)
 
 
 # ------------------------------------------------------------------ parameters
-# Trailing dims of a parameter, by the end of its path; leading (stacked-group) dims are "stack".
-_PARAM_AXES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
-    ("embed_tokens/embedding", ("vocab", "embed")),
-    ("lm_head/kernel", ("embed", "vocab")),
-    ("q_b_proj/kernel", (None, "heads")),
-    ("kv_b_proj/kernel", (None, "heads")),
-    ("o_proj/kernel", ("heads", "embed")),
-    ("indexer/wq_b/kernel", (None, "index_heads")),
-    ("mlp/gate_proj", ("experts", "embed", None)),          # MoE experts [E, hidden, ffn]
-    ("mlp/up_proj", ("experts", "embed", None)),
-    ("mlp/down_proj", ("experts", None, "embed")),
-    ("gate_proj/kernel", ("embed", "mlp")),                 # dense / shared-expert MLP
-    ("up_proj/kernel", ("embed", "mlp")),
-    ("down_proj/kernel", ("mlp", "embed")),
-)
-
-
-def param_logical_axes(path: str, ndim: int) -> tuple[str | None, ...]:
-    """Logical names of a parameter's dims from its '/'-joined path (unlisted: replicated)."""
-    for suffix, names in _PARAM_AXES:
-        if path.endswith(suffix) and ndim >= len(names):
-            return ("stack",) * (ndim - len(names)) + names
-    return ("stack",) * ndim if path.startswith("stacks/") else (None,) * ndim
-
+# Each parameter carries its dims' logical names (`glm_jax.logical_axes.param`); a leaf that
+# carries none (a plain array, an unannotated Variable) is replicated.
 
 def _path_str(path) -> str:
     """A pytree path as 'stacks/2/layers/0/self_attn/q_b_proj/kernel' (nnx's trailing 'value' dropped)."""
@@ -223,16 +223,22 @@ def _path_str(path) -> str:
     return "/".join(parts[:-1] if parts and parts[-1] == "value" else parts)
 
 
-def param_shardings(state, mesh: Mesh, rules: dict = LOGICAL_AXIS_RULES):
-    """A pytree like `state` (nnx.State or any pytree of arrays) of NamedShardings."""
+def param_shardings(state, mesh: Mesh, rules=None):
+    """A pytree like `state` (nnx.State, or any pytree of arrays and nnx Variables) of
+    NamedShardings: each Variable's by its logical names (`nnx.get_partition_spec`'s) through
+    `rules` (default: those of `use_rules`, else LOGICAL_AXIS_RULES); unannotated leaves replicated."""
+    rules = _rules(rules)
+
     def one(path, leaf):
-        p = _path_str(path)
-        return logical_sharding(mesh, param_logical_axes(p, leaf.ndim), tuple(leaf.shape), f"parameter {p}",
-                                rules)
-    return jax.tree_util.tree_map_with_path(one, state)
+        p, value = _path_str(path), leaf.get_value() if isinstance(leaf, nnx.Variable) else leaf
+        names = names_of(leaf) or (None,) * value.ndim
+        sharding = logical_sharding(mesh, names, tuple(value.shape), f"parameter {p}", rules)
+        return leaf.replace(sharding) if isinstance(leaf, nnx.Variable) else sharding
+
+    return jax.tree_util.tree_map_with_path(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def shard_params(state, mesh: Mesh, rules: dict = LOGICAL_AXIS_RULES):
+def shard_params(state, mesh: Mesh, rules=None):
     """Place the parameters with `param_shardings` (checked before any transfer); on a mesh over
     several processes each process fills its own shards."""
     return place(state, param_shardings(state, mesh, rules))
@@ -244,22 +250,24 @@ def shard_params(state, mesh: Mesh, rules: dict = LOGICAL_AXIS_RULES):
 TRAINING_RULES = {**LOGICAL_AXIS_RULES, "embed": "data"}
 
 
-def batch_sharding(mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:
-    """Token batches [B, S, ...]: rows over the data axis, tokens over the context axis."""
-    context = mesh.shape.get(LOGICAL_AXIS_RULES["activation_length"], 1)
+def batch_sharding(mesh: Mesh, shape: tuple[int, ...], rules=None) -> NamedSharding:
+    """Token batches [B, S, ...]: rows over the batch rule's axis, tokens over the
+    activation_length rule's (context parallelism)."""
+    rules = _rules(rules)
+    context = math.prod(mesh.shape.get(a, 1) for a in _axes(rules.get("activation_length")))
     if len(shape) > 1 and shape[1] % context:
         raise ShardingError(
             f"the batch: sequence length {shape[1]} is not a multiple of the context-parallel size "
             f"{context} (mesh is {format_mesh(mesh)}); use a sequence length that is a multiple of "
             f"{context} (--seq-len) or a context axis that divides {shape[1]}")
     return logical_sharding(mesh, ("batch", "activation_length") + (None,) * (len(shape) - 2), shape,
-                            "the batch")
+                            "the batch", rules)
 
 
 # ------------------------------------------------------------------ activations in the program
 # Context parallelism: full-sequence activations [B, S, ...] are split over `activation_length`
 # (the context axis); the key rows every query may attend are gathered (`kv_length`). These act
-# on the mesh set with `jax.set_mesh` and do nothing without one.
+# on the mesh set with `jax.set_mesh`, by the rules of `use_rules`, and do nothing without a mesh.
 
 def _ambient_mesh():
     mesh = jax.sharding.get_abstract_mesh()
@@ -272,21 +280,33 @@ def _free_axes(mesh) -> dict[str, int]:
             if t != jax.sharding.AxisType.Manual}
 
 
-def constrain(x: jax.Array, names: tuple[str | None, ...], rules: dict = LOGICAL_AXIS_RULES) -> jax.Array:
-    """x with its dims (logical `names`) laid out by `rules` on the ambient mesh; mesh axes the
-    mesh lacks (or that are manual) are dropped. A dimension the mesh does not divide raises
-    ShardingError."""
+def constrain(x: jax.Array, names: tuple[str | None, ...], rules=None) -> jax.Array:
+    """x with its dims (logical `names`) laid out by `rules` (default: `use_rules`'s) on the
+    ambient mesh; manual mesh axes (inside a shard_map) are dropped. A logical name without a
+    rule, a rule naming an axis the mesh lacks, or a dimension the mesh does not divide raises
+    ShardingError. On Explicit mesh axes the layout is changed with `jax.sharding.reshard`."""
     mesh = _ambient_mesh()
     if mesh is None:
         return x
-    sizes = {a: _free_axes(mesh).get(a, 1) for a in MESH_AXES}
+    free = _free_axes(mesh)
+    sizes = {a: free.get(a, 1) for a in mesh.axis_names}
     spec = checked_spec(sizes, names, tuple(x.shape), f"activation {tuple(names)}", rules)
-    return jax.lax.with_sharding_constraint(x, PartitionSpec(*(_on_mesh(a, mesh) for a in spec)))
+    spec = PartitionSpec(*(_on_mesh(a, mesh) for a in spec))
+    explicit = {a for a, t in zip(mesh.axis_names, mesh.axis_types) if t == jax.sharding.AxisType.Explicit}
+    if explicit & {a for entry in spec for a in _axes(entry)} or explicit & set(_typed_axes(x)):
+        return jax.sharding.reshard(x, spec)
+    return jax.lax.with_sharding_constraint(x, spec)
+
+
+def _typed_axes(x) -> tuple[str, ...]:
+    """The mesh axes x's type is split over (Explicit axes)."""
+    spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", ())
+    return tuple(a for entry in spec for a in _axes(entry))
 
 
 def _on_mesh(axis, mesh):
     """A PartitionSpec entry without the mesh axes `mesh` lacks or has made manual."""
-    kept = tuple(a for a in ((axis,) if isinstance(axis, str) else axis or ()) if a in _free_axes(mesh))
+    kept = tuple(a for a in _axes(axis) if a in _free_axes(mesh))
     return kept[0] if len(kept) == 1 else (kept or None)
 
 
@@ -307,9 +327,13 @@ def gather_keys(x: jax.Array) -> jax.Array:
 
 
 def context_size() -> int:
-    """Devices the ambient mesh splits the sequence over (1 without a mesh)."""
+    """Devices the ambient mesh splits the sequence over by the activation_length rule (1
+    without a mesh, or where the mesh lacks the rule's axes)."""
     mesh = _ambient_mesh()
-    return 1 if mesh is None else _free_axes(mesh).get(LOGICAL_AXIS_RULES["activation_length"], 1)
+    if mesh is None:
+        return 1
+    free = _free_axes(mesh)
+    return math.prod(free.get(a, 1) for a in _axes(current_rules().get("activation_length")))
 
 
 def split_queries(fn, per_query: dict, whole: dict):
@@ -324,9 +348,9 @@ def split_queries(fn, per_query: dict, whole: dict):
     this is fn(**per_query, **whole)."""
     if context_size() == 1:
         return fn(**per_query, **whole)
-    mesh = _ambient_mesh()
-    batch, length = (_on_mesh(LOGICAL_AXIS_RULES[n], mesh) for n in ("batch", "activation_length"))
-    manual = {a for axis in (batch, length) for a in ((axis,) if isinstance(axis, str) else axis or ())}
+    mesh, rules = _ambient_mesh(), current_rules()
+    batch, length = (_on_mesh(rules.get(n), mesh) for n in ("batch", "activation_length"))
+    manual = {a for axis in (batch, length) for a in _axes(axis)}
     given = lambda d: {k: v for k, v in d.items() if v is not None}
     absent = {k: None for k, v in {**per_query, **whole}.items() if v is None}
     local = lambda q, w: fn(**q, **w, **absent)

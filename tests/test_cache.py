@@ -52,7 +52,7 @@ def test_group_view_writes_its_slots_through_the_page_table(micro_cfg):
 
 def test_view_select_equals_the_indexer_over_the_sequence(micro_cfg):
     cfg, b, s = micro_cfg, 2, 8
-    indexer = Indexer(cfg, rngs=nnx.Rngs(0), dtype=jnp.float32)
+    indexer = Indexer(cfg, rngs=nnx.Rngs(0), param_dtype=jnp.float32)
     h = jax.random.normal(jax.random.key(2), (b, s, cfg.hidden_size))
     q_resid = jax.random.normal(jax.random.key(3), (b, s, cfg.q_lora_rank))
     positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))

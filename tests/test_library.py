@@ -33,7 +33,7 @@ DISTRIBUTION = {"orbax": "orbax-checkpoint"}
 #: The modules that need an optional package, and the extra their ImportError must name.
 NEEDS_EXTRA = {"glm_jax.checkpoint": "checkpoints", "glm_jax.training.checkpointing": "checkpoints",
                "glm_jax.data.tokenizer": "tokenizers", "glm_jax.data.pipeline": "tokenizers",
-               "glm_jax.serving.app": "serve", "glm_jax.serving.server": "serve"}
+               "glm_jax.serving.app": "serve", "glm_jax.serving.server": "serve", "glm_jax.training.run": "train"}
 
 
 def _project() -> dict:
@@ -86,10 +86,10 @@ def test_settings_and_layer_constructors_check_their_arguments():
     cfg = load_config("tiny-attention")
     full, shared = LayerKind(is_full=True, is_moe=False), LayerKind(is_full=False, is_moe=False)
     with pytest.raises(ValueError, match=r"IndexShareGroup: a group is one Full layer followed by Shared ones"):
-        IndexShareGroup(cfg, (shared, full), rngs=nnx.Rngs(0), dtype=jnp.float32)
+        IndexShareGroup(cfg, (shared, full), rngs=nnx.Rngs(0), param_dtype=jnp.float32)
     with pytest.raises(TypeError, match=r"IndexShareGroup: cfg must be a GLMConfig .*got dict"):
-        IndexShareGroup(cfg.to_dict(), (full,), rngs=nnx.Rngs(0), dtype=jnp.float32)
-    group = IndexShareGroup(cfg, (full, shared), rngs=nnx.Rngs(0), dtype=jnp.float32)
+        IndexShareGroup(cfg.to_dict(), (full,), rngs=nnx.Rngs(0), param_dtype=jnp.float32)
+    group = IndexShareGroup(cfg, (full, shared), rngs=nnx.Rngs(0), param_dtype=jnp.float32)
     s = cfg.max_position_embeddings + 1
     with pytest.raises(ValueError, match=rf"a sequence of {s} tokens is longer than max_position_embeddings="):
         group.forward(jnp.zeros((1, s, cfg.hidden_size)), jnp.zeros((1, s), jnp.int32), jnp.full((1,), s, jnp.int32),
@@ -144,9 +144,9 @@ def core_run(tmp_path_factory):
     """(stdout lines, the JSON it printed last) of the core-only subprocess."""
     page = (ROOT / "docs" / "using-the-layers.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", page, re.S)
-    assert len(blocks) == 1, "the page holds one complete example"
+    assert len(blocks) == 2, "the page holds a complete example and a finer-grained one after it"
     example = tmp_path_factory.mktemp("docs") / "example.py"
-    example.write_text(blocks[0])
+    example.write_text("\n".join(blocks))
     optional = sorted(set(EXTRA_OF) | {"safetensors", "matplotlib", "httpx", "openai"})
     script = _CORE_SCRIPT.format(optional=optional, needs_extra=sorted(NEEDS_EXTRA))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
@@ -170,3 +170,4 @@ def test_the_docs_example_trains_on_a_mesh_with_the_core_alone(core_run):
     lines, _ = core_run
     first, last = map(float, re.fullmatch(r"loss (\S+) -> (\S+)", lines[-2]).groups())
     assert last < first / 2
+    assert "P('q_lora', 'heads')" in "\n".join(lines)

@@ -49,7 +49,7 @@ def test_bf16_backward_matmuls_stay_in_bf16():
 def test_linear_gradients_in_bf16():
     from flax import nnx
 
-    layer = Linear(32, 8, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
+    layer = Linear(32, 8, rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16)
     graphdef, state = nnx.split(layer)
     x = jnp.ones((4, 32), jnp.bfloat16)
     types = _dot_operand_types(lambda s, x: nnx.merge(graphdef, s)(x).astype(jnp.float32).sum(), state, x)

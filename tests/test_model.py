@@ -120,7 +120,7 @@ def test_shared_layers_own_no_indexer_and_reuse_full_indices(micro_cfg, monkeypa
 
 def test_moe_dispatch_equals_per_expert_loop(micro_cfg):
     cfg = micro_cfg.replace(n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2)
-    moe = moe_lib.MoE(cfg, rngs=nnx.Rngs(3), dtype=jnp.float32)
+    moe = moe_lib.MoE(cfg, rngs=nnx.Rngs(3), param_dtype=jnp.float32)
     moe.e_score_correction_bias[...] = jax.random.normal(jax.random.key(5), (8,)) * 0.1
     x = jax.random.normal(jax.random.key(4), (2, 7, cfg.hidden_size))
     got = moe(x)

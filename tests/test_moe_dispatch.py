@@ -204,7 +204,7 @@ def test_moe_module_takes_the_dispatch(micro_cfg):
     from flax import nnx
 
     cfg = _cfg(micro_cfg)
-    moe = moe_lib.MoE(cfg, rngs=nnx.Rngs(0), dtype=jnp.float32)
+    moe = moe_lib.MoE(cfg, rngs=nnx.Rngs(0), param_dtype=jnp.float32)
     x = jax.random.normal(jax.random.key(1), (2, 8, HIDDEN))
     sorted_out, dense_out = moe(x, dispatch="sorted"), moe(x, dispatch="dense")
     np.testing.assert_allclose(sorted_out, dense_out, rtol=1e-5, atol=1e-5)

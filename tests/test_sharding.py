@@ -12,8 +12,7 @@ import pytest
 from jax.sharding import PartitionSpec
 
 from conftest import simulated_devices_env
-from glm_jax.sharding import (LOGICAL_AXIS_RULES, ShardingError, logical_spec, param_logical_axes,
-                              parse_mesh_spec)
+from glm_jax.sharding import LOGICAL_AXIS_RULES, ShardingError, logical_spec, parse_mesh_spec
 
 HERE = Path(__file__).resolve().parent
 
@@ -39,9 +38,8 @@ def test_mesh_spec_parsing():
 def test_one_rules_table_maps_logical_names():
     assert logical_spec(("batch", None, "heads")) == PartitionSpec("data", None, "tensor")
     assert LOGICAL_AXIS_RULES["cache_layers"] == "layer"
-    assert param_logical_axes("stacks/2/layers/0/self_attn/q_b_proj/kernel", 3) == ("stack", None, "heads")
-    assert param_logical_axes("stacks/2/layers/1/mlp/gate_proj", 4) == ("stack", "experts", "embed", None)
-    assert param_logical_axes("norm/weight", 1) == (None,)
+    assert logical_spec(("stack", "q_lora", "heads")) == PartitionSpec(None, None, "tensor")
+    assert logical_spec(("stack", "experts", "embed", "expert_mlp")) == PartitionSpec(None, ("tensor", "layer"), None, None)
     with pytest.raises(ShardingError, match="no rule"):
         logical_spec(("sequence",))
 

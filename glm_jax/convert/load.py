@@ -77,9 +77,9 @@ def load_hf_checkpoint(directory: str | Path, *, config: GLMConfig | None = None
 
 def assemble_model(cfg: GLMConfig, arrays: dict[tuple, jax.Array]):
     """GLMModel(cfg) holding `arrays` ({state path: array}, every variable), without initialising."""
-    from glm_jax.model import GLMModel
+    from glm_jax.model import abstract_model
 
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: GLMModel(cfg, rngs=nnx.Rngs(0))))
+    graphdef, state = nnx.split(abstract_model(cfg))
     nnx.replace_by_pure_dict(state, nest(arrays))
     return nnx.merge(graphdef, state)
 

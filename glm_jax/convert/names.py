@@ -92,9 +92,9 @@ def _path(keys) -> tuple:
 
 def abstract_state(cfg: GLMConfig) -> dict:
     """The model's variables as a nested dict of ShapeDtypeStructs (no memory)."""
-    from glm_jax.model import GLMModel
+    from glm_jax.model import abstract_model
 
-    model = nnx.eval_shape(lambda: GLMModel(cfg, rngs=nnx.Rngs(0)))
+    model = abstract_model(cfg)
     return nnx.to_pure_dict(nnx.state(model))
 
 

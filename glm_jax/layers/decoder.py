@@ -23,13 +23,15 @@ from jax.ad_checkpoint import checkpoint_name
 
 from glm_jax import ops
 from glm_jax.config import GLMConfig
+from glm_jax.layers.checks import check_config, check_hidden, check_rows
 from glm_jax.layers.dense_kl import DenseTarget, dense_group_kl
 from glm_jax.layers.indexer import Indexer
 from glm_jax.layers.mla import MLAProjection, indices_to_mask
 from glm_jax.layers.moe import MLP, MoE
-from glm_jax.layers.selected_kl import add_target, selected_set_kl
 from glm_jax.layers.norms import RMSNorm
 from glm_jax.layers.segments import query_rows, segment_table
+from glm_jax.layers.selected_kl import add_target, head_summed_target, indexer_kl, selected_set_kl
+from glm_jax.logical_axes import check_dtype, explicit_axes, leading_spec, on_auto_axes
 from glm_jax.row_chunks import in_row_chunks
 from glm_jax.sharding import gather_keys, split_tokens
 
@@ -105,21 +107,27 @@ class AttentionSettings:
 
 def _check_layer_args(owner: str, cfg: GLMConfig, kinds: tuple[LayerKind, ...]) -> None:
     """TypeError unless cfg is a GLMConfig and kinds one or more LayerKinds."""
-    if not isinstance(cfg, GLMConfig):
-        raise TypeError(f"{owner}: cfg must be a GLMConfig (glm_jax.load_config), got {type(cfg).__name__}")
+    check_config(owner, cfg)
     if not kinds or not all(isinstance(k, LayerKind) for k in kinds):
         raise TypeError(f"{owner}: the layer kinds must be LayerKind(is_full, is_moe) values, got {kinds!r}")
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: GLMConfig, kind: LayerKind, *, rngs: nnx.Rngs, dtype):
+    """One layer: MLA attention (and, in a Full layer, the lightning indexer), then an MLP or
+    the MoE. dtype: the computation's dtype (default None: the parameters'); param_dtype: the
+    parameters' (default cfg.dtype)."""
+
+    def __init__(self, cfg: GLMConfig, kind: LayerKind, *, rngs: nnx.Rngs, dtype=None, param_dtype=None):
         _check_layer_args("DecoderLayer", cfg, (kind,))
-        self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
-        self.self_attn = MLAProjection(cfg, rngs=rngs, dtype=dtype)
-        self.indexer = Indexer(cfg, rngs=rngs, dtype=dtype) if kind.is_full else None
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
-        self.mlp = MoE(cfg, rngs=rngs, dtype=dtype) if kind.is_moe else \
-            MLP(cfg.hidden_size, cfg.intermediate_size, rngs=rngs, dtype=dtype)
+        check_dtype("DecoderLayer", "dtype", dtype)
+        check_dtype("DecoderLayer", "param_dtype", param_dtype)
+        pd = param_dtype or jnp.dtype(cfg.dtype)
+        kw = dict(rngs=rngs, dtype=dtype, param_dtype=pd)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype, param_dtype=pd)
+        self.self_attn = MLAProjection(cfg, **kw)
+        self.indexer = Indexer(cfg, **kw) if kind.is_full else None
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype, param_dtype=pd)
+        self.mlp = MoE(cfg, **kw) if kind.is_moe else MLP(cfg.hidden_size, cfg.intermediate_size, **kw)
         self.kind = kind
 
     def attention_inputs(self, x, positions):
@@ -134,26 +142,6 @@ class DecoderLayer(nnx.Module):
         x = x + attn_out
         h = self.post_attention_layernorm(x)
         return x + (self.mlp(h, dispatch) if self.kind.is_moe else self.mlp(h))
-
-
-def head_summed_target(probs: jnp.ndarray) -> jnp.ndarray:
-    """probs [B, nh, S, T] -> L1-normalised head sum [B, S, T], no gradient."""
-    p = jax.lax.stop_gradient(jnp.sum(probs, axis=1))
-    return p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)
-
-
-def indexer_kl(target: jnp.ndarray, logits: jnp.ndarray, mask: jnp.ndarray) -> jnp.ndarray:
-    """sum over queries of KL(target || softmax(logits restricted to mask)), averaged over B.
-
-    target [B, S, T] (rows sum to 1, zero outside mask), logits [B, S, T], mask bool [B, S, T]."""
-    masked = jnp.where(mask, logits, -jnp.inf)
-    row_max = jax.lax.stop_gradient(jnp.max(masked, axis=-1, keepdims=True))
-    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
-    log_z = jnp.log(jnp.maximum(jnp.sum(jnp.exp(masked - row_max), axis=-1, keepdims=True), 1e-30)) + row_max
-    log_q = jnp.where(mask, logits - log_z, 0.0)
-    safe_p = jnp.where(target > 0, target, 1.0)
-    kl = jnp.where(target > 0, target * (jnp.log(safe_p) - log_q), 0.0)
-    return jnp.sum(kl) / target.shape[0]
 
 
 _TOPK_NAME = "indexer_topk"
@@ -196,20 +184,40 @@ class _Rows:
         return mask
 
 
-class IndexShareGroup(nnx.Module):
-    """One Full layer and the Shared layers that reuse its indices."""
+class GroupOutput(NamedTuple):
+    """What `IndexShareGroup` returns for a full sequence."""
 
-    def __init__(self, cfg: GLMConfig, kinds: tuple[LayerKind, ...], *, rngs: nnx.Rngs, dtype):
+    x: jax.Array                  # [B, S, hidden]
+    indexer_kl: jax.Array         # scalar float32: the indexer KL summed over the group's layers (0 unless asked)
+    latent: jax.Array             # [B, S, kv_lora_rank + qk_rope_head_dim]: the Full layer's latent rows
+    indices: jax.Array | None     # int32 [B, S, index_topk]: the Full layer's top-k (None in dense mode)
+
+
+class IndexShareGroup(nnx.Module):
+    """One Full layer and the Shared layers that reuse its indices.
+
+    group = IndexShareGroup(cfg, kinds, rngs=nnx.Rngs(0))
+    out = group(x, settings=AttentionSettings())     # GroupOutput(x, indexer_kl, latent, indices)
+
+    dtype: the computation's dtype (default None: the parameters'); param_dtype: the
+    parameters' (default cfg.dtype)."""
+
+    def __init__(self, cfg: GLMConfig, kinds: tuple[LayerKind, ...], *, rngs: nnx.Rngs, dtype=None,
+                 param_dtype=None):
         kinds = tuple(kinds)
         _check_layer_args("IndexShareGroup", cfg, kinds)
         if not kinds[0].is_full or any(k.is_full for k in kinds[1:]):
             raise ValueError(f"IndexShareGroup: a group is one Full layer followed by Shared ones; got is_full "
                              f"{[k.is_full for k in kinds]}")
-        self.layers = nnx.List([DecoderLayer(cfg, k, rngs=rngs, dtype=dtype) for k in kinds])
+        self.layers = nnx.List([DecoderLayer(cfg, k, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+                                for k in kinds])
         self.cfg = cfg
 
-    def forward(self, x, positions, kv_len, settings: AttentionSettings, *, shared_kv=None, kv_start=None):
-        """Full-sequence forward. x [B, S, hidden], positions int32 [B, S], kv_len int32 [B].
+    def __call__(self, x, positions=None, kv_len=None, settings: AttentionSettings | None = None, *,
+                 shared_kv=None, kv_start=None) -> GroupOutput:
+        """Full-sequence forward. x [B, S, hidden]; positions int32 [B, S] (default 0..S-1 in
+        every row), kv_len int32 [B] (default S: every token valid), settings (default
+        AttentionSettings()).
 
         kv_start: optional int32 [B, S] for packed rows (`segments`): the row where each token's
         document starts; positions then count from it, and no query attends (or, through the
@@ -229,7 +237,15 @@ class IndexShareGroup(nnx.Module):
         S; each layer's latent rows and the indexer keys are gathered, so every query shard
         attends (and selects from) its whole causal prefix.
         -> (x [B, S, hidden], indexer KL summed over the group's layers (scalar float32),
-            the Full layer's latent rows [B, S, latent], its indices [B, S, topk] or None)."""
+            the Full layer's latent rows [B, S, latent], its indices [B, S, topk] or None) as a
+            `GroupOutput`."""
+        x, positions, kv_len, settings = _group_inputs(self.cfg, x, positions, kv_len, settings, kv_start)
+        if explicit_axes():
+            rows = leading_spec(x, 3, 2)
+            out = GroupOutput(rows, jax.sharding.PartitionSpec(), rows, rows if settings.mode == "sparse" else None)
+            call = lambda group, x, positions, kv_len, shared_kv, kv_start: group(
+                x, positions, kv_len, settings, shared_kv=shared_kv, kv_start=kv_start)
+            return on_auto_axes(self, call, (x, positions, kv_len, shared_kv, kv_start), out)
         if x.shape[1] > self.cfg.max_position_embeddings:
             raise ValueError(f"a sequence of {x.shape[1]} tokens is longer than max_position_embeddings="
                              f"{self.cfg.max_position_embeddings}; shorten it or raise max_position_embeddings")
@@ -260,9 +276,12 @@ class IndexShareGroup(nnx.Module):
             kl = kl + dense_group_kl(dense_targets, idx_q=idx_q, idx_keys=idx_keys, idx_w=idx_w,
                                      sm_scale=self.layers[0].self_attn.sm_scale, kv_len=kv_len, kv_start=kv_start,
                                      kernels=settings.kernels)
-        return split_tokens(x), kl, first_latent, found.indices
+        return GroupOutput(split_tokens(x), kl, first_latent, found.indices)
 
-    def forward_cached(self, x, positions, view, kernels: ops.KernelChoice):
+    #: The same as calling the group (the name earlier code uses).
+    forward = __call__
+
+    def forward_cached(self, x, positions, view, kernels: ops.KernelChoice | None = None):
         """Forward of new tokens against the cache, through `view` (glm_jax.cache.GroupCacheView).
 
         The Full layer writes its latent rows and indexer keys and hands its indexer queries to
@@ -274,6 +293,7 @@ class IndexShareGroup(nnx.Module):
         (`_CachedInputs`, `_cached_outputs`).
         x [B, S, hidden]; positions int32 [B, S] (the view's)
         -> (x [B, S, hidden], the Full layer's indices int32 [B, S, topk])."""
+        kernels = kernels or ops.KernelChoice()
         indices = None
         for j, layer in enumerate(self.layers):
             inputs = in_row_chunks(functools.partial(_cached_inputs, layer, indexer=j == 0), x, positions,
@@ -289,10 +309,11 @@ class IndexShareGroup(nnx.Module):
             x = _cached_outputs(layer, x, o_lat, kernels)
         return x, indices
 
-    def forward_reusing_indices(self, x, positions, view, indices, kernels: ops.KernelChoice):
+    def forward_reusing_indices(self, x, positions, view, indices, kernels: ops.KernelChoice | None = None):
         """KVShare draft step: attend the cached latent rows named by `indices` (computed
         earlier), running no indexer and writing nothing. x [B, S, hidden], view: the group's
         cache (glm_jax.cache.GroupCacheView), indices int32 [B, S, topk] -> x [B, S, hidden]."""
+        kernels = kernels or ops.KernelChoice()
         for j, layer in enumerate(self.layers):
             inputs = in_row_chunks(functools.partial(_cached_inputs, layer, indexer=False), x, positions,
                                    rows=kernels.token_rows)
@@ -300,6 +321,26 @@ class IndexShareGroup(nnx.Module):
                                        v_dim=self.cfg.kv_lora_rank, kernels=kernels)
             x = _cached_outputs(layer, x, o_lat, kernels)
         return x
+
+
+def _group_inputs(cfg: GLMConfig, x, positions, kv_len, settings, kv_start):
+    """IndexShareGroup's arguments checked, with their defaults -> (x, positions, kv_len, settings)."""
+    owner = "IndexShareGroup"
+    settings = AttentionSettings() if settings is None else settings
+    if not isinstance(settings, AttentionSettings):
+        raise TypeError(f"{owner}: settings must be an AttentionSettings (e.g. AttentionSettings(mode=\"sparse\")), "
+                        f"got {type(settings).__name__} {settings!r}")
+    check_hidden(owner, cfg, x)
+    b, s = x.shape[:2]
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    check_rows(owner, "positions", positions, (b, s))
+    if kv_len is None:
+        kv_len = jnp.full((b,), s, jnp.int32)
+    check_rows(owner, "kv_len", kv_len, (b,))
+    if kv_start is not None:
+        check_rows(owner, "kv_start", kv_start, (b, s))
+    return x, positions, kv_len, settings
 
 
 class _CachedInputs(NamedTuple):

@@ -40,7 +40,7 @@ def dense_group_kl(targets: Sequence[DenseTarget], *, idx_q: jax.Array, idx_keys
                    shares: Sequence[float] | None = None,
                    kernels: ops.KernelChoice = ops.KernelChoice()) -> jax.Array:
     """sum_j share_j KL(t_j || softmax(indexer scores)) over the causal visible keys, summed over
-    queries, averaged over the batch (a float32 scalar; `decoder.indexer_kl` of the expanded form).
+    queries, averaged over the batch (a float32 scalar; `selected_kl.indexer_kl` of the expanded form).
 
     targets: the group's layers (`DenseTarget`, each [B, S, H, Dk] and [B, S, Dk]); idx_q
     [B, S, Hi, Di], idx_keys [B, S, Di], idx_w float32 [B, S, Hi]: the indexer's queries, keys

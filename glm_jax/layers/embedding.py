@@ -25,12 +25,35 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from glm_jax.logical_axes import explicit_axes, leading_spec, on_auto_axes
+
 #: The table gradient's method: "sorted", "onehot" or "xla".
 BACKWARD = "sorted"
 #: Sorted rows per one-hot block of the "sorted" backward.
 SORT_BLOCK = 64
 #: Tokens per chunk of the "onehot" backward.
 ONEHOT_CHUNK = 2048
+
+
+class Embed(nnx.Embed):
+    """nnx.Embed whose table [num_embeddings, features] carries the logical names `axes`
+    (default ("vocab", "embed")) and whose lookup runs through `embed_lookup` (its gradient
+    without atomic adds). On a mesh with Explicit axes the lookup comes back laid out like the
+    ids, features replicated. The parameter is nnx.Embed's `embedding`."""
+
+    def __init__(self, num_embeddings: int, features: int, *, rngs: nnx.Rngs, dtype=None, param_dtype=jnp.float32,
+                 axes: tuple[str | None, str | None] = ("vocab", "embed"), **kwargs):
+        metadata = {"out_sharding": tuple(axes), "eager_sharding": False, **kwargs.pop("embedding_metadata", {})}
+        super().__init__(num_embeddings, features, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
+                         embedding_metadata=metadata, **kwargs)
+
+    def __call__(self, ids: jnp.ndarray, out_sharding=None) -> jnp.ndarray:
+        if not jnp.issubdtype(jnp.asarray(ids).dtype, jnp.integer):
+            raise ValueError(f"Embed: ids must hold integers (token ids), got {jnp.asarray(ids).dtype}")
+        if explicit_axes() or out_sharding is not None:
+            out = out_sharding if out_sharding is not None else leading_spec(ids, ids.ndim + 1, ids.ndim)
+            return on_auto_axes(self, lambda layer, ids: embed(layer, ids), (ids,), out)
+        return embed(self, ids)
 
 
 def embed(module: nnx.Embed, ids: jnp.ndarray, **options) -> jnp.ndarray:

@@ -14,6 +14,7 @@ from flax import nnx
 
 from glm_jax import ops
 from glm_jax.config import GLMConfig
+from glm_jax.layers.checks import check_config
 from glm_jax.layers.linear import Linear
 from glm_jax.layers.norms import LayerNorm
 from glm_jax.layers.rope import apply_rope, rope_inv_freq
@@ -21,11 +22,16 @@ from glm_jax.layers.segments import query_rows
 
 
 class Indexer(nnx.Module):
-    def __init__(self, cfg: GLMConfig, *, rngs: nnx.Rngs, dtype):
-        self.wq_b = Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, rngs=rngs, dtype=dtype)
-        self.wk = Linear(cfg.hidden_size, cfg.index_head_dim, rngs=rngs, dtype=dtype)
-        self.k_norm = LayerNorm(cfg.index_head_dim, eps=1e-6, dtype=dtype)
-        self.weights_proj = Linear(cfg.hidden_size, cfg.index_n_heads, rngs=rngs, dtype=jnp.float32)
+    def __init__(self, cfg: GLMConfig, *, rngs: nnx.Rngs, dtype=None, param_dtype=None):
+        check_config("Indexer", cfg)
+        param_dtype = param_dtype or jnp.dtype(cfg.dtype)
+        self.wq_b = Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, rngs=rngs, dtype=dtype,
+                           param_dtype=param_dtype, axes=("q_lora", "index_heads"))
+        self.wk = Linear(cfg.hidden_size, cfg.index_head_dim, rngs=rngs, dtype=dtype, param_dtype=param_dtype,
+                         axes=("hidden", "latent"))
+        self.k_norm = LayerNorm(cfg.index_head_dim, eps=1e-6, dtype=dtype, param_dtype=param_dtype, axes=("latent",))
+        self.weights_proj = Linear(cfg.hidden_size, cfg.index_n_heads, rngs=rngs, dtype=jnp.float32,
+                                   param_dtype=jnp.float32, axes=("hidden", "index_weights"))
         self.cfg = cfg
         self.inv_freq = tuple(rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling_dict))
 
@@ -51,7 +57,7 @@ class Indexer(nnx.Module):
         w = self.weights_proj(x.astype(jnp.float32)).astype(jnp.float32)
         return w * (c.index_n_heads ** -0.5) * (c.index_head_dim ** -0.5)
 
-    def select(self, x, q_resid, positions, keys, kv_len, kernels: ops.KernelChoice, kv_start=None):
+    def select(self, x, q_resid, positions, keys, kv_len, kernels: ops.KernelChoice | None = None, kv_start=None):
         """Top-k positions for each query of a full sequence (with a cache, the cache's view
         selects over its keys from `queries` and `head_weights`: `GroupCacheView.select`).
 
@@ -59,16 +65,19 @@ class Indexer(nnx.Module):
         the document when kv_start is given), keys [B, T, D] of the sequence,
         kv_len int32 [B], kv_start int32 [B, S] or None: the row where each query's document
         starts (packed rows, `segments`); keys before it are never chosen
+        kernels: default `ops.KernelChoice()`
         -> int32 [B, S, index_topk] row indices, -1 in unused slots."""
+        kernels = kernels or ops.KernelChoice()
         q = self.queries(q_resid, positions)
         return ops.indexer_topk(q, keys.astype(q.dtype), self.head_weights(x), topk=self.cfg.index_topk,
                                 q_pos=query_rows(positions, kv_start), kv_len=kv_len, kv_start=kv_start,
                                 impl=kernels.indexer, config=kernels.indexer_config,
                                 interpret=kernels.interpret)
 
-    def scores(self, x, q_resid, positions, keys, kv_len, kernels: ops.KernelChoice, kv_start=None):
+    def scores(self, x, q_resid, positions, keys, kv_len, kernels: ops.KernelChoice | None = None, kv_start=None):
         """Indexer logits float32 [B, S, T], -inf where masked (for the indexer losses);
         arguments as in `select`."""
+        kernels = kernels or ops.KernelChoice()
         q = self.queries(q_resid, positions)
         return ops.indexer_scores(q, keys.astype(q.dtype), self.head_weights(x),
                                   q_pos=query_rows(positions, kv_start),

@@ -23,6 +23,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from glm_jax import ops
 from glm_jax.config import GLMConfig
+from glm_jax.layers.checks import check_config
 from glm_jax.layers.linear import Linear
 from glm_jax.layers.matmul import einsum
 from glm_jax.layers.norms import RMSNorm
@@ -33,16 +34,19 @@ from glm_jax.layers.segments import SegmentTable
 class MLAProjection(nnx.Module):
     """The attention weights of one layer (checkpoint names) and the projections around attention."""
 
-    def __init__(self, cfg: GLMConfig, *, rngs: nnx.Rngs, dtype):
+    def __init__(self, cfg: GLMConfig, *, rngs: nnx.Rngs, dtype=None, param_dtype=None):
+        check_config("MLAProjection", cfg)
         h, nh = cfg.hidden_size, cfg.num_attention_heads
-        self.q_a_proj = Linear(h, cfg.q_lora_rank, rngs=rngs, dtype=dtype)
-        self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, eps=cfg.rms_norm_eps, dtype=dtype)
-        self.q_b_proj = Linear(cfg.q_lora_rank, nh * cfg.qk_head_dim, rngs=rngs, dtype=dtype)
-        self.kv_a_proj_with_mqa = Linear(h, cfg.latent_dim, rngs=rngs, dtype=dtype)
-        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, eps=cfg.rms_norm_eps, dtype=dtype)
+        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype or jnp.dtype(cfg.dtype))
+        norm = dict(eps=cfg.rms_norm_eps, dtype=dtype, param_dtype=kw["param_dtype"])
+        self.q_a_proj = Linear(h, cfg.q_lora_rank, axes=("hidden", "q_lora"), **kw)
+        self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, axes=("q_lora",), **norm)
+        self.q_b_proj = Linear(cfg.q_lora_rank, nh * cfg.qk_head_dim, axes=("q_lora", "heads"), **kw)
+        self.kv_a_proj_with_mqa = Linear(h, cfg.latent_dim, axes=("hidden", "latent"), **kw)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, axes=("kv_lora",), **norm)
         self.kv_b_proj = Linear(cfg.kv_lora_rank, nh * (cfg.qk_nope_head_dim + cfg.v_head_dim),
-                                rngs=rngs, dtype=dtype)
-        self.o_proj = Linear(nh * cfg.v_head_dim, h, rngs=rngs, dtype=dtype)
+                                axes=("kv_lora", "heads"), **kw)
+        self.o_proj = Linear(nh * cfg.v_head_dim, h, axes=("heads", "embed"), **kw)
         self.cfg = cfg
         self.inv_freq = tuple(rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling_dict))
         self.sm_scale = cfg.softmax_scale * softmax_scale_factor(cfg.rope_scaling_dict)
@@ -75,12 +79,14 @@ class MLAProjection(nnx.Module):
         return w[..., : c.qk_nope_head_dim], w[..., c.qk_nope_head_dim:]
 
     # ------------------------------------------------------------------ absorbed form
-    def attend_absorbed(self, q_nope, q_rope, latent, indices, kernels: ops.KernelChoice, *,
+    def attend_absorbed(self, q_nope, q_rope, latent, indices, kernels: ops.KernelChoice | None = None, *,
                         return_target: bool = False, tindex=None):
         """q_* [B, S, nh, *], latent [B, T, kv_lora + rope], indices int32 [B, S, K]
         -> attention output [B, S, hidden]; with return_target also the indexer KL's target
         float32 [B, S, K] (the head-mean probabilities at each slot, no gradient; `ops.sparse_mla`).
-        tindex: the backward's index of these indices (`backward_index`), shared by a group."""
+        tindex: the backward's index of these indices (`backward_index`), shared by a group.
+        kernels: which kernel implementations run (default `ops.KernelChoice()`)."""
+        kernels = kernels or ops.KernelChoice()
         q_abs = self.absorbed_queries(q_nope, q_rope)
         o_lat, _, *target = ops.sparse_mla(q_abs, latent.astype(q_abs.dtype), indices, sm_scale=self.sm_scale,
                                            v_dim=self.cfg.kv_lora_rank, return_target=return_target,
@@ -91,10 +97,10 @@ class MLAProjection(nnx.Module):
         out = self.absorbed_output(o_lat, q_nope.dtype)
         return (out, target[0]) if return_target else out
 
-    def backward_index(self, indices, num_keys: int, dtype, kernels: ops.KernelChoice):
+    def backward_index(self, indices, num_keys: int, dtype, kernels: ops.KernelChoice | None = None):
         """indices int32 [B, S, K] over num_keys latent rows -> the sparse attention backward's
         index (`ops.sparse_mla_backward_index`) for latent rows in dtype, or None."""
-        c = self.cfg
+        c, kernels = self.cfg, kernels or ops.KernelChoice()
         return ops.sparse_mla_backward_index(indices, num_keys, dk=c.kv_lora_rank + c.qk_rope_head_dim,
                                              dtype=dtype, kernels=kernels, heads=c.num_attention_heads,
                                              v_dim=c.kv_lora_rank)

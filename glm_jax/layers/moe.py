@@ -34,8 +34,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from glm_jax.config import GLMConfig
+from glm_jax.layers.checks import check_config
 from glm_jax.layers.linear import Linear
 from glm_jax.layers.matmul import einsum
+from glm_jax.logical_axes import check_dtype, explicit_axes, leading_spec, on_auto_axes, param
 
 
 class RouterBias(nnx.Variable):
@@ -43,12 +45,19 @@ class RouterBias(nnx.Variable):
 
 
 class MLP(nnx.Module):
-    def __init__(self, hidden: int, ffn: int, *, rngs: nnx.Rngs, dtype):
-        self.gate_proj = Linear(hidden, ffn, rngs=rngs, dtype=dtype)
-        self.up_proj = Linear(hidden, ffn, rngs=rngs, dtype=dtype)
-        self.down_proj = Linear(ffn, hidden, rngs=rngs, dtype=dtype)
+    """SwiGLU: down_proj(silu(gate_proj(x)) * up_proj(x)); dtype / param_dtype as `Linear`'s,
+    axes the logical names of (hidden, ffn)."""
+
+    def __init__(self, hidden: int, ffn: int, *, rngs: nnx.Rngs, dtype=None, param_dtype=jnp.float32,
+                 axes: tuple[str | None, str | None] = ("embed", "mlp")):
+        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.gate_proj = Linear(hidden, ffn, axes=axes, **kw)
+        self.up_proj = Linear(hidden, ffn, axes=axes, **kw)
+        self.down_proj = Linear(ffn, hidden, axes=axes[::-1], **kw)
 
     def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
+        if explicit_axes():
+            return on_auto_axes(self, lambda layer, x: layer(x), (x,), leading_spec(x, x.ndim, x.ndim - 1))
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -241,24 +250,36 @@ def routed_experts(cfg: GLMConfig, tokens, router, bias, gate_proj, up_proj, dow
 class MoE(nnx.Module):
     """Routed experts (stacked [E, ...] weights) plus the always-on shared expert."""
 
-    def __init__(self, cfg: GLMConfig, *, rngs: nnx.Rngs, dtype):
+    def __init__(self, cfg: GLMConfig, *, rngs: nnx.Rngs, dtype=None, param_dtype=None):
+        check_config("MoE", cfg)
+        check_dtype("MoE", "dtype", dtype)
         e, h, f = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        pd = param_dtype or jnp.dtype(cfg.dtype)
         init = jax.nn.initializers.normal
-        self.router = nnx.Param(init(h ** -0.5)(rngs.params(), (e, h), jnp.float32))
-        self.e_score_correction_bias = RouterBias(jnp.zeros((e,), jnp.float32))
-        self.gate_proj = nnx.Param(init(h ** -0.5)(rngs.params(), (e, h, f), dtype))
-        self.up_proj = nnx.Param(init(h ** -0.5)(rngs.params(), (e, h, f), dtype))
-        self.down_proj = nnx.Param(init(f ** -0.5)(rngs.params(), (e, f, h), dtype))
-        self.shared_experts = MLP(h, f * cfg.n_shared_experts, rngs=rngs, dtype=dtype) \
+        self.router = param(init(h ** -0.5)(rngs.params(), (e, h), jnp.float32), ("router_experts", "hidden"))
+        self.e_score_correction_bias = param(jnp.zeros((e,), jnp.float32), ("router_experts",), RouterBias)
+        self.gate_proj = param(init(h ** -0.5)(rngs.params(), (e, h, f), pd), ("experts", "embed", "expert_mlp"))
+        self.up_proj = param(init(h ** -0.5)(rngs.params(), (e, h, f), pd), ("experts", "embed", "expert_mlp"))
+        self.down_proj = param(init(f ** -0.5)(rngs.params(), (e, f, h), pd), ("experts", "expert_mlp", "embed"))
+        self.shared_experts = MLP(h, f * cfg.n_shared_experts, rngs=rngs, dtype=dtype, param_dtype=pd) \
             if cfg.n_shared_experts else None
         self.cfg = cfg
+        self.dtype = dtype
 
     def __call__(self, x: jnp.ndarray, dispatch: str | None = None) -> jnp.ndarray:
-        """x [B, S, hidden] -> [B, S, hidden]; dispatch as `DISPATCH` (its default)."""
+        """x [..., hidden] -> [..., hidden]; dispatch as `DISPATCH` (its default)."""
+        if x.shape[-1:] != (self.cfg.hidden_size,):
+            raise ValueError(f"MoE: x has shape {x.shape}, but cfg.hidden_size is {self.cfg.hidden_size}")
+        if explicit_axes():
+            return on_auto_axes(self, lambda layer, x: layer(x, dispatch), (x,), leading_spec(x, x.ndim, x.ndim - 1))
+        if self.dtype is not None:
+            x = x.astype(self.dtype)
         shape = x.shape
+        experts = (self.gate_proj[...], self.up_proj[...], self.down_proj[...])
+        if self.dtype is not None:
+            experts = tuple(w.astype(self.dtype) for w in experts)
         routed = routed_experts(self.cfg, x.reshape(-1, shape[-1]), self.router[...],
-                                self.e_score_correction_bias[...], self.gate_proj[...], self.up_proj[...],
-                                self.down_proj[...], dispatch)
+                                self.e_score_correction_bias[...], *experts, dispatch)
         y = routed.astype(x.dtype).reshape(shape)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)

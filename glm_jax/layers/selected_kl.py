@@ -12,7 +12,7 @@ the same for every layer of the group (same indices, same indexer), so
 Each layer adds its weighted negative entropy and its target to a `TargetSum`; the group then
 gathers the indexer keys, scores, normalises and differentiates once, on tbar
 (`ops.indexer_cross_entropy`, gradients into the indexer's queries, keys and head weights only).
-Equal, value and gradients, to the per-layer sum of `decoder.indexer_kl` over the selected set
+Equal, value and gradients, to the per-layer sum of `indexer_kl` over the selected set
 (tests/test_losses.py). Memory: tbar, float32 [B, S, K] per group (as large as the group's
 int32 top-k), is kept for the backward pass; no [S, T] matrix is built.
 """
@@ -55,3 +55,23 @@ def selected_set_kl(acc: TargetSum, *, idx_q: jax.Array, idx_keys: jax.Array, id
     cross = ops.indexer_cross_entropy(idx_q, idx_keys, idx_w, indices, acc.tbar, impl=kernels.indexer_kl,
                                       config=kernels.indexer_kl_config, interpret=kernels.interpret)
     return (acc.neg_entropy + jnp.sum(cross)) / indices.shape[0]
+
+
+def head_summed_target(probs: jnp.ndarray) -> jnp.ndarray:
+    """probs [B, nh, S, T] -> L1-normalised head sum [B, S, T], no gradient."""
+    p = jax.lax.stop_gradient(jnp.sum(probs, axis=1))
+    return p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)
+
+
+def indexer_kl(target: jnp.ndarray, logits: jnp.ndarray, mask: jnp.ndarray) -> jnp.ndarray:
+    """sum over queries of KL(target || softmax(logits restricted to mask)), averaged over B.
+
+    target [B, S, T] (rows sum to 1, zero outside mask), logits [B, S, T], mask bool [B, S, T]."""
+    masked = jnp.where(mask, logits, -jnp.inf)
+    row_max = jax.lax.stop_gradient(jnp.max(masked, axis=-1, keepdims=True))
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+    log_z = jnp.log(jnp.maximum(jnp.sum(jnp.exp(masked - row_max), axis=-1, keepdims=True), 1e-30)) + row_max
+    log_q = jnp.where(mask, logits - log_z, 0.0)
+    safe_p = jnp.where(target > 0, target, 1.0)
+    kl = jnp.where(target > 0, target * (jnp.log(safe_p) - log_q), 0.0)
+    return jnp.sum(kl) / target.shape[0]

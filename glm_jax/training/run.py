@@ -30,9 +30,12 @@ import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh
-from tqdm import tqdm
 
-from glm_jax import costs, faults, multihost, ops, sharding
+from glm_jax.extras import require
+
+tqdm = require("tqdm").tqdm       # before the other extras': a core install hears of the train extra
+
+from glm_jax import costs, faults, multihost, ops, sharding  # noqa: E402 (after the check)
 from glm_jax.checkpoint import ModelSource, check_same_config, load_model, save_model_dir
 from glm_jax.checkpoint_damage import os_reason, silence_orbax_leftovers
 from glm_jax.config import ConfigError, GLMConfig, extend_context, load_config, save_config
@@ -181,7 +184,7 @@ def with_config(model: GLMModel, cfg: GLMConfig) -> GLMModel:
     e.g. the position encoding of `extend_context`); `model` itself where it has that config."""
     if model.cfg == cfg:
         return model
-    graphdef, _ = nnx.split(nnx.eval_shape(lambda: GLMModel(cfg, rngs=nnx.Rngs(0))))
+    graphdef, _ = nnx.split(abstract_model(cfg))
     return nnx.merge(graphdef, nnx.state(model))
 
 
