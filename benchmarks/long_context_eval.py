@@ -47,7 +47,7 @@ from benchmarks._heldout import heldout_documents
 from benchmarks._report import Table, device_kind, failure, write_json
 from glm_jax.checkpoint import load_model_dir
 from glm_jax.config import extend_context
-from glm_jax.model import GLMModel
+from glm_jax.model import abstract_model
 from glm_jax.data.tokenizer import eos_id, load_tokenizer
 from glm_jax.frontends import cli
 from glm_jax.layers.decoder import AttentionSettings
@@ -165,7 +165,7 @@ def score(model, rows: np.ndarray, chunk: int, batch: int) -> np.ndarray:
 def extended(model, length: int):
     """`model`'s weights with its positions extended to `length` by YaRN, untrained."""
     cfg = extend_context(model.cfg, length)
-    graphdef, _ = nnx.split(nnx.eval_shape(lambda: GLMModel(cfg, rngs=nnx.Rngs(0))))
+    graphdef, _ = nnx.split(abstract_model(cfg))
     return nnx.merge(graphdef, nnx.state(model))
 
 
