@@ -4,17 +4,17 @@ runs, holds half the cache on a device and gives the one-device tokens."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
+
+from conftest import simulated_devices_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_layer_split_decode_smoke_equals_one_device(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    env = simulated_devices_env(2, PYTHONPATH=str(ROOT))     # (with the test processes' XLA flags)
     out = tmp_path / "rows.json"
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "layer_split_decode.py"), "--smoke",
                            "--new-tokens", "32", "--json", str(out)], env=env, capture_output=True, text=True,

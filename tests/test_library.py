@@ -8,7 +8,6 @@ imports without them, and runs the docs page's example on 4 simulated CPU device
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -20,6 +19,7 @@ import pytest
 from flax import nnx
 
 import glm_jax
+from conftest import simulated_devices_env
 from glm_jax.config import PRESETS_DIR, ConfigError, load_config, preset_names
 from glm_jax.extras import EXTRA_OF
 from glm_jax.layers import AttentionSettings, IndexShareGroup, LayerKind
@@ -149,8 +149,7 @@ def core_run(tmp_path_factory):
     example.write_text("\n".join(blocks))
     optional = sorted(set(EXTRA_OF) | {"safetensors", "matplotlib", "httpx", "openai"})
     script = _CORE_SCRIPT.format(optional=optional, needs_extra=sorted(NEEDS_EXTRA))
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    env = simulated_devices_env(4, PYTHONPATH=str(ROOT))     # (with the test processes' XLA flags)
     run = subprocess.run([sys.executable, "-c", script, str(example)], env=env, cwd=ROOT, capture_output=True,
                          text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]

@@ -189,7 +189,13 @@ def base_run(tmp_path_factory):
     return out
 
 
-def _stage(base, length: int, steps: int = 3) -> list[str]:
+#: The steps of the stage at 64 tokens: the extended run stops after 3 of them, and the moved run
+#: continues it to the end. Every run of the stage has these flags, so its learning-rate schedule
+#: (and with it the step program) is the same in all of them: the step compiles once in this file.
+STAGE_STEPS = 4
+
+
+def _stage(base, length: int, steps: int = STAGE_STEPS) -> list[str]:
     """The flags of a mid-training stage from `base`'s weights at `length` tokens."""
     return ["--checkpoint", str(base), "--context-length", str(length), "--seq-len", str(length),
             "--dense-steps", "0", "--steps", str(steps), *_COMMON]
@@ -197,9 +203,10 @@ def _stage(base, length: int, steps: int = 3) -> list[str]:
 
 @pytest.fixture(scope="module")
 def extended_run(base_run, tmp_path_factory):
-    """3 steps of the stage at 64 tokens (twice the base's positions), uninterrupted."""
+    """The first 3 steps of the stage at 64 tokens (twice the base's positions), uninterrupted,
+    stopped with its checkpoint and export."""
     out = tmp_path_factory.mktemp("extended")
-    assert train.main(_stage(base_run, 64) + ["--out", str(out)]) == 0
+    assert train.main(_stage(base_run, 64) + ["--out", str(out), "--stop-after", "3"]) == 0
     return out
 
 
@@ -226,14 +233,24 @@ def test_stage_resumes_bit_exactly_and_keeps_its_extension(base_run, extended_ru
     assert train.main(_stage(base_run, 128) + out + ["--resume"]) == 2     # another extension
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and "--resume cannot change model.context_length (--context-length) 64 -> 128" in err[0]
-    assert train.main(_stage(base_run, 64) + out + ["--resume"]) == 0
+    assert train.main(_stage(base_run, 64) + out + ["--resume", "--stop-after", "1"]) == 0
+    assert [r["step"] for r in _records(tmp_path / "b")] == [1, 2, 3]
     assert [r["loss"] for r in _records(tmp_path / "b")] == [r["loss"] for r in _records(extended_run)]   # bit for bit
 
 
 def test_the_next_stage_counts_from_the_original_length(extended_run, tmp_path):
-    assert train.main(_stage(extended_run, 128, steps=1) + ["--out", str(tmp_path / "c")]) == 0
-    scaling = load_config(tmp_path / "c" / "config.yaml").rope_scaling_dict
-    assert (scaling["factor"], scaling["original_max_position_embeddings"]) == (4, 32)
+    """train.py's setup of a stage from the extended run (everything before its first step: the
+    extended checkpoint read, its config extended again and written): the config of the run and
+    of the model it trains extends the base's 32 positions, not the extended run's 64."""
+    from glm_jax.training import run
+
+    state = run.setup(train.train_config(train.parse_args(_stage(extended_run, 128, steps=1)
+                                                          + ["--out", str(tmp_path / "c")])))
+    state.mngr.close()
+    for cfg in (load_config(tmp_path / "c" / "config.yaml"), state.cfg, state.model.cfg):
+        scaling = cfg.rope_scaling_dict
+        assert (cfg.max_position_embeddings, scaling["factor"], scaling["original_max_position_embeddings"]) == \
+            (128, 4, 32)
 
 
 # ---------------------------------------------------------------------- moving a run in parts
@@ -269,9 +286,10 @@ def test_checkpoint_parts_round_trip_and_resume(base_run, extended_run, tmp_path
                              or k in ("config.yaml", "run_config.yaml", "tokenizer.json", "metrics.jsonl")}
     assert parts_script.main(["unpack", str(parts), str(moved)]) == 2        # not into a run in use
     capsys.readouterr()
-    # the moved run continues (its flags, one step more; the weights it started from are read too)
-    assert train.main(_stage(base_run, 64, steps=4) + ["--out", str(moved), "--resume"]) == 0
+    # the moved run continues to the end of its stage (its flags; the weights it started from are read too)
+    assert train.main(_stage(base_run, 64) + ["--out", str(moved), "--resume"]) == 0
     assert "resume: continuing from step 3" in capsys.readouterr().out
+    assert [r["step"] for r in _records(moved)] == [1, 2, 3, 4]
 
 
 # ---------------------------------------------------------------------- the evaluation
