@@ -125,6 +125,41 @@ def tpu_compile_mesh(topology: str):
     return Mesh(np.array(topo.devices)[:1], ("x",))
 
 
+def one_device_flags(cfg_path, out, *extra: str) -> list[str]:
+    """train.py's flags of the one-device reference run (`one_device_run`) into `out`; `extra`
+    adds flags or overrides them (the last of a flag given twice counts)."""
+    return ["--config", str(cfg_path), "--out", str(out), "--steps", "5", "--batch-size", "2", "--seq-len", "16",
+            "--dense-steps", "1", "--warmup-steps", "1", "--max-files", "4", "--eval-every", "100",
+            "--log-every", "1", "--eval-batches", "1", "--save-every", "1", *extra]
+
+
+def train_process(args: list[str], env: dict | None = None, timeout: float = 600):
+    """train.py with `args` in a fresh process (on one device unless `env` says otherwise) ->
+    the finished subprocess.CompletedProcess."""
+    import subprocess
+
+    return subprocess.run([sys.executable, str(ROOT / "train.py"), *args], env=env or dict(os.environ),
+                          capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+@pytest.fixture(scope="session")
+def one_device_run(tmp_path_factory):
+    """train.py on one device in a fresh process, uninterrupted: the micro config, 5 steps (the
+    first dense), a checkpoint after every step (`one_device_flags`). The losses that
+    test_faults.py's killed and resumed runs must reproduce bit for bit and that
+    test_train_sharding.py's sharded runs must equal; one run for both (their modules are
+    collected first, so one test worker starts on both). -> (the config's path, the run
+    directory, the subprocess.CompletedProcess)"""
+    root = tmp_path_factory.mktemp("one-device")
+    cfg_path = root / "micro.yaml"
+    from glm_jax.config import save_config
+
+    save_config(micro_config(vocab_size=320, max_position_embeddings=128), cfg_path)
+    done = train_process(one_device_flags(cfg_path, root / "run"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return cfg_path, root / "run", done
+
+
 #: The modules whose tests start train.py processes or compile the most (several minutes of the
 #: suite between them): collected first, so the two workers start on them and the many short
 #: tests fill in around them, instead of one long test running alone at the end.

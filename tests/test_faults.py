@@ -22,24 +22,21 @@ import sys
 import pytest
 
 from benchmarks import damaged_checkpoint
-from conftest import ROOT, micro_config
+from conftest import one_device_flags, train_process
 from glm_jax import faults
 from glm_jax.checkpoint_damage import check_file_manifest
-from glm_jax.config import save_config
 
-STEPS = 5
+STEPS = 5              # the --steps of one_device_flags
 TIMEOUT = 300
 
 
 def _train(out, cfg_path, *extra: str, fault: str | None = None) -> subprocess.CompletedProcess:
+    """train.py with the flags of the uninterrupted run (`one_device_run`: 5 steps, a checkpoint
+    after every step) into `out`, with `fault` injected."""
     env = {k: v for k, v in os.environ.items() if k != faults.ENV}
     if fault:
         env[faults.ENV] = fault
-    cmd = [sys.executable, str(ROOT / "train.py"), "--config", str(cfg_path), "--out", str(out),
-           "--steps", str(STEPS), "--batch-size", "2", "--seq-len", "16", "--dense-steps", "1",
-           "--warmup-steps", "1", "--max-files", "4", "--eval-every", "100", "--log-every", "1",
-           "--eval-batches", "1", "--save-every", "1", *extra]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT, cwd=ROOT)
+    return train_process(one_device_flags(cfg_path, out, *extra), env=env, timeout=TIMEOUT)
 
 
 def _losses(out) -> dict[int, float]:
@@ -56,21 +53,17 @@ def _resumed_from(proc: subprocess.CompletedProcess) -> int:
 
 
 @pytest.fixture(scope="module")
-def run_config(tmp_path_factory):
+def run_config(one_device_run):
     """(the micro config's path, the losses of an uninterrupted run)."""
-    root = tmp_path_factory.mktemp("faults")
-    cfg_path = root / "micro.yaml"
-    save_config(micro_config(vocab_size=320, max_position_embeddings=128), cfg_path)
-    done = _train(root / "uninterrupted", cfg_path)
-    assert done.returncode == 0, done.stderr[-3000:]
+    cfg_path, uninterrupted, done = one_device_run
     # compilation is reported apart from the speed, and the step compiles once per stage (a
     # program loaded from the persistent compilation cache counts too)
     summary = next(line for line in done.stdout.splitlines() if line.startswith("compiled: "))
     assert re.search(r"jit\(train_step\) 2x \d+\.\d s", summary), summary
     assert re.search(r"steady [\d,]+ tokens/s \(median of \d logged intervals without compilation\)", summary)
-    records = [json.loads(line) for line in (root / "uninterrupted" / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (uninterrupted / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r.get("compiled")][:2] == [1, 2]     # each stage's first step
-    return cfg_path, _losses(root / "uninterrupted")
+    return cfg_path, _losses(uninterrupted)
 
 
 def test_killed_during_a_step_a_save_and_the_export_resumes_bit_exactly(run_config, tmp_path):
