@@ -115,5 +115,8 @@ def test_every_policy_reports_one_stats_shape():
         s = gen.stats
         assert isinstance(s, DecodeStats) and isinstance(gen, DecodeRuntime)
         assert s.prompt_tokens == 10 and s.new_tokens == 16 and s.decode_s >= s.steady_s >= 0
+    engine = ServingEngine(model, slots=2, num_pages=12, page_size=8, max_context=48, prefill_chunk=8)
+    engine.serve([Request(p, 8) for p in prompts])
+    assert isinstance(engine, DecodeRuntime) and engine.stats.prompt_tokens == 10 and engine.stats.new_tokens == 16
     assert plain.stats.steady_tokens == 2 * 4 and plain.stats.verify_steps == 0
     assert spec.stats.steady_tokens == 16 and spec.stats.verify_steps > 0

@@ -101,7 +101,7 @@ from glm_jax.decoding.engine_programs import (MAX_LOGPROBS, Placement, Scores, e
 from glm_jax.decoding.engine_requests import (Event, Launched, Request, Result, Run, ScoredChunk, StepTime,
                                               TokenLogprob, merged_events, record_prompt_scores, scores_to_host,
                                               token_logprob)
-from glm_jax.decoding.runtime import ContextTooLongError, DecodeRuntime, committed, cut
+from glm_jax.decoding.runtime import ContextTooLongError, DecodeRuntime, DecodeStats, committed, cut
 from glm_jax.decoding.sampling import GREEDY, SamplingParams
 from glm_jax.multihost import to_host
 from glm_jax.sharding import logical_sharding
@@ -153,6 +153,7 @@ class ServingEngine(DecodeRuntime):
         # In one process every array is whole here: np.asarray skips to_host's check on each read-back.
         self._to_host = np.asarray if jax.process_count() == 1 else to_host
         self.step_times: list[StepTime] = []
+        self.stats = DecodeStats()                  # of the last `serve`
         self.preemptions = 0                        # requests preempted so far (recomputed later)
         self._slots: list[Run | None] = [None] * slots
         self._waiting: deque[Run] = deque()
@@ -209,7 +210,9 @@ class ServingEngine(DecodeRuntime):
               stop_token: int | None = None) -> list[Result]:
         """Run `requests` to the end -> one Result each, in order. `sampling` / `stop_token`, when
         given, replace every request's own; `seed` is added to every request's seed. It steps
-        the engine until idle: events of requests submitted elsewhere are dropped."""
+        the engine until idle: events of requests submitted elsewhere are dropped. `stats`: the
+        run's DecodeStats (prefill and compilation inside decode_s: they interleave)."""
+        t0 = time.perf_counter()
         ids = [self.submit(dataclasses.replace(
             r, sampling=r.sampling if sampling is None else sampling, seed=r.seed + seed,
             stop_token=r.stop_token if stop_token is None else stop_token)) for r in requests]
@@ -223,6 +226,8 @@ class ServingEngine(DecodeRuntime):
                     result.tokens, result.error = None, event.error
                 else:
                     result.tokens += event.tokens
+        self.stats = DecodeStats(prompt_tokens=sum(len(r.prompt) for r in requests), decode_s=time.perf_counter() - t0,
+                                 new_tokens=sum(len(r.tokens or []) for r in results.values()))
         return [results[i] for i in ids]
 
     # ------------------------------------------------------------------ scheduling

@@ -207,7 +207,6 @@ def _decode_with_engine(args, settings: DecodeConfig, model, tok, prompts, ids, 
     from glm_jax.decoding.builders import engine_for_prompts
     from glm_jax.decoding.engine import Request
 
-    t0 = time.perf_counter()
     with cli.user_errors():
         engine = engine_for_prompts(model, ids, max_batch=settings.max_batch, max_new_tokens=settings.max_new_tokens,
                                     max_len=settings.max_len, prefill_chunk=settings.prefill_chunk,
@@ -222,9 +221,10 @@ def _decode_with_engine(args, settings: DecodeConfig, model, tok, prompts, ids, 
     _print_completions(prompts, completions, tok, _prompt_shown(args))
     _write_output(args.output, prompts, completions, tok)
     if not args.quiet:
-        n, elapsed = sum(map(len, completions)), time.perf_counter() - t0
-        print(f"\n[{len(ids)} prompt(s) through the serving engine, {settings.max_batch} at a time: {n} new tokens in "
-              f"{elapsed:.2f}s = {n / max(elapsed, 1e-9):.1f} tokens/s (includes compilation)]", file=sys.stderr)
+        s = engine.stats
+        print(f"\n[{len(ids)} prompt(s) through the serving engine, {settings.max_batch} at a time: {s.new_tokens} new "
+              f"tokens in {s.decode_s:.2f}s = {s.new_tokens / max(s.decode_s, 1e-9):.1f} tokens/s (includes prefill and "
+              f"compilation)]", file=sys.stderr)
     return 0
 
 
