@@ -80,8 +80,8 @@ def run(model, mesh, prompt, new_tokens: int, max_len: int, prefill_chunk: int, 
     if tracing:
         jax.profiler.stop_trace()
     s = gen.stats
-    later = s["new_tokens"] - s["first_block_tokens"]
-    step_ms = 1e3 * (s["decode_s"] - s["first_block_s"]) / later if later > 0 else float("nan")
+    later = s.steady_tokens // gen.batch
+    step_ms = 1e3 * s.steady_s / later if later > 0 else float("nan")
     cache = gen.new_cache(1, 16, None)
     per_token = cache_bytes_per_device(cache) / 16                     # bytes of one position on device 0
     return np.concatenate(blocks, axis=1)[0], step_ms, int(per_token * max_len)

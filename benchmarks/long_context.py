@@ -118,7 +118,7 @@ def prefill_seconds(cfg, length: int, chunk: int) -> float:
     prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, length), dtype=np.int32)
     for _ in range(2):
         next(gen.generate(prompt, max_new_tokens=1))
-    return gen.stats["prefill_s"]
+    return gen.stats.prefill_s
 
 
 def prefill_main(length: int, chunk: int, smoke: bool, out: str | None) -> None:

@@ -39,7 +39,7 @@ from glm_jax import ops
 from glm_jax.checkpoint import load_model_dir
 from glm_jax.data import corpus, pipeline, sources
 from glm_jax.data.tokenizer import load_tokenizer
-from glm_jax.decoding.generate import committed
+from glm_jax.decoding.runtime import committed
 from glm_jax.decoding.sampling import SamplingParams
 from glm_jax.decoding.speculative import SpeculativeGenerator
 from glm_jax.training.step import Batch, LossWeights, OptimizerConfig, StepConfig, train_step_program

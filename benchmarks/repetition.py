@@ -11,7 +11,7 @@ split, which the default model, trained on site-packages, never saw; or --heldou
 such as scripts/build_python_corpus.py writes). The next --new-tokens tokens of each document,
 measured like a completion, make the first row: how often real code trips each measure.
 
-Decoding: the generator decode.py builds for the settings (`decode_config.build_generator`, so
+Decoding: the generator decode.py builds for the settings (`builders.build_generator`, so
 plain or speculative as decode.py would choose for a batch of --prompts), every prompt in one
 batch, --new-tokens new tokens each, cut at the stop token as decode.py cuts them; every
 setting with the same --seed, so the run is deterministic and settings differ only by their
@@ -224,7 +224,8 @@ def main(argv=None) -> int:
 
     from glm_jax.checkpoint import load_model_dir
     from glm_jax.data.tokenizer import load_tokenizer, stop_token
-    from glm_jax.decoding.decode_config import DecodeConfig, build_generator
+    from glm_jax.decoding.builders import build_generator
+    from glm_jax.decoding.decode_config import DecodeConfig
 
     t_start = time.perf_counter()
     with cli.user_errors():

@@ -226,10 +226,10 @@ class WaveServer:
     def __init__(self, model, *, slots: int, num_pages: int, page_size: int, max_context: int, prefill_chunk: int):
         from glm_jax import ops
         from glm_jax.cache import PagePool
-        from glm_jax.decoding.generate import GeneratorBase
+        from glm_jax.decoding.runtime import DecodeRuntime
 
-        self.gen = GeneratorBase(model, batch=slots, max_len=max_context, prefill_chunk=prefill_chunk,
-                                 kernels=ops.KernelChoice())
+        self.gen = DecodeRuntime(model, batch=slots, max_len=max_context, prefill_chunk=prefill_chunk,
+                                kernels=ops.KernelChoice())
         self.pool = PagePool(model.cfg, num_pages=num_pages, page_size=page_size)
         self.width = self.pool.pages_for(max_context + prefill_chunk)
         self.cache = self.pool.create_cache(slots, self.width)
@@ -262,7 +262,7 @@ class WaveServer:
             padded[b, :len(a.prompt)] = a.prompt
         cache = dataclasses.replace(self.cache, lengths=jnp.zeros((self.gen.batch,), jnp.int32),
                                     page_table=jnp.asarray(self.pool.page_table(ids, self.width)))
-        logits, cache = self.gen.prefill(cache, padded, lengths)
+        logits, _, cache, _ = self.gen.prefill(cache, padded, lengths)
         key, sampling = self.gen.sampling_args(0, GREEDY)
         left = [a.new_tokens for _, a in wave]
         while any(left):

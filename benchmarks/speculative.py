@@ -164,7 +164,7 @@ def main() -> None:
         for _ in range(args.repeat):
             for c, gen in runs.items():
                 generate(gen, ids, sampling, args.new_tokens)
-                decode_s = gen.stats["decode_s"] if c[1] == 0 else gen.stats.decode_s
+                decode_s = gen.stats.decode_s
                 rates[c].append(batch * args.new_tokens / decode_s)
         limit = batch * bandwidth / bytes_per_step(model, batch, args.prompt_len + args.new_tokens)
         for c, gen in runs.items():

@@ -50,7 +50,7 @@ def test_generators_with_options_give_the_same_tokens(monkeypatch):
 
     want = decode(False)
     monkeypatch.setattr(programs, "compiler_options", lambda backend, cuda_graphs: CPU_OPTION if cuda_graphs else ())
-    monkeypatch.setattr("glm_jax.decoding.generate.compiler_options", programs.compiler_options)
+    monkeypatch.setattr("glm_jax.decoding.runtime.compiler_options", programs.compiler_options)
     got = decode(True)
     for a, b in zip(got, want):
         np.testing.assert_array_equal(a, b)

@@ -1,4 +1,6 @@
-"""Decoding: sampling, the cached generation loop, rejection sampling and speculative decoding."""
+"""Decoding: one runtime (`runtime.DecodeRuntime`: cache, prefill, program builder, stop and cut
+rules, stats) and the policies over it (plain and speculative generators, the serving engine);
+sampling and rejection sampling."""
 
 from glm_jax.decoding.rejection import rejection_sample
 from glm_jax.decoding.sampling import GREEDY, SamplingParams, sample_tokens, sampling_probs

@@ -1,7 +1,7 @@
 """`DecodeConfig`: the settings of a decode (decode.py's numbers, sampling, speculation,
 placement and kernels), checked on construction (`glm_jax.settings`): a bad value is one
-SettingError naming the setting and its flag, before any model is loaded. `build_generator`:
-the generator they describe."""
+SettingError naming the setting and its flag, before any model is loaded. The generator or
+engine they describe: `builders`."""
 
 from __future__ import annotations
 
@@ -74,27 +74,3 @@ class DecodeConfig(Settings):
         """The kernels, their configs set (`kernel_configs.configured`: resolves "auto" on this backend)."""
         return configured(ops.KernelChoice(indexer=self.indexer_impl, attention=self.attention_impl,
                                            batch_invariant=self.batch_invariant), self.kernel_config)
-
-
-def build_generator(model, settings: DecodeConfig, *, batch: int, mesh=None):
-    """The generator for `batch` prompts that `settings` describe -> (generator, the
-    `policy.Choice` saying why it speculates or not): speculative with settings.speculative
-    drafts, or when that is None where it measured faster (`policy.choose`); plain otherwise."""
-    import jax
-
-    from glm_jax.decoding.generate import Generator
-    from glm_jax.decoding.policy import Choice, choose
-    from glm_jax.decoding.speculative import SpeculativeGenerator
-
-    if model.mtp is None:
-        choice = Choice(0, "plain decoding: the model has no MTP layer to draft with")
-    elif settings.speculative is not None:
-        choice = Choice(settings.speculative, f"{'plain' if settings.speculative == 0 else 'speculative'} decoding: "
-                                              f"--speculative {settings.speculative}")
-    else:
-        choice = choose(jax.default_backend(), batch)
-    common = dict(mesh=mesh, collective=settings.collective, kernels=settings.kernels(), batch=batch,
-                  max_len=settings.max_len, prefill_chunk=settings.prefill_chunk)
-    if choice.num_draft:
-        return SpeculativeGenerator(model, num_draft=choice.num_draft, kv_share=settings.kv_share, **common), choice
-    return Generator(model, **common), choice

@@ -33,21 +33,18 @@ def prompt_text(prompt: str, *, style: bool) -> str:
 
 def steady_state_line(gen) -> str:
     """After generation: decode tokens/s without compilation and, speculative, the mean acceptance
-    length, from `gen.stats` of a Generator or SpeculativeGenerator. The line starts
-    "steady state: <float> tokens/s" (or "steady state: not measured")."""
-    from glm_jax.decoding.speculative import SpeculativeGenerator
-
+    length, from `gen.stats` (a `runtime.DecodeStats`) of a Generator or SpeculativeGenerator. The
+    line starts "steady state: <float> tokens/s" (or "steady state: not measured")."""
     s = gen.stats
-    if isinstance(gen, SpeculativeGenerator):
+    if s.verify_steps:
         rates = " ".join(f"{r:.2f}" for r in s.acceptance_rate)
-        return (f"steady state: {s.new_tokens / max(s.decode_s, 1e-9):.1f} tokens/s ({s.new_tokens} new tokens "
-                f"in {s.decode_s:.2f}s; the decode program was compiled before the timed run, in "
+        return (f"steady state: {s.steady_tokens / max(s.steady_s, 1e-9):.1f} tokens/s ({s.steady_tokens} new tokens "
+                f"in {s.steady_s:.2f}s; the decode program was compiled before the timed run, in "
                 f"{s.compile_s:.2f}s); acceptance length {s.acceptance_length:.2f} over {s.verify_steps} verify "
                 f"steps (acceptance rate per draft position: {rates})")
-    tokens = gen.batch * (s["new_tokens"] - s["first_block_tokens"])
-    seconds = s["decode_s"] - s["first_block_s"]
-    if tokens <= 0:
+    if s.steady_tokens <= 0:
         return (f"steady state: not measured (one decode block of {gen.block_size} tokens, which includes "
                 f"the compilation; give --max-new-tokens > {gen.block_size})")
-    return (f"steady state: {tokens / max(seconds, 1e-9):.1f} tokens/s ({tokens} new tokens in {seconds:.2f}s "
-            f"after the first decode block, which compiled the decode program in {s['first_block_s']:.2f}s)")
+    return (f"steady state: {s.steady_tokens / max(s.steady_s, 1e-9):.1f} tokens/s ({s.steady_tokens} new tokens in "
+            f"{s.steady_s:.2f}s after the first decode block, which compiled the decode program in "
+            f"{s.compile_s:.2f}s)")

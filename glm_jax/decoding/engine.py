@@ -90,7 +90,6 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import deque
-from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -99,118 +98,18 @@ from glm_jax import ops
 from glm_jax.cache import CacheFullError, PagePool, shard_cache
 from glm_jax.decoding.engine_programs import (MAX_LOGPROBS, Placement, Scores, empty_slots,
                                               drawn_scores, drawn_tokens, engine_programs, serving_params)
-from glm_jax.decoding.generate import ContextTooLongError, GeneratorBase, committed
-from glm_jax.decoding.programs import compiler_options
+from glm_jax.decoding.engine_requests import (Event, Launched, Request, Result, Run, ScoredChunk, StepTime,
+                                              TokenLogprob, merged_events, record_prompt_scores, scores_to_host,
+                                              token_logprob)
+from glm_jax.decoding.runtime import ContextTooLongError, DecodeRuntime, DecodeStats, committed, cut
 from glm_jax.decoding.sampling import GREEDY, SamplingParams
 from glm_jax.multihost import to_host
 from glm_jax.sharding import logical_sharding
 
-
-@dataclasses.dataclass
-class Request:
-    prompt: np.ndarray                  # int32 [P]
-    max_new_tokens: int
-    sampling: SamplingParams = GREEDY   # per request
-    stop_token: int | None = None
-    seed: int = 0                       # the request's sampling stream: same seed -> same tokens
-    logprobs: int | None = None         # k in [0, MAX_LOGPROBS]: report each token's log-prob and the k best (None: no)
-    prompt_logprobs: bool = False       # with logprobs: the prompt tokens' too (in the first event)
+__all__ = ["Event", "Request", "Result", "ServingEngine", "StepTime", "TokenLogprob", "budget_chunk"]
 
 
-class TokenLogprob(NamedTuple):
-    """One position's log-probabilities under the model (log_softmax of the raw logits, before
-    temperature and the sampling filters)."""
-
-    logprob: float                      # the position's token's (drawn, or the prompt's)
-    top: tuple[tuple[int, float], ...]  # (token id, log-prob) of the k most likely tokens, most likely first
-
-
-@dataclasses.dataclass
-class Event:
-    request_id: int
-    tokens: list[int]                   # tokens emitted since the last event for this request
-    finished: bool
-    error: str | None = None            # set (and finished=True) when the request failed alone
-    logprobs: list[TokenLogprob] | None = None          # one per token of `tokens`, if the request asked
-    prompt_logprobs: list[TokenLogprob] | None = None   # in the first event, if asked: prompt tokens 1..P-1
-
-
-@dataclasses.dataclass
-class Result:
-    tokens: list[int] | None = None     # new tokens (up to max_new_tokens, cut at the stop token)
-    error: str | None = None
-
-
-class StepTime(NamedTuple):
-    """One engine step's timing, per decode call (a NamedTuple: cheap to build once per step)."""
-
-    context: int          # longest sequence among the decoding slots before the call
-    host_s: float         # the step's host work: wall time minus the time blocked on the device
-    step_s: float         # the step's wall time (with overlap, about one device call)
-    rows: int = 0         # slots that drew a token in the call
-    prefill: int = 0      # prompt tokens prefilled in the step (before its decode call)
-    cpu_s: float = 0.0    # CPU time of the engine's thread in the step (host work; blocking waits excluded)
-    steps: int = 1        # decode steps the call ran (a block: decode_steps)
-
-
-@dataclasses.dataclass(eq=False)
-class _Run:
-    """One request inside the engine (host bookkeeping)."""
-
-    id: int
-    request: Request
-    context: np.ndarray                  # int32 [T]: what to prefill (prompt + tokens emitted before a preemption)
-    emitted: list[int] = dataclasses.field(default_factory=list)   # tokens read back so far
-    slot: int | None = None
-    order: int = 0                       # admission number: the highest is the youngest
-    prefilled: int = 0                   # context tokens in the cache
-    length: int = 0                      # cache rows once the dispatched steps have run
-    drawn: int = 0                       # tokens drawn, counting steps in flight
-    synced_pages: int = 0                # pages the device's page-table row holds
-    scored: int = 0                      # prompt positions whose log-probs are dispatched (prompt_logprobs)
-    prompt_scores: list[TokenLogprob] = dataclasses.field(default_factory=list)   # read back so far
-    stopped: bool = False                # drew its stop token (seen on read-back)
-    gone: bool = False                   # finished or cancelled: tokens still in flight are dropped
-
-    @property
-    def decoding(self) -> bool:
-        return self.slot is not None and self.prefilled == len(self.context)
-
-    @property
-    def draws(self) -> bool:
-        """Takes part in the next decode call."""
-        return self.decoding and not self.stopped and self.drawn < self.request.max_new_tokens
-
-    def steps_in(self, steps: int) -> int:
-        """The steps it runs of a call of `steps` decode steps: as many as it has tokens left to draw."""
-        return min(steps, self.request.max_new_tokens - self.drawn)
-
-    def wants_prompt_scores(self, end: int) -> bool:
-        """Whether a prefill chunk ending at context position `end` scores prompt positions not
-        scored yet (positions 0..P-2: the logits at position i score prompt token i + 1)."""
-        return self.request.prompt_logprobs and self.scored < min(end, len(self.request.prompt) - 1)
-
-
-@dataclasses.dataclass
-class _ScoredChunk:
-    """A prefill chunk dispatched with `prefill_scored`: its Scores [R, C] on the device and,
-    per scored row, (row, run, first context position of the chunk, tokens in the chunk)."""
-
-    scores: Scores
-    rows: list[tuple[int, _Run, int, int]]
-
-
-@dataclasses.dataclass
-class _Launched:
-    """A decode call in flight: what `_drain` reads back."""
-
-    draws: jax.Array                     # int32 [B, S, 2 + 2K]: the drawn tokens and their Scores (`pack_draws`)
-    runs: list[tuple[int, _Run, int]]    # (slot, run, steps it ran) of each slot that drew
-    logprobs: bool                       # some drawing request asked for log-probs
-    scored_chunks: list[_ScoredChunk]    # prefill chunks scored since the previous decode call
-
-
-class ServingEngine(GeneratorBase):
+class ServingEngine(DecodeRuntime):
     """Continuous batching over a page pool (see the module docstring).
 
     slots: sequences decoded together; num_pages x page_size: the pool (page 0 of each data
@@ -232,7 +131,7 @@ class ServingEngine(GeneratorBase):
             raise ValueError(f"decode_steps must be an integer from 1 to the page size {page_size} (a block of "
                              f"steps crosses at most one page boundary), got {decode_steps!r}")
         super().__init__(model, batch=slots, max_len=max_context, prefill_chunk=prefill_chunk, kernels=kernels,
-                         mesh=mesh, collective=collective)
+                         mesh=mesh, collective=collective, cuda_graphs=cuda_graphs)
         shards = 1 if mesh is None else mesh.shape.get("data", 1)
         self.pool = PagePool(self.cfg, num_pages=num_pages, page_size=page_size, data_shards=shards)
         self.step_token_budget = step_token_budget
@@ -250,19 +149,19 @@ class ServingEngine(GeneratorBase):
         self.params, layout = serving_params(self.state)
         placement = None if mesh is None else Placement.of(
             self.cache, self.slot_state, logical_sharding(mesh, ("batch",), (slots,), "tokens"))
-        self.programs = engine_programs(self.graphdef, layout, kernels, shards, placement,
-                                        compiler_options(jax.default_backend(), cuda_graphs))
+        self.programs = engine_programs(self.graphdef, layout, kernels, shards, placement, self.options)
         # In one process every array is whole here: np.asarray skips to_host's check on each read-back.
         self._to_host = np.asarray if jax.process_count() == 1 else to_host
         self.step_times: list[StepTime] = []
+        self.stats = DecodeStats()                  # of the last `serve`
         self.preemptions = 0                        # requests preempted so far (recomputed later)
-        self._slots: list[_Run | None] = [None] * slots
-        self._waiting: deque[_Run] = deque()
-        self._runs: dict[int, _Run] = {}            # every request not yet finished
+        self._slots: list[Run | None] = [None] * slots
+        self._waiting: deque[Run] = deque()
+        self._runs: dict[int, Run] = {}            # every request not yet finished
         self._events: list[Event] = []              # this step's events (errors from submit wait here)
         self._cancelled: set[int] = set()
-        self._in_flight: _Launched | None = None
-        self._scored_chunks: list[_ScoredChunk] = []  # read back with the next decode call
+        self._in_flight: Launched | None = None
+        self._scored_chunks: list[ScoredChunk] = []  # read back with the next decode call
         self._control = None                        # (the last control's rows, it on the device): `_control_for`
         self._next_id = 0
         self._admissions = 0
@@ -277,7 +176,7 @@ class ServingEngine(GeneratorBase):
         except (ValueError, TypeError, CacheFullError) as e:
             self._events.append(Event(rid, [], True, str(e)))
             return rid
-        run = _Run(rid, request, prompt)
+        run = Run(rid, request, prompt)
         self._runs[rid] = run
         self._waiting.append(run)
         return rid
@@ -305,13 +204,15 @@ class ServingEngine(GeneratorBase):
             self.step_times.append(StepTime(context, wall - self._waited, wall, len(launched.runs), prefilled,
                                             time.thread_time() - cpu0, steps))
         events, self._events = self._events, []
-        return _merged(events)
+        return merged_events(events)
 
     def serve(self, requests: list[Request], *, sampling: SamplingParams | None = None, seed: int = 0,
               stop_token: int | None = None) -> list[Result]:
         """Run `requests` to the end -> one Result each, in order. `sampling` / `stop_token`, when
         given, replace every request's own; `seed` is added to every request's seed. It steps
-        the engine until idle: events of requests submitted elsewhere are dropped."""
+        the engine until idle: events of requests submitted elsewhere are dropped. `stats`: the
+        run's DecodeStats (prefill and compilation inside decode_s: they interleave)."""
+        t0 = time.perf_counter()
         ids = [self.submit(dataclasses.replace(
             r, sampling=r.sampling if sampling is None else sampling, seed=r.seed + seed,
             stop_token=r.stop_token if stop_token is None else stop_token)) for r in requests]
@@ -325,6 +226,8 @@ class ServingEngine(GeneratorBase):
                     result.tokens, result.error = None, event.error
                 else:
                     result.tokens += event.tokens
+        self.stats = DecodeStats(prompt_tokens=sum(len(r.prompt) for r in requests), decode_s=time.perf_counter() - t0,
+                                 new_tokens=sum(len(r.tokens or []) for r in results.values()))
         return [results[i] for i in ids]
 
     # ------------------------------------------------------------------ scheduling
@@ -369,7 +272,7 @@ class ServingEngine(GeneratorBase):
             self._retire(run)
         self._cancelled.clear()
 
-    def _retire(self, run: _Run) -> None:
+    def _retire(self, run: Run) -> None:
         """The request is finished or cancelled: free its slot and pages now (device work already
         dispatched on them runs before anything dispatched later)."""
         run.gone = True
@@ -406,7 +309,7 @@ class ServingEngine(GeneratorBase):
         """One chunk for the oldest prefilling request of each data shard (one jitted call)
         -> the prompt tokens it prefilled (0: none)."""
         shards = self.pool.data_shards
-        chosen: list[_Run | None] = [None] * shards
+        chosen: list[Run | None] = [None] * shards
         for run in self._slots:
             if run is not None and not run.decoding:
                 s = self._shard(run.slot)
@@ -448,7 +351,7 @@ class ServingEngine(GeneratorBase):
         self.cache, self.slot_state, scores = self.programs.prefill_scored(*args)
         for x in scores:
             x.copy_to_host_async()
-        self._scored_chunks.append(_ScoredChunk(scores, scored))
+        self._scored_chunks.append(ScoredChunk(scores, scored))
         return int(num_valid.sum())
 
     def _call_steps(self, prefilled: int) -> int:
@@ -462,9 +365,9 @@ class ServingEngine(GeneratorBase):
             return 1
         return n if any(run.steps_in(n) == n for run in drawing) else 1
 
-    def _dispatch_decode(self, steps: int) -> tuple[_Launched | None, int]:
+    def _dispatch_decode(self, steps: int) -> tuple[Launched | None, int]:
         """Dispatch one call of `steps` decode steps for every drawing slot (each runs
-        `_Run.steps_in` of them) -> (what to read back, longest context before the call), or
+        `Run.steps_in` of them) -> (what to read back, longest context before the call), or
         (None, 0) when no slot draws."""
         runs = self._grow_pages(steps)
         if not runs:
@@ -484,7 +387,7 @@ class ServingEngine(GeneratorBase):
         draws, self.cache, self.slot_state = self.programs.decode(self.params, self.cache, self.slot_state, control,
                                                                   steps=steps)
         draws.copy_to_host_async()                       # read back by the next step without a transfer wait
-        launched = _Launched(draws, runs, logprobs, self._scored_chunks)
+        launched = Launched(draws, runs, logprobs, self._scored_chunks)
         self._scored_chunks = []
         return launched, context
 
@@ -503,7 +406,7 @@ class ServingEngine(GeneratorBase):
             self._control = key, self.put(control, ("batch", None))
         return self._control[1]
 
-    def _grow_pages(self, steps: int) -> list[tuple[int, _Run, int]]:
+    def _grow_pages(self, steps: int) -> list[tuple[int, Run, int]]:
         """Give every drawing slot the pages of its rows in a call of `steps` decode steps (the page
         its last row lands in); when the pool is short, wait for the call in flight, then preempt
         the youngest request of that data shard. -> (slot, run, its steps in the call) of every
@@ -524,7 +427,7 @@ class ServingEngine(GeneratorBase):
                 self._preempt(max((r for r in self._slots if r is not None and self._shard(r.slot) == shard),
                                   key=lambda r: r.order))
 
-    def _preempt(self, run: _Run) -> None:
+    def _preempt(self, run: Run) -> None:
         """Free the request's slot and pages and queue it first, to be recomputed from its prompt
         and the tokens it emitted (no step is in flight here)."""
         self.preemptions += 1
@@ -547,24 +450,24 @@ class ServingEngine(GeneratorBase):
         tokens = drawn_tokens(draws)
         scores = drawn_scores(draws) if launched.logprobs else None
         for chunk in launched.scored_chunks:
-            _record_prompt_scores(_scores_to_host(chunk.scores), chunk.rows)
+            record_prompt_scores(scores_to_host(chunk.scores), chunk.rows)
         for b, run, steps in launched.runs:
             if not (run.gone or run.stopped):
                 self._emit(run, tokens[b][:steps], scores, b)
 
-    def _emit(self, run: _Run, tokens: list[int], scores: Scores | None, slot: int) -> None:
+    def _emit(self, run: Run, tokens: list[int], scores: Scores | None, slot: int) -> None:
         """The event of the tokens `run` drew in `slot` in one call, in order (host `scores`
         [B, S] of the call's draws, if a drawing request asked for log-probs), cut before its
         stop token; retires the run when it is done (its stop token, or max_new_tokens reached)."""
         request = run.request
         prompt_scores = list(run.prompt_scores) if request.prompt_logprobs and not run.emitted else None
-        if request.stop_token in tokens:
-            tokens = tokens[:tokens.index(request.stop_token)]
-            run.stopped = True
+        kept = cut(tokens, request.stop_token)
+        run.stopped = len(kept) < len(tokens)
+        tokens = kept
         run.emitted += tokens
         finished = run.stopped or len(run.emitted) >= request.max_new_tokens
         logprobs = None if request.logprobs is None else \
-            [_token_logprob(scores, (slot, i), request.logprobs) for i in range(len(tokens))]
+            [token_logprob(scores, (slot, i), request.logprobs) for i in range(len(tokens))]
         self._events.append(Event(run.id, tokens, finished, logprobs=logprobs, prompt_logprobs=prompt_scores))
         if finished:
             self._retire(run)
@@ -582,65 +485,3 @@ def budget_chunk(budget: int | None, *, slots: int, rows: int, page_size: int, p
         raise ValueError(f"the step token budget must be an integer >= {least} ({slots} decoding slots + one page of "
                          f"{page_size} prefill tokens per prefill row, {rows} row(s)), got {budget!r}")
     return min(prefill_chunk, (budget - slots) // rows // page_size * page_size)
-
-
-def _scores_to_host(scores: Scores) -> Scores:
-    return Scores(*(to_host(x) for x in scores))
-
-
-def _token_logprob(scores: Scores, index, k: int) -> TokenLogprob:
-    """The TokenLogprob at `index` of host Scores, with its k most likely tokens."""
-    top = zip(scores.top_ids[index][:k].tolist(), scores.top_logprobs[index][:k].tolist())
-    return TokenLogprob(float(scores.logprob[index]), tuple(top))
-
-
-def _record_prompt_scores(scores: Scores, rows: list[tuple[int, _Run, int, int]]) -> None:
-    """A scored prefill chunk's host Scores [R, C] -> each row's run's prompt_scores, in order:
-    position i (the logits after context token i) scores prompt token i + 1."""
-    for row, run, start, n in rows:
-        end = min(start + n, len(run.request.prompt) - 1)
-        for position in range(max(start, len(run.prompt_scores)), end):
-            run.prompt_scores.append(_token_logprob(scores, (row, position - start), run.request.logprobs))
-
-
-def _merged(events: list[Event]) -> list[Event]:
-    """One event per request: tokens (and log-probs) concatenated in order, finished / error from
-    the last, prompt log-probs from the one that has them. `events` itself when no request has
-    two (the usual step)."""
-    if len({e.request_id for e in events}) == len(events):
-        return events
-    out: dict[int, Event] = {}
-    for e in events:
-        prev = out.get(e.request_id)
-        if prev is None:
-            out[e.request_id] = dataclasses.replace(e, tokens=list(e.tokens))
-            continue
-        logprobs = None if prev.logprobs is None and e.logprobs is None else (prev.logprobs or []) + (e.logprobs or [])
-        prompt_logprobs = prev.prompt_logprobs if prev.prompt_logprobs is not None else e.prompt_logprobs
-        out[e.request_id] = Event(e.request_id, prev.tokens + e.tokens, e.finished, e.error, logprobs, prompt_logprobs)
-    return list(out.values())
-
-
-def engine_for_prompts(model, prompts: list[np.ndarray], *, max_batch: int, max_new_tokens: int,
-                       max_len: int | None = None, **settings) -> ServingEngine:
-    """A ServingEngine of `max_batch` slots for `prompts` (int32 [P_i] each) and max_new_tokens
-    (`engine_with_room` for the longest of them); settings: those of `engine_with_room`."""
-    return engine_with_room(model, slots=max_batch, longest=max(len(p) for p in prompts) + max_new_tokens,
-                            max_context=max_len or model.cfg.max_position_embeddings, **settings)
-
-
-def engine_with_room(model, *, slots: int, longest: int, max_context: int, prefill_chunk: int = 256,
-                     page_size: int = 16, step_token_budget: int | None = None,
-                     kernels: ops.KernelChoice = ops.KernelChoice(), mesh=None,
-                     collective: str = "permute", decode_steps: int = 1) -> ServingEngine:
-    """A ServingEngine of `slots` slots whose pool holds every slot at `longest` tokens at once
-    (per data shard), so no request waits for pages or is preempted; step_token_budget,
-    decode_steps: as for ServingEngine."""
-    if slots < 1:
-        raise ValueError(f"max_batch must be >= 1, got {slots}")
-    shards = 1 if mesh is None else mesh.shape.get("data", 1)
-    per_shard = -(-slots // shards) * -(-longest // page_size) + 1
-    return ServingEngine(model, slots=slots, num_pages=shards * per_shard, page_size=page_size,
-                         max_context=max_context, prefill_chunk=prefill_chunk,
-                         step_token_budget=step_token_budget, kernels=kernels, mesh=mesh, collective=collective,
-                         decode_steps=decode_steps)

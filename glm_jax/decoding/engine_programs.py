@@ -76,6 +76,8 @@ from flax import nnx
 
 from glm_jax import ops
 from glm_jax.cache import KVCache
+from glm_jax.decoding.programs import Options, jit
+from glm_jax.decoding.runtime import chunk_forward
 from glm_jax.decoding.sampling import SamplingParams, sample_tokens
 
 
@@ -198,12 +200,11 @@ class Placement(NamedTuple):
 @functools.lru_cache(maxsize=8)
 def engine_programs(graphdef, layout: ParamLayout, kernels: ops.KernelChoice, data_shards: int,
                     placement: Placement | None = None,
-                    options: tuple[tuple[str, object], ...] = ()) -> EnginePrograms:
+                    options: Options = ()) -> EnginePrograms:
     """The jitted programs for one model structure (shared by every engine built on it);
     placement: what they return on a mesh (None: left to jit, for one device); options: XLA
     compiler options ((name, value) pairs, `programs.compiler_options`)."""
-    opts = dict(compiler_options=dict(options)) if options else {}
-    prefill_out, scored_out, decode_out = dict(opts), dict(opts), dict(opts)
+    prefill_out, scored_out, decode_out = {}, {}, {}
     if placement is not None:
         cache_out, slots_out = placement.trees()
         prefill_out.update(out_shardings=(cache_out, slots_out))
@@ -225,8 +226,7 @@ def engine_programs(graphdef, layout: ParamLayout, kernels: ops.KernelChoice, da
         tokens int32 [R, C], seeds uint32 [R], sampling [R] leaves -> (cache, slots, the chunk's
         logits float32 [R, C, V])."""
         view = dataclasses.replace(cache, page_table=tables, lengths=starts)
-        logits, _, view = model_of(params).forward_cached(tokens, view, kernels=kernels, num_valid=num_valid)
-        last = jnp.take_along_axis(logits, jnp.maximum(num_valid - 1, 0)[:, None, None], axis=1)[:, 0]
+        logits, _, view, last, _ = chunk_forward(model_of(params), tokens, view, num_valid, kernels)
         cache = dataclasses.replace(view, page_table=cache.page_table.at[rows].set(tables, mode="drop"),
                                     lengths=cache.lengths.at[rows].set(view.lengths, mode="drop"))
         put = lambda old, new: old.at[rows].set(new.astype(old.dtype), mode="drop")  # noqa: E731
@@ -234,7 +234,7 @@ def engine_programs(graphdef, layout: ParamLayout, kernels: ops.KernelChoice, da
                           jax.tree.map(put, slots.sampling, sampling))
         return cache, slots, logits
 
-    @functools.partial(jax.jit, donate_argnames=("cache", "slots"), **prefill_out)
+    @functools.partial(jit, options=options, donate_argnames=("cache", "slots"), **prefill_out)
     def prefill(params, cache: KVCache, slots: SlotState, rows, tables, starts, tokens, num_valid, seeds, drawn,
                 sampling: SamplingParams):
         """`prefill_logits`' arguments -> (cache, slots)."""
@@ -242,7 +242,7 @@ def engine_programs(graphdef, layout: ParamLayout, kernels: ops.KernelChoice, da
                                          sampling)
         return cache, slots
 
-    @functools.partial(jax.jit, donate_argnames=("cache", "slots"), **scored_out)
+    @functools.partial(jit, options=options, donate_argnames=("cache", "slots"), **scored_out)
     def prefill_scored(params, cache: KVCache, slots: SlotState, rows, tables, starts, tokens, num_valid, seeds,
                        drawn, sampling: SamplingParams, targets):
         """`prefill_logits`' arguments, targets int32 [R, C] (the token after each position)
@@ -251,7 +251,8 @@ def engine_programs(graphdef, layout: ParamLayout, kernels: ops.KernelChoice, da
                                               drawn, sampling)
         return cache, slots, scores_of(logits, targets)
 
-    @functools.partial(jax.jit, donate_argnames=("cache", "slots"), static_argnames=("steps",), **decode_out)
+    @functools.partial(jit, options=options, donate_argnames=("cache", "slots"), static_argnames=("steps",),
+                       **decode_out)
     def decode(params, cache: KVCache, slots: SlotState, control, steps: int):
         """control int32 [B, 3] (steps the slot runs, table column, page id), steps (static)
         -> (the drawn tokens and their Scores under the logits they were drawn from, int32

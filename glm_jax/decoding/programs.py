@@ -47,7 +47,13 @@ class Program:
     def with_options(self, options: Options):
         if not options:
             return self._plain
-        return jax.jit(self._fn, compiler_options=dict(options), **self._jit_kwargs)
+        return jit(self._fn, options, **self._jit_kwargs)
+
+
+def jit(fn: Callable, options: Options = (), **jit_kwargs):
+    """fn jitted with the XLA `options` ((name, value) pairs, `compiler_options`) and `jit_kwargs`:
+    how every decoding program is built (`Program.with_options`, `engine_programs`)."""
+    return jax.jit(fn, **(dict(compiler_options=dict(options)) if options else {}), **jit_kwargs)
 
 
 def program(**jit_kwargs) -> Callable[[Callable], Program]:

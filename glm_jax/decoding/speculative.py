@@ -21,7 +21,6 @@ Sequences in a batch accept different numbers of tokens; all positions are per s
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 
 import jax
@@ -31,38 +30,11 @@ from flax import nnx
 
 from glm_jax import ops
 from glm_jax.cache import KVCache, create_mtp_cache
-from glm_jax.decoding.generate import GeneratorBase, round_up
-from glm_jax.decoding.programs import Options, program
+from glm_jax.decoding.programs import program
+from glm_jax.decoding.runtime import DecodeRuntime, DecodeStats, round_up
 from glm_jax.decoding.rejection import VERIFICATION_RULES, match_sample, rejection_sample
 from glm_jax.decoding.sampling import GREEDY, SamplingParams, sampling_probs
 from glm_jax.multihost import to_host
-
-
-@dataclasses.dataclass
-class SpecStats:
-    verify_steps: int = 0                 # target forwards over K+1 positions (summed over sequences)
-    accepted: int = 0                     # accepted drafts, summed
-    accepted_at: np.ndarray | None = None  # [K]: how often draft position j was accepted
-    new_tokens: int = 0
-    prefill_s: float = 0.0                # the prefill, with the compilation of its first chunk
-    compile_s: float = 0.0                # compiling the decode program (0 when already compiled)
-    decode_s: float = 0.0                 # running the compiled decode program: no compilation
-    steps_per_sequence: np.ndarray | None = None      # int [B]: verify steps of each sequence
-    accepted_per_sequence: np.ndarray | None = None   # int [B]: accepted drafts of each sequence
-
-    @property
-    def acceptance_length(self) -> float:
-        """1 + mean accepted drafts per verify step (the serving convention)."""
-        return 1.0 + self.accepted / max(self.verify_steps, 1)
-
-    @property
-    def acceptance_rate(self) -> np.ndarray:
-        return self.accepted_at / max(self.verify_steps, 1)
-
-    @property
-    def acceptance_lengths(self) -> np.ndarray:
-        """float [B]: each sequence's acceptance length."""
-        return 1.0 + self.accepted_per_sequence / np.maximum(self.steps_per_sequence, 1)
 
 
 def _sample(key, probs):
@@ -92,23 +64,8 @@ def draft(model, q1_logits, g1, idx1, mtp_cache: KVCache, key, sampling: Samplin
     return jnp.stack(tokens, axis=1), jnp.stack(probs, axis=1)
 
 
-@program(static_argnames=("graphdef", "kernels"), donate_argnames=("cache", "mtp_cache"))
-def _prefill_chunk(graphdef, state, tokens, next_tokens, num_valid, num_valid_mtp, cache, mtp_cache, kernels):
-    """Target and MTP prefill of one chunk. tokens [B, C] at the target's positions; next_tokens
-    [B, C] the tokens one ahead (for the MTP rows). -> (last logits [B, V], last hidden [B, hidden],
-    cache, mtp_cache)."""
-    model = nnx.merge(graphdef, state)
-    logits, hidden, cache = model.forward_cached(tokens, cache, kernels=kernels, num_valid=num_valid)
-    _, _, mtp_cache, _ = model.mtp_forward_cached(next_tokens, hidden, mtp_cache, kernels=kernels,
-                                                  num_valid=num_valid_mtp)
-    last = jnp.maximum(num_valid - 1, 0)[:, None, None]
-    return (jnp.take_along_axis(logits, last, axis=1)[:, 0], jnp.take_along_axis(hidden, last, axis=1)[:, 0],
-            cache, mtp_cache)
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "kernels", "num_draft", "kv_share", "max_new",
-                                             "verification"),
-                   donate_argnames=("cache", "mtp_cache"))
+@program(static_argnames=("graphdef", "kernels", "num_draft", "kv_share", "max_new", "verification"),
+         donate_argnames=("cache", "mtp_cache"))
 def _speculate(graphdef, state, cache, mtp_cache, logits, hidden, key, sampling: SamplingParams, eos,
                *, kernels, num_draft, kv_share, max_new, verification="rejection"):
     """Everything after the prefill: first token, draft step 1, then the while_loop.
@@ -169,7 +126,7 @@ def _speculate(graphdef, state, cache, mtp_cache, logits, hidden, key, sampling:
             final["cache"], final["mtp_cache"])
 
 
-class SpeculativeGenerator(GeneratorBase):
+class SpeculativeGenerator(DecodeRuntime):
     """Speculative decoding with the model's MTP layer as the draft model."""
 
     def __init__(self, model, *, batch: int = 1, max_len: int | None = None, num_draft: int = 3,
@@ -185,11 +142,11 @@ class SpeculativeGenerator(GeneratorBase):
         super().__init__(model, batch=batch, max_len=max_len, prefill_chunk=prefill_chunk, kernels=kernels,
                          mesh=mesh, collective=collective, cuda_graphs=cuda_graphs)
         self.num_draft, self.kv_share, self.verification = num_draft, kv_share, verification
-        self.stats = SpecStats()
+        self.stats = DecodeStats()
 
     def generate(self, prompt_ids, *, max_new_tokens: int, sampling: SamplingParams = GREEDY,
                  seed: int = 0, stop_token: int | None = None, progress=None) -> np.ndarray:
-        """prompt_ids: see `GeneratorBase._prompt_batch` -> int32 [B, max_new_tokens]
+        """prompt_ids: see `DecodeRuntime._prompt_batch` -> int32 [B, max_new_tokens]
         (-1 where a sequence stopped early)."""
         padded, lengths = self._prompt_batch(prompt_ids, max_new_tokens)
         b, p = padded.shape
@@ -198,54 +155,24 @@ class SpeculativeGenerator(GeneratorBase):
         cache = self.new_cache(b, cache_len)
         mtp_cache = self.put_replicated(create_mtp_cache(self.cfg, b, cache_len))
         t0 = time.perf_counter()
-        shifted = np.concatenate([padded[:, 1:], np.zeros((b, 1), np.int32)], axis=1)
-        logits = hidden = None
-        for start, tokens, num_valid in self._chunks(padded, lengths):
-            nxt = np.zeros_like(tokens)
-            piece = shifted[:, start:start + chunk]
-            nxt[:, :piece.shape[1]] = piece
-            num_valid_mtp = np.clip(lengths - 1 - start, 0, chunk).astype(np.int32)
-            last, last_hidden, cache, mtp_cache = _prefill_chunk.with_options(self.options)(
-                self.graphdef, self.state, self.put(tokens, ("batch", None)), self.put(nxt, ("batch", None)),
-                self.put(num_valid, ("batch",)), self.put(num_valid_mtp, ("batch",)), cache, mtp_cache,
-                self.kernels)
-            if logits is None:
-                logits, hidden = last, last_hidden
-            else:
-                fresh = self.put((num_valid > 0)[:, None])
-                logits, hidden = jnp.where(fresh, last, logits), jnp.where(fresh, last_hidden, hidden)
-            if progress is not None:
-                progress(min(start + chunk, p), p)
+        logits, hidden, cache, mtp_cache = self.prefill(cache, padded, lengths, progress, mtp_cache)
         logits.block_until_ready()
         t1 = time.perf_counter()
         key, sampling = self.sampling_args(seed, sampling)
         eos = self.put(np.int32(-1 if stop_token is None else stop_token))
-        args = (self.state, cache, mtp_cache, logits, hidden, key, sampling, eos)
-        leaves, treedef = jax.tree.flatten(args)
-        program = _compiled_speculate(self.graphdef, treedef, tuple(map(_spec_of, leaves)), self.options,
-                                      kernels=self.kernels, num_draft=k, kv_share=self.kv_share,
-                                      max_new=max_new_tokens, verification=self.verification)
+        program = self.compiled(_speculate, (self.state, cache, mtp_cache, logits, hidden, key, sampling, eos),
+                                kernels=self.kernels, num_draft=k, kv_share=self.kv_share, max_new=max_new_tokens,
+                                verification=self.verification)
         t2 = time.perf_counter()
-        out, count, steps, accepted, accepted_at, _, _ = program(*args)
+        out, count, steps, accepted, accepted_at, _, _ = program(self.state, cache, mtp_cache, logits, hidden, key,
+                                                                 sampling, eos)
         out, steps, accepted, accepted_at = map(to_host, (out, steps, accepted, accepted_at))
         out = out[:, :max_new_tokens]
         t3 = time.perf_counter()
-        self.stats = SpecStats(verify_steps=int(np.sum(steps)), accepted=int(np.sum(accepted)),
-                               accepted_at=accepted_at, new_tokens=int(np.sum(out >= 0)),
-                               prefill_s=t1 - t0, compile_s=t2 - t1, decode_s=t3 - t2,
-                               steps_per_sequence=steps, accepted_per_sequence=accepted)
+        new = int(np.sum(out >= 0))
+        self.stats = DecodeStats(prompt_tokens=int(lengths.sum()), prefill_s=t1 - t0, new_tokens=new,
+                                 compile_s=t2 - t1, decode_s=t3 - t1, steady_tokens=new, steady_s=t3 - t2,
+                                 verify_steps=int(np.sum(steps)), accepted=int(np.sum(accepted)),
+                                 accepted_at=accepted_at, steps_per_sequence=steps, accepted_per_sequence=accepted)
         return out
 
-
-def _spec_of(x) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-
-
-@functools.lru_cache(maxsize=8)
-def _compiled_speculate(graphdef, treedef, specs: tuple, options: Options, **static):
-    """`_speculate` compiled ahead of its call, for arguments of these shapes, dtypes and shardings
-    (the leaves `specs` of the pytree `treedef`), its static arguments and the XLA `options`
-    (`programs.compiler_options`); so the decode time measured around the call excludes
-    compilation, and generators of one model share programs."""
-    lowered = _speculate.lower(graphdef, *jax.tree.unflatten(treedef, specs), **static)
-    return lowered.compile(dict(options) or None)

@@ -1,6 +1,6 @@
 """decode.py's command line and its work: `DecodeCommand` (DecodeConfig's and ServeConfig's
 flags generated from them, `settings_cli`, over a --decode-config file), the prompts, the model
-and tokenizer the flags name, the generator (`decoding.decode_config.build_generator`) or the
+and tokenizer the flags name, the generator (`decoding.builders.build_generator`) or the
 serving engine (--max-batch), and the output; --serve hands over to `frontends.serve`."""
 
 from __future__ import annotations
@@ -134,7 +134,8 @@ def _decode(args, settings: DecodeConfig) -> int:
     from glm_jax.checkpoint import load_model
     from glm_jax.config import load_config
     from glm_jax.data.tokenizer import load_tokenizer, stop_token
-    from glm_jax.decoding.decode_config import build_generator
+    from glm_jax.decoding.builders import build_generator
+    from glm_jax.decoding.runtime import cut
     from glm_jax.decoding.speculative import SpeculativeGenerator
     import jax
     from flax import nnx
@@ -181,11 +182,8 @@ def _decode(args, settings: DecodeConfig) -> int:
             out = gen.generate(ids, **sampling)
         else:
             out = np.concatenate(list(gen.generate(ids, **sampling)), axis=1)[:, :settings.max_new_tokens]
-        completions = [_cut(row.tolist(), stop) for row in out]
-        for i, (prompt, new) in enumerate(zip(prompts, completions)):
-            if batch > 1:
-                print(f"\n===== prompt {i} =====")
-            print(show(prompt) + tok.decode(new), flush=True)
+        completions = [cut(row, stop) for row in out]
+        _print_completions(prompts, completions, tok, show)
     _write_output(args.output, prompts, completions, tok)
     if not args.quiet:
         _print_stats(gen, completions, time.perf_counter() - t0)
@@ -206,9 +204,9 @@ def _prompt_shown(args):
 
 def _decode_with_engine(args, settings: DecodeConfig, model, tok, prompts, ids, stop, placement) -> int:
     """--max-batch N: every prompt a request of the serving engine, N decoding at a time."""
-    from glm_jax.decoding.engine import Request, engine_for_prompts
+    from glm_jax.decoding.builders import engine_for_prompts
+    from glm_jax.decoding.engine import Request
 
-    t0 = time.perf_counter()
     with cli.user_errors():
         engine = engine_for_prompts(model, ids, max_batch=settings.max_batch, max_new_tokens=settings.max_new_tokens,
                                     max_len=settings.max_len, prefill_chunk=settings.prefill_chunk,
@@ -220,17 +218,22 @@ def _decode_with_engine(args, settings: DecodeConfig, model, tok, prompts, ids, 
         if r.error is not None:
             raise cli.UserError(f"prompt {i}: {r.error}")
     completions = [r.tokens for r in results]
-    show = _prompt_shown(args)
+    _print_completions(prompts, completions, tok, _prompt_shown(args))
+    _write_output(args.output, prompts, completions, tok)
+    if not args.quiet:
+        s = engine.stats
+        print(f"\n[{len(ids)} prompt(s) through the serving engine, {settings.max_batch} at a time: {s.new_tokens} new "
+              f"tokens in {s.decode_s:.2f}s = {s.new_tokens / max(s.decode_s, 1e-9):.1f} tokens/s (includes prefill and "
+              f"compilation)]", file=sys.stderr)
+    return 0
+
+
+def _print_completions(prompts, completions, tok, show) -> None:
+    """Each prompt as `show` prints it and its completion (headed by its number when there are several)."""
     for i, (prompt, new) in enumerate(zip(prompts, completions)):
         if len(prompts) > 1:
             print(f"\n===== prompt {i} =====")
         print(show(prompt) + tok.decode(new), flush=True)
-    _write_output(args.output, prompts, completions, tok)
-    if not args.quiet:
-        n, elapsed = sum(map(len, completions)), time.perf_counter() - t0
-        print(f"\n[{len(ids)} prompt(s) through the serving engine, {settings.max_batch} at a time: {n} new tokens in "
-              f"{elapsed:.2f}s = {n / max(elapsed, 1e-9):.1f} tokens/s (includes compilation)]", file=sys.stderr)
-    return 0
 
 
 def _write_output(path, prompts, completions, tok) -> None:
@@ -337,24 +340,17 @@ def _read_text(path: str) -> str:
                          "save the file as UTF-8") from None
 
 
-def _cut(tokens: list[int], stop: int | None) -> list[int]:
-    """New tokens up to (not including) the stop token or the -1 padding."""
-    out = []
-    for t in tokens:
-        if t < 0 or t == stop:
-            break
-        out.append(t)
-    return out
-
-
 def _stream(gen, tok, shown_prompt, ids, stop, sampling) -> list[int]:
     """Plain decoding of one prompt, printing text as each block of tokens arrives."""
+    from glm_jax.decoding.runtime import cut
+
     print(shown_prompt, end="", flush=True)
     new: list[int] = []
     printed = ""
     for block in gen.generate(ids, **sampling):
-        done = len(_cut(block[0].tolist(), stop)) < block.shape[1]
-        new += _cut(block[0].tolist(), stop)
+        kept = cut(block[0], stop)
+        done = len(kept) < block.shape[1]
+        new += kept
         text = tok.decode(new)
         print(text[len(printed):], end="", flush=True)
         printed = text
@@ -396,15 +392,8 @@ class _Progress:
 
 def _print_stats(gen, completions, elapsed) -> None:
     from glm_jax.decoding import display
-    from glm_jax.decoding.speculative import SpeculativeGenerator
 
-    n = sum(map(len, completions))
     s = gen.stats
-    if isinstance(gen, SpeculativeGenerator):
-        print(f"\n[prefill in {s.prefill_s:.2f}s; {n} new tokens in {s.compile_s + s.decode_s:.2f}s with "
-              f"compilation]", file=sys.stderr)
-    else:
-        decode_s = s.get("decode_s", elapsed)
-        print(f"\n[prefill {s['prompt_tokens']} tokens in {s['prefill_s']:.2f}s; {n} new tokens in "
-              f"{decode_s:.2f}s with compilation]", file=sys.stderr)
+    print(f"\n[prefill {s.prompt_tokens} tokens in {s.prefill_s:.2f}s; {sum(map(len, completions))} new tokens in "
+          f"{s.decode_s or elapsed:.2f}s with compilation]", file=sys.stderr)
     print(display.steady_state_line(gen), file=sys.stderr)

@@ -5,7 +5,7 @@
     engine_loop  the engine on its own thread; a Ticket per request for the event loop
     app          make_app: the Starlette routes over an EngineLoop
     server       uvicorn with a draining shutdown (SIGTERM)
-    engine_setup build_engine (every slot at the full context), the stop token
+    engine_setup build_engine (decoding.builders: every slot at the full context), the stop token
 
 decode.py --serve builds these from its flags (`glm_jax.frontends.serve`). Only `app` and
 `server` need the serve extra (Starlette, uvicorn); importing this package does not.

@@ -1,0 +1,68 @@
+"""The builders of the decoding policies over `runtime.DecodeRuntime`: `build_generator` (what a
+DecodeConfig describes: plain or speculative), the serving engine with room for every slot
+(`engine_with_room`; `engine_for_prompts` for decode.py --max-batch; `build_engine` for the
+server: every slot at the full context)."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from glm_jax import ops
+from glm_jax.decoding.decode_config import DecodeConfig
+from glm_jax.decoding.engine import ServingEngine
+from glm_jax.decoding.generate import Generator
+from glm_jax.decoding.policy import Choice, choose
+from glm_jax.decoding.speculative import SpeculativeGenerator
+
+
+def build_generator(model, settings: DecodeConfig, *, batch: int, mesh=None):
+    """The generator for `batch` prompts that `settings` describe -> (generator, the
+    `policy.Choice` saying why it speculates or not): speculative with settings.speculative
+    drafts, or when that is None where it measured faster (`policy.choose`); plain otherwise."""
+    if model.mtp is None:
+        choice = Choice(0, "plain decoding: the model has no MTP layer to draft with")
+    elif settings.speculative is not None:
+        choice = Choice(settings.speculative, f"{'plain' if settings.speculative == 0 else 'speculative'} decoding: "
+                                              f"--speculative {settings.speculative}")
+    else:
+        choice = choose(jax.default_backend(), batch)
+    common = dict(mesh=mesh, collective=settings.collective, kernels=settings.kernels(), batch=batch,
+                  max_len=settings.max_len, prefill_chunk=settings.prefill_chunk)
+    if choice.num_draft:
+        return SpeculativeGenerator(model, num_draft=choice.num_draft, kv_share=settings.kv_share, **common), choice
+    return Generator(model, **common), choice
+
+
+def engine_for_prompts(model, prompts: list[np.ndarray], *, max_batch: int, max_new_tokens: int,
+                       max_len: int | None = None, **settings) -> ServingEngine:
+    """A ServingEngine of `max_batch` slots for `prompts` (int32 [P_i] each) and max_new_tokens
+    (`engine_with_room` for the longest of them); settings: those of `engine_with_room`."""
+    return engine_with_room(model, slots=max_batch, longest=max(len(p) for p in prompts) + max_new_tokens,
+                            max_context=max_len or model.cfg.max_position_embeddings, **settings)
+
+
+def engine_with_room(model, *, slots: int, longest: int, max_context: int, prefill_chunk: int = 256,
+                     page_size: int = 16, step_token_budget: int | None = None,
+                     kernels: ops.KernelChoice = ops.KernelChoice(), mesh=None,
+                     collective: str = "permute", decode_steps: int = 1) -> ServingEngine:
+    """A ServingEngine of `slots` slots whose pool holds every slot at `longest` tokens at once
+    (per data shard), so no request waits for pages or is preempted; step_token_budget,
+    decode_steps: as for ServingEngine."""
+    if slots < 1:
+        raise ValueError(f"max_batch must be >= 1, got {slots}")
+    shards = 1 if mesh is None else mesh.shape.get("data", 1)
+    per_shard = -(-slots // shards) * -(-longest // page_size) + 1
+    return ServingEngine(model, slots=slots, num_pages=shards * per_shard, page_size=page_size,
+                         max_context=max_context, prefill_chunk=prefill_chunk,
+                         step_token_budget=step_token_budget, kernels=kernels, mesh=mesh, collective=collective,
+                         decode_steps=decode_steps)
+
+
+def build_engine(model, *, slots: int, page_size: int, max_context: int, prefill_chunk: int,
+                 step_token_budget: int | None = None, decode_steps: int = 1, **placement):
+    """A ServingEngine whose pool holds every slot at the full context at once (so no request
+    is ever preempted for pages); step_token_budget, decode_steps: as for ServingEngine."""
+    return engine_with_room(model, slots=slots, longest=max_context + prefill_chunk, max_context=max_context,
+                            prefill_chunk=prefill_chunk, page_size=page_size, step_token_budget=step_token_budget,
+                            decode_steps=decode_steps, **placement)
