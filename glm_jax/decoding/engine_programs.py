@@ -218,7 +218,7 @@ def engine_programs(graphdef, layout: ParamLayout, kernels: ops.KernelChoice, da
     def scratch_pages(cache: KVCache, rows: int) -> jnp.ndarray:
         """int32 [rows]: the scratch page of each row's data shard (row r of `rows` is in shard r * shards // rows)."""
         shard = jnp.arange(rows, dtype=jnp.int32) * data_shards // rows
-        return shard * (cache.latent.shape[1] // data_shards)
+        return shard * (cache.num_pages // data_shards)
 
     def prefill_logits(params, cache: KVCache, slots: SlotState, rows, tables, starts, tokens, num_valid, seeds,
                        drawn, sampling: SamplingParams):

@@ -153,7 +153,8 @@ def _decode(args, settings: DecodeConfig) -> int:
         mesh = make_mesh(settings.mesh) if settings.mesh else None
         if mesh is not None:
             check_host_memory(mesh, sum(x.nbytes for x in jax.tree.leaves(nnx.state(model))))
-        placement = dict(mesh=mesh, collective=settings.collective, kernels=settings.kernels())
+        placement = dict(mesh=mesh, collective=settings.collective, kernels=settings.kernels(),
+                         kv_cache_dtype=settings.kv_cache_dtype)
     stop = stop_token(model.cfg, None if isinstance(tok, _TokenIds) else tok)
     if settings.max_batch is not None:
         return _decode_with_engine(args, settings, model, tok, prompts, ids, stop, placement)
@@ -169,7 +170,7 @@ def _decode(args, settings: DecodeConfig) -> int:
         where = f"; mesh {settings.mesh}" + (" (KV cache LayerSplit)" if gen.split is not None else "") \
             if settings.mesh else ""
         print(f"model {model.cfg.name} from {source.path}; {batch} prompt(s), {sum(map(len, ids))} tokens; "
-              f"{mode} decoding{where}", file=sys.stderr)
+              f"{mode} decoding{where}; KV cache {gen.cache_layout}", file=sys.stderr)
         print(choice.reason, file=sys.stderr)
     sampling = dict(max_new_tokens=settings.max_new_tokens, sampling=params,
                     seed=settings.seed, stop_token=stop, progress=None if args.quiet else _Progress())
