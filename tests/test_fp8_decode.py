@@ -155,6 +155,8 @@ def test_pool_pages_at_glm52_shape_fall_1_77x():
     (["--kv-cache-dtype", "fp8", "--attention-impl", "pallas_tpu"],
      "error: --kv-cache-dtype fp8: --attention-impl pallas_tpu does not read FP8 pages; the implementations that "
      "do: reference, xla, pallas_gpu (or auto)"),
+    (["--compile-only", "--kv-cache-dtype", "fp8"],
+     "error: --compile-only compiles the cache in the model's dtype; leave out --kv-cache-dtype"),
 ])
 def test_bad_values_are_refused_in_one_line(argv, message, capsys):
     assert decode.main(argv) == 2

@@ -273,6 +273,8 @@ def _load_tokenizer(directory, load_tokenizer):
 
 def _compile_only(args) -> int:
     """Compile one decode step for a TPU slice from abstract params and report per-chip memory."""
+    if args.settings.kv_cache_dtype != "auto":
+        raise cli.UserError("--compile-only compiles the cache in the model's dtype; leave out --kv-cache-dtype")
     cli.choose_platforms()          # no TPU runtime needed: the compiler comes from libtpu itself
     from glm_jax.aot import compile_decode_step, default_mesh_spec, memory_report, topology_devices
     from glm_jax.config import load_config
