@@ -138,6 +138,21 @@ def test_engine_admits_more_sequences_at_the_same_byte_budget(model):
     assert admitted["fp8"] >= 1.7 * admitted["bf16"]
 
 
+def test_serve_sizes_the_pool_from_kv_cache_memory_bytes(model, capsys):
+    """decode.py --serve --kv-cache-memory-bytes: the engine's pool is the pages the bytes hold
+    in the layout (`build_engine` as the server calls it); too few bytes: one line."""
+    from glm_jax.serving.engine_setup import build_engine
+
+    budget = 20 * page_bytes(model.cfg, 8, jnp.bfloat16)
+    for kv, pages in (("bf16", 20), ("fp8", 36)):        # 1,424 / 780 bytes a token
+        engine = build_engine(model, slots=2, page_size=8, max_context=256, prefill_chunk=8, kv_cache_dtype=kv,
+                              cache_bytes=budget)
+        assert engine.pool.num_pages == pages
+    assert decode.main(["--serve", "--kv-cache-memory-bytes", "1000", "--kv-cache-dtype", "fp8"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: a KV cache of 1000 bytes holds 0 pages of 27264 bytes (16 tokens, fp8); the pool needs at least 2"]
+
+
 def test_pool_pages_at_glm52_shape_fall_1_77x():
     """The engine's page accounting at GLM-5.2's shape: 95,232 bytes a token in bf16, 53,940 in
     FP8 (IndexShare keys on the 21 Full layers), so a byte budget holds 1.77x the pages."""

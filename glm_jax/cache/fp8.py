@@ -10,22 +10,22 @@ The cache's dtype setting (`--kv-cache-dtype`, vLLM's name and choices `KV_CACHE
 to the `dtype` the cache functions take (`store_dtype`): "auto" None (the model's dtype),
 "bf16" bfloat16, "fp8" float8_e4m3fn, which selects this layout (`is_fp8_dtype`): the stores
 are `Fp8Latent` / `Fp8Keys`, rows quantized when written (`pages.write_rows`) and dequantized
-inside the paged kernels or right after a gather (`pages.as_rows`). The engine's page count and its
-pool's bytes come from `page_bytes` / `pages_that_fit` with the cache's layout.
+inside the paged kernels or right after a gather (`pages.as_rows`). The engine's page count
+and its pool's bytes come from `page_bytes` with the cache's layout.
 """
 
 from __future__ import annotations
 
-from glm_jax.config import GLMConfig
 import jax.numpy as jnp
 
+from glm_jax.config import GLMConfig
 from pallas_kernels import FP8_IMPLS, fp8
 from pallas_kernels.fp8 import (Fp8Keys, Fp8Latent, dequantize, is_fp8, quantize_keys, quantize_latent,
                                 write_rows)
 
-__all__ = ["LAYOUTS", "KV_CACHE_DTYPES", "store_dtype", "cache_dtype", "is_fp8_dtype", "layout_of", "check_fp8_model",
-           "check_fp8_impls", "Fp8Keys", "Fp8Latent", "dequantize", "is_fp8", "quantize_keys", "quantize_latent",
-           "write_rows", "latent_row_bytes", "key_row_bytes", "bytes_per_token", "page_bytes", "pages_that_fit",
+__all__ = ["LAYOUTS", "KV_CACHE_DTYPES", "store_dtype", "resolve_cache_dtype", "is_fp8_dtype", "layout_of",
+           "check_fp8_model", "check_fp8_impls", "Fp8Keys", "Fp8Latent", "dequantize", "is_fp8", "quantize_keys",
+           "quantize_latent", "write_rows", "latent_row_bytes", "key_row_bytes", "bytes_per_token", "page_bytes", "pages_that_fit",
            "empty_stores"]
 
 #: The cache layouts: "bf16" (rows in the model's dtype, 2 bytes a value) and "fp8".
@@ -64,7 +64,8 @@ def check_fp8_model(cfg: GLMConfig) -> None:
                          f"{fp8.GROUP} latent values); {cfg.name} has {cfg.kv_lora_rank}: use auto or bf16")
 
 
-def cache_dtype(cfg: GLMConfig, kv_cache_dtype: str, *, attention: str = "auto", indexer: str = "auto"):
+def resolve_cache_dtype(cfg: GLMConfig, kv_cache_dtype: str, *, attention: str = "auto",
+                        indexer: str = "auto"):
     """The cache `dtype` of a --kv-cache-dtype setting (`store_dtype`), checked against the
     model (`check_fp8_model`) and the kernel implementations named (`check_fp8_impls`) for "fp8"."""
     dtype = store_dtype(kv_cache_dtype)

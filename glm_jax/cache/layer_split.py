@@ -78,8 +78,8 @@ class Placement:
     def manual(self, fn, stores: tuple, rows: tuple, scalars: tuple = (), *, out_stores: int, out_rows: int):
         """fn(*local_stores, local_page_table..., *rows, *scalars) -> (stores..., rows...).
 
-        stores: cache stores [slots, pages, P, D] (or FP8 NamedTuples of such fields); rows: arrays with a leading batch dim (the
-        page table first); scalars: replicated int32 values."""
+        stores: cache stores [slots, pages, P, D] (or FP8 NamedTuples of such fields); rows:
+        arrays with a leading batch dim (the page table first); scalars: replicated int32 values."""
         if self.split is None:
             return fn(*stores, *rows, *scalars)
         mesh, axis = self.split.mesh, self.split.axis

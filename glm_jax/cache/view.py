@@ -165,7 +165,9 @@ class GroupCacheView:
                     latent = gather_stored(store, slot, page_table, indices)
                 else:
                     latent = read_stored(store, slot, page_table)
-                return latent if mine is True else jax.tree.map(lambda x: jnp.where(mine, x, jnp.zeros_like(x)), latent)
+                if mine is True:
+                    return latent
+                return jax.tree.map(lambda x: jnp.where(mine, x, jnp.zeros_like(x)), latent)
 
             # Layer 0 is needed at once; layers 1.. travel in one message while layer 0 computes.
             first = as_rows(placement.share(owned(0), True))

@@ -83,7 +83,8 @@ def pool_pages(cfg, cache_bytes: int, page_size: int, kv_cache_dtype: str = "aut
 def build_engine(model, *, slots: int, page_size: int, max_context: int, prefill_chunk: int,
                  step_token_budget: int | None = None, decode_steps: int = 1, **placement):
     """A ServingEngine whose pool holds every slot at the full context at once (so no request
-    is ever preempted for pages); step_token_budget, decode_steps: as for ServingEngine."""
+    is ever preempted for pages), or the pages of placement's cache_bytes (`engine_with_room`);
+    step_token_budget, decode_steps: as for ServingEngine."""
     return engine_with_room(model, slots=slots, longest=max_context + prefill_chunk, max_context=max_context,
                             prefill_chunk=prefill_chunk, page_size=page_size, step_token_budget=step_token_budget,
                             decode_steps=decode_steps, **placement)

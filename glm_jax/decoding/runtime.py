@@ -23,7 +23,7 @@ from jax.sharding import Mesh
 
 from glm_jax import ops
 from glm_jax.cache import KVCache, LayerSplit, create_cache, shard_cache
-from glm_jax.cache.fp8 import cache_dtype, layout_of
+from glm_jax.cache.fp8 import layout_of, resolve_cache_dtype
 from glm_jax.decoding.programs import Options, Program, compiler_options, program
 from glm_jax.decoding.sampling import SamplingParams
 from glm_jax.multihost import global_array, place, replicated
@@ -128,7 +128,8 @@ class DecodeRuntime:
                  kernels: ops.KernelChoice, mesh: Mesh | None = None, collective: str = "permute",
                  cuda_graphs: bool = False, kv_cache_dtype: str = "auto"):
         self.cfg = model.cfg
-        self.cache_dtype = cache_dtype(self.cfg, kv_cache_dtype, attention=kernels.attention, indexer=kernels.indexer)
+        self.cache_dtype = resolve_cache_dtype(self.cfg, kv_cache_dtype, attention=kernels.attention,
+                                               indexer=kernels.indexer)
         # XLA options of the programs: on a GPU with cuda_graphs, CUDA graphs (`programs`)
         self.options = compiler_options(jax.default_backend(), cuda_graphs)
         self.graphdef, self.state = nnx.split(model)
