@@ -97,7 +97,8 @@ def test_fp8_logits_stay_near_the_models_dtype():
 
 def test_layer_split_sends_fp8_rows_and_gives_the_one_device_tokens(tmp_path):
     """On 2 simulated devices (data=1,layer=2): FP8 greedy tokens equal the one-device FP8
-    tokens, with prefill chunks that gather selected rows ("rows") and whole slices ("slice")."""
+    tokens, with prefill chunks that gather selected rows ("rows") and whole slices ("slice"),
+    and from the serving engine on that mesh."""
     out = tmp_path / "tokens.json"
     script = ("import json, sys; sys.path.insert(0, 'tests'); import test_fp8_decode as t; "
               f"open({str(out)!r}, 'w').write(json.dumps(t.split_and_one_device_tokens()))")
@@ -107,16 +108,21 @@ def test_layer_split_sends_fp8_rows_and_gives_the_one_device_tokens(tmp_path):
     result = json.loads(out.read_text())
     for chunk in ("4", "64"):
         assert result[chunk]["split"] == result[chunk]["one"], result
+    assert result["engine"] == result["4"]["one"]
 
 
 def split_and_one_device_tokens() -> dict:
-    """Run in a process of 2 devices: {prefill chunk: {"one": tokens, "split": tokens}} (FP8)."""
+    """Run in a process of 2 devices: {prefill chunk: {"one": tokens, "split": tokens}, "engine":
+    the engine's tokens on the mesh} (FP8)."""
     from glm_jax.sharding import make_mesh
 
-    model = fp8_model()
-    return {str(chunk): {name: plain_tokens(model, "fp8", chunk, mesh)
-                         for name, mesh in (("one", None), ("split", make_mesh("data=1,layer=2")))}
-            for chunk in (4, 64)}
+    model, mesh = fp8_model(), make_mesh("data=1,layer=2")
+    result = {str(chunk): {name: plain_tokens(model, "fp8", chunk, on) for name, on in (("one", None), ("split", mesh))}
+              for chunk in (4, 64)}
+    engine = engine_with_room(model, slots=2, longest=40, max_context=256, prefill_chunk=8, page_size=8,
+                              kv_cache_dtype="fp8", mesh=mesh)
+    result["engine"] = [r.tokens for r in engine.serve([Request(p, NEW) for p in PROMPTS])]
+    return result
 
 
 def test_engine_admits_more_sequences_at_the_same_byte_budget(model):
