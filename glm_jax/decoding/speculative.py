@@ -140,7 +140,7 @@ class SpeculativeGenerator(DecodeRuntime):
         if verification not in VERIFICATION_RULES:
             raise ValueError(f"verification must be one of {VERIFICATION_RULES}, got {verification!r}")
         super().__init__(model, batch=batch, max_len=max_len, prefill_chunk=prefill_chunk, kernels=kernels,
-                         mesh=mesh, collective=collective, cuda_graphs=cuda_graphs)
+                         mesh=mesh, collective=collective, cuda_graphs=cuda_graphs, mtp=True)
         self.num_draft, self.kv_share, self.verification = num_draft, kv_share, verification
         self.stats = DecodeStats()
 
