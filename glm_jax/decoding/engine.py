@@ -91,6 +91,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import deque
+from typing import Iterator
 
 import jax
 import numpy as np
@@ -230,6 +231,18 @@ class ServingEngine(DecodeRuntime):
         self.stats = DecodeStats(prompt_tokens=sum(len(r.prompt) for r in requests), decode_s=time.perf_counter() - t0,
                                  new_tokens=sum(len(r.tokens or []) for r in results.values()))
         return [results[i] for i in ids]
+
+    def completions(self, prompts, *, max_new_tokens: int, sampling: SamplingParams = GREEDY, seed: int = 0,
+                    stop_token: int | None = None, progress=None) -> Iterator[list[list[int]]]:
+        """Every prompt (int [P_i]) a request, prompt i's sampling stream seeded seed + i (so its
+        tokens do not depend on its batch companions), served to the end -> yields their new
+        tokens once, cut before the stop token. progress: not called (prefill and decode interleave)."""
+        results = self.serve([Request(np.asarray(row, np.int32), max_new_tokens, sampling, stop_token, seed + i)
+                              for i, row in enumerate(prompts)])
+        failed = [f"prompt {i}: {r.error}" for i, r in enumerate(results) if r.error is not None]
+        if failed:
+            raise ValueError("; ".join(failed))
+        yield [r.tokens for r in results]
 
     # ------------------------------------------------------------------ scheduling
     def _checked_prompt(self, rid: int, request: Request) -> np.ndarray:

@@ -40,7 +40,8 @@ class ParamLayout:
     shape-only placeholders (the MTP layer's, for the programs that never read it)."""
 
     def __init__(self, graphdef, treedef: jax.tree_util.PyTreeDef, skipped: tuple):
-        self.graphdef, self.treedef, self.skipped = graphdef, treedef, skipped   # skipped: ((leaf, ShapeDtypeStruct), ...)
+        # skipped: ((leaf index, jax.ShapeDtypeStruct), ...)
+        self.graphdef, self.treedef, self.skipped = graphdef, treedef, skipped
         self._key = (graphdef, treedef, skipped)
         self._hash = hash(self._key)
 

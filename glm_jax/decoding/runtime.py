@@ -165,6 +165,13 @@ class DecodeRuntime:
         """(key, sampling as arrays) on the device; the same key on every process."""
         return self.put(jax.random.key(seed)), jax.tree.map(self.put, sampling.as_arrays())
 
+    def check_prompt(self, prompt: np.ndarray, max_new_tokens: int) -> None:
+        """A prompt (int [P]) holds the model's token ids and fits the context with max_new_tokens."""
+        if len(prompt) and (prompt.min() < 0 or prompt.max() >= self.cfg.vocab_size):
+            raise ValueError(f"token ids must be in [0, {self.cfg.vocab_size}), got "
+                             f"{int(prompt.min())}..{int(prompt.max())}")
+        self.check_fits(len(prompt), max_new_tokens)
+
     def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
         need = prompt_len + max_new_tokens
         if prompt_len == 0:
