@@ -72,7 +72,8 @@ def flat_params(graphdef, state, *, mtp: bool) -> tuple[tuple, ParamLayout]:
 class Program:
     """fn jitted with `jit_kwargs` (static and donated arguments); calling it calls that, and
     `with_options(options)` is the same program compiled with XLA options (`compiler_options`;
-    () gives the plain one). One jitted function per set of options, kept for the process."""
+    () gives the plain one). One jitted function per set of options, kept for the process;
+    `placed` makes one more with pinned output shardings (the engine's on a mesh)."""
 
     def __init__(self, fn: Callable, **jit_kwargs):
         self._fn, self._jit_kwargs = fn, jit_kwargs
