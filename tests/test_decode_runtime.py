@@ -124,3 +124,22 @@ def test_every_policy_reports_one_stats_shape():
     assert isinstance(engine, DecodeRuntime) and engine.stats.prompt_tokens == 10 and engine.stats.new_tokens == 16
     assert plain.stats.steady_tokens == 2 * 4 and plain.stats.verify_steps == 0
     assert spec.stats.steady_tokens == 16 and spec.stats.verify_steps > 0
+
+
+def test_every_policy_answers_one_completions_call():
+    """decode.py's one call: plain, speculative and engine greedy completions agree, cut before the stop token."""
+    model = GLMModel(micro_config(), rngs=nnx.Rngs(0))
+    prompts = [np.array([3, 5, 7, 9, 11], np.int32), np.array([2, 4, 6], np.int32)]
+    plain = Generator(model, batch=2, max_len=48, prefill_chunk=8, block_size=4)
+    full = [sum(pieces, []) for pieces in zip(*plain.completions(prompts, max_new_tokens=10))]
+    assert [len(row) for row in full] == [10, 10]
+    stop = full[0][6]
+    call = dict(max_new_tokens=10, stop_token=stop)
+    policies = {"plain": plain, "speculative": SpeculativeGenerator(model, batch=2, max_len=48, prefill_chunk=8,
+                                                                    num_draft=2),
+                "engine": ServingEngine(model, slots=2, num_pages=12, page_size=8, max_context=48, prefill_chunk=8)}
+    want = [cut(row, stop) for row in full]
+    assert len(want[0]) <= 6
+    for name, policy in policies.items():
+        got = [sum(pieces, []) for pieces in zip(*policy.completions(prompts, **call))]
+        assert got == want, name

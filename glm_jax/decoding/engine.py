@@ -340,19 +340,19 @@ class ServingEngine(DecodeRuntime):
         tables = self.pool.page_table([None if r is None else r.id for r in chosen], self.width)
         sampling = SamplingParams.stack([GREEDY if r is None else r.request.sampling for r in chosen])
         batch, row = ("batch", None), ("batch",)
+        prefilled = int(num_valid.sum())
         values = [rows, tables, starts, tokens, num_valid, seeds, drawn, sampling, targets if scored else None]
         names = [row, batch, row, batch, row, row, row, row, batch]
-        rows, tables, starts, tokens, num_valid_in, seeds, drawn, sampling, targets = self.call_inputs(values, names)
+        rows, tables, starts, tokens, num_valid, seeds, drawn, sampling, targets = self.call_inputs(values, names)
         _, _, self.cache, _, self.slot_state, scores = self.programs.prefill(
-            self.layout, self.params, self.cache, tokens, num_valid_in, self.kernels,
+            self.layout, self.params, self.cache, tokens, num_valid, self.kernels,
             rows=PrefillRows(rows, tables, starts), slots=self.slot_state, slot_inputs=(seeds, drawn, sampling),
             targets=targets)
-        if not scored:
-            return int(num_valid.sum())
-        for x in scores:
-            x.copy_to_host_async()
-        self._scored_chunks.append(ScoredChunk(scores, scored))
-        return int(num_valid.sum())
+        if scored:
+            for x in scores:
+                x.copy_to_host_async()
+            self._scored_chunks.append(ScoredChunk(scores, scored))
+        return prefilled
 
     def _call_steps(self, prefilled: int) -> int:
         """The decode steps of this step's call: a block of decode_steps when the step prefilled
