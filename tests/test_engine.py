@@ -182,8 +182,9 @@ def test_stop_token_ends_a_request_and_the_extra_token_is_dropped(model, referen
 def test_two_programs_serve_every_mix_and_host_time_is_flat(model, compiles):
     engine = new_engine(model)
     engine.serve([Request(np.arange(1, 9), 88)])          # 8 + 88 = 96 rows: the whole pool
-    # At most once each for the whole file (none if another file compiled these same programs).
-    assert compiles["jit(decode)"] <= 1 and compiles["jit(prefill)"] <= 1, compiles
+    # At most once each for the whole file (none if another file compiled these same programs); the
+    # one prefill program twice: for the reference Generator's cache and for the engine's pool.
+    assert compiles["jit(decode)"] <= 1 and compiles["jit(prefill_chunk)"] <= 2, compiles
     times = engine.step_times
     early = np.median([t.host_s for t in times[5:25]])
     late = np.median([t.host_s for t in times[-20:]])

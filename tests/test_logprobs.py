@@ -18,7 +18,7 @@ from flax import nnx
 
 from conftest import counting_compiles, micro_config
 from glm_jax.decoding.engine import Request, ServingEngine
-from glm_jax.decoding.engine_programs import MAX_LOGPROBS
+from glm_jax.decoding.slots import MAX_LOGPROBS
 from glm_jax.decoding.sampling import SamplingParams
 from glm_jax.model import GLMModel
 from glm_jax.ops import KernelChoice

@@ -8,7 +8,7 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from glm_jax.decoding.engine_programs import MAX_LOGPROBS  # noqa: E402
+from glm_jax.decoding.slots import MAX_LOGPROBS  # noqa: E402
 from test_logprobs import served_micro  # noqa: E402
 
 PROMPTS = ["def add(a, b):", "import os\n"]

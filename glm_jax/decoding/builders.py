@@ -1,4 +1,5 @@
-"""The builders of the decoding policies over `runtime.DecodeRuntime`: `build_generator` (what a
+"""The builders of the decoding policies over `runtime.DecodeRuntime`: `build_decoder` (decode.py's:
+the serving engine with --max-batch, else `build_generator`), `build_generator` (what a
 DecodeConfig describes: plain or speculative), the serving engine with room for every slot
 (`engine_with_room`; `engine_for_prompts` for decode.py --max-batch; `build_engine` for the
 server: every slot at the full context)."""
@@ -35,6 +36,18 @@ def build_generator(model, settings: DecodeConfig, *, batch: int, mesh=None):
     if choice.num_draft:
         return SpeculativeGenerator(model, num_draft=choice.num_draft, kv_share=settings.kv_share, **common), choice
     return Generator(model, **common), choice
+
+
+def build_decoder(model, settings: DecodeConfig, prompts: list[np.ndarray], *, mesh=None):
+    """decode.py's policy for `prompts` (int32 [P_i] each) -> (policy, its `policy.Choice` or
+    None): with settings.max_batch the serving engine, that many prompts decoding at a time
+    (`engine_for_prompts`; None), else `build_generator`'s generator for them all at once."""
+    if settings.max_batch is None:
+        return build_generator(model, settings, batch=len(prompts), mesh=mesh)
+    return engine_for_prompts(model, prompts, max_batch=settings.max_batch, max_new_tokens=settings.max_new_tokens,
+                              max_len=settings.max_len, prefill_chunk=settings.prefill_chunk,
+                              decode_steps=settings.decode_steps, mesh=mesh, collective=settings.collective,
+                              kernels=settings.kernels(), kv_cache_dtype=settings.kv_cache_dtype), None
 
 
 def engine_for_prompts(model, prompts: list[np.ndarray], *, max_batch: int, max_new_tokens: int,

@@ -77,12 +77,13 @@ time per decoded step: host_s / steps); `prefill` the prompt tokens prefilled be
 Log-probabilities. A request with `logprobs=k` (0..MAX_LOGPROBS) gets, with each token of its
 events, the token's log-probability and the k most likely tokens' (`TokenLogprob`): the model's
 own distribution, log_softmax of the raw logits before temperature and the sampling filters.
-They come out of the same decode program that draws the token (`engine_programs.Scores`, always
+They come out of the same decode program that draws the token (`slots.Scores`, always
 computed at the static size MAX_LOGPROBS), packed with the drawn tokens in the one array a
 decode call reads back (`engine_programs.pack_draws`). With `prompt_logprobs` too, the
 request's first event carries its prompt tokens' log-probabilities (from the second token on),
-from a prefill program that also scores each chunk position (`prefill_scored`, used only for
-the chunks of such requests; a request recomputed after a preemption is not scored again).
+from the prefill given the next prompt tokens as `targets` (it then scores each chunk
+position; only for the chunks of such requests; a request recomputed after a preemption is
+not scored again).
 """
 
 from __future__ import annotations
@@ -90,19 +91,21 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import deque
+from typing import Iterator
 
 import jax
 import numpy as np
 
 from glm_jax import ops
 from glm_jax.cache import CacheFullError, PagePool, shard_cache
-from glm_jax.decoding.engine_programs import (MAX_LOGPROBS, Placement, Scores, empty_slots,
-                                              drawn_scores, drawn_tokens, engine_programs, serving_params)
+from glm_jax.decoding.engine_programs import Placement, drawn_scores, drawn_tokens, engine_programs
 from glm_jax.decoding.engine_requests import (Event, Launched, Request, Result, Run, ScoredChunk, StepTime,
-                                              TokenLogprob, merged_events, record_prompt_scores, scores_to_host,
-                                              token_logprob)
+                                              TokenLogprob, checked_prompt, merged_events, record_prompt_scores,
+                                              scores_to_host, token_logprob)
+from glm_jax.decoding.prefill import PrefillRows
 from glm_jax.decoding.runtime import ContextTooLongError, DecodeRuntime, DecodeStats, committed, cut
 from glm_jax.decoding.sampling import GREEDY, SamplingParams
+from glm_jax.decoding.slots import Scores, empty_slots
 from glm_jax.multihost import to_host
 from glm_jax.sharding import logical_sharding
 
@@ -148,10 +151,9 @@ class ServingEngine(DecodeRuntime):
         # Rows split over `data` as the programs return them (the same placement on every call).
         self.slot_state = jax.tree.map(lambda x: self.put(np.asarray(x), ("batch",) + (None,) * (x.ndim - 1)),
                                        empty_slots(slots, self.cfg.vocab_size))
-        self.params, layout = serving_params(self.state)
         placement = None if mesh is None else Placement.of(
             self.cache, self.slot_state, logical_sharding(mesh, ("batch",), (slots,), "tokens"))
-        self.programs = engine_programs(self.graphdef, layout, kernels, shards, placement, self.options)
+        self.programs = engine_programs(self.layout, kernels, shards, placement, self.options)
         # In one process every array is whole here: np.asarray skips to_host's check on each read-back.
         self._to_host = np.asarray if jax.process_count() == 1 else to_host
         self.step_times: list[StepTime] = []
@@ -232,32 +234,28 @@ class ServingEngine(DecodeRuntime):
                                  new_tokens=sum(len(r.tokens or []) for r in results.values()))
         return [results[i] for i in ids]
 
+    def completions(self, prompts, *, max_new_tokens: int, sampling: SamplingParams = GREEDY, seed: int = 0,
+                    stop_token: int | None = None, progress=None) -> Iterator[list[list[int]]]:
+        """Every prompt (int [P_i]) a request, prompt i's sampling stream seeded seed + i (so its
+        tokens do not depend on its batch companions), served to the end -> yields their new
+        tokens once, cut before the stop token. progress: not called (prefill and decode interleave)."""
+        results = self.serve([Request(np.asarray(row, np.int32), max_new_tokens, sampling, stop_token, seed + i)
+                              for i, row in enumerate(prompts)])
+        failed = [f"prompt {i}: {r.error}" for i, r in enumerate(results) if r.error is not None]
+        if failed:
+            raise ValueError("; ".join(failed))
+        yield [r.tokens for r in results]
+
     # ------------------------------------------------------------------ scheduling
     def _checked_prompt(self, rid: int, request: Request) -> np.ndarray:
-        prompt = np.asarray(request.prompt)
-        if prompt.ndim != 1 or (prompt.size and not np.issubdtype(prompt.dtype, np.integer)):
-            raise ValueError(f"request {rid}: the prompt must be a 1-D sequence of token ids, got shape "
-                             f"{prompt.shape} of {prompt.dtype}")
-        if prompt.size and (prompt.min() < 0 or prompt.max() >= self.cfg.vocab_size):
-            raise ValueError(f"request {rid}: token ids must be in [0, {self.cfg.vocab_size}), got "
-                             f"{int(prompt.min())}..{int(prompt.max())}")
-        if not isinstance(request.max_new_tokens, (int, np.integer)) or request.max_new_tokens < 1:
-            raise ValueError(f"request {rid}: max_new_tokens must be an integer >= 1, got {request.max_new_tokens!r}")
-        if not isinstance(request.sampling, SamplingParams):
-            raise TypeError(f"request {rid}: sampling must be a SamplingParams, got {type(request.sampling).__name__}")
-        if request.logprobs is not None and not (isinstance(request.logprobs, (int, np.integer))
-                                                 and 0 <= request.logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"request {rid}: logprobs must be None or an integer from 0 to {MAX_LOGPROBS}, got "
-                             f"{request.logprobs!r}")
-        if request.prompt_logprobs and request.logprobs is None:
-            raise ValueError(f"request {rid}: prompt_logprobs needs logprobs (how many alternatives to report)")
+        prompt = checked_prompt(rid, request, self.cfg.vocab_size)
         rows = len(prompt) + int(request.max_new_tokens)
         try:
             self.check_fits(len(prompt), int(request.max_new_tokens))
         except ContextTooLongError as e:
             raise ContextTooLongError(f"request {rid}: {e} (it would need {self.pool.memory_for(rows)})") from None
         self.pool.check_fits_ever(rid, rows)
-        return prompt.astype(np.int32)
+        return prompt
 
     def _shard(self, slot: int) -> int:
         return slot * self.pool.data_shards // self.batch
@@ -344,17 +342,19 @@ class ServingEngine(DecodeRuntime):
         tables = self.pool.page_table([None if r is None else r.id for r in chosen], self.width)
         sampling = SamplingParams.stack([GREEDY if r is None else r.request.sampling for r in chosen])
         batch, row = ("batch", None), ("batch",)
-        values = [rows, tables, starts, tokens, num_valid, seeds, drawn, sampling] + ([targets] if scored else [])
-        names = [row, batch, row, batch, row, row, row, row] + ([batch] if scored else [])
-        args = (self.params, self.cache, self.slot_state, *self.call_inputs(values, names))
-        if not scored:
-            self.cache, self.slot_state = self.programs.prefill(*args)
-            return int(num_valid.sum())
-        self.cache, self.slot_state, scores = self.programs.prefill_scored(*args)
-        for x in scores:
-            x.copy_to_host_async()
-        self._scored_chunks.append(ScoredChunk(scores, scored))
-        return int(num_valid.sum())
+        prefilled = int(num_valid.sum())
+        values = [rows, tables, starts, tokens, num_valid, seeds, drawn, sampling, targets if scored else None]
+        names = [row, batch, row, batch, row, row, row, row, batch]
+        rows, tables, starts, tokens, num_valid, seeds, drawn, sampling, targets = self.call_inputs(values, names)
+        _, _, self.cache, _, self.slot_state, scores = self.programs.prefill(
+            self.layout, self.params, self.cache, tokens, num_valid, self.kernels,
+            rows=PrefillRows(rows, tables, starts), slots=self.slot_state, slot_inputs=(seeds, drawn, sampling),
+            targets=targets)
+        if scored:
+            for x in scores:
+                x.copy_to_host_async()
+            self._scored_chunks.append(ScoredChunk(scores, scored))
+        return prefilled
 
     def _call_steps(self, prefilled: int) -> int:
         """The decode steps of this step's call: a block of decode_steps when the step prefilled

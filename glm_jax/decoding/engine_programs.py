@@ -1,11 +1,10 @@
-"""The serving engine's device side: the per-slot state and the compiled programs (prefill and
-decode, plus a prefill that scores the prompt for requests that ask).
+"""The serving engine's device side: its compiled programs (the shared prefill and the engine's
+decode) and how a decode call's draws are packed and read back.
 
-    params, layout = serving_params(state)
-    programs = engine_programs(graphdef, layout, kernels, data_shards, placement, options)
-    cache, slots = programs.prefill(params, cache, slots, rows, tables, starts, tokens, num_valid,
-                                    seeds, drawn, sampling)
-    cache, slots, scores = programs.prefill_scored(..., sampling, targets)   # prefill + prompt log-probs
+    programs = engine_programs(layout, kernels, data_shards, placement, options)
+    _, _, cache, _, slots, scores = programs.prefill(
+        layout, params, cache, tokens, num_valid, kernels, rows=PrefillRows(rows, tables, starts),
+        slots=slots, slot_inputs=(seeds, drawn, sampling), targets=None)   # targets: prompt log-probs
     draws, cache, slots = programs.decode(params, cache, slots, control, steps=4)
     host = np.asarray(draws)                                     # int32 [B, 4, 2 + 2K]
     tokens, scores = drawn_tokens(host), drawn_scores(host)      # B lists of 4 ints, Scores [B, 4] of numpy
@@ -13,17 +12,19 @@ decode, plus a prefill that scores the prompt for requests that ask).
 The programs have fixed shapes (the engine's slots B, the page-table width W, the prefill
 chunk C, one prefill row per data shard R), so the whole engine runs on prefill and decode
 for every mix of requests and context lengths. C is the engine's `prefill_chunk` or, with a
-step token budget, also its smaller `decode_chunk`: jit compiles prefill (and prefill_scored)
-once per chunk size, so at most two of each. The cache and the slot state are donated.
+step token budget, also its smaller `decode_chunk`: jit compiles the prefill once per chunk
+size (and once more with targets), so at most two of each. The cache and the slot state are
+donated.
 
-* `prefill` runs one chunk of up to C prompt tokens for R rows against the shared page pool,
-  through a KVCache view holding those rows' page tables, and installs each row in its slot:
-  page-table row, length, the logits after its last real token, seed, draw count, sampling.
-  A padding row (row index B) writes only to its shard's scratch page and installs nothing.
-* `prefill_scored` is `prefill` that also returns the `Scores` of every chunk position
-  against `targets` (the prompt token after it): the prompt's log-probabilities, for requests
-  that ask for them with echo. A program of its own, so plain prefill does no extra work; it
-  compiles on the first such request.
+* `prefill` is the generators' prefill program (`prefill.prefill_chunk`; on one device the
+  same jitted function, so its compilations are shared): one chunk of up to C prompt tokens
+  for R rows against the shared page pool, through a KVCache view holding those rows' page
+  tables (`PrefillRows`), installing each row in its slot (`slots.SlotState`): page-table
+  row, length, the logits after its last real token, seed, draw count, sampling. A padding
+  row (row index B) writes only to its shard's scratch page and installs nothing. With
+  `targets` (the prompt token after each position) it also returns their `Scores`: the
+  prompt's log-probabilities, for requests that ask for them with echo; a trace of its own,
+  so plain prefill does no extra work, compiled on the first such request.
 * `decode` runs `steps` decode steps in one call (a static argument: one program per block
   size the engine uses, 1 and its `decode_steps`). Each step draws one token per slot from
   the slot's logits (its own key, from its seed and draw count; its own sampling setting),
@@ -35,21 +36,16 @@ once per chunk size, so at most two of each. The cache and the slot state are do
   page boundary, so the page of its last row is the only one it can lack. Writing a page
   already at its column changes nothing, so the engine names each drawing slot's newest page
   on every call and sends a new control only when one changes. It returns the drawn tokens
-  with their `Scores` (MAX_LOGPROBS alternatives) packed in one int32 [B, steps, 2 + 2K]
-  array (`pack_draws` per step): one output to copy, wait for and read back per call, whether
-  or not some request asked for log-probabilities.
-
-Log-probabilities are the model's own: log_softmax of the raw logits, BEFORE temperature and
-the top_k / top_p / min_p filters (what vLLM and OpenAI report by default), whatever the
-request's sampling setting. Every request takes the same MAX_LOGPROBS alternatives from the
-same compiled programs, so asking for a different count never recompiles.
+  with their `Scores` (MAX_LOGPROBS alternatives, `slots`) packed in one int32 [B, steps,
+  2 + 2K] array (`pack_draws` per step): one output to copy, wait for and read back per call,
+  whether or not some request asked for log-probabilities.
 
 What a call costs the host grows with the arrays passed: every call flattens its arguments and
-checks each array's signature. So the parameters arrive as one flat tuple of arrays with the
-graph definition closed over (hashing an nnx GraphDef as a static argument and flattening an
-nnx State on every call cost most of a decode step's host time), and without the MTP layer's
-arrays, which serving never reads (`serving_params`; inside the programs the MTP layer holds
-shape-only placeholders).
+checks each array's signature. So the parameters arrive as one flat tuple of arrays (hashing an
+nnx GraphDef as a static argument and flattening an nnx State on every call cost most of a
+decode step's host time): the decode program closes over their `programs.ParamLayout`, the
+prefill takes it as a static argument that hashes once; without the MTP layer's arrays, which
+serving never reads (inside the programs the MTP layer holds shape-only placeholders).
 
 On a GPU the programs are compiled to run as CUDA graphs (XLA command buffers), loops and
 conditionals included (`programs.compiler_options`): XLA otherwise launches a step kernel by kernel
@@ -72,47 +68,13 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from glm_jax import ops
 from glm_jax.cache import KVCache
-from glm_jax.decoding.programs import Options, jit
-from glm_jax.decoding.runtime import chunk_forward
-from glm_jax.decoding.sampling import SamplingParams, sample_tokens
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class SlotState:
-    """What each of the B slots carries on the device between steps."""
-
-    logits: jnp.ndarray           # float32 [B, V]: the distribution the slot's next token is drawn from
-    seeds: jnp.ndarray            # uint32 [B]: the request's seed
-    drawn: jnp.ndarray            # int32 [B]: tokens the request has drawn so far (its key = (seed, drawn))
-    sampling: SamplingParams      # [B] leaves
-
-
-#: The most alternatives a request may ask the log-probabilities of: a static size, so requests
-#: with any count (0..MAX_LOGPROBS) share the compiled programs.
-MAX_LOGPROBS = 20
-
-
-class Scores(NamedTuple):
-    """Log-probabilities under the model's distribution (log_softmax of the raw logits, before
-    temperature and the sampling filters) at positions [...]: [B] in decode, [R, C] in prefill.
-    K = min(MAX_LOGPROBS, vocab)."""
-
-    logprob: jnp.ndarray          # float32 [...]: the token's (drawn in decode, the next prompt token in prefill)
-    top_logprobs: jnp.ndarray     # float32 [..., K]: the K most likely tokens', most likely first
-    top_ids: jnp.ndarray          # int32 [..., K]: their ids (the lower id first on ties)
-
-
-def scores_of(logits: jnp.ndarray, tokens: jnp.ndarray) -> Scores:
-    """logits [..., V] (raw, before temperature), tokens int32 [...] -> their Scores."""
-    logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    top_logprobs, top_ids = jax.lax.top_k(logprobs, min(MAX_LOGPROBS, logits.shape[-1]))
-    chosen = jnp.take_along_axis(logprobs, tokens[..., None].astype(jnp.int32), axis=-1)[..., 0]
-    return Scores(chosen, top_logprobs, top_ids.astype(jnp.int32))
+from glm_jax.decoding.prefill import prefill_chunk
+from glm_jax.decoding.programs import Options, ParamLayout, jit
+from glm_jax.decoding.sampling import sample_tokens
+from glm_jax.decoding.slots import SlotState, Scores, scores_of
 
 
 def pack_draws(tokens: jnp.ndarray, scores: Scores) -> jnp.ndarray:
@@ -136,45 +98,14 @@ def drawn_scores(draws: np.ndarray) -> Scores:
     return Scores(draws[:, :, 1].view(np.float32), draws[:, :, 2:2 + k].view(np.float32), draws[:, :, 2 + k:])
 
 
-def empty_slots(batch: int, vocab: int) -> SlotState:
-    return SlotState(jnp.zeros((batch, vocab), jnp.float32), jnp.zeros((batch,), jnp.uint32),
-                     jnp.zeros((batch,), jnp.int32),
-                     jax.tree.map(jnp.asarray, SamplingParams.stack([SamplingParams()] * batch)))
-
-
 def row_keys(seeds: jnp.ndarray, drawn: jnp.ndarray) -> jax.Array:
     """[B] typed keys: row b's key for its draw number drawn[b] of the stream seeded by seeds[b]."""
     return jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seeds, drawn)
 
 
 class EnginePrograms(NamedTuple):
-    prefill: Callable
-    prefill_scored: Callable
+    prefill: Callable             # `prefill.prefill_chunk`, jitted with the engine's options (and placement)
     decode: Callable
-
-
-class ParamLayout(NamedTuple):
-    """Where the serving parameters sit among the model state's leaves (hashable)."""
-
-    treedef: jax.tree_util.PyTreeDef        # of the whole nnx State
-    skipped: tuple                          # ((leaf index, jax.ShapeDtypeStruct), ...): leaves not passed
-
-    def state(self, params: tuple):
-        """The nnx State from the passed leaves, placeholders at the skipped ones."""
-        passed = iter(params)
-        skipped = dict(self.skipped)
-        leaves = [skipped[i] if i in skipped else next(passed) for i in range(self.treedef.num_leaves)]
-        return jax.tree.unflatten(self.treedef, leaves)
-
-
-def serving_params(state) -> tuple[tuple, ParamLayout]:
-    """The model state's arrays the serving programs read, as a flat tuple (every leaf but the
-    MTP layer's), and their layout."""
-    flat, treedef = jax.tree_util.tree_flatten_with_path(state)
-    unused = {i for i, (path, _) in enumerate(flat) if path[0] == jax.tree_util.DictKey("mtp")}
-    params = tuple(x for i, (_, x) in enumerate(flat) if i not in unused)
-    skipped = tuple((i, jax.ShapeDtypeStruct(flat[i][1].shape, flat[i][1].dtype)) for i in sorted(unused))
-    return params, ParamLayout(treedef, skipped)
 
 
 class Placement(NamedTuple):
@@ -198,58 +129,26 @@ class Placement(NamedTuple):
 
 
 @functools.lru_cache(maxsize=8)
-def engine_programs(graphdef, layout: ParamLayout, kernels: ops.KernelChoice, data_shards: int,
+def engine_programs(layout: ParamLayout, kernels: ops.KernelChoice, data_shards: int,
                     placement: Placement | None = None,
                     options: Options = ()) -> EnginePrograms:
     """The jitted programs for one model structure (shared by every engine built on it);
     placement: what they return on a mesh (None: left to jit, for one device); options: XLA
-    compiler options ((name, value) pairs, `programs.compiler_options`)."""
-    prefill_out, scored_out, decode_out = {}, {}, {}
-    if placement is not None:
+    compiler options ((name, value) pairs, `programs.compiler_options`). The prefill is the
+    generators' program (`prefill.prefill_chunk`): on one device the very same jitted function."""
+    if placement is None:
+        prefill, decode_out = prefill_chunk.with_options(options), {}
+    else:
         cache_out, slots_out = placement.trees()
-        prefill_out.update(out_shardings=(cache_out, slots_out))
-        # Scores and decode's packed draws are split over `data` by their leading (row) dim.
-        scored_out.update(out_shardings=(cache_out, slots_out, placement.tokens))
-        decode_out.update(out_shardings=(placement.tokens, cache_out, slots_out))
-
-    def model_of(params):
-        return nnx.merge(graphdef, layout.state(params))
+        # (last logits, last hidden, cache, MTP cache, slots, Scores split over `data` by their rows)
+        prefill = prefill_chunk.placed(options, out_shardings=(None, None, cache_out, None, slots_out,
+                                                               placement.tokens))
+        decode_out = dict(out_shardings=(placement.tokens, cache_out, slots_out))
 
     def scratch_pages(cache: KVCache, rows: int) -> jnp.ndarray:
         """int32 [rows]: the scratch page of each row's data shard (row r of `rows` is in shard r * shards // rows)."""
         shard = jnp.arange(rows, dtype=jnp.int32) * data_shards // rows
         return shard * (cache.num_pages // data_shards)
-
-    def prefill_logits(params, cache: KVCache, slots: SlotState, rows, tables, starts, tokens, num_valid, seeds,
-                       drawn, sampling: SamplingParams):
-        """rows int32 [R] (B = padding), tables int32 [R, W], starts / num_valid / drawn int32 [R],
-        tokens int32 [R, C], seeds uint32 [R], sampling [R] leaves -> (cache, slots, the chunk's
-        logits float32 [R, C, V])."""
-        view = dataclasses.replace(cache, page_table=tables, lengths=starts)
-        logits, _, view, last, _ = chunk_forward(model_of(params), tokens, view, num_valid, kernels)
-        cache = dataclasses.replace(view, page_table=cache.page_table.at[rows].set(tables, mode="drop"),
-                                    lengths=cache.lengths.at[rows].set(view.lengths, mode="drop"))
-        put = lambda old, new: old.at[rows].set(new.astype(old.dtype), mode="drop")  # noqa: E731
-        slots = SlotState(put(slots.logits, last), put(slots.seeds, seeds), put(slots.drawn, drawn),
-                          jax.tree.map(put, slots.sampling, sampling))
-        return cache, slots, logits
-
-    @functools.partial(jit, options=options, donate_argnames=("cache", "slots"), **prefill_out)
-    def prefill(params, cache: KVCache, slots: SlotState, rows, tables, starts, tokens, num_valid, seeds, drawn,
-                sampling: SamplingParams):
-        """`prefill_logits`' arguments -> (cache, slots)."""
-        cache, slots, _ = prefill_logits(params, cache, slots, rows, tables, starts, tokens, num_valid, seeds, drawn,
-                                         sampling)
-        return cache, slots
-
-    @functools.partial(jit, options=options, donate_argnames=("cache", "slots"), **scored_out)
-    def prefill_scored(params, cache: KVCache, slots: SlotState, rows, tables, starts, tokens, num_valid, seeds,
-                       drawn, sampling: SamplingParams, targets):
-        """`prefill_logits`' arguments, targets int32 [R, C] (the token after each position)
-        -> (cache, slots, Scores [R, C] of the targets)."""
-        cache, slots, logits = prefill_logits(params, cache, slots, rows, tables, starts, tokens, num_valid, seeds,
-                                              drawn, sampling)
-        return cache, slots, scores_of(logits, targets)
 
     @functools.partial(jit, options=options, donate_argnames=("cache", "slots"), static_argnames=("steps",),
                        **decode_out)
@@ -269,8 +168,8 @@ def engine_programs(graphdef, layout: ParamLayout, kernels: ops.KernelChoice, da
             token = sample_tokens(slots.logits, row_keys(slots.seeds, slots.drawn), slots.sampling)
             scores = scores_of(slots.logits, token)
             view = dataclasses.replace(view, page_table=jnp.where(active[:, None], table, scratch))
-            logits, _, view = model_of(params).forward_cached(token[:, None], view, kernels=kernels,
-                                                              num_valid=active.astype(jnp.int32))
+            logits, _, view = layout.model(params).forward_cached(token[:, None], view, kernels=kernels,
+                                                                  num_valid=active.astype(jnp.int32))
             slots = dataclasses.replace(slots, logits=jnp.where(active[:, None], logits[:, 0], slots.logits),
                                         drawn=slots.drawn + active)
             return (view, slots), pack_draws(token, scores)
@@ -278,4 +177,4 @@ def engine_programs(graphdef, layout: ParamLayout, kernels: ops.KernelChoice, da
         (view, slots), draws = jax.lax.scan(one_step, (cache, slots), jnp.arange(steps, dtype=jnp.int32))
         return jnp.swapaxes(draws, 0, 1), dataclasses.replace(view, page_table=table), slots
 
-    return EnginePrograms(prefill, prefill_scored, decode)
+    return EnginePrograms(prefill, decode)

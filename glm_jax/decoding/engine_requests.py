@@ -11,8 +11,8 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from glm_jax.decoding.engine_programs import Scores
 from glm_jax.decoding.sampling import GREEDY, SamplingParams
+from glm_jax.decoding.slots import MAX_LOGPROBS, Scores
 from glm_jax.multihost import to_host
 
 
@@ -25,6 +25,30 @@ class Request:
     seed: int = 0                       # the request's sampling stream: same seed -> same tokens
     logprobs: int | None = None         # k in [0, MAX_LOGPROBS]: report each token's log-prob and the k best (None: no)
     prompt_logprobs: bool = False       # with logprobs: the prompt tokens' too (in the first event)
+
+
+def checked_prompt(rid: int, request: Request, vocab_size: int) -> np.ndarray:
+    """The request's prompt as int32 [P], after checking its fields (a ValueError or TypeError
+    naming request `rid` and the field); whether it fits the context and the pool is the engine's
+    to check."""
+    prompt = np.asarray(request.prompt)
+    if prompt.ndim != 1 or (prompt.size and not np.issubdtype(prompt.dtype, np.integer)):
+        raise ValueError(f"request {rid}: the prompt must be a 1-D sequence of token ids, got shape "
+                         f"{prompt.shape} of {prompt.dtype}")
+    if prompt.size and (prompt.min() < 0 or prompt.max() >= vocab_size):
+        raise ValueError(f"request {rid}: token ids must be in [0, {vocab_size}), got "
+                         f"{int(prompt.min())}..{int(prompt.max())}")
+    if not isinstance(request.max_new_tokens, (int, np.integer)) or request.max_new_tokens < 1:
+        raise ValueError(f"request {rid}: max_new_tokens must be an integer >= 1, got {request.max_new_tokens!r}")
+    if not isinstance(request.sampling, SamplingParams):
+        raise TypeError(f"request {rid}: sampling must be a SamplingParams, got {type(request.sampling).__name__}")
+    if request.logprobs is not None and not (isinstance(request.logprobs, (int, np.integer))
+                                             and 0 <= request.logprobs <= MAX_LOGPROBS):
+        raise ValueError(f"request {rid}: logprobs must be None or an integer from 0 to {MAX_LOGPROBS}, got "
+                         f"{request.logprobs!r}")
+    if request.prompt_logprobs and request.logprobs is None:
+        raise ValueError(f"request {rid}: prompt_logprobs needs logprobs (how many alternatives to report)")
+    return prompt.astype(np.int32)
 
 
 class TokenLogprob(NamedTuple):
@@ -103,7 +127,7 @@ class Run:
 
 @dataclasses.dataclass
 class ScoredChunk:
-    """A prefill chunk dispatched with `prefill_scored`: its Scores [R, C] on the device and,
+    """A prefill chunk dispatched with targets to score: its Scores [R, C] on the device and,
     per scored row, (row, run, first context position of the chunk, tokens in the chunk)."""
 
     scores: Scores

@@ -21,7 +21,7 @@ from jax.sharding import Mesh
 from glm_jax import ops
 from glm_jax.cache import KVCache
 from glm_jax.decoding.programs import program
-from glm_jax.decoding.runtime import DecodeRuntime, DecodeStats, round_up, stops
+from glm_jax.decoding.runtime import DecodeRuntime, DecodeStats, cut, round_up, stops
 from glm_jax.decoding.sampling import GREEDY, SamplingParams, sample_tokens
 from glm_jax.multihost import to_host
 
@@ -94,3 +94,11 @@ class Generator(DecodeRuntime):
             if stopped.all():
                 break
 
+    def completions(self, prompt_ids, *, stop_token: int | None = None, **generate) -> Iterator[list[list[int]]]:
+        """`generate`'s tokens as each block comes, cut before the stop token (`runtime.cut`):
+        yields B lists of new tokens (empty once a sequence has stopped)."""
+        stopped = np.zeros((self.batch,), bool)
+        for block in self.generate(prompt_ids, stop_token=stop_token, **generate):
+            pieces = [[] if done else cut(row, stop_token) for row, done in zip(block, stopped)]
+            stopped |= [len(piece) < len(row) for piece, row in zip(pieces, block)]
+            yield pieces

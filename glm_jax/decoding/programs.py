@@ -6,6 +6,10 @@ iteration). With `CUDA_GRAPH_OPTIONS` the program runs as CUDA graphs (XLA comma
 loops and conditionals included, so one launch replays many kernels. `Program` is a jitted
 function that can be had compiled with such options; the serving engine's programs take them
 through `compiler_options` too.
+
+The programs take the model's parameters as one flat tuple of arrays and a static `ParamLayout`
+(the graph definition and where the leaves go) rather than an nnx State: what a call costs the
+host grows with the arrays passed and the static arguments hashed, and a layout hashes once.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import functools
 from typing import Callable
 
 import jax
+from flax import nnx
 
 #: XLA options that turn a program into CUDA graphs, loops (the layer scans) and conditionals
 #: included, however few kernels a graph holds.
@@ -29,10 +34,46 @@ def compiler_options(backend: str, cuda_graphs: bool) -> Options:
     return CUDA_GRAPH_OPTIONS if cuda_graphs and backend == "gpu" else ()
 
 
+class ParamLayout:
+    """How a program rebuilds the model from its flat parameters (hashable, its hash computed
+    once): the graph definition, the nnx State's treedef and the leaves not passed, as
+    shape-only placeholders (the MTP layer's, for the programs that never read it)."""
+
+    def __init__(self, graphdef, treedef: jax.tree_util.PyTreeDef, skipped: tuple):
+        # skipped: ((leaf index, jax.ShapeDtypeStruct), ...)
+        self.graphdef, self.treedef, self.skipped = graphdef, treedef, skipped
+        self._key = (graphdef, treedef, skipped)
+        self._hash = hash(self._key)
+
+    def __hash__(self):
+        return self._hash
+
+    def __eq__(self, other):
+        return self is other or (isinstance(other, ParamLayout) and self._key == other._key)
+
+    def model(self, params: tuple):
+        """The model from the passed leaves, placeholders at the skipped ones."""
+        passed = iter(params)
+        skipped = dict(self.skipped)
+        leaves = [skipped[i] if i in skipped else next(passed) for i in range(self.treedef.num_leaves)]
+        return nnx.merge(self.graphdef, jax.tree.unflatten(self.treedef, leaves))
+
+
+def flat_params(graphdef, state, *, mtp: bool) -> tuple[tuple, ParamLayout]:
+    """The model state's arrays a program reads, as a flat tuple (without the MTP layer's
+    unless `mtp`), and their layout."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(state)
+    unused = set() if mtp else {i for i, (path, _) in enumerate(flat) if path[0] == jax.tree_util.DictKey("mtp")}
+    params = tuple(x for i, (_, x) in enumerate(flat) if i not in unused)
+    skipped = tuple((i, jax.ShapeDtypeStruct(flat[i][1].shape, flat[i][1].dtype)) for i in sorted(unused))
+    return params, ParamLayout(graphdef, treedef, skipped)
+
+
 class Program:
     """fn jitted with `jit_kwargs` (static and donated arguments); calling it calls that, and
     `with_options(options)` is the same program compiled with XLA options (`compiler_options`;
-    () gives the plain one). One jitted function per set of options, kept for the process."""
+    () gives the plain one). One jitted function per set of options, kept for the process;
+    `placed` makes one more with pinned output shardings (the engine's on a mesh)."""
 
     def __init__(self, fn: Callable, **jit_kwargs):
         self._fn, self._jit_kwargs = fn, jit_kwargs
@@ -47,7 +88,12 @@ class Program:
     def with_options(self, options: Options):
         if not options:
             return self._plain
-        return jit(self._fn, options, **self._jit_kwargs)
+        return self.placed(options)
+
+    def placed(self, options: Options, **out):
+        """A new jit of the same function with XLA `options` and what `out` pins (out_shardings:
+        the engine's outputs on a mesh); the caller keeps it."""
+        return jit(self._fn, options, **self._jit_kwargs, **out)
 
 
 def jit(fn: Callable, options: Options = (), **jit_kwargs):

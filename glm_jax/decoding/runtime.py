@@ -1,9 +1,10 @@
 """The decode runtime: what the generators and the serving engine share.
 
 `DecodeRuntime` holds one model split for jit (its parameters placed on a mesh by the logical-axis
-rules), the batch and context checks, the cache (`new_cache`), the one prefill program
-(`prefill_chunk`: the target forward over a chunk, and the MTP layer's when a speculative
-generator prefills its draft cache), the program builder (`program`: a `programs.Program` with
+rules; `params` and `layout`, what the programs take), the batch and context checks, the cache
+(`new_cache`), the one prefill program (`prefill.prefill_chunk`: the target forward over a
+chunk, and the MTP layer's when a speculative generator prefills its draft cache; the engine's
+prefill over its page pool is the same program), the program builder (`program`: a `programs.Program` with
 the runtime's XLA options, CUDA graphs on a GPU), and the values it puts on the device. Around it
 the policies: `generate.Generator` (blocks of decode steps), `speculative.SpeculativeGenerator`
 (MTP drafting and verification), `engine.ServingEngine` (continuous batching over a page pool).
@@ -24,7 +25,8 @@ from jax.sharding import Mesh
 from glm_jax import ops
 from glm_jax.cache import KVCache, LayerSplit, create_cache, shard_cache
 from glm_jax.cache.fp8 import layout_of, resolve_cache_dtype
-from glm_jax.decoding.programs import Options, Program, compiler_options, program
+from glm_jax.decoding.prefill import prefill_chunk
+from glm_jax.decoding.programs import Options, Program, compiler_options, flat_params
 from glm_jax.decoding.sampling import SamplingParams
 from glm_jax.multihost import global_array, place, replicated
 from glm_jax.sharding import ShardingError, logical_sharding, shard_params
@@ -90,31 +92,6 @@ class DecodeStats:
         return 1.0 + self.accepted_per_sequence / np.maximum(self.steps_per_sequence, 1)
 
 
-def chunk_forward(model, tokens, cache: KVCache, num_valid, kernels: ops.KernelChoice):
-    """The target forward of one prefill chunk, traced by every prefill (the generators' and the
-    engine's): tokens int32 [B, C] (padded), num_valid int32 [B] -> (logits [B, C, V], hidden
-    [B, C, hidden], cache, the last real token's logits [B, V] and hidden [B, hidden])."""
-    logits, hidden, cache = model.forward_cached(tokens, cache, kernels=kernels, num_valid=num_valid)
-    last = jnp.maximum(num_valid - 1, 0)[:, None, None]
-    return (logits, hidden, cache, jnp.take_along_axis(logits, last, axis=1)[:, 0],
-            jnp.take_along_axis(hidden, last, axis=1)[:, 0])
-
-
-@program(static_argnames=("graphdef", "kernels"), donate_argnames=("cache", "mtp_cache"))
-def prefill_chunk(graphdef, state, tokens, num_valid, cache: KVCache, mtp_cache, mtp_inputs, kernels):
-    """The generators' one prefill program. tokens int32 [B, C] (padded), num_valid int32 [B];
-    mtp_cache None, or the MTP cache to prefill too with mtp_inputs = (next_tokens [B, C] one
-    ahead, num_valid_mtp [B]) -> (logits [B, V] and hidden [B, hidden] of the last real token,
-    cache, mtp_cache)."""
-    model = nnx.merge(graphdef, state)
-    _, hidden, cache, last_logits, last_hidden = chunk_forward(model, tokens, cache, num_valid, kernels)
-    if mtp_cache is not None:
-        next_tokens, num_valid_mtp = mtp_inputs
-        _, _, mtp_cache, _ = model.mtp_forward_cached(next_tokens, hidden, mtp_cache, kernels=kernels,
-                                                      num_valid=num_valid_mtp)
-    return last_logits, last_hidden, cache, mtp_cache
-
-
 class DecodeRuntime:
     """What every decoding policy (Generator, SpeculativeGenerator, ServingEngine) runs on: the
     split model, the batch size, the context check, the placement on a device mesh (params by
@@ -126,7 +103,7 @@ class DecodeRuntime:
 
     def __init__(self, model, *, batch: int, max_len: int | None, prefill_chunk: int,
                  kernels: ops.KernelChoice, mesh: Mesh | None = None, collective: str = "permute",
-                 cuda_graphs: bool = False, kv_cache_dtype: str = "auto"):
+                 cuda_graphs: bool = False, mtp: bool = False, kv_cache_dtype: str = "auto"):
         self.cfg = model.cfg
         self.cache_dtype = resolve_cache_dtype(self.cfg, kv_cache_dtype, attention=kernels.attention,
                                                indexer=kernels.indexer)
@@ -143,6 +120,8 @@ class DecodeRuntime:
             self.state = shard_params(self.state, mesh)
             if mesh.shape.get("layer", 1) > 1:
                 self.split = LayerSplit(mesh, collective=collective)
+        # The parameters as the programs take them (the MTP layer's only with `mtp`).
+        self.params, self.layout = flat_params(self.graphdef, self.state, mtp=mtp)
         self.batch = batch
         self.max_len = max_len or self.cfg.max_position_embeddings
         if self.max_len > self.cfg.max_position_embeddings:
@@ -196,6 +175,13 @@ class DecodeRuntime:
     def sampling_args(self, seed: int, sampling: SamplingParams):
         """(key, sampling as arrays) on the device; the same key on every process."""
         return self.put(jax.random.key(seed)), jax.tree.map(self.put, sampling.as_arrays())
+
+    def check_prompt(self, prompt: np.ndarray, max_new_tokens: int) -> None:
+        """A prompt (int [P]) holds the model's token ids and fits the context with max_new_tokens."""
+        if len(prompt) and (prompt.min() < 0 or prompt.max() >= self.cfg.vocab_size):
+            raise ValueError(f"token ids must be in [0, {self.cfg.vocab_size}), got "
+                             f"{int(prompt.min())}..{int(prompt.max())}")
+        self.check_fits(len(prompt), max_new_tokens)
 
     def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
         need = prompt_len + max_new_tokens
@@ -254,9 +240,9 @@ class DecodeRuntime:
                 nxt[:, :piece.shape[1]] = piece
                 num_valid_mtp = np.clip(lengths - 1 - start, 0, c).astype(np.int32)
                 mtp = (self.put(nxt, ("batch", None)), self.put(num_valid_mtp, ("batch",)))
-            last, last_hidden, cache, mtp_cache = self.program(prefill_chunk)(
-                self.graphdef, self.state, self.put(tokens, ("batch", None)), self.put(num_valid, ("batch",)), cache,
-                mtp_cache, mtp, self.kernels)
+            last, last_hidden, cache, mtp_cache, _, _ = self.program(prefill_chunk)(
+                self.layout, self.params, cache, self.put(tokens, ("batch", None)), self.put(num_valid, ("batch",)),
+                self.kernels, mtp_cache=mtp_cache, mtp_inputs=mtp)
             if logits is None:
                 logits, hidden = last, last_hidden
             else:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +32,7 @@ from flax import nnx
 from glm_jax import ops
 from glm_jax.cache import KVCache, create_mtp_cache
 from glm_jax.decoding.programs import program
-from glm_jax.decoding.runtime import DecodeRuntime, DecodeStats, round_up
+from glm_jax.decoding.runtime import DecodeRuntime, DecodeStats, cut, round_up
 from glm_jax.decoding.rejection import VERIFICATION_RULES, match_sample, rejection_sample
 from glm_jax.decoding.sampling import GREEDY, SamplingParams, sampling_probs
 from glm_jax.multihost import to_host
@@ -140,7 +141,8 @@ class SpeculativeGenerator(DecodeRuntime):
         if verification not in VERIFICATION_RULES:
             raise ValueError(f"verification must be one of {VERIFICATION_RULES}, got {verification!r}")
         super().__init__(model, batch=batch, max_len=max_len, prefill_chunk=prefill_chunk, kernels=kernels,
-                         mesh=mesh, collective=collective, cuda_graphs=cuda_graphs, kv_cache_dtype=kv_cache_dtype)
+                         mesh=mesh, collective=collective, cuda_graphs=cuda_graphs, mtp=True,
+                         kv_cache_dtype=kv_cache_dtype)
         self.num_draft, self.kv_share, self.verification = num_draft, kv_share, verification
         self.stats = DecodeStats()
 
@@ -176,3 +178,6 @@ class SpeculativeGenerator(DecodeRuntime):
                                  accepted_at=accepted_at, steps_per_sequence=steps, accepted_per_sequence=accepted)
         return out
 
+    def completions(self, prompt_ids, *, stop_token: int | None = None, **generate) -> Iterator[list[list[int]]]:
+        """`generate`'s tokens, cut before the stop token (`runtime.cut`): yields them once, B lists."""
+        yield [cut(row, stop_token) for row in self.generate(prompt_ids, stop_token=stop_token, **generate)]

@@ -1,7 +1,8 @@
 """decode.py's command line and its work: `DecodeCommand` (DecodeConfig's and ServeConfig's
 flags generated from them, `settings_cli`, over a --decode-config file), the prompts, the model
-and tokenizer the flags name, the generator (`decoding.builders.build_generator`) or the
-serving engine (--max-batch), and the output; --serve hands over to `frontends.serve`."""
+and tokenizer the flags name, the decoding policy (`decoding.builders.build_decoder`: a generator,
+or the serving engine with --max-batch), its completions through one call and one output path;
+--serve hands over to `frontends.serve`."""
 
 from __future__ import annotations
 
@@ -134,61 +135,55 @@ def _decode(args, settings: DecodeConfig) -> int:
     from glm_jax.checkpoint import load_model
     from glm_jax.config import load_config
     from glm_jax.data.tokenizer import load_tokenizer, stop_token
-    from glm_jax.decoding.builders import build_generator
-    from glm_jax.decoding.runtime import cut
-    from glm_jax.decoding.speculative import SpeculativeGenerator
+    from glm_jax.decoding.builders import build_decoder
     import jax
     from flax import nnx
 
     from glm_jax.sharding import check_host_memory, make_mesh
 
-    params = settings.sampling()
     source = cli.model_source(args)
     with cli.user_errors():
         prompts = _read_prompts(args)
         model = load_model(source, config=load_config(args.config) if args.config else None)
         tok = _TokenIds() if args.prompt_ids else _load_tokenizer(source.path, load_tokenizer)
         ids = [np.asarray(tok.encode(p).ids, np.int32) for p in prompts]
-        batch = len(ids)
         mesh = make_mesh(settings.mesh) if settings.mesh else None
         if mesh is not None:
             check_host_memory(mesh, sum(x.nbytes for x in jax.tree.leaves(nnx.state(model))))
-        placement = dict(mesh=mesh, collective=settings.collective, kernels=settings.kernels(),
-                         kv_cache_dtype=settings.kv_cache_dtype)
-    stop = stop_token(model.cfg, None if isinstance(tok, _TokenIds) else tok)
-    if settings.max_batch is not None:
-        return _decode_with_engine(args, settings, model, tok, prompts, ids, stop, placement)
-    with cli.user_errors():
-        gen, choice = build_generator(model, settings, batch=batch, mesh=mesh)
+        # --max-batch only changes the policy: the serving engine instead of a generator
+        policy, choice = build_decoder(model, settings, ids, mesh=mesh)
         for row in ids:
-            gen.check_fits(len(row), settings.max_new_tokens)
-
-    speculative = isinstance(gen, SpeculativeGenerator)
-    if not args.quiet:
-        mode = f"speculative, K={gen.num_draft}, KVShare {'on' if gen.kv_share else 'off'}" if speculative \
-            else "plain"
-        where = f"; mesh {settings.mesh}" + (" (KV cache LayerSplit)" if gen.split is not None else "") \
-            if settings.mesh else ""
-        print(f"model {model.cfg.name} from {source.path}; {batch} prompt(s), {sum(map(len, ids))} tokens; "
-              f"{mode} decoding{where}; KV cache {gen.cache_layout}", file=sys.stderr)
+            policy.check_prompt(row, settings.max_new_tokens)
+    stop = stop_token(model.cfg, None if isinstance(tok, _TokenIds) else tok)
+    served = settings.max_batch is not None
+    if not args.quiet and not served:
+        print(_header(policy, model, source, ids, settings), file=sys.stderr)
         print(choice.reason, file=sys.stderr)
-    sampling = dict(max_new_tokens=settings.max_new_tokens, sampling=params,
-                    seed=settings.seed, stop_token=stop, progress=None if args.quiet else _Progress())
+    sampling = dict(max_new_tokens=settings.max_new_tokens, sampling=settings.sampling(), seed=settings.seed,
+                    stop_token=stop, progress=None if args.quiet or served else _Progress())
     show = _prompt_shown(args)
     t0 = time.perf_counter()
-    if batch == 1 and not speculative:
-        completions = [_stream(gen, tok, show(prompts[0]), ids[0], stop, sampling)]
-    else:
-        if speculative:
-            out = gen.generate(ids, **sampling)
-        else:
-            out = np.concatenate(list(gen.generate(ids, **sampling)), axis=1)[:, :settings.max_new_tokens]
-        completions = [cut(row, stop) for row in out]
+    one = len(ids) == 1         # one prompt: its text printed as the tokens come
+    completions = _complete(policy, ids, sampling, tok, show(prompts[0]) if one else None)
+    if not one:
         _print_completions(prompts, completions, tok, show)
     _write_output(args.output, prompts, completions, tok)
     if not args.quiet:
-        _print_stats(gen, completions, time.perf_counter() - t0)
+        _print_stats(policy, settings, completions, time.perf_counter() - t0)
     return 0
+
+
+def _header(gen, model, source, ids, settings: DecodeConfig) -> str:
+    """The line that says what a generator decodes: model, prompts, plain or speculative, mesh,
+    the cache's layout."""
+    from glm_jax.decoding.speculative import SpeculativeGenerator
+
+    mode = f"speculative, K={gen.num_draft}, KVShare {'on' if gen.kv_share else 'off'}" \
+        if isinstance(gen, SpeculativeGenerator) else "plain"
+    where = f"; mesh {settings.mesh}" + (" (KV cache LayerSplit)" if gen.split is not None else "") \
+        if settings.mesh else ""
+    return (f"model {model.cfg.name} from {source.path}; {len(ids)} prompt(s), {sum(map(len, ids))} tokens; "
+            f"{mode} decoding{where}; KV cache {gen.cache_layout}")
 
 
 def _prompt_shown(args):
@@ -201,32 +196,6 @@ def _prompt_shown(args):
     if args.quiet:              # only the generated text
         return lambda p: ""
     return functools.partial(display.prompt_text, style=display.styled(sys.stdout))
-
-
-def _decode_with_engine(args, settings: DecodeConfig, model, tok, prompts, ids, stop, placement) -> int:
-    """--max-batch N: every prompt a request of the serving engine, N decoding at a time."""
-    from glm_jax.decoding.builders import engine_for_prompts
-    from glm_jax.decoding.engine import Request
-
-    with cli.user_errors():
-        engine = engine_for_prompts(model, ids, max_batch=settings.max_batch, max_new_tokens=settings.max_new_tokens,
-                                    max_len=settings.max_len, prefill_chunk=settings.prefill_chunk,
-                                    decode_steps=settings.decode_steps, **placement)
-    # Each prompt its own sampling stream (seed + i): its text does not depend on its batch companions.
-    results = engine.serve([Request(row, settings.max_new_tokens, settings.sampling(), stop, settings.seed + i)
-                            for i, row in enumerate(ids)])
-    for i, r in enumerate(results):
-        if r.error is not None:
-            raise cli.UserError(f"prompt {i}: {r.error}")
-    completions = [r.tokens for r in results]
-    _print_completions(prompts, completions, tok, _prompt_shown(args))
-    _write_output(args.output, prompts, completions, tok)
-    if not args.quiet:
-        s = engine.stats
-        print(f"\n[{len(ids)} prompt(s) through the serving engine, {settings.max_batch} at a time: {s.new_tokens} new "
-              f"tokens in {s.decode_s:.2f}s = {s.new_tokens / max(s.decode_s, 1e-9):.1f} tokens/s (includes prefill and "
-              f"compilation)]", file=sys.stderr)
-    return 0
 
 
 def _print_completions(prompts, completions, tok, show) -> None:
@@ -343,23 +312,23 @@ def _read_text(path: str) -> str:
                          "save the file as UTF-8") from None
 
 
-def _stream(gen, tok, shown_prompt, ids, stop, sampling) -> list[int]:
-    """Plain decoding of one prompt, printing text as each block of tokens arrives."""
-    from glm_jax.decoding.runtime import cut
-
-    print(shown_prompt, end="", flush=True)
-    new: list[int] = []
-    printed = ""
-    for block in gen.generate(ids, **sampling):
-        kept = cut(block[0], stop)
-        done = len(kept) < block.shape[1]
-        new += kept
-        text = tok.decode(new)
-        print(text[len(printed):], end="", flush=True)
-        printed = text
-        if done:
-            break
-    print(flush=True)
+def _complete(policy, ids, sampling, tok, shown_prompt: str | None = None) -> list[list[int]]:
+    """Each prompt's new tokens from the policy (`completions`: the same call for a generator and
+    the serving engine); with shown_prompt (one prompt), it and the text printed as tokens come."""
+    new: list[list[int]] = [[] for _ in ids]
+    printed = None
+    if shown_prompt is not None:
+        print(shown_prompt, end="", flush=True)
+        printed = ""
+    for pieces in policy.completions(ids, **sampling):
+        for row, piece in zip(new, pieces):
+            row += piece
+        if printed is not None:
+            text = tok.decode(new[0])
+            print(text[len(printed):], end="", flush=True)
+            printed = text
+    if printed is not None:
+        print(flush=True)
     return new
 
 
@@ -393,10 +362,15 @@ class _Progress:
                   flush=True)
 
 
-def _print_stats(gen, completions, elapsed) -> None:
+def _print_stats(policy, settings: DecodeConfig, completions, elapsed) -> None:
     from glm_jax.decoding import display
 
-    s = gen.stats
+    s = policy.stats
+    if settings.max_batch is not None:
+        print(f"\n[{len(completions)} prompt(s) through the serving engine, {settings.max_batch} at a time: "
+              f"{s.new_tokens} new tokens in {s.decode_s:.2f}s = {s.new_tokens / max(s.decode_s, 1e-9):.1f} tokens/s "
+              f"(includes prefill and compilation)]", file=sys.stderr)
+        return
     print(f"\n[prefill {s.prompt_tokens} tokens in {s.prefill_s:.2f}s; {sum(map(len, completions))} new tokens in "
           f"{s.decode_s or elapsed:.2f}s with compilation]", file=sys.stderr)
-    print(display.steady_state_line(gen), file=sys.stderr)
+    print(display.steady_state_line(policy), file=sys.stderr)

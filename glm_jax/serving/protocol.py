@@ -40,7 +40,7 @@ import secrets
 
 import numpy as np
 
-from glm_jax.decoding.engine_programs import MAX_LOGPROBS
+from glm_jax.decoding.slots import MAX_LOGPROBS
 from glm_jax.decoding.sampling import SamplingError, SamplingParams
 
 DEFAULT_MAX_TOKENS = 16
