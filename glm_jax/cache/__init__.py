@@ -6,8 +6,9 @@
     view.py         GroupCacheView: how one IndexShare group writes, selects, fetches and attends
     layer_split.py  LayerSplit (which device owns which layer's slots), Placement, owner broadcast
     page_pool.py    PagePool: pages per request, page tables, reuse, CacheFullError
-    fp8.py          the FP8 layout at the model's shapes: bytes per row / token / page, empty
-                    FP8 stores (the layout and quantizer: pallas_kernels.fp8; not wired yet)
+    fp8.py          the FP8 layout at the model's shapes (--kv-cache-dtype fp8): the setting's
+                    names and checks, bytes per row / token / page, empty FP8 stores (the
+                    layout and quantizer: pallas_kernels.fp8)
     axes.py         the cache's logical axes; cache_shardings / shard_cache on a mesh
 
 The model reaches the cache only through `KVCache.positions`, `group_view`, `with_view` and

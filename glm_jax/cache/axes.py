@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 from jax.sharding import Mesh
 
 from glm_jax.cache.store import KVCache
@@ -24,10 +25,12 @@ CACHE_AXES = {
 
 def cache_shardings(cache: KVCache, mesh: Mesh) -> KVCache:
     """A KVCache of NamedShardings. Without LayerSplit the layer slots are replicated along
-    the `layer` axis (each device keeps every layer)."""
+    the `layer` axis (each device keeps every layer). An FP8 store's fields each take the
+    leading names of their dims (a key's scales [slots, pages, P] have no width)."""
     rules = LOGICAL_AXIS_RULES if cache.split is not None else {**LOGICAL_AXIS_RULES, "cache_layers": None}
-    fields = {name: logical_sharding(mesh, CACHE_AXES[name], tuple(getattr(cache, name).shape),
-                                     f"cache.{name}", rules) for name in CACHE_AXES}
+    fields = {name: jax.tree.map(lambda x, name=name: logical_sharding(mesh, CACHE_AXES[name][:x.ndim], tuple(x.shape),
+                                                                       f"cache.{name}", rules), getattr(cache, name))
+              for name in CACHE_AXES}
     return dataclasses.replace(cache, **fields)
 
 

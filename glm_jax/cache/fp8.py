@@ -4,23 +4,85 @@ The layout, its quantizer and the error bound are `pallas_kernels.fp8` (the kern
 without glm_jax). Per token and decoder layer a latent row [c_kv | k_rope] is kv_lora e4m3
 values + kv_lora / 128 float32 scales + rope bf16 values (656 bytes at GLM-5.2's 512 + 64,
 against 1,152 in bf16); per token and Full layer an indexer key is D e4m3 + one float32 scale
-(132 bytes at D = 128, against 256). The engine's page count can come from `page_bytes` /
-`pages_that_fit` with layout="fp8"; nothing here is wired into the engine yet.
+(132 bytes at D = 128, against 256).
+
+The cache's dtype setting (`--kv-cache-dtype`, vLLM's name and choices `KV_CACHE_DTYPES`) maps
+to the `dtype` the cache functions take (`store_dtype`): "auto" None (the model's dtype),
+"bf16" bfloat16, "fp8" float8_e4m3fn, which selects this layout (`is_fp8_dtype`): the stores
+are `Fp8Latent` / `Fp8Keys`, rows quantized when written (`pages.write_rows`) and dequantized
+inside the paged kernels or right after a gather (`pages.as_rows`). The engine's page count
+and its pool's bytes come from `page_bytes` with the cache's layout.
 """
 
 from __future__ import annotations
 
+import jax.numpy as jnp
+
 from glm_jax.config import GLMConfig
-from pallas_kernels import fp8
+from pallas_kernels import FP8_IMPLS, fp8
 from pallas_kernels.fp8 import (Fp8Keys, Fp8Latent, dequantize, is_fp8, quantize_keys, quantize_latent,
                                 write_rows)
 
-__all__ = ["LAYOUTS", "Fp8Keys", "Fp8Latent", "dequantize", "is_fp8", "quantize_keys", "quantize_latent",
-           "write_rows", "latent_row_bytes", "key_row_bytes", "bytes_per_token", "page_bytes", "pages_that_fit",
+__all__ = ["LAYOUTS", "KV_CACHE_DTYPES", "store_dtype", "resolve_cache_dtype", "is_fp8_dtype", "layout_of",
+           "check_fp8_model", "check_fp8_impls", "Fp8Keys", "Fp8Latent", "dequantize", "is_fp8", "quantize_keys",
+           "quantize_latent", "write_rows", "latent_row_bytes", "key_row_bytes", "bytes_per_token", "page_bytes", "pages_that_fit",
            "empty_stores"]
 
 #: The cache layouts: "bf16" (rows in the model's dtype, 2 bytes a value) and "fp8".
 LAYOUTS = ("bf16", "fp8")
+
+
+#: The cache dtype settings (vLLM's `--kv-cache-dtype` names): "auto" the model's dtype, "bf16",
+#: "fp8" (this layout).
+KV_CACHE_DTYPES = ("auto", "bf16", "fp8")
+
+
+def store_dtype(kv_cache_dtype: str):
+    """A cache dtype setting -> the `dtype` of the cache functions: None (the model's) for
+    "auto", bfloat16, or float8_e4m3fn (the FP8 layout). Anything else: one-line ValueError."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+    return {"auto": None, "bf16": jnp.bfloat16, "fp8": fp8.FP8}[kv_cache_dtype]
+
+
+def is_fp8_dtype(dtype) -> bool:
+    """Whether a cache `dtype` (None, a dtype) asks for the FP8 layout."""
+    return dtype is not None and jnp.dtype(dtype) == jnp.dtype(fp8.FP8)
+
+
+def layout_of(cfg: GLMConfig, dtype=None) -> str:
+    """The name of the layout a cache `dtype` gives: "fp8", or the dtype's name ("bfloat16",
+    "float32"; None: the model's)."""
+    return "fp8" if is_fp8_dtype(dtype) else jnp.dtype(dtype or cfg.dtype).name
+
+
+def check_fp8_model(cfg: GLMConfig) -> None:
+    """One-line ValueError unless the model's latent rows fit the FP8 layout (kv_lora a
+    multiple of the 128 values a scale covers)."""
+    if cfg.kv_lora_rank % fp8.GROUP:
+        raise ValueError(f"--kv-cache-dtype fp8 needs kv_lora_rank a multiple of {fp8.GROUP} (one float32 scale per "
+                         f"{fp8.GROUP} latent values); {cfg.name} has {cfg.kv_lora_rank}: use auto or bf16")
+
+
+def resolve_cache_dtype(cfg: GLMConfig, kv_cache_dtype: str, *, attention: str = "auto",
+                        indexer: str = "auto"):
+    """The cache `dtype` of a --kv-cache-dtype setting (`store_dtype`), checked against the
+    model (`check_fp8_model`) and the kernel implementations named (`check_fp8_impls`) for "fp8"."""
+    dtype = store_dtype(kv_cache_dtype)
+    if is_fp8_dtype(dtype):
+        check_fp8_model(cfg)
+        check_fp8_impls(attention, indexer)
+    return dtype
+
+
+def check_fp8_impls(attention: str, indexer: str) -> None:
+    """One-line ValueError if a named kernel implementation does not read FP8 pages
+    (`pallas_kernels.FP8_IMPLS`; "auto" picks one that does)."""
+    for flag, impl, op in (("--attention-impl", attention, "paged_sparse_mla"),
+                           ("--indexer-impl", indexer, "paged_indexer_topk")):
+        if impl != "auto" and impl not in FP8_IMPLS[op]:
+            raise ValueError(f"--kv-cache-dtype fp8: {flag} {impl} does not read FP8 pages; the implementations "
+                             f"that do: {', '.join(FP8_IMPLS[op])} (or auto)")
 
 
 def _check(layout: str) -> None:

@@ -78,8 +78,8 @@ class Placement:
     def manual(self, fn, stores: tuple, rows: tuple, scalars: tuple = (), *, out_stores: int, out_rows: int):
         """fn(*local_stores, local_page_table..., *rows, *scalars) -> (stores..., rows...).
 
-        stores: cache arrays [slots, pages, P, D]; rows: arrays with a leading batch dim (the
-        page table first); scalars: replicated int32 values."""
+        stores: cache stores [slots, pages, P, D] (or FP8 NamedTuples of such fields); rows:
+        arrays with a leading batch dim (the page table first); scalars: replicated int32 values."""
         if self.split is None:
             return fn(*stores, *rows, *scalars)
         mesh, axis = self.split.mesh, self.split.axis
@@ -88,7 +88,7 @@ class Placement:
         def local(*args):
             st, rw, sc = args[:len(stores)], list(args[len(stores):len(stores) + len(rows)]), args[len(stores) + len(rows):]
             if data is not None:          # page ids are global; this device holds a contiguous range
-                rw[0] = rw[0] - jax.lax.axis_index(data) * st[0].shape[1]
+                rw[0] = rw[0] - jax.lax.axis_index(data) * jax.tree.leaves(st[0])[0].shape[1]
             return fn(*st, *rw, *sc)
 
         store_spec, row_spec = PartitionSpec(axis, data), PartitionSpec(data)
@@ -106,16 +106,22 @@ class Placement:
         return index % slots, jax.lax.axis_index(self.split.axis) == index // slots
 
     def share(self, x: jnp.ndarray, mine) -> jnp.ndarray:
-        """The owner's x on every device (x computed everywhere, valid only where mine). Inside `manual`."""
+        """The owner's x (an array or a pytree of them, e.g. FP8 rows) on every device (x computed
+        everywhere, valid only where mine). Inside `manual`."""
         if self.split is None:
             return x
-        return broadcast_from_owner(x, mine, self.split.axis, self.split.size, self.split.collective)
+        return jax.tree.map(lambda a: broadcast_from_owner(a, mine, self.split.axis, self.split.size,
+                                                           self.split.collective), x)
 
 
 def broadcast_from_owner(x: jnp.ndarray, mine, axis: str, size: int, collective: str = "permute") -> jnp.ndarray:
     """Inside shard_map over `axis`: the value of x on the one device where `mine` is True.
 
-    Exact: the other devices contribute zeros, and x + 0 == x."""
+    Exact: the other devices contribute zeros, and x + 0 == x. One-byte floats (FP8 rows) travel
+    as their uint8 bits, summed as integers."""
+    if jnp.issubdtype(x.dtype, jnp.floating) and jnp.dtype(x.dtype).itemsize == 1:
+        bits = broadcast_from_owner(jax.lax.bitcast_convert_type(x, jnp.uint8), mine, axis, size, collective)
+        return jax.lax.bitcast_convert_type(bits, x.dtype)
     own = jnp.where(mine, x, jnp.zeros_like(x))
     if collective == "psum":
         return jax.lax.psum(own, axis)

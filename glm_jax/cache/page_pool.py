@@ -36,7 +36,10 @@ class CacheFullError(RuntimeError):
 
 def page_bytes(cfg: GLMConfig, page_size: int, dtype=None, *, layout: str | None = None) -> int:
     """Bytes of one page over all layers: latent rows on every layer, keys on Full layers; in
-    `dtype` (default the model's), or in a layout of `fp8.LAYOUTS` ("fp8": `fp8.page_bytes`)."""
+    `dtype` (default the model's; float8_e4m3fn: the FP8 layout, scales included), or in a
+    layout of `fp8.LAYOUTS` ("fp8": `fp8.page_bytes`)."""
+    if layout is None and fp8.is_fp8_dtype(dtype):
+        layout = "fp8"
     if layout is not None:
         return fp8.page_bytes(cfg, page_size, layout)
     itemsize = jnp.dtype(dtype or cfg.dtype).itemsize
@@ -48,7 +51,9 @@ def _mib(n: int) -> str:
 
 
 class PagePool:
-    """Host-side allocator: free lists of page ids per data shard, pages held per request."""
+    """Host-side allocator: free lists of page ids per data shard, pages held per request.
+    dtype: the cache's rows (None: the model's dtype; float8_e4m3fn: the FP8 layout), which
+    sets the bytes a page takes (`bytes_per_page`) and the stores `create_cache` makes."""
 
     def __init__(self, cfg: GLMConfig, *, num_pages: int, page_size: int, data_shards: int = 1, dtype=None):
         if page_size < 1 or num_pages < 2 * data_shards or num_pages % data_shards:
@@ -64,6 +69,11 @@ class PagePool:
     @property
     def bytes_per_page(self) -> int:
         return page_bytes(self.cfg, self.page_size, self.dtype)
+
+    def describe(self) -> str:
+        """The pool in words: "KV cache fp8, 63 pages of 16 tokens (1,008 tokens, 12.3 MiB)"."""
+        return (f"KV cache {fp8.layout_of(self.cfg, self.dtype)}, {self.num_pages} pages of {self.page_size} tokens "
+                f"({self.num_pages * self.page_size:,} tokens, {_mib(self.num_pages * self.bytes_per_page)})")
 
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)

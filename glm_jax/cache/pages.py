@@ -7,8 +7,9 @@ contiguous cache is one page per sequence (page table [[0], [1], ...]).
 
 A store may also be in the FP8 layout (`pallas_kernels.fp8.Fp8Latent` / `Fp8Keys`: a NamedTuple of
 stores sharing [slots, pages, P]): `write_rows` then quantizes each row on write (its own
-scales) and `gather_rows` / `read_sequence` return the rows dequantized to float32. (The cache
-and its views do not create FP8 stores yet.)
+scales) and `gather_rows` / `read_sequence` return the rows dequantized to float32;
+`gather_stored` / `read_stored` return them in the store's layout (FP8 rows: what a LayerSplit
+owner sends), `as_rows` dequantizes them after the transfer.
 """
 
 from __future__ import annotations
@@ -54,18 +55,45 @@ def write_rows(store, slot, page_table, positions, rows, mine=True):
     return store.at[slot, pages, offs].set(rows, mode="drop")
 
 
+def store_lead(store) -> tuple[int, int, int]:
+    """(slots, pages, P) of a store in any layout."""
+    return tuple(jax.tree.leaves(store)[0].shape[:3])
+
+
+def gather_stored(store, slot, page_table, indices):
+    """The rows at indices int32 [B, S, K] of local `slot` (row 0 where index < 0) in the
+    store's own layout: [B, S, K, D], or for an FP8 store its NamedTuple of such fields (what
+    a LayerSplit owner sends: FP8 bytes)."""
+    _, num_pages, page_size = store_lead(store)
+    pages, offs = page_addresses(page_table, page_size, num_pages, indices)
+    return jax.tree.map(lambda x: x[slot, jnp.minimum(pages, num_pages - 1), offs], store)
+
+
 def gather_rows(store, slot, page_table, indices):
-    """-> [B, S, K, D]: rows at indices int32 [B, S, K] of local `slot` (row 0 where index < 0)."""
-    if fp8.is_fp8(store):
-        return fp8.dequantize(type(store)(*(gather_rows(x, slot, page_table, indices) for x in store)))
-    pages, offs = page_addresses(page_table, store.shape[2], store.shape[1], indices)
-    return store[slot, jnp.minimum(pages, store.shape[1] - 1), offs]
+    """-> [B, S, K, D]: rows at indices int32 [B, S, K] of local `slot` (row 0 where index < 0),
+    dequantized to float32 for an FP8 store."""
+    return as_rows(gather_stored(store, slot, page_table, indices))
+
+
+def read_stored(store, slot, page_table):
+    """Every row of each sequence, pages gathered in order, in the store's own layout:
+    [B, pages per sequence * P, D] (an FP8 store: its fields so)."""
+    b = page_table.shape[0]
+    return jax.tree.map(lambda x: x[slot][page_table].reshape(b, -1, *x.shape[3:]), store)
 
 
 def read_sequence(store, slot, page_table):
-    """-> [B, pages per sequence * P, D]: every row of each sequence, pages gathered in order."""
-    if fp8.is_fp8(store):     # fields [slots, pages, P, ...] -> [B, n * P, ...]
-        return fp8.dequantize(type(store)(*(x[slot][page_table].reshape(page_table.shape[0], -1, *x.shape[3:])
-                                            for x in store)))
-    pages = store[slot][page_table]                      # [B, n, P, D]
-    return pages.reshape(pages.shape[0], -1, pages.shape[-1])
+    """-> [B, pages per sequence * P, D]: every row of each sequence, pages gathered in order
+    (float32 for an FP8 store)."""
+    return as_rows(read_stored(store, slot, page_table))
+
+
+def as_rows(rows):
+    """Gathered rows as the kernels take them: FP8 rows dequantized to float32, others as they are."""
+    return fp8.dequantize(rows) if fp8.is_fp8(rows) else rows
+
+
+def stored_rows(store, rows):
+    """rows [..., width] as `store` gives them back: quantized and dequantized (float32) for an
+    FP8 store, cast to the store's dtype otherwise."""
+    return as_rows(fp8.quantize_like(store, rows))

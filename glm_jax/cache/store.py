@@ -10,6 +10,9 @@ per sequence (page size = max_len, page table [[0], [1], ...]):
     split        static LayerSplit or None: with one, the slot axis is sharded over the mesh's
                  `layer` axis and padded to a multiple of its size (`layer_split`)
 Layer l's latent slot is l (decoder order); Full layer number f (in order) has key slot f.
+In the FP8 layout (dtype float8_e4m3fn, `fp8`) latent and index_keys are `Fp8Latent` /
+`Fp8Keys` stores (NamedTuples of arrays sharing [slots, pages, page_size]), quantized per row
+when written; `page_size`, `num_pages` and `layout` read any layout.
 A page pool (`page_pool`) hands out pages to requests and fills the page table.
 
 The model never reads these fields: it asks for the positions of the next tokens, the view of
@@ -26,7 +29,7 @@ import jax.numpy as jnp
 
 from glm_jax.cache import fp8
 from glm_jax.cache.layer_split import LayerSplit, Placement, padded_slots
-from glm_jax.cache.pages import contiguous_page_table
+from glm_jax.cache.pages import contiguous_page_table, store_lead
 from glm_jax.cache.view import GroupCacheView
 from glm_jax.config import GLMConfig
 
@@ -42,7 +45,17 @@ class KVCache:
 
     @property
     def page_size(self) -> int:
-        return self.latent.shape[2]
+        return store_lead(self.latent)[2]
+
+    @property
+    def num_pages(self) -> int:
+        """Pages of the stores (all data shards)."""
+        return store_lead(self.latent)[1]
+
+    @property
+    def layout(self) -> str:
+        """"fp8", or the stores' dtype name ("bfloat16", "float32")."""
+        return "fp8" if fp8.is_fp8(self.latent) else self.latent.dtype.name
 
     @property
     def max_len(self) -> int:
@@ -80,7 +93,9 @@ def create_paged_cache(cfg: GLMConfig, num_pages: int, page_size: int, page_tabl
                        split: LayerSplit | None = None) -> KVCache:
     """Empty stores of num_pages pages of page_size rows: latent [layer slots, num_pages,
     page_size, latent], index_keys [Full-layer slots, num_pages, page_size, D]; page_table
-    int32 [B, pages per sequence]; lengths zero."""
+    int32 [B, pages per sequence]; lengths zero. dtype: the rows' (None: the model's;
+    float8_e4m3fn: the FP8 layout, `fp8.empty_stores`; `fp8.store_dtype` maps the
+    --kv-cache-dtype names)."""
     return _empty(cfg, padded_slots(split, cfg.num_hidden_layers), padded_slots(split, len(cfg.full_layers)),
                   num_pages, page_size, page_table, dtype, split)
 
@@ -95,16 +110,21 @@ def create_cache(cfg: GLMConfig, batch: int, max_len: int, dtype=None, *,
 
 
 def create_mtp_cache(cfg: GLMConfig, batch: int, max_len: int, dtype=None) -> KVCache:
-    """The MTP layer's own cache: one Full layer, never split."""
+    """The MTP layer's own cache: one Full layer, never split; dtype as for `create_paged_cache`."""
     return _empty(cfg, 1, 1, batch, max_len, contiguous_page_table(batch), dtype, None)
 
 
 def _empty(cfg: GLMConfig, latent_slots: int, key_slots: int, num_pages: int, page_size: int, page_table,
            dtype, split) -> KVCache:
+    lengths = jnp.zeros((page_table.shape[0],), jnp.int32)
+    if fp8.is_fp8_dtype(dtype):
+        fp8.check_fp8_model(cfg)
+        latent, keys = fp8.empty_stores(cfg, latent_slots, key_slots, num_pages, page_size)
+        return KVCache(latent, keys, page_table, lengths, split)
     dtype = jnp.dtype(dtype or cfg.dtype)
     return KVCache(jnp.zeros((latent_slots, num_pages, page_size, cfg.latent_dim), dtype),
                    jnp.zeros((key_slots, num_pages, page_size, cfg.index_head_dim), dtype),
-                   page_table, jnp.zeros((page_table.shape[0],), jnp.int32), split)
+                   page_table, lengths, split)
 
 
 def cache_bytes_per_token(cfg: GLMConfig, *, layout: str = "bf16", index_share: bool = True) -> int:

@@ -30,6 +30,9 @@ Fetch modes (static, chosen by `fetch`):
            broadcasts them; the chunk's own rows come from the local computation (no transfer)
   "slice"  S * K >= T (prefill chunks of short contexts): the whole [B, T, latent] slice, the
            smaller message
+An FP8 store (`cache.fp8`) is written quantized per row; "paged" reads it in the kernels, "rows"
+and "slice" move its FP8 fields (LayerSplit: the owner sends FP8 bytes) and dequantize them
+after the transfer (`pages.as_rows`).
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ import jax.numpy as jnp
 
 from glm_jax import ops
 from glm_jax.cache.layer_split import Placement
-from glm_jax.cache.pages import gather_rows, read_sequence, write_rows
+from glm_jax.cache.pages import as_rows, gather_stored, read_stored, store_lead, stored_rows, write_rows
 from glm_jax.row_chunks import in_row_chunks
 
 
@@ -95,11 +98,11 @@ class GroupCacheView:
 
     @property
     def max_len(self) -> int:
-        return self.page_table.shape[1] * self.latent.shape[2]
+        return self.page_table.shape[1] * store_lead(self.latent)[2]
 
     def _write(self, store, index, rows):
         def fn(store, page_table, positions, rows, index):
-            slot, mine = self.placement.locate(index, store.shape[0])
+            slot, mine = self.placement.locate(index, store_lead(store)[0])
             return (write_rows(store, slot, page_table, positions, rows, mine),)
         return self.placement.manual(fn, (store,), (self.page_table, self.positions, rows), (index,),
                                      out_stores=1, out_rows=0)[0]
@@ -123,7 +126,7 @@ class GroupCacheView:
         kv_len = self.positions[:, -1] + 1                   # rows written once the chunk is
 
         def fn(store, page_table, queries, weights, positions, kv_len, index):
-            slot, mine = self.placement.locate(index, store.shape[0])
+            slot, mine = self.placement.locate(index, store_lead(store)[0])
 
             def topk_of(queries, weights, positions, kv_len, page_table):
                 return ops.paged_indexer_topk(queries, store, page_table, weights, topk=topk, q_pos=positions,
@@ -136,10 +139,11 @@ class GroupCacheView:
         return self.placement.manual(fn, (self.index_keys,), rows, (self.full_index,), out_stores=0, out_rows=1)[0]
 
     def read_latent(self, j: int) -> jnp.ndarray:
-        """Every row of layer j: [B, T, latent] (e.g. the MTP layer's KVShare draft steps)."""
+        """Every row of layer j: [B, T, latent] (e.g. the MTP layer's KVShare draft steps;
+        float32 from an FP8 store, which the owner sends as FP8)."""
         def fn(store, page_table, index):
-            slot, mine = self.placement.locate(index, store.shape[0])
-            return (self.placement.share(read_sequence(store, slot, page_table), mine),)
+            slot, mine = self.placement.locate(index, store_lead(store)[0])
+            return (as_rows(self.placement.share(read_stored(store, slot, page_table), mine)),)
         return self.placement.manual(fn, (self.latent,), (self.page_table,), (self.first_layer + j,),
                                      out_stores=0, out_rows=1)[0]
 
@@ -155,18 +159,22 @@ class GroupCacheView:
 
         def fn(store, page_table, indices, first_layer):
             def owned(j):
-                slot, mine = placement.locate(first_layer + j, store.shape[0])
+                """Layer j's rows in the store's layout (FP8 rows travel as FP8)."""
+                slot, mine = placement.locate(first_layer + j, store_lead(store)[0])
                 if mode == "rows":
-                    latent = gather_rows(store, slot, page_table, indices)
+                    latent = gather_stored(store, slot, page_table, indices)
                 else:
-                    latent = read_sequence(store, slot, page_table)
-                return latent if mine is True else jnp.where(mine, latent, jnp.zeros_like(latent))
+                    latent = read_stored(store, slot, page_table)
+                if mine is True:
+                    return latent
+                return jax.tree.map(lambda x: jnp.where(mine, x, jnp.zeros_like(x)), latent)
 
             # Layer 0 is needed at once; layers 1.. travel in one message while layer 0 computes.
-            first = placement.share(owned(0), True)
+            first = as_rows(placement.share(owned(0), True))
             if num_layers == 1:
                 return (first,)
-            return first, placement.share(jnp.stack([owned(j) for j in range(1, num_layers)], axis=1), True)
+            rest = jax.tree.map(lambda *xs: jnp.stack(xs, axis=1), *[owned(j) for j in range(1, num_layers)])
+            return first, as_rows(placement.share(rest, True))
 
         out = placement.manual(fn, (self.latent,), (self.page_table, indices), (self.first_layer,),
                                out_stores=0, out_rows=min(num_layers, 2))
@@ -210,9 +218,10 @@ class GroupCacheView:
         """-> (latent [B, T', latent], indices int32 [B, S, K] into it): what layer j attends in
         "rows" and "slice" modes.
 
-        latent [B, S, latent]: layer j's rows of the running chunk, patched in locally."""
+        latent [B, S, latent]: layer j's rows of the running chunk, patched in locally as the
+        store gives them back (`stored_rows`: FP8 rows quantized and dequantized)."""
         fetched = self._fetched[j]
-        latent = latent.astype(fetched.dtype)
+        latent = stored_rows(self.latent, latent)
         b, s, k = indices.shape
         if self._mode == "slice":
             return fetched.at[jnp.arange(b)[:, None], self.positions].set(latent, mode="drop"), indices

@@ -10,6 +10,8 @@ import jax
 import numpy as np
 
 from glm_jax import ops
+from glm_jax.cache import page_bytes
+from glm_jax.cache.fp8 import store_dtype
 from glm_jax.decoding.decode_config import DecodeConfig
 from glm_jax.decoding.engine import ServingEngine
 from glm_jax.decoding.generate import Generator
@@ -29,7 +31,8 @@ def build_generator(model, settings: DecodeConfig, *, batch: int, mesh=None):
     else:
         choice = choose(jax.default_backend(), batch)
     common = dict(mesh=mesh, collective=settings.collective, kernels=settings.kernels(), batch=batch,
-                  max_len=settings.max_len, prefill_chunk=settings.prefill_chunk)
+                  max_len=settings.max_len, prefill_chunk=settings.prefill_chunk,
+                  kv_cache_dtype=settings.kv_cache_dtype)
     if choice.num_draft:
         return SpeculativeGenerator(model, num_draft=choice.num_draft, kv_share=settings.kv_share, **common), choice
     return Generator(model, **common), choice
@@ -44,7 +47,7 @@ def build_decoder(model, settings: DecodeConfig, prompts: list[np.ndarray], *, m
     return engine_for_prompts(model, prompts, max_batch=settings.max_batch, max_new_tokens=settings.max_new_tokens,
                               max_len=settings.max_len, prefill_chunk=settings.prefill_chunk,
                               decode_steps=settings.decode_steps, mesh=mesh, collective=settings.collective,
-                              kernels=settings.kernels()), None
+                              kernels=settings.kernels(), kv_cache_dtype=settings.kv_cache_dtype), None
 
 
 def engine_for_prompts(model, prompts: list[np.ndarray], *, max_batch: int, max_new_tokens: int,
@@ -58,24 +61,43 @@ def engine_for_prompts(model, prompts: list[np.ndarray], *, max_batch: int, max_
 def engine_with_room(model, *, slots: int, longest: int, max_context: int, prefill_chunk: int = 256,
                      page_size: int = 16, step_token_budget: int | None = None,
                      kernels: ops.KernelChoice = ops.KernelChoice(), mesh=None,
-                     collective: str = "permute", decode_steps: int = 1) -> ServingEngine:
+                     collective: str = "permute", decode_steps: int = 1, kv_cache_dtype: str = "auto",
+                     cache_bytes: int | None = None) -> ServingEngine:
     """A ServingEngine of `slots` slots whose pool holds every slot at `longest` tokens at once
-    (per data shard), so no request waits for pages or is preempted; step_token_budget,
-    decode_steps: as for ServingEngine."""
+    (per data shard), so no request waits for pages or is preempted; or, given cache_bytes, the
+    pages that many bytes hold in the kv_cache_dtype layout (`pool_pages`: the FP8 layout's
+    pages are smaller, so the same bytes admit more tokens; requests wait for pages then).
+    step_token_budget, decode_steps, kv_cache_dtype: as for ServingEngine."""
     if slots < 1:
         raise ValueError(f"max_batch must be >= 1, got {slots}")
     shards = 1 if mesh is None else mesh.shape.get("data", 1)
-    per_shard = -(-slots // shards) * -(-longest // page_size) + 1
-    return ServingEngine(model, slots=slots, num_pages=shards * per_shard, page_size=page_size,
+    if cache_bytes is None:
+        num_pages = shards * (-(-slots // shards) * -(-longest // page_size) + 1)
+    else:
+        num_pages = pool_pages(model.cfg, cache_bytes, page_size, kv_cache_dtype, shards)
+    return ServingEngine(model, slots=slots, num_pages=num_pages, page_size=page_size,
                          max_context=max_context, prefill_chunk=prefill_chunk,
                          step_token_budget=step_token_budget, kernels=kernels, mesh=mesh, collective=collective,
-                         decode_steps=decode_steps)
+                         decode_steps=decode_steps, kv_cache_dtype=kv_cache_dtype)
+
+
+def pool_pages(cfg, cache_bytes: int, page_size: int, kv_cache_dtype: str = "auto", shards: int = 1) -> int:
+    """The pages of a pool of at most cache_bytes (whole pages of page_size tokens in the
+    kv_cache_dtype layout, `cache.page_bytes`; a multiple of the data shards). ValueError if
+    that leaves a shard fewer than 2 pages (one is scratch)."""
+    size = page_bytes(cfg, page_size, store_dtype(kv_cache_dtype))
+    pages = int(cache_bytes) // size // shards * shards
+    if pages < 2 * shards:
+        raise ValueError(f"a KV cache of {cache_bytes} bytes holds {int(cache_bytes) // size} pages of {size} bytes "
+                         f"({page_size} tokens, {kv_cache_dtype}); the pool needs at least {2 * shards}")
+    return pages
 
 
 def build_engine(model, *, slots: int, page_size: int, max_context: int, prefill_chunk: int,
                  step_token_budget: int | None = None, decode_steps: int = 1, **placement):
     """A ServingEngine whose pool holds every slot at the full context at once (so no request
-    is ever preempted for pages); step_token_budget, decode_steps: as for ServingEngine."""
+    is ever preempted for pages), or the pages of placement's cache_bytes (`engine_with_room`);
+    step_token_budget, decode_steps: as for ServingEngine."""
     return engine_with_room(model, slots=slots, longest=max_context + prefill_chunk, max_context=max_context,
                             prefill_chunk=prefill_chunk, page_size=page_size, step_token_budget=step_token_budget,
                             decode_steps=decode_steps, **placement)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from glm_jax import ops
+from glm_jax.cache.fp8 import KV_CACHE_DTYPES, check_fp8_impls, store_dtype
 from glm_jax.kernel_configs import configured
 from glm_jax.decoding.sampling import SamplingError, SamplingParams
 from glm_jax.settings import FrozenDict, Settings, SettingError, impl_choices, setting
@@ -50,6 +51,12 @@ class DecodeConfig(Settings):
                                 help="the lightning indexer's kernels (scores and top-k)")
     kernel_config: FrozenDict = setting(FrozenDict(), help="group -> field -> value (the command line's "
                                                            "--kernel-config GROUP.FIELD=VALUE items)")
+    # Checked in __post_init__ (not as tyro choices) so that a bad value is refused in one line.
+    kv_cache_dtype: str = setting("auto", metavar="{" + ",".join(KV_CACHE_DTYPES) + "}",
+                                  help="the KV cache's rows: auto (the model's dtype), bf16, or fp8 (e4m3 latent "
+                                       "values with a float32 scale per 128, bf16 RoPE part, e4m3 indexer keys: "
+                                       "quantized per token when written, 1.77x the tokens per byte at GLM-5.2's "
+                                       "shape; docs/serving.md)")
     batch_invariant: bool = setting(False, help="give each prompt the tokens it gets alone, whatever its batch, "
                                                 "chunk size or speculation: every token computed in row chunks of "
                                                 "one shape (glm_jax.ops.KernelChoice; its cost: "
@@ -63,6 +70,12 @@ class DecodeConfig(Settings):
     def __post_init__(self) -> None:
         super().__post_init__()
         self.sampling()               # its rules are SamplingParams'
+        try:
+            store_dtype(self.kv_cache_dtype)          # one of KV_CACHE_DTYPES
+            if self.kv_cache_dtype == "fp8":
+                check_fp8_impls(self.attention_impl, self.indexer_impl)
+        except ValueError as e:
+            raise SettingError(str(e)) from None
 
     def sampling(self) -> SamplingParams:
         try:

@@ -123,20 +123,22 @@ class ServingEngine(DecodeRuntime):
     pages too); cuda_graphs: on a GPU, compile the programs to replay as CUDA graphs, loops and
     conditionals included (`programs.compiler_options`: the host launches a step as a
     few graphs instead of kernel by kernel); decode_steps: the most decode steps one call runs
-    (1..page_size; blocks, see the module docstring)."""
+    (1..page_size; blocks, see the module docstring); kv_cache_dtype: the pool's rows, "auto"
+    (the model's dtype), "bf16" or "fp8" (`DecodeRuntime`; `pool.describe()` names it)."""
 
     def __init__(self, model, *, slots: int, num_pages: int, page_size: int, max_context: int,
                  prefill_chunk: int = 64, step_token_budget: int | None = None,
                  kernels: ops.KernelChoice = ops.KernelChoice(), mesh=None, collective: str = "permute",
-                 cuda_graphs: bool = True, decode_steps: int = 1):
+                 cuda_graphs: bool = True, decode_steps: int = 1, kv_cache_dtype: str = "auto"):
         if isinstance(decode_steps, bool) or not isinstance(decode_steps, (int, np.integer)) \
                 or not 1 <= decode_steps <= page_size:
             raise ValueError(f"decode_steps must be an integer from 1 to the page size {page_size} (a block of "
                              f"steps crosses at most one page boundary), got {decode_steps!r}")
         super().__init__(model, batch=slots, max_len=max_context, prefill_chunk=prefill_chunk, kernels=kernels,
-                         mesh=mesh, collective=collective, cuda_graphs=cuda_graphs)
+                         mesh=mesh, collective=collective, cuda_graphs=cuda_graphs, kv_cache_dtype=kv_cache_dtype)
         shards = 1 if mesh is None else mesh.shape.get("data", 1)
-        self.pool = PagePool(self.cfg, num_pages=num_pages, page_size=page_size, data_shards=shards)
+        self.pool = PagePool(self.cfg, num_pages=num_pages, page_size=page_size, data_shards=shards,
+                             dtype=self.cache_dtype)
         self.step_token_budget = step_token_budget
         self.decode_steps = int(decode_steps)
         # The prefill chunk of a step in which some slot decodes (prefill_chunk without a budget).

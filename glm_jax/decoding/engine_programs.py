@@ -148,7 +148,7 @@ def engine_programs(layout: ParamLayout, kernels: ops.KernelChoice, data_shards:
     def scratch_pages(cache: KVCache, rows: int) -> jnp.ndarray:
         """int32 [rows]: the scratch page of each row's data shard (row r of `rows` is in shard r * shards // rows)."""
         shard = jnp.arange(rows, dtype=jnp.int32) * data_shards // rows
-        return shard * (cache.latent.shape[1] // data_shards)
+        return shard * (cache.num_pages // data_shards)
 
     @functools.partial(jit, options=options, donate_argnames=("cache", "slots"), static_argnames=("steps",),
                        **decode_out)

@@ -50,12 +50,11 @@ class Generator(DecodeRuntime):
     """Holds one model; generates for a batch of prompts (of any lengths) from a fresh cache."""
 
     def __init__(self, model, *, batch: int = 1, max_len: int | None = None, prefill_chunk: int = 256,
-                 block_size: int = 16, kernels: ops.KernelChoice = ops.KernelChoice(), cache_dtype=None,
+                 block_size: int = 16, kernels: ops.KernelChoice = ops.KernelChoice(), kv_cache_dtype: str = "auto",
                  mesh: Mesh | None = None, collective: str = "permute", cuda_graphs: bool = False):
         super().__init__(model, batch=batch, max_len=max_len, prefill_chunk=prefill_chunk, kernels=kernels,
-                         mesh=mesh, collective=collective, cuda_graphs=cuda_graphs)
+                         mesh=mesh, collective=collective, cuda_graphs=cuda_graphs, kv_cache_dtype=kv_cache_dtype)
         self.block_size = block_size
-        self.cache_dtype = cache_dtype
         self.stats = DecodeStats()      # compile_s: the first decode block, which compiles the decode program
 
     def generate(self, prompt_ids: np.ndarray, *, max_new_tokens: int, sampling: SamplingParams = GREEDY,
@@ -70,7 +69,7 @@ class Generator(DecodeRuntime):
         # Room for whole prefill chunks and whole decode blocks (their padding rows are written).
         need = max(round_up(p, self.prefill_chunk), p + round_up(max_new_tokens, self.block_size))
         cache_len = self.cache_rows(need)
-        cache = self.new_cache(b, cache_len, self.cache_dtype)
+        cache = self.new_cache(b, cache_len)
 
         t0 = time.perf_counter()
         logits, _, cache, _ = self.prefill(cache, padded, lengths, progress)

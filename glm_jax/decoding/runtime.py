@@ -24,6 +24,7 @@ from jax.sharding import Mesh
 
 from glm_jax import ops
 from glm_jax.cache import KVCache, LayerSplit, create_cache, shard_cache
+from glm_jax.cache.fp8 import layout_of, resolve_cache_dtype
 from glm_jax.decoding.prefill import prefill_chunk
 from glm_jax.decoding.programs import Options, Program, compiler_options, flat_params
 from glm_jax.decoding.sampling import SamplingParams
@@ -96,12 +97,16 @@ class DecodeRuntime:
     split model, the batch size, the context check, the placement on a device mesh (params by
     the logical-axis rules; with a `layer` axis > 1 the target cache is LayerSplit across it),
     the cache, the prefill, and the programs' XLA options (`program`: on a GPU with cuda_graphs,
-    CUDA graphs, loops included: `programs.compiler_options`)."""
+    CUDA graphs, loops included: `programs.compiler_options`); kv_cache_dtype: the cache's rows,
+    "auto" (the model's dtype), "bf16" or "fp8" (`cache.fp8`: quantized when written, read by the
+    kernels), refused in one line where the model or a named kernel cannot take it."""
 
     def __init__(self, model, *, batch: int, max_len: int | None, prefill_chunk: int,
                  kernels: ops.KernelChoice, mesh: Mesh | None = None, collective: str = "permute",
-                 cuda_graphs: bool = False, mtp: bool = False):
+                 cuda_graphs: bool = False, mtp: bool = False, kv_cache_dtype: str = "auto"):
         self.cfg = model.cfg
+        self.cache_dtype = resolve_cache_dtype(self.cfg, kv_cache_dtype, attention=kernels.attention,
+                                               indexer=kernels.indexer)
         # XLA options of the programs: on a GPU with cuda_graphs, CUDA graphs (`programs`)
         self.options = compiler_options(jax.default_backend(), cuda_graphs)
         self.graphdef, self.state = nnx.split(model)
@@ -133,9 +138,15 @@ class DecodeRuntime:
         return round_up(need, CACHE_ROWS)
 
     def new_cache(self, batch: int, cache_len: int, dtype=None) -> KVCache:
-        """An empty target cache, LayerSplit and placed on the mesh when there is one."""
-        cache = create_cache(self.cfg, batch, cache_len, dtype, split=self.split)
+        """An empty target cache, LayerSplit and placed on the mesh when there is one; dtype: its
+        rows' (None: the runtime's kv_cache_dtype)."""
+        cache = create_cache(self.cfg, batch, cache_len, dtype or self.cache_dtype, split=self.split)
         return committed(cache) if self.mesh is None else shard_cache(cache, self.mesh)
+
+    @property
+    def cache_layout(self) -> str:
+        """The cache's layout in words: "fp8", or its dtype's name ("bfloat16", "float32")."""
+        return layout_of(self.cfg, self.cache_dtype)
 
     def put(self, x, names: tuple[str | None, ...] | None = None):
         """A host value as a device array; on a mesh a global array, split by the logical `names`

@@ -133,7 +133,7 @@ class SpeculativeGenerator(DecodeRuntime):
     def __init__(self, model, *, batch: int = 1, max_len: int | None = None, num_draft: int = 3,
                  kv_share: bool = True, verification: str = "rejection", prefill_chunk: int = 256,
                  kernels: ops.KernelChoice = ops.KernelChoice(), mesh=None, collective: str = "permute",
-                 cuda_graphs: bool = False):
+                 cuda_graphs: bool = False, kv_cache_dtype: str = "auto"):
         if model.mtp is None:
             raise ValueError("speculative decoding needs the model's MTP layer (num_nextn_predict_layers: 1)")
         if num_draft < 1:
@@ -141,7 +141,8 @@ class SpeculativeGenerator(DecodeRuntime):
         if verification not in VERIFICATION_RULES:
             raise ValueError(f"verification must be one of {VERIFICATION_RULES}, got {verification!r}")
         super().__init__(model, batch=batch, max_len=max_len, prefill_chunk=prefill_chunk, kernels=kernels,
-                         mesh=mesh, collective=collective, cuda_graphs=cuda_graphs, mtp=True)
+                         mesh=mesh, collective=collective, cuda_graphs=cuda_graphs, mtp=True,
+                         kv_cache_dtype=kv_cache_dtype)
         self.num_draft, self.kv_share, self.verification = num_draft, kv_share, verification
         self.stats = DecodeStats()
 
@@ -154,7 +155,7 @@ class SpeculativeGenerator(DecodeRuntime):
         k, chunk = self.num_draft, self.prefill_chunk
         cache_len = self.cache_rows(max(round_up(p, chunk), p + max_new_tokens + 2 * (k + 1)))
         cache = self.new_cache(b, cache_len)
-        mtp_cache = self.put_replicated(create_mtp_cache(self.cfg, b, cache_len))
+        mtp_cache = self.put_replicated(create_mtp_cache(self.cfg, b, cache_len, self.cache_dtype))
         t0 = time.perf_counter()
         logits, hidden, cache, mtp_cache = self.prefill(cache, padded, lengths, progress, mtp_cache)
         logits.block_until_ready()

@@ -174,7 +174,8 @@ def _decode(args, settings: DecodeConfig) -> int:
 
 
 def _header(gen, model, source, ids, settings: DecodeConfig) -> str:
-    """The line that says what a generator decodes: model, prompts, plain or speculative, mesh."""
+    """The line that says what a generator decodes: model, prompts, plain or speculative, mesh,
+    the cache's layout."""
     from glm_jax.decoding.speculative import SpeculativeGenerator
 
     mode = f"speculative, K={gen.num_draft}, KVShare {'on' if gen.kv_share else 'off'}" \
@@ -182,7 +183,7 @@ def _header(gen, model, source, ids, settings: DecodeConfig) -> str:
     where = f"; mesh {settings.mesh}" + (" (KV cache LayerSplit)" if gen.split is not None else "") \
         if settings.mesh else ""
     return (f"model {model.cfg.name} from {source.path}; {len(ids)} prompt(s), {sum(map(len, ids))} tokens; "
-            f"{mode} decoding{where}")
+            f"{mode} decoding{where}; KV cache {gen.cache_layout}")
 
 
 def _prompt_shown(args):
@@ -241,6 +242,8 @@ def _load_tokenizer(directory, load_tokenizer):
 
 def _compile_only(args) -> int:
     """Compile one decode step for a TPU slice from abstract params and report per-chip memory."""
+    if args.settings.kv_cache_dtype != "auto":
+        raise cli.UserError("--compile-only compiles the cache in the model's dtype; leave out --kv-cache-dtype")
     cli.choose_platforms()          # no TPU runtime needed: the compiler comes from libtpu itself
     from glm_jax.aot import compile_decode_step, default_mesh_spec, memory_report, topology_devices
     from glm_jax.config import load_config

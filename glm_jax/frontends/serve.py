@@ -47,6 +47,7 @@ def serve(args, settings: DecodeConfig, serving: ServeConfig) -> int:
         engine = build_engine(model, slots=serving.slots, page_size=serving.page_size, max_context=max_context,
                               prefill_chunk=settings.prefill_chunk, step_token_budget=serving.step_token_budget,
                               decode_steps=settings.decode_steps, kernels=settings.kernels(),
+                              kv_cache_dtype=settings.kv_cache_dtype, cache_bytes=serving.kv_cache_memory_bytes,
                               mesh=make_mesh(settings.mesh) if settings.mesh else None, collective=settings.collective)
     app = make_app(engine, tokenizer, model_name=model.cfg.name, max_context=max_context,
                    stop_token=end_of_text_token(model.cfg, tokenizer))
@@ -54,4 +55,4 @@ def serve(args, settings: DecodeConfig, serving: ServeConfig) -> int:
     blocks = "" if settings.decode_steps == 1 else f", up to {settings.decode_steps} decode steps per call"
     return run_server(app, host=serving.host, port=serving.port,
                       about=f"{model.cfg.name} from {source.path}, {serving.slots} slots, context {max_context} "
-                            f"tokens{budget}{blocks}")
+                            f"tokens{budget}{blocks}; {engine.pool.describe()}")

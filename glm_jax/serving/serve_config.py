@@ -17,6 +17,11 @@ class ServeConfig(Settings):
     port: int = setting(8000, at_least=0, at_most=65535, help="port to listen on (0: any free one)")
     slots: int = setting(DEFAULT_SLOTS, at_least=1, flag="--max-batch", cli=False)   # decode.py's --max-batch
     page_size: int = setting(16, at_least=1, help="cache rows per page of the engine's pool")
+    kv_cache_memory_bytes: int | None = setting(
+        None, at_least=1, metavar="BYTES",
+        help="the engine's KV cache pool: the whole pages this many bytes hold in the --kv-cache-dtype layout (fp8 "
+             "pages are 1.77x smaller at GLM-5.2's shape, so more requests are admitted); requests then wait for "
+             "pages (default: every slot at the full context)")
     step_token_budget: int | None = setting(None, at_least=1, metavar="N",
                                             help="at most N tokens (prefill + decode) per engine step while requests "
                                                  "decode: bounds their inter-token latency, lengthens long prompts' "
