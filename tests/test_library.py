@@ -81,8 +81,10 @@ def test_settings_and_layer_constructors_check_their_arguments():
         AttentionSettings(form="flash")
     with pytest.raises(ValueError, match=r"max_segments must be a positive int or None, got 0"):
         AttentionSettings(max_segments=0)
-    with pytest.raises(ValueError, match=r"KernelChoice.attention='flash': valid choices are 'auto', 'reference'"):
-        KernelChoice(attention="flash")
+    with pytest.raises(ValueError, match=r"KernelChoice sparse_mla='flash': valid choices are 'auto', 'reference'"):
+        KernelChoice(sparse_mla="flash")
+    with pytest.raises(ValueError, match=r"KernelChoice: unknown op 'attention'; the ops are sparse_mla, indexer_topk"):
+        KernelChoice(attention="xla")
     cfg = load_config("tiny-attention")
     full, shared = LayerKind(is_full=True, is_moe=False), LayerKind(is_full=False, is_moe=False)
     with pytest.raises(ValueError, match=r"IndexShareGroup: a group is one Full layer followed by Shared ones"):

@@ -11,9 +11,10 @@ against 1,152 in bf16); per token and Full layer an indexer key is D e4m3 + one 
 from __future__ import annotations
 
 from glm_jax.config import GLMConfig
-from pallas_kernels import fp8
-from pallas_kernels.fp8 import (Fp8Keys, Fp8Latent, dequantize, is_fp8, quantize_keys, quantize_latent,
-                                write_rows)
+from glm_jax.ops import fp8
+
+Fp8Keys, Fp8Latent, dequantize, is_fp8 = fp8.Fp8Keys, fp8.Fp8Latent, fp8.dequantize, fp8.is_fp8
+quantize_keys, quantize_latent, write_rows = fp8.quantize_keys, fp8.quantize_latent, fp8.write_rows
 
 __all__ = ["LAYOUTS", "Fp8Keys", "Fp8Latent", "dequantize", "is_fp8", "quantize_keys", "quantize_latent",
            "write_rows", "latent_row_bytes", "key_row_bytes", "bytes_per_token", "page_bytes", "pages_that_fit",
