@@ -7,6 +7,7 @@ imports without them, and runs the docs page's example on 4 simulated CPU device
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import re
 import subprocess
@@ -61,6 +62,15 @@ def test_the_core_is_lean_and_each_optional_package_has_its_extra():
     user_facing = set(extras) - {"all", "dev", "tpu", "gpu"}
     assert set().union(*(_requirements(extras, e) for e in user_facing)) <= _requirements(extras, "all")
     assert _requirements(extras, "all") | {"pytest"} <= _requirements(extras, "dev")
+
+
+def test_the_wheel_holds_the_library_and_not_the_lab():
+    """The packages setuptools finds are glm_jax and pallas_kernels: lab/ (kernels no `impl`
+    selects) and the scripts' folders stay out of the wheel."""
+    include = _project()["tool"]["setuptools"]["packages"]["find"]["include"]
+    tops = {p.name for p in ROOT.iterdir() if (p / "__init__.py").exists()}
+    assert {"lab", "glm_jax", "pallas_kernels"} <= tops
+    assert {t for t in tops if any(fnmatch.fnmatch(t, pattern) for pattern in include)} == {"glm_jax", "pallas_kernels"}
 
 
 def test_presets_ship_as_package_data_and_load_by_name():

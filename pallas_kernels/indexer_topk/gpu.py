@@ -173,4 +173,3 @@ def _topk(q, weights, scores_fn, num_keys: int, *, topk, q_pos, kv_start, config
                            scores_fn=functools.partial(scores_fn, config=config, interpret=interpret),
                            select_fn=functools.partial(select_topk, config=config, interpret=interpret),
                            q_chunk=chunk)
-

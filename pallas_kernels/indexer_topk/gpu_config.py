@@ -19,17 +19,18 @@ BLOCK = 2048
 
 
 def next_pow2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1)."""
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
 def kernel_params(num_warps: int, num_stages: int = 1):
+    """The Triton compiler parameters of one kernel."""
     return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-
 
 
 @dataclasses.dataclass(frozen=True)
 class ScoreTiling:
-    """How the score kernel tiles its work (see the module docstring)."""
+    """How the score kernel tiles its work (see `gpu_scores`)."""
     block_q: int        # queries per program
     block_t: int        # keys per matmul
     num_warps: int
@@ -44,7 +45,6 @@ def score_tiling(seq_len: int, heads: int) -> ScoreTiling:
         return ScoreTiling(next_pow2(seq_len), 128, 4, False)
     hp = max(16, next_pow2(heads))
     return ScoreTiling(max(1, min(8, 256 // hp)), 64, 8, True)
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,4 +83,3 @@ class IndexerGpuConfig:
         fixed = {f.name: getattr(self, f.name) for f in dataclasses.fields(ScoreTiling)}
         return dataclasses.replace(score_tiling(seq_len, heads),
                                    **{k: v for k, v in fixed.items() if v is not None})
-

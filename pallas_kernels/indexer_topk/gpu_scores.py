@@ -130,7 +130,6 @@ def query_layout(q, weights, q_pos, kv_start, block_q):
     return q.reshape(batch, sp * hp, dp), w.reshape(batch, sp * hp), pos, start, hp, dp
 
 
-
 def scores(q, k, weights, *, q_pos, kv_len, kv_start=None, config: IndexerGpuConfig = IndexerGpuConfig(),
            interpret: bool = False):
     """q [B, S, H, D], k [B, T, D], weights f32 [B, S, H], q_pos int32 [B, S], kv_len int32 [B],
@@ -188,4 +187,3 @@ def _scores(q, weights, keys: tuple, num_keys: int, *, q_pos, kv_len, kv_start, 
         name="indexer_scores" if page_size is None else "paged_indexer_scores",
     )(qf, w, pos, start, jnp.asarray(kv_len, jnp.int32), *keys)
     return out[:, :seq_len]
-

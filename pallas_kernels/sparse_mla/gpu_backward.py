@@ -108,7 +108,6 @@ def key_index(indices: jax.Array, num_keys: int, *, dk: int, block_rows: int | N
     return tr.key_bitmap(indices, num_keys, block_rows=int(block_rows or default_block_rows(dk)))
 
 
-
 def _settings(kv, heads, block_k, fuse_dq, num_warps, num_stages):
     """(block_k, fuse_dq, num_warps, num_stages, wide) defaults of the query-major kernels."""
     wide = jnp.dtype(kv.dtype).itemsize >= 4

@@ -118,4 +118,3 @@ def keys_call(kv, q, do, lse, delta, kmap: tr.KeyBitmap, *, sm_scale, v_dim, col
         compiler_params=kernel_params(num_warps, num_stages), interpret=interpret, name="sparse_mla_bwd_keys",
     )(kv.reshape(batch * num_keys, dk), flat(q), flat(do), flat(lse), flat(delta), kmap.bits, kmap.spans)
     return dkv.reshape(batch, num_keys, dk)
-

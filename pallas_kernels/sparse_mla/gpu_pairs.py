@@ -236,4 +236,3 @@ def reduce_call(contrib, offsets, dkv, *, block, num_warps, interpret, evict=Fal
         input_output_aliases={len(args) - 1: 0}, compiler_params=kernel_params(num_warps, 2),
         interpret=interpret, name="sparse_mla_bwd_reduce",
     )(*args)
-

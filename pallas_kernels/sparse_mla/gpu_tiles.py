@@ -131,4 +131,3 @@ def slot_block(idx_ref, r, k0, block_k, topk, num_keys, base):
         idx = plgpu.load(idx_ref.at[r, k], mask=k < topk, other=-1)
     valid = (idx >= 0) & (idx < num_keys)
     return valid, jnp.where(valid, base + idx, base)
-
