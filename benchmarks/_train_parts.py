@@ -195,7 +195,7 @@ def moe_part(cfg, recipe, bw, mm):
     return cases, (max(flops / mm, moved / bw), "expert matmuls (k of E per token) or the token copies")
 
 
-def dense_kl_part(cfg, recipe, bw, mm):
+def dense_indexer_kl_part(cfg, recipe, bw, mm):
     """One IndexShare group's dense-stage indexer KL (its 4 layers' head-summed attention against
     the indexer over every earlier key), forward + backward into the indexer's inputs."""
     from glm_jax.layers.decoder import head_summed_target, indexer_kl
@@ -244,7 +244,7 @@ def dense_kl_part(cfg, recipe, bw, mm):
 
 
 PARTS = {"embedding": embedding_part, "lm head CE": head_part, "MTP depth CE + TV": mtp_head_part,
-         "MoE (routed)": moe_part, "dense-stage indexer KL (a group of 4 layers)": dense_kl_part}
+         "MoE (routed)": moe_part, "dense-stage indexer KL (a group of 4 layers)": dense_indexer_kl_part}
 
 
 

@@ -65,7 +65,7 @@ for cfg in "64 2" "32 3" "32 4"; do
   set -- $cfg
   echo "  forward block_k=$1 stages=$2: $(( 64 * 1152 + $2 * $1 * 1152 + 64 * ($1 + 8) * 2 + 6 * 64 * 4 + $2 * $1 )) bytes of dynamic shared memory (of 232448)"
 done
-# backward (DqLayout, DkvLayout in sparse_mla_bwd.cu): dq Q + dO + 2 x 32 gathered rows + dS
+# backward (DqLayout in sparse_mla_bwd_dq.cu, DkvLayout in sparse_mla_bwd_dkv.cu): dq Q + dO + 2 x 32 gathered rows + dS
 # [64][40] + lse, delta + valid flags; dkv 32 rows + 2 x (Q [32][576] + dO [32][512] + lse,
 # delta, counts) + P^T, dS^T [32][40] bf16 + the S, dP partials [2][4][32][40] f32
 echo "  dq: $(( 64 * 1152 + 64 * 1024 + 2 * 32 * 1152 + 64 * 40 * 2 + 2 * 64 * 4 + 2 * 32 )) bytes, dkv: $(( 32 * 1152 + 2 * (32 * 1152 + 32 * 1024 + 3 * 128) + 2 * 32 * 40 * 2 + 2 * 4 * 32 * 40 * 4 )) bytes of dynamic shared memory (of 232448)"

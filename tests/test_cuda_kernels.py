@@ -480,7 +480,7 @@ def _oracle_pairs(q, kv, dout, idx, lse, delta, scale):
 
 def test_warp_model_of_the_dq_kernel():
     """One dq CTA (query 1, 64 heads, K = 40: a full block of 32 and a padded one) replayed warp by
-    warp as sparse_mla_bwd.cu computes it, against the float64 contract."""
+    warp as sparse_mla_bwd_dq.cu computes it, against the float64 contract."""
     S, T, K = 2, 90, 40
     q, kv, dout, idx, lse, delta, scale = _model_inputs(1, S, T, K)
     want, _ = _oracle_pairs(q, kv, dout, idx, lse, delta, scale)
@@ -561,7 +561,7 @@ def test_warp_model_of_the_dq_kernel():
 
 def test_warp_model_of_the_dkv_kernel():
     """One dkv CTA (block 1 of 32 rows, T = 50: rows past T) walking its units of the key index
-    as sparse_mla_bwd.cu does, warp by warp, against the float64 contract."""
+    as sparse_mla_bwd_dkv.cu does, warp by warp, against the float64 contract."""
     S, T, K = 4, 50, 24
     q, kv, dout, idx, lse, delta, scale = _model_inputs(2, S, T, K)
     _, want = _oracle_pairs(q, kv, dout, idx, lse, delta, scale)

@@ -15,7 +15,7 @@ from flax import nnx
 
 import pallas_kernels as pk
 from conftest import ROOT, jaxpr_equations
-from kernel_contract import check_dense_indexer_kl, dense_kl_inputs
+from kernel_contract import check_dense_indexer_kl, dense_indexer_kl_inputs
 from glm_jax import ops
 from glm_jax.config import load_config
 from glm_jax.layers.decoder import head_summed_target, _Rows, indexer_kl
@@ -112,7 +112,7 @@ def test_pallas_kernels_equal_the_expanded_form(packed):
 def test_small_tiles_match_the_contract(impl, config):
     """The op's contract (test_kernel_contract.py) with tiles of 16: several query and key blocks,
     the last one padded."""
-    *arrays, kv_len, kv_start = dense_kl_inputs(4)
+    *arrays, kv_len, kv_start = dense_indexer_kl_inputs(4)
     check_dense_indexer_kl(impl, *arrays, sm_scale=0.2, kv_len=kv_len, kv_start=kv_start, shares=(0.5, 0.5),
                            config=config)
 

@@ -318,7 +318,7 @@ def forward(qs, latents, idx_q, idx_keys, idx_w, kv_len, kv_start, *, sm_scale: 
         kernel, grid=(batch, sp // config.block),
         out_shape=[vec, jax.ShapeDtypeStruct((len(qs), batch, sp, heads), jnp.float32), vec],
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
-        interpret=interpret, name="dense_kl_fwd",
+        interpret=interpret, name="dense_indexer_kl_fwd",
     )(*qs, *latents, idx_q, idx_keys, idx_w, kv_len.astype(jnp.int32), kv_start)
     return rows[:, :seq_len], lse[:, :, :seq_len], lse_s[:, :seq_len]
 
@@ -359,11 +359,11 @@ def backward(qs, latents, idx_q, idx_keys, idx_w, kv_len, kv_start, lse, lse_s, 
         functools.partial(_query_gradients_kernel, **statics), grid=grid,
         out_shape=[jax.ShapeDtypeStruct((batch, sp, index_heads, dip), jnp.float32),
                    jax.ShapeDtypeStruct((batch, sp, index_heads), jnp.float32)],
-        compiler_params=params, interpret=interpret, name="dense_kl_bwd_queries",
+        compiler_params=params, interpret=interpret, name="dense_indexer_kl_bwd_queries",
     )(*operands)
     dk = pl.pallas_call(
         functools.partial(_key_gradients_kernel, **statics), grid=grid,
         out_shape=jax.ShapeDtypeStruct((batch, sp, dip), jnp.float32),
-        compiler_params=params, interpret=interpret, name="dense_kl_bwd_keys",
+        compiler_params=params, interpret=interpret, name="dense_indexer_kl_bwd_keys",
     )(*operands, _query_block_ends(kv_start, config.block))
     return dq[:, :seq_len, :, :di], dk[:, :seq_len, :di], dw[:, :seq_len]

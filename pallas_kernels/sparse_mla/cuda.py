@@ -44,7 +44,7 @@ TARGETS = {"glm_sparse_mla_fwd": "GlmSparseMlaFwd", "glm_paged_sparse_mla_fwd": 
 DK, DV, HEAD_TILE = 576, 512, 64
 #: (block_k, stages) pairs compiled into the library; the first is the default.
 BLOCK_STAGES = ((64, 2), (32, 4), (32, 3))
-#: Latent rows per CTA of the CUDA dkv kernel (kKvRows in sparse_mla_bwd.cu) and so per block
+#: Latent rows per CTA of the CUDA dkv kernel (kKvRows in sparse_mla_bwd_dkv.cu) and so per block
 #: of the key index.
 KEY_BLOCK = 32
 #: The backward implementations `SparseMLACudaConfig.backward` takes.

@@ -1,6 +1,6 @@
 // Device helpers and host utilities shared by the sparse MLA kernels (sparse_mla_fwd.cu,
-// sparse_mla_bwd.cu): 16-byte cp.async gathers, the 576-wide swizzled row layout, ldmatrix,
-// mma.sync m16n8k16 (bf16 in, f32 accumulate), and the FFI error helpers.
+// sparse_mla_bwd_dq.cu, sparse_mla_bwd_dkv.cu): 16-byte cp.async gathers, the 576-wide swizzled
+// row layout, ldmatrix, mma.sync m16n8k16 (bf16 in, f32 accumulate), and the FFI error helpers.
 #pragma once
 
 #include <cuda_bf16.h>
