@@ -22,7 +22,7 @@ from jax import lax
 import pallas_kernels as pk
 from benchmarks._measure import bench, ceilings
 from benchmarks._report import failure, write_json
-from pallas_kernels.attention import gpu, gpu_backward as gb, transpose as tr
+from pallas_kernels.sparse_mla import gpu, gpu_backward as gb, gpu_keys, gpu_pairs, gpu_tiles, transpose as tr
 
 #: configs/default-py.yaml's attention: batch, sequence, heads, kv_lora + rope, kv_lora, top-k, layers.
 SHAPE = dict(batch=16, seq_len=4096, heads=8, dk=160, v_dim=128, topk=256, layers=12)
@@ -32,7 +32,7 @@ SCALE = 96 ** -0.5
 #: The HBM bandwidth the copy floor is counted at, by device kind (datasheet figures).
 NOMINAL_BW = {"H200": 4.8e12, "H100": 3.35e12}
 MODES = ("by_key", "sorted")
-#: Settings of the keys kernel timed by --sweep (gpu_backward.keys_call's).
+#: Settings of the keys kernel timed by --sweep (gpu_keys.keys_call's).
 SWEEP = [dict(block_rows=64, tile_cols=64, num_warps=4, num_stages=2, paired=True),
          dict(block_rows=64, tile_cols=64, num_warps=4, num_stages=3, paired=True),
          dict(block_rows=64, tile_cols=32, num_warps=4, num_stages=3, paired=True),
@@ -82,7 +82,7 @@ def attention(mode: str, v_dim: int, *, pad_heads: bool, interpret: bool):
     def fn(q, kv, idx):
         heads = q.shape[2]
         if pad_heads:
-            q = jnp.pad(q, ((0, 0), (0, 0), (0, gb.head_rows(heads) - heads), (0, 0)))
+            q = jnp.pad(q, ((0, 0), (0, 0), (0, gpu_tiles.head_rows(heads) - heads), (0, 0)))
         if mode == "xla":
             out, lse = pk.sparse_mla(q, kv, idx, sm_scale=SCALE, v_dim=v_dim, impl="xla")
         else:
@@ -195,13 +195,13 @@ def parts(shape, q, kv, idx, dout, *, reps, interpret) -> dict:
     timed("sorted_index_ms", sorted_index, idx)
     kmap, tindex = key_index(idx), sorted_index(idx)
     q2, do2, lse2, delta2, kv2, idx2 = gb.query_major(q, kv, idx, dout, lse, delta)
-    dq_rows = jax.jit(lambda *a: gb.pairs_call(*a, seq_len=shape["seq_len"], sm_scale=SCALE, block_k=64,
-                                               col_block=gb.DEFAULT_COL_BLOCK, fuse_dq=True, num_warps=4,
+    dq_rows = jax.jit(lambda *a: gpu_pairs.pairs_call(*a, seq_len=shape["seq_len"], sm_scale=SCALE, block_k=64,
+                                               col_block=gpu_tiles.DEFAULT_COL_BLOCK, fuse_dq=True, num_warps=4,
                                                num_stages=2, interpret=interpret))
     timed("dq_kernel_ms", dq_rows, q2, do2, lse2, delta2, kv2, idx2)
-    keys = jax.jit(lambda kv, q, do, lse, delta, km: gb.keys_call(
-        kv, q, do, lse, delta, km, sm_scale=SCALE, v_dim=v, col_block=gb.DEFAULT_COL_BLOCK,
-        tile_cols=gb.KEYS_TILE_COLS, num_warps=4, num_stages=2, interpret=interpret))
+    keys = jax.jit(lambda kv, q, do, lse, delta, km: gpu_keys.keys_call(
+        kv, q, do, lse, delta, km, sm_scale=SCALE, v_dim=v, col_block=gpu_tiles.DEFAULT_COL_BLOCK,
+        tile_cols=gpu_tiles.KEYS_TILE_COLS, num_warps=4, num_stages=2, interpret=interpret))
     timed("keys_kernel_ms", keys, kv, q, dout, lse, delta, kmap)
     by_key = jax.jit(lambda *a: gb.backward_by_key(*a[:6], sm_scale=SCALE, v_dim=v, tindex=a[6], interpret=interpret))
     timed("by_key_backward_ms", by_key, q, kv, idx, dout, lse, delta, kmap)
@@ -218,7 +218,7 @@ DQ_SWEEP = [dict(block_k=64, num_warps=4, num_stages=2), dict(block_k=64, num_wa
 
 def keys_flops(shape, kmap: tr.KeyBitmap, tile_cols: int) -> float:
     """Matmul FLOPs of the keys kernel: its visited tiles (spans) x 2 x slots x (2 Dk + 2 v)."""
-    slots = gb.query_slots(shape["heads"])
+    slots = gpu_tiles.query_slots(shape["heads"])
     tq = max(1, min(tr.WORD_BITS, tile_cols // slots))
     spans = np.asarray(kmap.spans)
     per_word = tr.WORD_BITS // tq
@@ -235,8 +235,8 @@ def sweep(shape, q, kv, idx, dout, *, interpret) -> None:
     delta = jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32), axis=-1)
     for cfg in SWEEP:
         kmap = gb.key_index(idx, kv.shape[1], dk=shape["dk"], block_rows=cfg["block_rows"])
-        fn = jax.jit(lambda kv, q, do, lse, delta, km, cfg=cfg: gb.keys_call(
-            kv, q, do, lse, delta, km, sm_scale=SCALE, v_dim=v, col_block=gb.DEFAULT_COL_BLOCK,
+        fn = jax.jit(lambda kv, q, do, lse, delta, km, cfg=cfg: gpu_keys.keys_call(
+            kv, q, do, lse, delta, km, sm_scale=SCALE, v_dim=v, col_block=gpu_tiles.DEFAULT_COL_BLOCK,
             tile_cols=cfg["tile_cols"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
             interpret=interpret, paired=cfg["paired"]))
         try:
@@ -247,8 +247,8 @@ def sweep(shape, q, kv, idx, dout, *, interpret) -> None:
             print(f"sweep keys kernel {cfg}: failed {failure(e)}", flush=True)
     args = gb.query_major(q, kv, idx, dout, lse, delta)
     for cfg in DQ_SWEEP:
-        fn = jax.jit(lambda *a, cfg=cfg: gb.pairs_call(*a, seq_len=shape["seq_len"], sm_scale=SCALE,
-                                                       col_block=gb.DEFAULT_COL_BLOCK, fuse_dq=True,
+        fn = jax.jit(lambda *a, cfg=cfg: gpu_pairs.pairs_call(*a, seq_len=shape["seq_len"], sm_scale=SCALE,
+                                                       col_block=gpu_tiles.DEFAULT_COL_BLOCK, fuse_dq=True,
                                                        interpret=interpret, **cfg))
         try:
             print(f"sweep dq kernel {cfg}: {bench(fn, *args, reps=5, inner=1) * 1e3:.3f} ms", flush=True)
@@ -297,7 +297,7 @@ def main(args) -> None:
     report["parts"] = parts(shape, q, kv, idx, dout, reps=args.reps, interpret=interpret)
     print(f"(ran {time.time() - t0:.0f} s)\n")
     print(f"## one layer (x{shape['layers']} layers per step); ms; old = the queries padded to "
-          f"{gb.head_rows(h)} heads in memory before the kernels (their data movement before), new = read "
+          f"{gpu_tiles.head_rows(h)} heads in memory before the kernels (their data movement before), new = read "
           "unpadded (both with this tree's chunk handling of 'sorted'; the code before, padded heads and "
           "sliced chunks, took 16.6 ms fwd+bwd on an H100)")
     print(f"copy floor (the {fl['row_bytes'] / 1e9:.2f} GB of selected rows at {nominal / 1e12:.2f} TB/s): "

@@ -19,7 +19,7 @@ from pathlib import Path
 PARTS = (
     ("sparse MLA kernels", r"sparse_mla"),
     ("indexer kernels", r"indexer|topk|top_k|threshold"),
-    ("dense attention (cuDNN / fused)", r"cudnn|flash|fmha|dot_product_attention|dense_kl"),
+    ("dense attention (cuDNN / fused)", r"cudnn|flash|fmha|dot_product_attention|dense_(indexer_)?kl"),
     ("vocabulary head and losses", r"head_losses|cross_entropy|linear_nll|lm_head|logsumexp"),
     ("embedding", r"embedding|embed"),
     ("MoE", r"moe|expert|ragged|router"),

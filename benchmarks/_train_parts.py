@@ -195,7 +195,7 @@ def moe_part(cfg, recipe, bw, mm):
     return cases, (max(flops / mm, moved / bw), "expert matmuls (k of E per token) or the token copies")
 
 
-def dense_kl_part(cfg, recipe, bw, mm):
+def dense_indexer_kl_part(cfg, recipe, bw, mm):
     """One IndexShare group's dense-stage indexer KL (its 4 layers' head-summed attention against
     the indexer over every earlier key), forward + backward into the indexer's inputs."""
     from glm_jax.layers.decoder import head_summed_target, indexer_kl
@@ -231,12 +231,12 @@ def dense_kl_part(cfg, recipe, bw, mm):
     cases = [("expanded: [B, H, S, S] float32 per layer", fwd_bwd(expanded, (0, 1, 2)), args),
              ("fused blockwise (XLA), tiles of 256", fwd_bwd(fused, (0, 1, 2)), args),
              ("fused blockwise (XLA), tiles of 512",
-              fwd_bwd(lambda *a: fused(*a, config=pk.DenseKLXlaConfig(block=512)), (0, 1, 2)), args)]
+              fwd_bwd(lambda *a: fused(*a, config=pk.DenseIndexerKLXlaConfig(block=512)), (0, 1, 2)), args)]
     if jax.default_backend() == "gpu":
         for tile in (64, 32, 16):
             cases.append((f"fused, Pallas GPU kernels (tiles of {tile})",
                           fwd_bwd(lambda *a, tile=tile: fused(*a, impl="pallas_gpu",
-                                                              config=pk.DenseKLGpuConfig(block=tile)), (0, 1, 2)),
+                                                              config=pk.DenseIndexerKLGpuConfig(block=tile)), (0, 1, 2)),
                           args))
     pairs = b * s * (s + 1) / 2
     flops = pairs * 2 * (layers * h * dk + 3 * hi * di)
@@ -244,7 +244,7 @@ def dense_kl_part(cfg, recipe, bw, mm):
 
 
 PARTS = {"embedding": embedding_part, "lm head CE": head_part, "MTP depth CE + TV": mtp_head_part,
-         "MoE (routed)": moe_part, "dense-stage indexer KL (a group of 4 layers)": dense_kl_part}
+         "MoE (routed)": moe_part, "dense-stage indexer KL (a group of 4 layers)": dense_indexer_kl_part}
 
 
 

@@ -29,7 +29,7 @@ import numpy as np
 import pallas_kernels as pk
 from benchmarks._measure import bench, ceilings
 from benchmarks._report import write_json
-from pallas_kernels.indexer import gpu as gpu_kernels
+from pallas_kernels.indexer_topk import gpu as gpu_kernels
 
 H, D, TOPK = 32, 128, 2048
 

@@ -13,7 +13,7 @@ forward and backward (8K queries, top-k 2048, 128K context) with FLOP rates; den
 at the same shapes where it runs, and the context above which sparse beats dense. Times are
 medians over repeats of a loop of calls, after a warm-up, each repeat ended by
 block_until_ready. `--paged-only` runs the ceilings and the paged decode alone, with the Mosaic
-GPU kernel (`pallas_kernels.experimental.mosaic_sparse_mla`, outside the registry) measured
+GPU kernel (`lab/mosaic_sparse_mla.py`, outside the package and the registry) measured
 beside the Triton one: its own table and JSON key "paged_decode_mosaic", each row with its
 largest difference from the Triton kernel's output (a failure to compile is a row with its
 error). `--mosaic-prefill` runs the ceilings and the prefill forward of both kernels.
@@ -144,14 +144,14 @@ def paged_decode(impl, config_type, interpret, bw, smoke, context):
 
 
 def mosaic_paged_decode(bw, smoke, context):
-    """The Mosaic GPU kernel (`experimental.mosaic_sparse_mla`) at the paged decode shapes, one row
+    """The Mosaic GPU kernel (`lab/mosaic_sparse_mla.py`) at the paged decode shapes, one row
     per (batch, config), in the same run as the Triton kernel's table above, each with its
     largest absolute difference from the Triton kernel's output on the same inputs; a config
     that fails to compile or run gets a row with its error's first line. In smoke mode (CPU)
     it runs in GPU interpret mode where this jax has one, else is skipped."""
-    from pallas_kernels.experimental import mosaic_sparse_mla
+    from lab import mosaic_sparse_mla
     T, K, page = (1024, 64, 16) if smoke else (context, 2048, 64)
-    print(f"\n## paged decode, Mosaic GPU kernel (experimental.mosaic_sparse_mla, outside the registry): the shapes above")
+    print(f"\n## paged decode, Mosaic GPU kernel (lab/mosaic_sparse_mla.py, outside the package): the shapes above")
     if smoke and not mosaic_sparse_mla.interpret_available():
         print("skipped: this jax has no Mosaic GPU interpret mode")
         return []
@@ -186,11 +186,11 @@ def mosaic_paged_decode(bw, smoke, context):
 
 def mosaic_prefill_forward(mm, smoke, queries, context, heads):
     """The prefill forward at one shape (1 x queries over `context` keys, top-2048): the Triton
-    kernel of the registry against the Mosaic GPU kernel (`experimental.mosaic_sparse_mla.sparse_mla`: a producer
+    kernel of the registry against the Mosaic GPU kernel (`lab/mosaic_sparse_mla.py`: a producer
     warpgroup gathering rows by TMA, two wgmma warpgroups), each as a share of the measured bf16
     matmul rate, with the Mosaic kernel's largest differences from the Triton kernel's out and
     lse; a config that fails is a row with its error's type and last line."""
-    from pallas_kernels.experimental import mosaic_sparse_mla
+    from lab import mosaic_sparse_mla
     S, T, K = (4, 256, 64) if smoke else (queries, context, 2048)
     q, kv, idx = inputs(jax.random.key(21), 1, S, T, K, heads=heads)
     flops = 2 * S * heads * K * (DK + DV)

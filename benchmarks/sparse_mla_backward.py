@@ -1,4 +1,4 @@
-"""Sparse MLA backward: the deterministic GPU backward (`attention.gpu_backward`) against the
+"""Sparse MLA backward: the deterministic GPU backward (`sparse_mla.gpu_backward`) against the
 GPU kernel's "by_key" dkv mode (`impl="pallas_gpu"`) and the XLA impl, next to the ceilings.
 
     PYTHONPATH=. python3 benchmarks/sparse_mla_backward.py --json out.json     # on a GPU
@@ -48,8 +48,8 @@ from benchmarks import _sparse_mla_default_py as default_py
 from benchmarks._report import failure, write_json
 from benchmarks._sparse_mla_default_py import grad_fn
 from benchmarks._measure import bench, ceilings
-from pallas_kernels.attention import gpu, gpu_backward as gb
-from pallas_kernels.attention import transpose as tr
+from pallas_kernels.sparse_mla import gpu, gpu_backward as gb, gpu_pairs, gpu_tiles
+from pallas_kernels.sparse_mla import transpose as tr
 
 DK, DV = 576, 512
 SCALE = 192 ** -0.5
@@ -80,7 +80,7 @@ def new_config(bwd_cfg):
 
 def impls(interpret, heads, bwd_cfg):
     """name -> sparse_mla(q, kv, idx) -> (out, lse). "pallas_gpu by_key": the other backward of
-    `attention.gpu.sparse_mla`; "new" is this backward ("sorted", `new_config`), which
+    `sparse_mla.gpu.sparse_mla`; "new" is this backward ("sorted", `new_config`), which
     `pk.sparse_mla(impl="pallas_gpu")` takes by default at these shapes."""
     common = dict(sm_scale=SCALE, v_dim=DV, interpret=interpret)
     out = {
@@ -129,7 +129,7 @@ def run_shape(name, S, T, K, heads, bw, mm, interpret, bwd_cfg, which, report, r
     q, kv, idx, dout = inputs(jax.random.key(S + heads), S, T, K, heads)
     fwd_flops = 2 * S * heads * K * (DK + DV)
     bwd_flops = 2 * S * heads * K * (3 * DK + 2 * DV)
-    fuse = bwd_cfg.get("fuse_dq", gb.head_rows(heads) <= gb.FUSED_DQ_MAX_HEADS)
+    fuse = bwd_cfg.get("fuse_dq", gpu_tiles.head_rows(heads) <= gpu_tiles.FUSED_DQ_MAX_HEADS)
     anyd, ours = bytes_floor(S, heads, K, T, fuse_dq=fuse)
     row = dict(shape=name, S=S, T=T, K=K, heads=heads, fwd_flops=fwd_flops, bwd_flops=bwd_flops,
                matmul_limit_bwd_ms=bwd_flops / mm * 1e3, bytes_any=anyd, bytes_new=ours,
@@ -180,7 +180,7 @@ def run_shape(name, S, T, K, heads, bw, mm, interpret, bwd_cfg, which, report, r
     grads.clear()
 
     # the new backward's parts: the transposed index (once per IndexShare group) and the kernels
-    chunk = tr.default_chunk_rows(S, K, DK, 2, bwd_cfg.get("budget", gb.DEFAULT_BUDGET))
+    chunk = tr.default_chunk_rows(S, K, DK, 2, bwd_cfg.get("budget", gpu_tiles.DEFAULT_BUDGET))
     build = jax.jit(functools.partial(tr.transpose_index, num_keys=T, chunk_rows=chunk))
     t_idx = bench(build, idx, reps=reps, inner=1) * 1e3
     tindex = build(idx)
@@ -207,7 +207,7 @@ def sweep(bw, mm, interpret, configs, shapes):
         q, kv, idx, dout = inputs(jax.random.key(1), S, T, K, heads)
         lse = jnp.zeros((1, S, heads), jnp.float32) + 9.0
         delta = jnp.zeros((1, S, heads), jnp.float32)
-        chunk = tr.default_chunk_rows(S, K, DK, 2, gb.DEFAULT_BUDGET)
+        chunk = tr.default_chunk_rows(S, K, DK, 2, gpu_tiles.DEFAULT_BUDGET)
         tindex = jax.jit(functools.partial(tr.transpose_index, num_keys=T, chunk_rows=chunk))(idx)
         flops = 2 * S * heads * K * (3 * DK + 2 * DV)
         for cfg in configs:
@@ -226,16 +226,16 @@ def parts(bw, mm, interpret, cfg, shape):
     name, S, T, K, heads = shape
     q, kv, idx, dout = inputs(jax.random.key(1), S, T, K, heads)
     cfg = dict(cfg)
-    chunk = tr.default_chunk_rows(S, K, DK, 2, cfg.pop("budget", gb.DEFAULT_BUDGET))
+    chunk = tr.default_chunk_rows(S, K, DK, 2, cfg.pop("budget", gpu_tiles.DEFAULT_BUDGET))
     tindex = jax.jit(functools.partial(tr.transpose_index, num_keys=T, chunk_rows=chunk))(idx)
-    fuse = cfg.get("fuse_dq", gb.head_rows(heads) <= gb.FUSED_DQ_MAX_HEADS)
-    bk = cfg.get("block_k", gb.DEFAULT_BLOCK_K)
-    col_block = cfg.get("col_block", gb.DEFAULT_COL_BLOCK)
+    fuse = cfg.get("fuse_dq", gpu_tiles.head_rows(heads) <= gpu_tiles.FUSED_DQ_MAX_HEADS)
+    bk = cfg.get("block_k", gpu_tiles.DEFAULT_BLOCK_K)
+    col_block = cfg.get("col_block", gpu_tiles.DEFAULT_COL_BLOCK)
     lse = jnp.zeros((1, S, heads), jnp.float32) + 9.0
     q2, do2, lse2, delta2, kv2, idx2 = gb.query_major(q, kv, idx, dout, lse, lse * 0)
     first_chunk = (jnp.zeros((1,), jnp.int32), chunk)
     dq0 = jnp.zeros(q2.shape, q.dtype)
-    pairs = jax.jit(lambda *a: gb.pairs_call(
+    pairs = jax.jit(lambda *a: gpu_pairs.pairs_call(
         *a[:6], seq_len=S, sm_scale=SCALE, block_k=bk, col_block=col_block, fuse_dq=fuse,
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 2 if fuse else 1), interpret=interpret,
         pos=a[6], chunk=first_chunk, dq=a[7] if fuse else None, contrib_dtype=jnp.bfloat16,
@@ -249,13 +249,13 @@ def parts(bw, mm, interpret, cfg, shape):
     line = (f"parts ({name}) {cfg}: chunk {chunk} rows x {n}: pairs kernel {t_pairs * 1e3:.2f} ms/chunk "
             f"({pair_bytes / t_pairs / 1e12:.2f} TB/s gathered + written)")
     if not fuse:
-        dq = jax.jit(lambda *a: gb.dq_call(*a, first_chunk, seq_len=S, block_k=bk, col_block=col_block,
+        dq = jax.jit(lambda *a: gpu_pairs.dq_call(*a, first_chunk, seq_len=S, block_k=bk, col_block=col_block,
                                            num_warps=cfg.get("dq_warps", 8), num_stages=cfg.get("dq_stages", 2),
                                            interpret=interpret))
         t_dq = bench(dq, first, kv2, idx2, dq0, reps=5, inner=1)
         out["dq_ms"] = t_dq * 1e3
         line += f"; dq kernel {t_dq * 1e3:.2f} ms ({chunk * K * DK * 2 / t_dq / 1e12:.2f} TB/s gathered)"
-    red = jax.jit(lambda c, f, d: gb.reduce_call(c, f, d, block=cfg.get("reduce_block", 32),
+    red = jax.jit(lambda c, f, d: gpu_pairs.reduce_call(c, f, d, block=cfg.get("reduce_block", 32),
                                                  num_warps=cfg.get("reduce_warps", 4),
                                                  interpret=interpret, evict=cfg.get("evict", False)))
     dkv0 = jnp.zeros((T, DK), jnp.float32)

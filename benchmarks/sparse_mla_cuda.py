@@ -1,4 +1,4 @@
-"""The CUDA sparse MLA kernels (impl="cuda", pallas_kernels/attention/cuda.py): check and benchmark
+"""The CUDA sparse MLA kernels (impl="cuda", pallas_kernels/sparse_mla/cuda.py): check and benchmark
 on one GPU, in one run.
 
     scripts/build_cuda_kernels.sh        # once: build/cuda/libglm_sparse_mla.so
@@ -60,7 +60,7 @@ import numpy as np
 import pallas_kernels as pk
 from benchmarks._measure import ceilings
 from benchmarks._report import device_kind, write_json
-from pallas_kernels.attention import cuda
+from pallas_kernels.sparse_mla import cuda
 
 H, DK, DV = 64, 576, 512
 SCALE = DK ** -0.5
@@ -384,7 +384,7 @@ def backward_bitwise():
 
 def bwd_timing(report, json_path, smoke):
     """The backward at GLM-5.2's shape: CUDA against Pallas GPU (module docstring)."""
-    from pallas_kernels.attention import gpu, gpu_backward
+    from pallas_kernels.sparse_mla import gpu, gpu_backward
 
     res = {}
     mm = (report.get("timing") or {}).get("matmul_tflops")

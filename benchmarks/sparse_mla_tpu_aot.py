@@ -32,8 +32,8 @@ from jax.experimental.layout import Format, Layout
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import pallas_kernels as pk
-from pallas_kernels.attention import tpu, tpu_backward
-from pallas_kernels.attention import transpose as tr
+from pallas_kernels.sparse_mla import tpu, tpu_backward
+from pallas_kernels.sparse_mla import transpose as tr
 
 TOPOLOGIES = ("v5p:2x2x1", "v6e:2x2", "tpu7x:2x2x1")
 HEADS, DK, DV, KEYS, TOPK = 16, 576, 512, 8192, 2048

@@ -36,7 +36,7 @@ import pallas_kernels
 from benchmarks._measure import bench, ceilings
 from benchmarks._report import Table, failure, write_json
 from pallas_kernels.chunking import choose_q_chunk, map_query_chunks
-from pallas_kernels.attention.xla import gather_rows
+from pallas_kernels.sparse_mla.xla import gather_rows
 
 HEADS, LATENT, VALUE, TOPK, INDEX_HEADS, INDEX_DIM = 16, 576, 512, 2048, 16, 128
 SCALE = 192 ** -0.5

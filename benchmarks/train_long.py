@@ -113,10 +113,10 @@ def main() -> None:
     for stage, impl, keep in runs:
         label = impl + (", attention kept" if keep else "")
         dense_kl = impl.rsplit(" ", 1)[-1] if "+ KL" in impl else None
-        kernels = ops.KernelChoice(attention=impl if stage == "sparse" else "auto",
-                                   dense_kl=dense_kl or "xla",
-                                   interpret=args.smoke and (impl.startswith("pallas") or impl.endswith("pallas_gpu")),
-                                   attention_config=sparse_config if impl == "pallas_gpu" else None)
+        kernels = ops.KernelChoice(sparse_mla=(impl if stage == "sparse" else "auto",
+                                               sparse_config if impl == "pallas_gpu" else None),
+                                   dense_indexer_kl=dense_kl or "xla",
+                                   interpret=args.smoke and (impl.startswith("pallas") or impl.endswith("pallas_gpu")))
         weights = LossWeights(indexer=1.0 if stage == "sparse" or dense_kl else 0.0, mtp=0.3)
         opt_state = tx.init(params)
         config = StepConfig(optimizer, stage=stage, weights=weights, kernels=kernels, remat=True,

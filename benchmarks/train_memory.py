@@ -65,14 +65,14 @@ def compiled_memory(cfg, seq_len: int, stage: str, *, batch: int = 1, packed: bo
     opt_state = jax.eval_shape(tx.init, params)
     tokens = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32)
     weights = LossWeights(indexer=1.0 if stage == "sparse" else 0.0, mtp=mtp)
-    kernels = ops.KernelChoice(attention=attention)
+    kernels = ops.KernelChoice(sparse_mla=attention)
     placed = contextlib.nullcontext()
     if tpu_chip is not None:
         on_chip = jax.sharding.SingleDeviceSharding(tpu_chip)
         params, rest, opt_state, tokens = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=on_chip), (params, rest, opt_state, tokens))
         tpu_impl = lambda impl: "pallas_tpu" if impl == "auto" else impl
-        kernels = ops.KernelChoice(attention=tpu_impl(attention), indexer="pallas_tpu")
+        kernels = ops.KernelChoice(sparse_mla=tpu_impl(attention), indexer_topk="pallas_tpu")
         # Mosaic reads the chip generation from the ambient mesh when no TPU is attached
         placed = jax.sharding.use_abstract_mesh(jax.sharding.Mesh(np.array([tpu_chip]), ("chip",)).abstract_mesh)
     t = time.perf_counter()

@@ -106,7 +106,7 @@ def time_step(variant: str, recipe: dict, reps: int, smoke: bool, trace_dir: str
     batch = real_batch(recipe, cfg.vocab_size, data=data, tokenizer_dir=params_dir)
     weights = LossWeights(indexer=1.0, mtp=recipe["mtp_weight"], mtp_depth=recipe["mtp_depth"],
                           tv=recipe["tv_weight"])
-    kernels = ops.KernelChoice(interpret=smoke, dense_kl=dense_kl)
+    kernels = ops.KernelChoice(interpret=smoke, dense_indexer_kl=dense_kl)
     if (stage, form) != ("dense", "absorbed"):
         max_segments = None
     elif max_segments is None:
@@ -315,7 +315,7 @@ def main() -> None:
     ap.add_argument("--profile", help="steps: also trace each variant (command buffers off) and summarize into this folder")
     ap.add_argument("--trace-dir", help=argparse.SUPPRESS)
     ap.add_argument("--dense-kl", default="xla", choices=["xla", "pallas_gpu"],
-                    help="steps: the dense stage's absorbed indexer KL (ops.KernelChoice.dense_kl)")
+                    help="steps: the dense stage's absorbed indexer KL (ops.KernelChoice's dense_indexer_kl)")
     ap.add_argument("--params", default=None, metavar="DIR",
                     help="steps: start from this model directory's weights and tokenizer (e.g. checkpoints/default: a "
                          "trained indexer's selections) instead of the initialisation")

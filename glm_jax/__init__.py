@@ -19,6 +19,7 @@ _EXPORTS = {
     "GLMModel": "glm_jax.model",
     "AttentionSettings": "glm_jax.layers.decoder",
     "KernelChoice": "glm_jax.ops",
+    "OpChoice": "glm_jax.ops",
 }
 
 __all__ = sorted(_EXPORTS)

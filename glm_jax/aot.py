@@ -72,7 +72,7 @@ def compile_decode_step(cfg: GLMConfig, *, topology: str, mesh_spec: str, batch:
     cache = _abstract(cache, formats)
     tokens = jax.ShapeDtypeStruct((batch, 1), jnp.int32,
                                   sharding=logical_sharding(mesh, ("batch", None), (batch, 1), "tokens"))
-    kernels = kernels or ops.KernelChoice(indexer="xla", attention="xla")
+    kernels = kernels or ops.KernelChoice(indexer_topk="xla", sparse_mla="xla")
 
     @functools.partial(jax.jit, donate_argnums=(1,), out_shardings=(None, formats))
     def step(state, cache, tokens):

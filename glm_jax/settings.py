@@ -97,9 +97,9 @@ def setting(default: Any = MISSING, *, default_factory: Any = MISSING, at_least:
 
 def impl_choices(op: str):
     """`choices` of a kernel setting: a function giving the implementations of pallas_kernels op
-    `op` (its registry; imports jax, so only a command line calls it)."""
+    `op` (its registry, through `glm_jax.ops`; imports jax, so only a command line calls it)."""
     def choices() -> tuple[str, ...]:
-        from pallas_kernels import impl_choices as registered
+        from glm_jax.ops import impl_choices as registered
 
         return tuple(registered(op))
     return choices

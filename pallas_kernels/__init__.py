@@ -41,12 +41,15 @@ All arithmetic is float32 internally; inputs may be bfloat16. Each op checks its
 tracing (`checks`: ranks, matching dimensions, integer indices / positions / lengths, float32
 weights, static arguments): one ValueError or TypeError naming the argument and what was expected.
 
-Implementations live in one folder per op family (indexer/, attention/ for sparse MLA,
-indexer_kl/ for the indexer's selected-set loss, dense/ for causal attention, dense_kl/ for the
-dense-stage indexer KL) and are listed in `registry.REGISTRY`, the one table from which
-the valid names, "auto", the command-line choices and the contract tests derive: adding an
-implementation is a module with the op's function and its config dataclass, plus one entry
-there (docs/kernels.md).
+Implementations live in one folder per op, named after it: sparse_mla/ (with its paged form
+and the CUDA sources), indexer_topk/ (with indexer_scores and the paged form),
+indexer_cross_entropy/, causal_attention/ and dense_indexer_kl/. Each folder's name is also
+the name of its public function here, which shadows the folder as an attribute of the package:
+import a folder's modules with `from pallas_kernels.sparse_mla import gpu`, not
+`pallas_kernels.sparse_mla.gpu`. Every implementation is listed in `registry.REGISTRY`, the
+one table from which the valid names, "auto", the command-line choices and the contract tests
+derive: adding an implementation is a module with the op's function and its config
+dataclass, plus one entry there (docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -57,14 +60,14 @@ import jax.numpy as jnp
 from pallas_kernels import checks, fp8, registry
 from pallas_kernels import paging
 from pallas_kernels._common import NoConfig, XlaConfig, start_or_zero
-from pallas_kernels.attention.gpu import SparseMLAGpuConfig
-from pallas_kernels.attention.tpu import SparseMLATpuConfig
-from pallas_kernels.dense import cudnn as _cudnn
-from pallas_kernels.dense_kl.gpu import DenseKLGpuConfig
-from pallas_kernels.dense_kl.xla import DenseKLXlaConfig
-from pallas_kernels.indexer.gpu import IndexerGpuConfig
-from pallas_kernels.indexer.tpu import IndexerTpuConfig
-from pallas_kernels.indexer_kl.gpu import IndexerKLGpuConfig
+from pallas_kernels.sparse_mla.gpu import SparseMLAGpuConfig
+from pallas_kernels.sparse_mla.tpu import SparseMLATpuConfig
+from pallas_kernels.causal_attention import cudnn as _cudnn
+from pallas_kernels.dense_indexer_kl.gpu import DenseIndexerKLGpuConfig
+from pallas_kernels.dense_indexer_kl.xla import DenseIndexerKLXlaConfig
+from pallas_kernels.indexer_topk.gpu import IndexerGpuConfig
+from pallas_kernels.indexer_topk.tpu import IndexerTpuConfig
+from pallas_kernels.indexer_cross_entropy.gpu import IndexerKLGpuConfig
 from pallas_kernels.registry import REGISTRY, impl_choices, resolve_impl
 
 __all__ = ["REGISTRY", "impl_choices", "resolve_impl", "indexer_scores", "indexer_topk", "sparse_mla",
@@ -72,7 +75,7 @@ __all__ = ["REGISTRY", "impl_choices", "resolve_impl", "indexer_scores", "indexe
            "indexer_cross_entropy", "causal_attention", "paged_indexer_topk", "paged_sparse_mla", "FP8_IMPLS",
            "NoConfig",
            "XlaConfig", "IndexerGpuConfig", "IndexerTpuConfig", "IndexerKLGpuConfig", "SparseMLAGpuConfig",
-           "SparseMLATpuConfig", "dense_indexer_kl", "DenseKLXlaConfig", "DenseKLGpuConfig"]
+           "SparseMLATpuConfig", "dense_indexer_kl", "DenseIndexerKLXlaConfig", "DenseIndexerKLGpuConfig"]
 
 #: The implementations of the paged ops that read FP8 stores (`pallas_kernels.fp8`).
 FP8_IMPLS = {"paged_sparse_mla": ("reference", "xla", "pallas_gpu"),
@@ -207,8 +210,8 @@ def sparse_mla_backward_index(indices: jax.Array, num_keys: int, *, dk: int, dty
         (and so the index) that sparse_mla will pick; without them, the sorted mode's.
 
     Returns:
-      A `attention.transpose.TransposedIndex` (dkv_mode "sorted", the TPU kernel), a
-      `attention.transpose.KeyBitmap` (pallas_gpu's "by_key"), or None where the implementation's
+      A `sparse_mla.transpose.TransposedIndex` (dkv_mode "sorted", the TPU kernel), a
+      `sparse_mla.transpose.KeyBitmap` (pallas_gpu's "by_key"), or None where the implementation's
       backward takes none (reference, xla): pass it on to
       sparse_mla.
     """
@@ -325,7 +328,7 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float,
         or None. The "cudnn" impl then runs cuDNN's packed kernel and builds no mask; the
         others use `mask`, or the segments' mask when mask is None.
       impl, config, interpret: see the package docstring; "auto" is "cudnn" on a GPU where
-        `dense.cudnn.supports` the dtype and head width, else "xla".
+        `causal_attention.cudnn.supports` the dtype and head width, else "xla".
 
     Returns:
       [B, S, N, d] in q.dtype: softmax over the visible keys t (t <= s, t < kv_len[b], and
@@ -373,7 +376,7 @@ def dense_indexer_kl(qs, latents, idx_q: jax.Array, idx_keys: jax.Array, idx_w: 
       no gradient reaches qs or latents.
     """
     qs, latents = tuple(qs), tuple(latents)
-    shares = checks.dense_kl(qs, latents, idx_q, idx_keys, idx_w, sm_scale, kv_len, kv_start, shares)
+    shares = checks.dense_indexer_kl(qs, latents, idx_q, idx_keys, idx_w, sm_scale, kv_len, kv_start, shares)
     entry, config = registry.select("dense_indexer_kl", impl, config, interpret)
     seq_len = idx_q.shape[1]
     qs = tuple(jax.lax.stop_gradient(q) for q in qs)

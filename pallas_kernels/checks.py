@@ -243,7 +243,7 @@ def cross_entropy(q, k, weights, indices, target) -> None:
     sig.array("target", target, "B S K", FLOAT32)
 
 
-def dense_kl(qs, latents, idx_q, idx_keys, idx_w, sm_scale, kv_len, kv_start, shares) -> tuple[float, ...]:
+def dense_indexer_kl(qs, latents, idx_q, idx_keys, idx_w, sm_scale, kv_len, kv_start, shares) -> tuple[float, ...]:
     """dense_indexer_kl: L >= 1 queries [B, S, H, Dk] and as many latents [B, S, Dk]; idx_q
     [B, S, Hi, Di], idx_keys [B, S, Di], idx_w [B, S, Hi]; kv_len int [B]; kv_start int [B, S]
     or None; sm_scale a static float; shares None or one static float a layer -> the shares

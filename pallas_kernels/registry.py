@@ -15,9 +15,17 @@ from typing import Callable
 
 import jax
 
-from pallas_kernels import attention, checks, dense, dense_kl, indexer, indexer_kl
+from pallas_kernels import checks
 from pallas_kernels._common import NoConfig, XlaConfig
-from pallas_kernels.attention import cuda as attention_cuda
+from pallas_kernels.causal_attention import cudnn as causal_cudnn, reference as causal_reference, xla as causal_xla
+from pallas_kernels.dense_indexer_kl import gpu as dense_indexer_kl_gpu, gpu_vjp as dense_indexer_kl_gpu_vjp
+from pallas_kernels.dense_indexer_kl import reference as dense_indexer_kl_reference, xla as dense_indexer_kl_xla
+from pallas_kernels.indexer_cross_entropy import gpu as cross_entropy_gpu, reference as cross_entropy_reference
+from pallas_kernels.indexer_cross_entropy import xla as cross_entropy_xla
+from pallas_kernels.indexer_topk import gpu as indexer_gpu, pallas_ops as indexer_pallas_ops
+from pallas_kernels.indexer_topk import reference as indexer_reference, tpu as indexer_tpu, xla as indexer_xla
+from pallas_kernels.sparse_mla import cuda as mla_cuda, gpu as mla_gpu, reference as mla_reference
+from pallas_kernels.sparse_mla import tpu as mla_tpu, xla as mla_xla
 
 #: The name that picks an implementation by backend.
 AUTO = "auto"
@@ -51,64 +59,64 @@ class Implementation:
 
 def _pallas_scores(scores_fn: Callable) -> Callable:
     """The differentiable `indexer_scores` of a backend's Pallas scores kernel."""
-    return functools.partial(indexer.pallas_ops.indexer_scores, scores_fn=scores_fn)
+    return functools.partial(indexer_pallas_ops.indexer_scores, scores_fn=scores_fn)
 
 
 REGISTRY: dict[str, dict[str, Implementation]] = {
     "indexer_scores": {
-        "reference": Implementation(indexer.reference.indexer_scores, NoConfig),
-        "xla": Implementation(indexer.xla.indexer_scores, XlaConfig),
-        "pallas_tpu": Implementation(_pallas_scores(indexer.tpu.scores), indexer.tpu.IndexerTpuConfig, "tpu"),
-        "pallas_gpu": Implementation(_pallas_scores(indexer.gpu.scores), indexer.gpu.IndexerGpuConfig, "gpu"),
+        "reference": Implementation(indexer_reference.indexer_scores, NoConfig),
+        "xla": Implementation(indexer_xla.indexer_scores, XlaConfig),
+        "pallas_tpu": Implementation(_pallas_scores(indexer_tpu.scores), indexer_tpu.IndexerTpuConfig, "tpu"),
+        "pallas_gpu": Implementation(_pallas_scores(indexer_gpu.scores), indexer_gpu.IndexerGpuConfig, "gpu"),
     },
     "indexer_topk": {
-        "reference": Implementation(indexer.reference.indexer_topk, NoConfig),
-        "xla": Implementation(indexer.xla.indexer_topk, XlaConfig),
-        "pallas_tpu": Implementation(indexer.tpu.indexer_topk, indexer.tpu.IndexerTpuConfig, "tpu"),
-        "pallas_gpu": Implementation(indexer.gpu.indexer_topk, indexer.gpu.IndexerGpuConfig, "gpu"),
+        "reference": Implementation(indexer_reference.indexer_topk, NoConfig),
+        "xla": Implementation(indexer_xla.indexer_topk, XlaConfig),
+        "pallas_tpu": Implementation(indexer_tpu.indexer_topk, indexer_tpu.IndexerTpuConfig, "tpu"),
+        "pallas_gpu": Implementation(indexer_gpu.indexer_topk, indexer_gpu.IndexerGpuConfig, "gpu"),
     },
     "sparse_mla": {
-        "reference": Implementation(attention.reference.sparse_mla, NoConfig),
-        "xla": Implementation(attention.xla.sparse_mla, XlaConfig),
-        "pallas_tpu": Implementation(attention.tpu.sparse_mla, attention.tpu.SparseMLATpuConfig, "tpu",
-                                     backward_index=attention.tpu.backward_index),
-        "pallas_gpu": Implementation(attention.gpu.sparse_mla, attention.gpu.SparseMLAGpuConfig, "gpu",
-                                     backward_index=attention.gpu.backward_index),
+        "reference": Implementation(mla_reference.sparse_mla, NoConfig),
+        "xla": Implementation(mla_xla.sparse_mla, XlaConfig),
+        "pallas_tpu": Implementation(mla_tpu.sparse_mla, mla_tpu.SparseMLATpuConfig, "tpu",
+                                     backward_index=mla_tpu.backward_index),
+        "pallas_gpu": Implementation(mla_gpu.sparse_mla, mla_gpu.SparseMLAGpuConfig, "gpu",
+                                     backward_index=mla_gpu.backward_index),
         # hand-written CUDA forward through the XLA FFI (scripts/build_cuda_kernels.sh builds it), the
         # pallas_gpu backward; not measured on a GPU yet, so "auto" keeps pallas_gpu
-        "cuda": Implementation(attention_cuda.sparse_mla, attention_cuda.SparseMLACudaConfig, "gpu",
-                               interpretable=False, backward_index=attention_cuda.backward_index, auto=False),
+        "cuda": Implementation(mla_cuda.sparse_mla, mla_cuda.SparseMLACudaConfig, "gpu",
+                               interpretable=False, backward_index=mla_cuda.backward_index, auto=False),
     },
     "indexer_cross_entropy": {
-        "reference": Implementation(indexer_kl.reference.indexer_cross_entropy, NoConfig),
-        "xla": Implementation(indexer_kl.xla.indexer_cross_entropy, XlaConfig),
-        "pallas_gpu": Implementation(indexer_kl.gpu.indexer_cross_entropy, indexer_kl.gpu.IndexerKLGpuConfig, "gpu"),
+        "reference": Implementation(cross_entropy_reference.indexer_cross_entropy, NoConfig),
+        "xla": Implementation(cross_entropy_xla.indexer_cross_entropy, XlaConfig),
+        "pallas_gpu": Implementation(cross_entropy_gpu.indexer_cross_entropy, cross_entropy_gpu.IndexerKLGpuConfig, "gpu"),
     },
     "paged_indexer_topk": {
-        "reference": Implementation(indexer.reference.paged_indexer_topk, NoConfig),
-        "xla": Implementation(indexer.xla.paged_indexer_topk, XlaConfig),
-        "pallas_tpu": Implementation(indexer.tpu.paged_indexer_topk, indexer.tpu.IndexerTpuConfig, "tpu"),
-        "pallas_gpu": Implementation(indexer.gpu.paged_indexer_topk, indexer.gpu.IndexerGpuConfig, "gpu"),
+        "reference": Implementation(indexer_reference.paged_indexer_topk, NoConfig),
+        "xla": Implementation(indexer_xla.paged_indexer_topk, XlaConfig),
+        "pallas_tpu": Implementation(indexer_tpu.paged_indexer_topk, indexer_tpu.IndexerTpuConfig, "tpu"),
+        "pallas_gpu": Implementation(indexer_gpu.paged_indexer_topk, indexer_gpu.IndexerGpuConfig, "gpu"),
     },
     "paged_sparse_mla": {
-        "reference": Implementation(attention.reference.paged_sparse_mla, NoConfig),
-        "xla": Implementation(attention.xla.paged_sparse_mla, XlaConfig),
-        "pallas_tpu": Implementation(attention.tpu.paged_sparse_mla, attention.tpu.SparseMLATpuConfig, "tpu"),
-        "pallas_gpu": Implementation(attention.gpu.paged_sparse_mla, attention.gpu.SparseMLAGpuConfig, "gpu"),
-        "cuda": Implementation(attention_cuda.paged_sparse_mla, attention_cuda.SparseMLACudaConfig, "gpu",
+        "reference": Implementation(mla_reference.paged_sparse_mla, NoConfig),
+        "xla": Implementation(mla_xla.paged_sparse_mla, XlaConfig),
+        "pallas_tpu": Implementation(mla_tpu.paged_sparse_mla, mla_tpu.SparseMLATpuConfig, "tpu"),
+        "pallas_gpu": Implementation(mla_gpu.paged_sparse_mla, mla_gpu.SparseMLAGpuConfig, "gpu"),
+        "cuda": Implementation(mla_cuda.paged_sparse_mla, mla_cuda.SparseMLACudaConfig, "gpu",
                                interpretable=False, auto=False),
     },
     "causal_attention": {
-        "reference": Implementation(dense.reference.causal_attention, NoConfig),
-        "xla": Implementation(dense.xla.causal_attention, NoConfig),
-        "cudnn": Implementation(dense.cudnn.causal_attention, NoConfig, "gpu", interpretable=False),
+        "reference": Implementation(causal_reference.causal_attention, NoConfig),
+        "xla": Implementation(causal_xla.causal_attention, NoConfig),
+        "cudnn": Implementation(causal_cudnn.causal_attention, NoConfig, "gpu", interpretable=False),
     },
     "dense_indexer_kl": {
-        "reference": Implementation(dense_kl.reference.dense_indexer_kl, NoConfig),
-        "xla": Implementation(dense_kl.xla.dense_indexer_kl, dense_kl.xla.DenseKLXlaConfig),
+        "reference": Implementation(dense_indexer_kl_reference.dense_indexer_kl, NoConfig),
+        "xla": Implementation(dense_indexer_kl_xla.dense_indexer_kl, dense_indexer_kl_xla.DenseIndexerKLXlaConfig),
         # 196 ms against the XLA form's 83 ms for 4 layers of the default recipe on an H100
         # (docs/training.md): "auto" keeps the XLA form
-        "pallas_gpu": Implementation(dense_kl.gpu_vjp.dense_indexer_kl, dense_kl.gpu.DenseKLGpuConfig, "gpu",
+        "pallas_gpu": Implementation(dense_indexer_kl_gpu_vjp.dense_indexer_kl, dense_indexer_kl_gpu.DenseIndexerKLGpuConfig, "gpu",
                                      auto=False),
     },
 }

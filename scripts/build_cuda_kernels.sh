@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Builds the CUDA sparse MLA kernels (pallas_kernels/attention/cuda/*.cu: the forward and the
+# Builds the CUDA sparse MLA kernels (pallas_kernels/sparse_mla/cuda/*.cu: the forward and the
 # backward's dq and dkv kernels) into
-# build/cuda/libglm_sparse_mla.so, the library pallas_kernels.attention.cuda loads (impl="cuda").
+# build/cuda/libglm_sparse_mla.so, the library pallas_kernels.sparse_mla.cuda loads (impl="cuda").
 #
 #   scripts/build_cuda_kernels.sh
 #
@@ -17,13 +17,13 @@ OUT_DIR="${OUT_DIR:-$ROOT/build/cuda}"
 NVCC="${NVCC:-nvcc}"
 JAXLIB_VERSION="${JAXLIB_VERSION:-0.11.2}"
 ARCH="${CUDA_ARCH:-sm_90a}"
-SOURCES=("$ROOT"/pallas_kernels/attention/cuda/*.cu)
+SOURCES=("$ROOT"/pallas_kernels/sparse_mla/cuda/*.cu)
 LIB="$OUT_DIR/libglm_sparse_mla.so"
 
 die() { echo "build_cuda_kernels.sh: $*" >&2; exit 1; }
 
 command -v "$NVCC" >/dev/null 2>&1 || die "nvcc not found ('$NVCC' is not on PATH): install the CUDA toolkit (>= 12.4) or set NVCC=/path/to/nvcc"
-[ -e "${SOURCES[0]}" ] || die "no CUDA sources under $ROOT/pallas_kernels/attention/cuda"
+[ -e "${SOURCES[0]}" ] || die "no CUDA sources under $ROOT/pallas_kernels/sparse_mla/cuda"
 mkdir -p "$OUT_DIR"
 
 if [ -z "${FFI_INCLUDE:-}" ]; then
@@ -49,7 +49,7 @@ fi
 LOG="$OUT_DIR/ptxas.log"
 echo "build_cuda_kernels.sh: $NVCC -arch=$ARCH, FFI headers $FFI_INCLUDE"
 if ! "$NVCC" -std=c++17 -O3 -arch="$ARCH" -shared -Xcompiler -fPIC -Xptxas -v -lineinfo \
-    -I"$FFI_INCLUDE" -I"$ROOT/pallas_kernels/attention/cuda" -o "$LIB.tmp" "${SOURCES[@]}" >"$LOG" 2>&1; then
+    -I"$FFI_INCLUDE" -I"$ROOT/pallas_kernels/sparse_mla/cuda" -o "$LIB.tmp" "${SOURCES[@]}" >"$LOG" 2>&1; then
   cat "$LOG" >&2
   die "nvcc failed (log above, also in $LOG)"
 fi
@@ -65,7 +65,7 @@ for cfg in "64 2" "32 3" "32 4"; do
   set -- $cfg
   echo "  forward block_k=$1 stages=$2: $(( 64 * 1152 + $2 * $1 * 1152 + 64 * ($1 + 8) * 2 + 6 * 64 * 4 + $2 * $1 )) bytes of dynamic shared memory (of 232448)"
 done
-# backward (DqLayout, DkvLayout in sparse_mla_bwd.cu): dq Q + dO + 2 x 32 gathered rows + dS
+# backward (DqLayout in sparse_mla_bwd_dq.cu, DkvLayout in sparse_mla_bwd_dkv.cu): dq Q + dO + 2 x 32 gathered rows + dS
 # [64][40] + lse, delta + valid flags; dkv 32 rows + 2 x (Q [32][576] + dO [32][512] + lse,
 # delta, counts) + P^T, dS^T [32][40] bf16 + the S, dP partials [2][4][32][40] f32
 echo "  dq: $(( 64 * 1152 + 64 * 1024 + 2 * 32 * 1152 + 64 * 40 * 2 + 2 * 64 * 4 + 2 * 32 )) bytes, dkv: $(( 32 * 1152 + 2 * (32 * 1152 + 32 * 1024 + 3 * 128) + 2 * 32 * 40 * 2 + 2 * 4 * 32 * 40 * 4 )) bytes of dynamic shared memory (of 232448)"

@@ -544,7 +544,7 @@ def check_causal_attention(impl, q, k, v, *, scale, kv_len, mask, segments, docu
 # ----------------------------------------------------------------------------- dense indexer KL
 
 
-def dense_kl_inputs(seed, B=3, S=40, L=2, H=3, Dk=24, Hi=2, Di=16):
+def dense_indexer_kl_inputs(seed, B=3, S=40, L=2, H=3, Dk=24, Hi=2, Di=16):
     """L layers' normal queries [B, S, H, Dk] and latent rows [B, S, Dk], the indexer's queries
     [B, S, Hi, Di], keys [B, S, Di] and positive weights [B, S, Hi], kv_len int32 [B] (row 0
     whole, row 1 ragged, row 2 empty: kv_len 0) and packed documents kv_start int32 [B, S]

@@ -1,4 +1,4 @@
-"""The Mosaic GPU sparse MLA kernel (`pallas_kernels.experimental.mosaic_sparse_mla`), run by
+"""The Mosaic GPU sparse MLA kernel (`lab/mosaic_sparse_mla.py`, outside the package), run by
 test_paged_mosaic_gpu.py in a process of its own: in GPU interpret mode on a CPU against the
 reference and a per-slot numpy oracle (which counts a duplicated index once per occurrence, as
 the kernel does), paged and contiguous; its lowering to a Mosaic GPU kernel for an H100 (no GPU
@@ -16,8 +16,8 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.attention import reference
-from pallas_kernels.experimental import mosaic_sparse_mla as gm
+from pallas_kernels.sparse_mla import reference
+from lab import mosaic_sparse_mla as gm
 
 pytestmark = pytest.mark.skipif(not gm.interpret_available(),
                                 reason="this jax has no Mosaic GPU interpret mode (jax >= 0.12 has it)")

@@ -86,6 +86,6 @@ def test_paged_decode_equals_full_forward(micro_cfg):
     np.testing.assert_allclose(prefill, full[:, :3], atol=2e-4, rtol=1e-4)
     assert not np.asarray(cache.latent[:, 0]).any()                  # page 0 is nobody's
 
-    pallas = ops.KernelChoice(indexer="pallas_gpu", attention="pallas_gpu", interpret=True)
+    pallas = ops.KernelChoice(indexer_topk="pallas_gpu", sparse_mla="pallas_gpu", interpret=True)
     step, _, _ = model.forward_cached(tokens[:, 3:4], cache, kernels=pallas)
     np.testing.assert_allclose(step, full[:, 3:4], atol=2e-4, rtol=1e-4)

@@ -245,7 +245,7 @@ def test_decode_threads_the_kernel_flags_into_the_generator(trained_run, monkeyp
                         lambda self, *a, **k: seen.append(k["kernels"]) or init(self, *a, **k))
     assert decode.main(["--checkpoint", str(out), "--max-new-tokens", "2", "--speculative", "0", "--quiet",
                         "--attention-impl", "xla", "--indexer-impl", "xla", "--kernel-config", "attention.q_chunk=8"]) == 0
-    assert seen == [ops.KernelChoice(indexer="xla", attention="xla", attention_config=XlaConfig(q_chunk=8))]
+    assert seen == [ops.KernelChoice(indexer_topk="xla", sparse_mla=("xla", XlaConfig(q_chunk=8)))]
 
 
 def test_train_from_a_hugging_face_checkpoint(tmp_path, monkeypatch, capsys):
@@ -260,7 +260,7 @@ def test_train_from_a_hugging_face_checkpoint(tmp_path, monkeypatch, capsys):
     assert train.main(["--hf-checkpoint", str(hf_dir), "--out", str(out), "--steps", "1", "--lr", "0",
                        "--batch-size", "2", "--seq-len", "16", "--max-files", "2", "--eval-batches", "1",
                        "--indexer-impl", "xla"]) == 0
-    assert seen == [ops.KernelChoice(indexer="xla", attention="auto")]
+    assert seen == [ops.KernelChoice(indexer_topk="xla", sparse_mla="auto")]
     assert "deprecated" not in capsys.readouterr().err
     assert load_config(out / "config.yaml") == load_config(hf_dir / "config.json")
     flat = lambda model: jax.tree.leaves(nnx.to_pure_dict(nnx.state(model)))

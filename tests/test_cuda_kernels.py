@@ -1,4 +1,4 @@
-"""The CUDA sparse MLA kernels (impl="cuda", pallas_kernels/attention/cuda.py) where no GPU is:
+"""The CUDA sparse MLA kernels (impl="cuda", pallas_kernels/sparse_mla/cuda.py) where no GPU is:
 the build script's failure modes, the registry entries without the library, the Python side's
 argument checks, shapes and split merge. The kernels themselves run in
 benchmarks/sparse_mla_cuda.py on a GPU."""
@@ -19,7 +19,7 @@ import pytest
 
 import pallas_kernels as pk
 from pallas_kernels import registry
-from pallas_kernels.attention import cuda
+from pallas_kernels.sparse_mla import cuda
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "build_cuda_kernels.sh"
@@ -105,7 +105,7 @@ def test_registry_entry(op, monkeypatch):
 
 
 def test_import_on_cpu_registers_nothing():
-    code = ("import jax, pallas_kernels; from pallas_kernels.attention import cuda; "
+    code = ("import jax, pallas_kernels; from pallas_kernels.sparse_mla import cuda; "
             "assert jax.default_backend() == 'cpu'; assert not cuda._registered; print('ok')")
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
@@ -480,7 +480,7 @@ def _oracle_pairs(q, kv, dout, idx, lse, delta, scale):
 
 def test_warp_model_of_the_dq_kernel():
     """One dq CTA (query 1, 64 heads, K = 40: a full block of 32 and a padded one) replayed warp by
-    warp as sparse_mla_bwd.cu computes it, against the float64 contract."""
+    warp as sparse_mla_bwd_dq.cu computes it, against the float64 contract."""
     S, T, K = 2, 90, 40
     q, kv, dout, idx, lse, delta, scale = _model_inputs(1, S, T, K)
     want, _ = _oracle_pairs(q, kv, dout, idx, lse, delta, scale)
@@ -561,7 +561,7 @@ def test_warp_model_of_the_dq_kernel():
 
 def test_warp_model_of_the_dkv_kernel():
     """One dkv CTA (block 1 of 32 rows, T = 50: rows past T) walking its units of the key index
-    as sparse_mla_bwd.cu does, warp by warp, against the float64 contract."""
+    as sparse_mla_bwd_dkv.cu does, warp by warp, against the float64 contract."""
     S, T, K = 4, 50, 24
     q, kv, dout, idx, lse, delta, scale = _model_inputs(2, S, T, K)
     _, want = _oracle_pairs(q, kv, dout, idx, lse, delta, scale)

@@ -1,4 +1,4 @@
-"""The one use of JAX's private modules (`pallas_kernels/dense/cudnn.py`: cuDNN's packed
+"""The one use of JAX's private modules (`pallas_kernels/causal_attention/cudnn.py`: cuDNN's packed
 attention) is where that module expects it, and its fallback works when it is not.
 
 These run on the CPU: a JAX release that moves or renames the private function, one of its
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from kernel_contract import packed_documents
-from pallas_kernels.dense import cudnn, reference
+from pallas_kernels.causal_attention import cudnn, reference
 
 
 @pytest.fixture
@@ -55,7 +55,7 @@ def test_a_moved_private_api_warns_once_and_falls_back(fresh_guard, monkeypatch,
 
 def test_the_fallback_mask_of_segments_is_the_documents_mask():
     """Without the packed kernel, packed rows attend through the mask built from segments
-    (`dense.reference.segment_mask`): the same-document pairs, each token in its segment."""
+    (`causal_attention.reference.segment_mask`): the same-document pairs, each token in its segment."""
     rng = np.random.default_rng(4)
     mask, (offsets, lengths) = packed_documents(rng, 3, 10)
     got = reference.segment_mask(offsets, lengths, 10)

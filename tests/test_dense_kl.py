@@ -1,4 +1,4 @@
-"""The dense warm-up's indexer KL in the absorbed form (`glm_jax.layers.dense_kl` over
+"""The dense warm-up's indexer KL in the absorbed form (`glm_jax.layers.dense_indexer_kl` over
 `pallas_kernels.dense_indexer_kl`): blockwise, equal in value and gradients to the expanded
 form's per-layer KL on [S, T] matrices. (The op's contract, every implementation against a
 numpy oracle: test_kernel_contract.py.)"""
@@ -15,11 +15,11 @@ from flax import nnx
 
 import pallas_kernels as pk
 from conftest import ROOT, jaxpr_equations
-from kernel_contract import check_dense_indexer_kl, dense_kl_inputs
+from kernel_contract import check_dense_indexer_kl, dense_indexer_kl_inputs
 from glm_jax import ops
 from glm_jax.config import load_config
 from glm_jax.layers.decoder import head_summed_target, _Rows, indexer_kl
-from glm_jax.layers.dense_kl import DenseTarget, dense_group_kl
+from glm_jax.layers.dense_indexer_kl import DenseTarget, dense_group_kl
 from glm_jax.layers.segments import segment_layout
 from glm_jax.model import GLMModel
 from glm_jax.training.step import LossWeights, loss_terms
@@ -60,7 +60,8 @@ def _expanded_kl(targets, idx_q, idx_keys, idx_w, rows: _Rows):
 
 def _fused_kl(targets, idx_q, idx_keys, idx_w, rows: _Rows, block: int):
     return dense_group_kl(targets, idx_q=idx_q, idx_keys=idx_keys, idx_w=idx_w, sm_scale=SCALE, kv_len=rows.kv_len,
-                          kv_start=rows.kv_start, kernels=ops.KernelChoice(dense_kl_config=pk.DenseKLXlaConfig(block)))
+                          kv_start=rows.kv_start,
+                          kernels=ops.KernelChoice(dense_indexer_kl=("xla", pk.DenseIndexerKLXlaConfig(block))))
 
 
 @pytest.mark.parametrize("layers,packed,block", [(3, False, 16), (2, False, 24), (3, True, 16), (2, True, 64)])
@@ -92,10 +93,11 @@ def test_pallas_kernels_equal_the_expanded_form(packed):
     rows = _Rows(s, rows.positions[:, :s], jnp.minimum(rows.kv_len, s - 3), None if rows.kv_start is None
                  else rows.kv_start[:, :s])
 
+    kernels = ops.KernelChoice(dense_indexer_kl=("pallas_gpu", pk.DenseIndexerKLGpuConfig(block=16)), interpret=True)
+
     def fused(targets, *idx):
         return dense_group_kl(targets, idx_q=idx[0], idx_keys=idx[1], idx_w=idx[2], sm_scale=SCALE,
-                              kv_len=rows.kv_len, kv_start=rows.kv_start, kernels=ops.KernelChoice(
-                                  dense_kl="pallas_gpu", dense_kl_config=pk.DenseKLGpuConfig(block=16), interpret=True))
+                              kv_len=rows.kv_len, kv_start=rows.kv_start, kernels=kernels)
 
     got, got_grads = jax.value_and_grad(fused, (1, 2, 3))(targets, *idx)
     want, want_grads = jax.value_and_grad(functools.partial(_expanded_kl, rows=rows), (1, 2, 3))(targets, *idx)
@@ -105,12 +107,12 @@ def test_pallas_kernels_equal_the_expanded_form(packed):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=2e-6 * float(jnp.max(jnp.abs(w))))
 
 
-@pytest.mark.parametrize("impl,config", [("xla", pk.DenseKLXlaConfig(block=16)),
-                                         ("pallas_gpu", pk.DenseKLGpuConfig(block=16))])
+@pytest.mark.parametrize("impl,config", [("xla", pk.DenseIndexerKLXlaConfig(block=16)),
+                                         ("pallas_gpu", pk.DenseIndexerKLGpuConfig(block=16))])
 def test_small_tiles_match_the_contract(impl, config):
     """The op's contract (test_kernel_contract.py) with tiles of 16: several query and key blocks,
     the last one padded."""
-    *arrays, kv_len, kv_start = dense_kl_inputs(4)
+    *arrays, kv_len, kv_start = dense_indexer_kl_inputs(4)
     check_dense_indexer_kl(impl, *arrays, sm_scale=0.2, kv_len=kv_len, kv_start=kv_start, shares=(0.5, 0.5),
                            config=config)
 
@@ -121,7 +123,7 @@ def test_shares_weigh_the_layers():
     single = [_fused_kl([t], *idx, rows, block=16) for t in targets]
     got = dense_group_kl(targets, idx_q=idx[0], idx_keys=idx[1], idx_w=idx[2], sm_scale=SCALE, kv_len=rows.kv_len,
                          kv_start=rows.kv_start, shares=(0.25, 0.75),
-                         kernels=ops.KernelChoice(dense_kl_config=pk.DenseKLXlaConfig(block=16)))
+                         kernels=ops.KernelChoice(dense_indexer_kl=("xla", pk.DenseIndexerKLXlaConfig(block=16))))
     np.testing.assert_allclose(got, 0.25 * single[0] + 0.75 * single[1], rtol=2e-6)
 
 
@@ -159,7 +161,8 @@ def test_loss_terms_dense_stage_absorbed_equals_expanded(packed, remat):
 
     def loss(params, form):
         return loss_terms(nnx.merge(graphdef, params, rest), inputs, targets, stage="dense", weights=weights,
-                          kernels=ops.KernelChoice(dense_kl_config=pk.DenseKLXlaConfig(block=8)), form=form,
+                          kernels=ops.KernelChoice(dense_indexer_kl=("xla", pk.DenseIndexerKLXlaConfig(block=8))),
+                          form=form,
                           remat=remat and form == "absorbed", segment_ids=segments)
 
     step = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)
@@ -189,7 +192,7 @@ def test_pallas_kernels_lower_to_triton_for_h100():
 
     def kl(qs, latents, iq, ik, iw):
         rows = pk.dense_indexer_kl(qs, latents, iq, ik, iw, sm_scale=SCALE, kv_len=jnp.full((batch,), seq, jnp.int32),
-                                   impl="pallas_gpu", config=pk.DenseKLGpuConfig(block=64))
+                                   impl="pallas_gpu", config=pk.DenseIndexerKLGpuConfig(block=64))
         return jnp.sum(rows)
 
     with jax.sharding.use_abstract_mesh(mesh):

@@ -337,7 +337,7 @@ def test_tpu_paged_indexer_fp8_compiles(topology):
     from jax.experimental.layout import Format, Layout
     from jax.sharding import NamedSharding, PartitionSpec as P
     from conftest import tpu_compile_mesh
-    from pallas_kernels.indexer import tpu as indexer_tpu
+    from pallas_kernels.indexer_topk import tpu as indexer_tpu
 
     rep = NamedSharding(tpu_compile_mesh(topology), P())
     s = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=rep)   # noqa: E731

@@ -1,4 +1,4 @@
-"""The GPU indexer cross-entropy kernels (`indexer_kl.gpu`) beyond the contract: several query
+"""The GPU indexer cross-entropy kernels (`indexer_cross_entropy.gpu`) beyond the contract: several query
 chunks and slot blocks, bf16, bitwise-repeatable gradients (in Pallas interpret mode on the
 CPU), and their Triton lowering for an H200 beside the sparse MLA forward that writes the target;
 the TPU sparse MLA forward's target (interpret mode, and compiled ahead of time for a v5p)."""
@@ -13,8 +13,8 @@ import pallas_kernels as pk
 from conftest import tpu_compile_mesh
 from kernel_contract import (check_indexer_cross_entropy, check_sparse_mla_target, cross_entropy_inputs,
                              np_indexer_cross_entropy, sparse_inputs)
-from pallas_kernels.attention import gpu as attention_gpu, tpu as attention_tpu
-from pallas_kernels.indexer_kl import gpu
+from pallas_kernels.sparse_mla import gpu as attention_gpu, tpu as attention_tpu
+from pallas_kernels.indexer_cross_entropy import gpu
 
 #: Slots per block and a budget of 2 queries' pair gradients (float32, K = 37, D = 12): 3 chunks.
 SMALL = pk.IndexerKLGpuConfig(block_k=16, budget=2 * 37 * 16 * 4, reduce_block=4)

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import pallas_kernels as pk
 from conftest import tpu_compile_mesh
 from kernel_contract import check_topk, int_inputs
-from pallas_kernels.indexer import gpu, reference, threshold, tpu
+from pallas_kernels.indexer_topk import gpu, gpu_config, gpu_fused, gpu_scores, reference, threshold, tpu
 
 BACKENDS = {"pallas_gpu": gpu, "pallas_tpu": tpu}
 
@@ -89,10 +89,10 @@ def test_pallas_indexer_bf16_and_query_chunks(impl):
 
 def test_gpu_config_sets_the_score_tiling():
     """Fields left None take `score_tiling`'s choice for the shapes; set ones win."""
-    assert pk.IndexerGpuConfig().tiling(1, 32) == gpu.score_tiling(1, 32)
-    assert pk.IndexerGpuConfig().tiling(512, 32) == gpu.score_tiling(512, 32)
+    assert pk.IndexerGpuConfig().tiling(1, 32) == gpu_config.score_tiling(1, 32)
+    assert pk.IndexerGpuConfig().tiling(512, 32) == gpu_config.score_tiling(512, 32)
     tiling = pk.IndexerGpuConfig(block_t=32, keys_major=False).tiling(512, 32)
-    assert tiling == gpu.ScoreTiling(gpu.score_tiling(512, 32).block_q, 32, 8, False)
+    assert tiling == gpu_config.ScoreTiling(gpu_config.score_tiling(512, 32).block_q, 32, 8, False)
 
 
 def _abstract_args(B, S, T, sharding=None, H=32, D=128):
@@ -148,14 +148,14 @@ def test_gpu_fused_topk_without_a_scores_array(mode):
 
 
 def test_fused_rows_passes_equal_the_scores_arrays():
-    """Each pass of `gpu.FusedRows` equals the same pass over the scores kernel's array."""
+    """Each pass of `gpu_fused.FusedRows` equals the same pass over the scores kernel's array."""
     rng = np.random.default_rng(11)
     q, k, w = int_inputs(rng, 1, 16, 150, 4, 16, dtype=jnp.bfloat16)
     q_pos = jnp.asarray(np.arange(16)[None] * 9, jnp.int32)
     kv_len = jnp.asarray([140], jnp.int32)
     config = gpu._whole_tiling(pk.IndexerGpuConfig(tiles_per_program=1), q.shape)
-    src = gpu.FusedRows.of(q, k, w, q_pos=q_pos, kv_len=kv_len, kv_start=None, config=config, interpret=True)
-    scores = gpu.scores(q, k, w, q_pos=q_pos, kv_len=kv_len, config=config, interpret=True).reshape(16, 150)
+    src = gpu_fused.FusedRows.of(q, k, w, q_pos=q_pos, kv_len=kv_len, kv_start=None, config=config, interpret=True)
+    scores = gpu_scores.scores(q, k, w, q_pos=q_pos, kv_len=kv_len, config=config, interpret=True).reshape(16, 150)
     plain = threshold.ScoreRows(scores, functools.partial(threshold.count_xla, chunk=config.block_t),
                                 threshold.compact_xla)
     assert src.rows == 16 and src.num_keys == 150

@@ -17,26 +17,39 @@ from pallas_kernels import XlaConfig
 
 
 def test_a_field_of_the_implementations_config_is_set():
-    choice = configured(ops.KernelChoice(attention="xla"), {"attention": {"q_chunk": 64}})
-    assert choice.attention == "xla" and choice.attention_config == XlaConfig(q_chunk=64)
-    assert choice.indexer_config is None
+    choice = configured(ops.KernelChoice(sparse_mla="xla"), {"attention": {"q_chunk": 64}})
+    assert choice["sparse_mla"] == ("xla", XlaConfig(q_chunk=64))
+    assert choice["indexer_topk"] == ("auto", None)
+
+
+@pytest.mark.parametrize("group,op", [("attention", "sparse_mla"), ("sparse_mla", "sparse_mla"),
+                                      ("indexer", "indexer_topk"), ("indexer_topk", "indexer_topk"),
+                                      ("indexer_kl", "indexer_cross_entropy"), ("dense_kl", "dense_indexer_kl"),
+                                      ("dense_indexer_kl", "dense_indexer_kl")])
+def test_a_group_is_an_op_or_its_older_spelling(group, op):
+    """Run directories written before the groups were named after the ops keep loading."""
+    choice = configured(ops.KernelChoice(**{op: "xla"}), {group: {}})
+    assert choice[op] == ("xla", ops.config_type(op, "xla")())
+    assert [o for o in ops.OPS if choice[o].config is not None] == [op]
 
 
 def test_auto_is_resolved_so_that_config_and_implementation_agree():
-    choice = configured(ops.KernelChoice(indexer="auto"), {"indexer": {"q_chunk": 8}})
-    assert choice.indexer == "xla" and choice.indexer_config == XlaConfig(q_chunk=8)     # on a CPU
+    choice = configured(ops.KernelChoice(indexer_topk="auto"), {"indexer": {"q_chunk": 8}})
+    assert choice["indexer_topk"] == ("xla", XlaConfig(q_chunk=8))     # on a CPU
 
 
 @pytest.mark.parametrize("configs,message", [
     ({"attention": {"block_kk": 64}}, "kernel config attention.block_kk: XlaConfig (the 'xla' sparse_mla kernel) has "
                                       "no such field; its fields: q_chunk"),
-    ({"attn": {"q_chunk": 64}}, "kernel config 'attn': no such kernel group (groups: attention, indexer, indexer_kl, dense_kl)"),
+    ({"attn": {"q_chunk": 64}}, "kernel config 'attn': no such kernel group (groups: the ops sparse_mla, indexer_topk, "
+                                "indexer_cross_entropy, causal_attention, dense_indexer_kl, or attention, indexer, "
+                                "indexer_kl, dense_kl)"),
     ({"attention": {"q_chunk": -1}}, "kernel config attention: XlaConfig.q_chunk must be a positive int"),
     ({"attention": 5}, "kernel config attention: expected a mapping of fields, got 5"),
 ])
 def test_what_the_kernels_do_not_take_is_refused(configs, message):
     with pytest.raises(ValueError, match="^" + message.replace("(", r"\(").replace(")", r"\)")):
-        configured(ops.KernelChoice(attention="xla"), configs)
+        configured(ops.KernelChoice(sparse_mla="xla"), configs)
 
 
 def test_flags_over_the_file_and_recorded_with_the_run(tmp_path):
@@ -47,7 +60,7 @@ def test_flags_over_the_file_and_recorded_with_the_run(tmp_path):
     assert got.kernels.kernel_config == {"attention": {"q_chunk": 64}, "indexer": {"q_chunk": 16}}
     run_config.save(got, tmp_path)
     assert run_config.load(tmp_path / run_config.FILE_NAME).kernels == got.kernels
-    assert run.kernel_choice(got.kernels).attention_config == XlaConfig(q_chunk=64)
+    assert run.kernel_choice(got.kernels)["sparse_mla"] == ("xla", XlaConfig(q_chunk=64))
 
 
 def test_a_changed_kernel_config_is_named_on_resume():
@@ -72,4 +85,4 @@ def test_the_help_example_is_accepted_on_a_cpu():
     cli.add_kernel_flags(ap)
     assert f"e.g. {cli.KERNEL_CONFIG_EXAMPLE} " in " ".join(ap.format_help().split())
     choice = configured(ops.KernelChoice(), cli.kernel_config([cli.KERNEL_CONFIG_EXAMPLE]))
-    assert choice.attention == "xla" and choice.attention_config.q_chunk == 64
+    assert choice["sparse_mla"].impl == "xla" and choice["sparse_mla"].config.q_chunk == 64

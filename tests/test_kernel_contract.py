@@ -19,7 +19,7 @@ import pallas_kernels as pk
 from pallas_kernels import fp8
 from fp8_contract import check_paged_sparse_mla_fp8, check_paged_topk_fp8, fp8_exact_keys, fp8_impl_params
 from kernel_contract import (call, float_score_inputs, check_causal_attention, check_dense_indexer_kl,
-                             check_indexer_cross_entropy, dense_kl_inputs,
+                             check_indexer_cross_entropy, dense_indexer_kl_inputs,
                              check_paged_sparse_mla, check_paged_topk, check_scores, check_sparse_mla,
                              check_sparse_mla_target, check_topk, cross_entropy_inputs, doc_starts,
                              f64, impl_params, int_inputs, np_scores, np_scores_grads, np_topk, packed_documents,
@@ -457,12 +457,12 @@ def test_causal_attention(impl, layout):
 def test_dense_indexer_kl(impl):
     """Two layers of unequal shares, packed documents, a ragged row and a row that sees no key
     (kv_len 0); S = 40, not a multiple of the Pallas tile; value and gradients."""
-    *arrays, kv_len, kv_start = dense_kl_inputs(9)
+    *arrays, kv_len, kv_start = dense_indexer_kl_inputs(9)
     check_dense_indexer_kl(impl, *arrays, sm_scale=0.2, kv_len=kv_len, kv_start=kv_start, shares=(0.25, 0.75))
 
 
 def test_dense_indexer_kl_shapes_are_checked():
-    qs, latents, idx_q, idx_keys, idx_w, kv_len, _ = dense_kl_inputs(1, B=2, S=4, H=2, Dk=8, Hi=2, Di=4)
+    qs, latents, idx_q, idx_keys, idx_w, kv_len, _ = dense_indexer_kl_inputs(1, B=2, S=4, H=2, Dk=8, Hi=2, Di=4)
     with pytest.raises(ValueError, match="one latent array per layer"):
         pk.dense_indexer_kl(qs, latents[:1], idx_q, idx_keys, idx_w, sm_scale=1.0, kv_len=kv_len)
     with pytest.raises(ValueError, match="indexer keys must be"):

@@ -82,3 +82,31 @@ def test_the_walk_sees_imports_inside_functions():
     assert "glm_jax.frontends.cli" in _reached_from("glm_jax.frontends.serve")
     assert "glm_jax.checkpoint_damage" in _reached_from("glm_jax.frontends.cli")   # exit_with's import
     assert len(_core_modules()) > 40
+
+
+def _kernel_imports(path: Path) -> list[str]:
+    """The imports of pallas_kernels in one file (every import statement, inside functions too)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names if a.name.split(".")[0] == "pallas_kernels"]
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "pallas_kernels":
+            found.append(node.module)
+    return found
+
+
+def test_ops_is_the_one_module_that_imports_the_kernels():
+    """glm_jax reaches pallas_kernels only through glm_jax.ops: no other module of the package
+    imports it (what the others need, ops re-exports)."""
+    offending = [f"{path.relative_to(ROOT)}: {name}" for path in sorted(PACKAGE.rglob("*.py"))
+                 if path != PACKAGE / "ops.py" for name in _kernel_imports(path)]
+    assert not offending, "\n".join(offending)
+    assert _kernel_imports(PACKAGE / "ops.py")         # the walk sees the imports it forbids
+
+
+def test_the_kernel_import_walk_sees_every_form(tmp_path):
+    source = tmp_path / "m.py"
+    source.write_text("import pallas_kernels as pk\nfrom pallas_kernels.fp8 import Fp8Keys\n"
+                      "def f():\n    from pallas_kernels import impl_choices\n"
+                      "import pallas_kernels_like\nfrom glm_jax import ops\n")
+    assert _kernel_imports(source) == ["pallas_kernels", "pallas_kernels.fp8", "pallas_kernels"]

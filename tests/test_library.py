@@ -7,6 +7,7 @@ imports without them, and runs the docs page's example on 4 simulated CPU device
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import re
 import subprocess
@@ -63,6 +64,15 @@ def test_the_core_is_lean_and_each_optional_package_has_its_extra():
     assert _requirements(extras, "all") | {"pytest"} <= _requirements(extras, "dev")
 
 
+def test_the_wheel_holds_the_library_and_not_the_lab():
+    """The packages setuptools finds are glm_jax and pallas_kernels: lab/ (kernels no `impl`
+    selects) and the scripts' folders stay out of the wheel."""
+    include = _project()["tool"]["setuptools"]["packages"]["find"]["include"]
+    tops = {p.name for p in ROOT.iterdir() if (p / "__init__.py").exists()}
+    assert {"lab", "glm_jax", "pallas_kernels"} <= tops
+    assert {t for t in tops if any(fnmatch.fnmatch(t, pattern) for pattern in include)} == {"glm_jax", "pallas_kernels"}
+
+
 def test_presets_ship_as_package_data_and_load_by_name():
     assert _project()["tool"]["setuptools"]["package-data"]["glm_jax"] == ["configs/*.yaml"]
     assert PRESETS_DIR == ROOT / "glm_jax" / "configs" and PRESETS_DIR.resolve() == ROOT / "configs"
@@ -81,8 +91,10 @@ def test_settings_and_layer_constructors_check_their_arguments():
         AttentionSettings(form="flash")
     with pytest.raises(ValueError, match=r"max_segments must be a positive int or None, got 0"):
         AttentionSettings(max_segments=0)
-    with pytest.raises(ValueError, match=r"KernelChoice.attention='flash': valid choices are 'auto', 'reference'"):
-        KernelChoice(attention="flash")
+    with pytest.raises(ValueError, match=r"KernelChoice sparse_mla='flash': valid choices are 'auto', 'reference'"):
+        KernelChoice(sparse_mla="flash")
+    with pytest.raises(ValueError, match=r"KernelChoice: unknown op 'attention'; the ops are sparse_mla, indexer_topk"):
+        KernelChoice(attention="xla")
     cfg = load_config("tiny-attention")
     full, shared = LayerKind(is_full=True, is_moe=False), LayerKind(is_full=False, is_moe=False)
     with pytest.raises(ValueError, match=r"IndexShareGroup: a group is one Full layer followed by Shared ones"):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -360,9 +358,8 @@ def test_sparse_attention_backward_index_is_sorted_once_per_group():
     def sorts(attention):
         def loss(params):
             model = nnx.merge(graphdef, params, rest)
-            kernels = ops.KernelChoice(attention=attention, interpret=attention != "xla",
-                                       attention_config=pk.SparseMLAGpuConfig(dkv_mode="sorted")
-                                       if attention == "pallas_gpu" else None)
+            config = pk.SparseMLAGpuConfig(dkv_mode="sorted") if attention == "pallas_gpu" else None
+            kernels = ops.KernelChoice(sparse_mla=(attention, config), interpret=attention != "xla")
             return loss_terms(model, tokens[:, :-1], tokens[:, 1:], stage="sparse", weights=LossWeights(indexer=1.0),
                               kernels=kernels, form="absorbed")[0]
         return _sorts(jax.make_jaxpr(jax.grad(loss))(params).jaxpr)
@@ -374,14 +371,14 @@ def test_the_group_builds_the_backward_index_its_kernel_will_use():
     """With the queries' heads and value width, a group's Full layer builds the index of the
     backward "auto" resolves to at this shape ("by_key": the key bitmap, shared by the group's
     layers; the kernel tests check gradients with a prebuilt bitmap), not the sorted mode's."""
-    from pallas_kernels.attention.transpose import KeyBitmap, TransposedIndex
+    from pallas_kernels.sparse_mla.transpose import KeyBitmap, TransposedIndex
 
     cfg = micro_config()
     attn = GLMModel(cfg, rngs=nnx.Rngs(0)).stacks[0].layers[0].self_attn
     indices = jax.random.randint(jax.random.key(6), (2, 16, cfg.index_topk), 0, 16)
-    gpu = ops.KernelChoice(attention="pallas_gpu", interpret=True)
+    gpu = ops.KernelChoice(sparse_mla="pallas_gpu", interpret=True)
     assert isinstance(attn.backward_index(indices, 16, jnp.float32, gpu), KeyBitmap)
-    sorted_mode = dataclasses.replace(gpu, attention_config=pk.SparseMLAGpuConfig(dkv_mode="sorted"))
+    sorted_mode = gpu.replace(sparse_mla=("pallas_gpu", pk.SparseMLAGpuConfig(dkv_mode="sorted")))
     assert isinstance(attn.backward_index(indices, 16, jnp.float32, sorted_mode), TransposedIndex)
 
 
@@ -399,7 +396,7 @@ def test_keep_attention_runs_the_sparse_forward_kernel_once_a_layer():
     cfg = micro_config(num_hidden_layers=2, index_topk_pattern="FS")     # and one MTP layer
     graphdef, params, rest = nnx.split(GLMModel(cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)
     tokens = jax.random.randint(jax.random.key(5), (2, 13), 0, cfg.vocab_size)
-    kernels = ops.KernelChoice(attention="pallas_gpu", interpret=True)
+    kernels = ops.KernelChoice(sparse_mla="pallas_gpu", interpret=True)
 
     def loss(params, keep):
         model = nnx.merge(graphdef, params, rest)

@@ -181,19 +181,21 @@ def test_mtp_forward_shapes(micro_cfg):
 
 
 def test_kernel_configs_reach_the_ops(micro_cfg):
-    """KernelChoice's indexer_config and attention_config are passed to the ops, in the full
+    """KernelChoice's indexer_topk and sparse_mla configs are passed to the ops, in the full
     forward and through the cache view: the same logits with another query chunk, and a config
     of another implementation refused."""
     import pallas_kernels as pk
 
     model, tokens = _model(micro_cfg), _tokens(micro_cfg, 1, 9)
-    kernels = ops.KernelChoice(indexer="xla", attention="xla", indexer_config=pk.XlaConfig(q_chunk=2),
-                               attention_config=pk.XlaConfig(q_chunk=3))
+    kernels = ops.KernelChoice(indexer_topk=("xla", pk.XlaConfig(q_chunk=2)),
+                               sparse_mla=("xla", pk.XlaConfig(q_chunk=3)))
     base = model(tokens).logits
     np.testing.assert_allclose(model(tokens, settings=AttentionSettings(kernels=kernels)).logits, base,
                                atol=ATOL, rtol=1e-4)
     logits, _, _ = model.forward_cached(tokens, create_cache(micro_cfg, 1, 16), kernels=kernels)
     np.testing.assert_allclose(logits, base, atol=ATOL, rtol=1e-4)
-    wrong = ops.KernelChoice(indexer="xla", indexer_config=pk.SparseMLAGpuConfig())
+    wrong = ops.KernelChoice(indexer_topk=("auto", pk.SparseMLAGpuConfig()))    # "auto" is xla on a CPU
     with pytest.raises(ValueError, match="takes config=XlaConfig"):
         model.forward_cached(tokens, create_cache(micro_cfg, 1, 16), kernels=wrong)
+    with pytest.raises(ValueError, match="^KernelChoice indexer_topk='xla' takes config=XlaConfig"):
+        ops.KernelChoice(indexer_topk=("xla", pk.SparseMLAGpuConfig()))

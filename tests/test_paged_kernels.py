@@ -24,8 +24,8 @@ import jax.numpy as jnp
 import pallas_kernels as pk
 from conftest import tpu_compile_mesh
 from kernel_contract import check_paged_sparse_mla, check_paged_topk, int_inputs, positions, sparse_inputs
-from pallas_kernels.attention import gpu as mla_gpu, tpu as mla_tpu
-from pallas_kernels.indexer import gpu as indexer_gpu, tpu as indexer_tpu
+from pallas_kernels.sparse_mla import gpu as mla_gpu, tpu as mla_tpu
+from pallas_kernels.indexer_topk import gpu as indexer_gpu, tpu as indexer_tpu
 
 TOPK_CASES = [  # (impl, page size, config)
     ("pallas_tpu", 192, pk.IndexerTpuConfig(block_t=128)),                       # 2 tiles a page, the 2nd partial

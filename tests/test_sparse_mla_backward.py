@@ -1,6 +1,6 @@
-"""The deterministic GPU sparse MLA backwards (`attention.gpu_backward`: "sorted" and "by_key",
-`attention.transpose`) against the reference, in Pallas interpret mode on the CPU, plus their
-Triton lowering for an H200. They run through `attention.gpu.sparse_mla`, tuned by the `bwd_`
+"""The deterministic GPU sparse MLA backwards (`sparse_mla.gpu_backward`: "sorted" and "by_key",
+`sparse_mla.transpose`) against the reference, in Pallas interpret mode on the CPU, plus their
+Triton lowering for an H200. They run through `sparse_mla.gpu.sparse_mla`, tuned by the `bwd_`
 fields of `SparseMLAGpuConfig`.
 """
 
@@ -17,10 +17,10 @@ import jax.numpy as jnp
 
 from kernel_contract import backward_inputs, check_bf16_grads_repeatable, vjp_grads
 import pallas_kernels as pk
-from pallas_kernels.attention import gpu as pallas_gpu
-from pallas_kernels.attention import gpu_backward as gb
-from pallas_kernels.attention import reference
-from pallas_kernels.attention import transpose as tr
+from pallas_kernels.sparse_mla import gpu as pallas_gpu
+from pallas_kernels.sparse_mla import gpu_backward as gb
+from pallas_kernels.sparse_mla import reference
+from pallas_kernels.sparse_mla import transpose as tr
 
 H, DK, DV, T = 4, 80, 64, 50
 SCALE = 0.125

@@ -19,7 +19,7 @@ import pallas_kernels as pk
 from benchmarks import sparse_mla_tpu_aot as aot
 from conftest import tpu_compile_mesh
 from kernel_contract import check_sparse_mla, sparse_inputs
-from pallas_kernels.attention import gpu, tpu
+from pallas_kernels.sparse_mla import gpu, tpu
 
 CASES = [  # (impl, B, S, K, config): K not a multiple of the block, several blocks (and chunks)
     ("pallas_tpu", 2, 2, 56, pk.SparseMLATpuConfig(   # K > T = 50; backward in 2 query chunks

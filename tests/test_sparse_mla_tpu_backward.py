@@ -1,4 +1,4 @@
-"""The deterministic TPU sparse MLA backward (`attention.tpu_backward`, behind `impl="pallas_tpu"`)
+"""The deterministic TPU sparse MLA backward (`sparse_mla.tpu_backward`, behind `impl="pallas_tpu"`)
 in Pallas interpret mode (pltpu.InterpretParams: DMAs and semaphores simulated) on the CPU:
 bf16 against the float32 reference, bitwise repeatability, the prebuilt transposed index.
 Float32 exactness against the contract's oracle (-1 holes, an empty row, out-of-range and
@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 
 from kernel_contract import backward_inputs, check_bf16_grads_repeatable, vjp_grads
-from pallas_kernels.attention import reference, tpu, tpu_backward
-from pallas_kernels.attention import transpose as tr
+from pallas_kernels.sparse_mla import reference, tpu, tpu_backward
+from pallas_kernels.sparse_mla import transpose as tr
 
 H, DK, DV, T = 4, 80, 64, 50
 SCALE = 0.125

@@ -19,9 +19,10 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from glm_jax.config import GLMConfig
-from pallas_kernels import FP8_IMPLS, fp8
-from pallas_kernels.fp8 import (Fp8Keys, Fp8Latent, dequantize, is_fp8, quantize_keys, quantize_latent,
-                                write_rows)
+from glm_jax.ops import FP8_IMPLS, fp8
+
+Fp8Keys, Fp8Latent, dequantize, is_fp8 = fp8.Fp8Keys, fp8.Fp8Latent, fp8.dequantize, fp8.is_fp8
+quantize_keys, quantize_latent, write_rows = fp8.quantize_keys, fp8.quantize_latent, fp8.write_rows
 
 __all__ = ["LAYOUTS", "KV_CACHE_DTYPES", "store_dtype", "resolve_cache_dtype", "is_fp8_dtype", "layout_of",
            "check_fp8_model", "check_fp8_impls", "Fp8Keys", "Fp8Latent", "dequantize", "is_fp8", "quantize_keys",
@@ -77,7 +78,7 @@ def resolve_cache_dtype(cfg: GLMConfig, kv_cache_dtype: str, *, attention: str =
 
 def check_fp8_impls(attention: str, indexer: str) -> None:
     """One-line ValueError if a named kernel implementation does not read FP8 pages
-    (`pallas_kernels.FP8_IMPLS`; "auto" picks one that does)."""
+    (`ops.FP8_IMPLS`; "auto" picks one that does)."""
     for flag, impl, op in (("--attention-impl", attention, "paged_sparse_mla"),
                            ("--indexer-impl", indexer, "paged_indexer_topk")):
         if impl != "auto" and impl not in FP8_IMPLS[op]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import fp8
+from glm_jax.ops import fp8
 
 
 def contiguous_page_table(batch: int) -> jnp.ndarray:

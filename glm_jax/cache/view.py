@@ -130,8 +130,7 @@ class GroupCacheView:
 
             def topk_of(queries, weights, positions, kv_len, page_table):
                 return ops.paged_indexer_topk(queries, store, page_table, weights, topk=topk, q_pos=positions,
-                                              kv_len=kv_len, slot=slot, impl=kernels.indexer,
-                                              config=kernels.indexer_config, interpret=kernels.interpret)
+                                              kv_len=kv_len, slot=slot, kernels=kernels)
 
             indices = by_token(topk_of, kernels.token_rows, (queries, weights, positions), (kv_len, page_table))
             return (self.placement.share(indices, mine),)
@@ -234,5 +233,4 @@ class GroupCacheView:
 
 
 def _attention_kwargs(sm_scale: float, v_dim: int, kernels: ops.KernelChoice) -> dict:
-    return dict(sm_scale=sm_scale, v_dim=v_dim, impl=kernels.attention, config=kernels.attention_config,
-                interpret=kernels.interpret)
+    return dict(sm_scale=sm_scale, v_dim=v_dim, kernels=kernels)

@@ -85,5 +85,5 @@ class DecodeConfig(Settings):
 
     def kernels(self) -> ops.KernelChoice:
         """The kernels, their configs set (`kernel_configs.configured`: resolves "auto" on this backend)."""
-        return configured(ops.KernelChoice(indexer=self.indexer_impl, attention=self.attention_impl,
+        return configured(ops.KernelChoice(indexer_topk=self.indexer_impl, sparse_mla=self.attention_impl,
                                            batch_invariant=self.batch_invariant), self.kernel_config)

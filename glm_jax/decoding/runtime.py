@@ -105,8 +105,8 @@ class DecodeRuntime:
                  kernels: ops.KernelChoice, mesh: Mesh | None = None, collective: str = "permute",
                  cuda_graphs: bool = False, mtp: bool = False, kv_cache_dtype: str = "auto"):
         self.cfg = model.cfg
-        self.cache_dtype = resolve_cache_dtype(self.cfg, kv_cache_dtype, attention=kernels.attention,
-                                               indexer=kernels.indexer)
+        self.cache_dtype = resolve_cache_dtype(self.cfg, kv_cache_dtype, attention=kernels["sparse_mla"].impl,
+                                               indexer=kernels["indexer_topk"].impl)
         # XLA options of the programs: on a GPU with cuda_graphs, CUDA graphs (`programs`)
         self.options = compiler_options(jax.default_backend(), cuda_graphs)
         self.graphdef, self.state = nnx.split(model)

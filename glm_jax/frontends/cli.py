@@ -124,8 +124,8 @@ def model_source(args):
 
 # ---------------------------------------------------------------------- mesh and kernels
 def impl_choices(op: str) -> tuple[str, ...]:
-    """The implementations a kernel flag offers for the pallas_kernels op `op` (its registry)."""
-    from pallas_kernels import impl_choices as registered
+    """The implementations a kernel flag offers for the pallas_kernels op `op` (its registry, through `ops`)."""
+    from glm_jax.ops import impl_choices as registered
 
     return registered(op)
 
@@ -148,8 +148,9 @@ def add_kernel_flags(ap: argparse.ArgumentParser, *, attention_help: str = "") -
                          metavar="GROUP.FIELD=VALUE",
                          help=f"set a field of a kernel's config dataclass (repeatable), e.g. {KERNEL_CONFIG_EXAMPLE} "
                               "(the xla kernel's, which a CPU runs) or attention.block_k=64 (pallas_gpu, pallas_tpu); "
-                              "groups: attention, indexer, indexer_kl, dense_kl; the fields are those of the config "
-                              "of the implementation the group runs (pallas_kernels registry)")
+                              "groups: the ops (sparse_mla, indexer_topk, indexer_cross_entropy, causal_attention, "
+                              "dense_indexer_kl) or attention, indexer, indexer_kl, dense_kl; the fields are those of "
+                              "the config of the implementation the group runs (pallas_kernels registry)")
 
 
 def kernel_config(items: list[str] | None, base: dict | None = None) -> dict[str, dict]:
@@ -174,7 +175,7 @@ def kernel_choice(args, *, attention: str | None = None):
     from glm_jax.kernel_configs import configured
 
     with user_errors():
-        return configured(ops.KernelChoice(indexer=args.indexer_impl, attention=attention or args.attention_impl),
+        return configured(ops.KernelChoice(indexer_topk=args.indexer_impl, sparse_mla=attention or args.attention_impl),
                           kernel_config(args.kernel_config_items))
 
 

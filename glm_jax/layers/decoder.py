@@ -24,7 +24,7 @@ from jax.ad_checkpoint import checkpoint_name
 from glm_jax import ops
 from glm_jax.config import GLMConfig
 from glm_jax.layers.checks import check_config, check_hidden, check_rows
-from glm_jax.layers.dense_kl import DenseTarget, dense_group_kl
+from glm_jax.layers.dense_indexer_kl import DenseTarget, dense_group_kl
 from glm_jax.layers.indexer import Indexer
 from glm_jax.layers.mla import MLAProjection, indices_to_mask
 from glm_jax.layers.moe import MLP, MoE
@@ -453,7 +453,7 @@ def _attend_dense_causal(layer: DecoderLayer, q_nope, q_rope, latent, found: _In
     packed = rows.kv_start is not None
     segments = segment_table(rows.positions, settings.max_segments) if packed and settings.max_segments else None
     out = layer.self_attn.attend_causal(q_nope, q_rope, latent, rows.kv_len, mask=rows.causal() if packed else None,
-                                        segments=segments)
+                                        segments=segments, kernels=settings.kernels)
     target = None
     if found.index_inputs is not None:
         q_abs = layer.self_attn.absorbed_queries(q_nope, q_rope)

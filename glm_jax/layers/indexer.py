@@ -71,8 +71,7 @@ class Indexer(nnx.Module):
         q = self.queries(q_resid, positions)
         return ops.indexer_topk(q, keys.astype(q.dtype), self.head_weights(x), topk=self.cfg.index_topk,
                                 q_pos=query_rows(positions, kv_start), kv_len=kv_len, kv_start=kv_start,
-                                impl=kernels.indexer, config=kernels.indexer_config,
-                                interpret=kernels.interpret)
+                                kernels=kernels)
 
     def scores(self, x, q_resid, positions, keys, kv_len, kernels: ops.KernelChoice | None = None, kv_start=None):
         """Indexer logits float32 [B, S, T], -inf where masked (for the indexer losses);
@@ -81,5 +80,4 @@ class Indexer(nnx.Module):
         q = self.queries(q_resid, positions)
         return ops.indexer_scores(q, keys.astype(q.dtype), self.head_weights(x),
                                   q_pos=query_rows(positions, kv_start),
-                                  kv_len=kv_len, kv_start=kv_start, impl=kernels.indexer, config=kernels.indexer_config,
-                                  interpret=kernels.interpret)
+                                  kv_len=kv_len, kv_start=kv_start, kernels=kernels)

@@ -90,8 +90,7 @@ class MLAProjection(nnx.Module):
         q_abs = self.absorbed_queries(q_nope, q_rope)
         o_lat, _, *target = ops.sparse_mla(q_abs, latent.astype(q_abs.dtype), indices, sm_scale=self.sm_scale,
                                            v_dim=self.cfg.kv_lora_rank, return_target=return_target,
-                                           impl=kernels.attention, config=kernels.attention_config,
-                                           interpret=kernels.interpret, tindex=tindex)
+                                           tindex=tindex, kernels=kernels)
         # Named as the kernel's residuals are, for a remat policy that keeps them (`ops.SPARSE_MLA_SAVED`).
         o_lat, *target = (checkpoint_name(a, ops.SPARSE_MLA_SAVED) for a in (o_lat, *target))
         out = self.absorbed_output(o_lat, q_nope.dtype)
@@ -120,7 +119,8 @@ class MLAProjection(nnx.Module):
         return self.o_proj(o.reshape(o.shape[:2] + (-1,)))
 
     # ------------------------------------------------------------------ dense, long sequences
-    def attend_causal(self, q_nope, q_rope, latent, kv_len, mask=None, segments: SegmentTable | None = None):
+    def attend_causal(self, q_nope, q_rope, latent, kv_len, mask=None, segments: SegmentTable | None = None,
+                      kernels: ops.KernelChoice | None = None):
         """Dense causal attention of a full sequence from position 0 without [S, T] matrices
         in memory where the backend allows (`ops.causal_attention`: cuDNN's flash kernel on a
         GPU).
@@ -128,7 +128,8 @@ class MLAProjection(nnx.Module):
         q_* [B, S, nh, *], latent [B, S, kv_lora + rope], kv_len int32 [B] -> [B, S, hidden].
         Packed documents: mask bool [B, S, T] further restricts the keys (an [S, T] matrix);
         `segments` (the same documents as a SegmentTable), where given, lets cuDNN run its
-        packed kernel instead, with no mask built."""
+        packed kernel instead, with no mask built. kernels: its `causal_attention` entry picks the
+        implementation (default "auto")."""
         c = self.cfg
         c_kv, k_rope = latent[..., : c.kv_lora_rank], latent[..., c.kv_lora_rank:]
         kv = self.kv_b_proj(c_kv).reshape(c_kv.shape[:2] + (c.num_attention_heads, -1))
@@ -139,7 +140,7 @@ class MLAProjection(nnx.Module):
         width = max(q.shape[-1], v.shape[-1])                   # one head width for q, k and v
         pad = lambda x: jnp.pad(x, [(0, 0)] * 3 + [(0, width - x.shape[-1])])
         o = ops.causal_attention(pad(q), pad(k), pad(v), scale=self.sm_scale, kv_len=kv_len, mask=mask,
-                                 segments=segments)
+                                 segments=segments, kernels=kernels or ops.KernelChoice())
         o = o[..., : c.v_head_dim]
         return self.o_proj(o.astype(q_nope.dtype).reshape(o.shape[:2] + (-1,)))
 

@@ -50,10 +50,9 @@ def selected_set_kl(acc: TargetSum, *, idx_q: jax.Array, idx_keys: jax.Array, id
 
     acc: the group's layers' `TargetSum`; idx_q [B, S, Hi, Di], idx_keys [B, T, Di], idx_w
     float32 [B, S, Hi]: the indexer's queries, keys and head weights (gradients flow into these
-    only); indices int32 [B, S, K] (-1 = none); kernels: `indexer_kl` picks the implementation.
+    only); indices int32 [B, S, K] (-1 = none); kernels: its `indexer_cross_entropy` entry picks the implementation.
     Under context parallelism each device computes its own queries' part (`ops`)."""
-    cross = ops.indexer_cross_entropy(idx_q, idx_keys, idx_w, indices, acc.tbar, impl=kernels.indexer_kl,
-                                      config=kernels.indexer_kl_config, interpret=kernels.interpret)
+    cross = ops.indexer_cross_entropy(idx_q, idx_keys, idx_w, indices, acc.tbar, kernels=kernels)
     return (acc.neg_entropy + jnp.sum(cross)) / indices.shape[0]
 
 

@@ -25,8 +25,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from glm_jax.ops import split_query_chunks
 from glm_jax.training.losses import head_chunk, masked_mean
-from pallas_kernels.chunking import split_query_chunks
 
 F32 = jnp.float32
 

@@ -14,7 +14,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.chunking import choose_q_chunk, map_query_chunks
+from glm_jax.ops import choose_q_chunk, map_query_chunks
 
 #: Upper bound on one chunk's float32 logits [B, C, V] in the terms computed through the head.
 HEAD_CHUNK_BYTES = 2**30

@@ -190,7 +190,7 @@ def with_config(model: GLMModel, cfg: GLMConfig) -> GLMModel:
 
 def kernel_choice(kernels: KernelsConfig) -> ops.KernelChoice:
     """The kernels of the run's settings, their configs set (`kernel_configs.configured`)."""
-    return configured(ops.KernelChoice(indexer=kernels.indexer_impl, attention=kernels.attention_impl),
+    return configured(ops.KernelChoice(indexer_topk=kernels.indexer_impl, sparse_mla=kernels.attention_impl),
                       kernels.kernel_config)
 
 

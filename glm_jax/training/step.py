@@ -139,7 +139,7 @@ def loss_terms(model, inputs, targets, *, stage: str, weights: LossWeights, kern
 
     form "expanded" builds [B, H, S, S] attention matrices; "absorbed" holds none: dense attention
     runs the fused causal kernel and the dense stage's indexer KL is computed blockwise from the
-    attention's per-row log-sum-exp (`layers.dense_kl`); both give every stage and loss (see
+    attention's per-row log-sum-exp (`layers.dense_indexer_kl`); both give every stage and loss (see
     `attention_form`)."""
     settings = AttentionSettings(mode=stage, form=form, indexer_loss=weights.indexer > 0,
                                  remat=remat, keep_attention=keep_attention, max_segments=max_segments,
