@@ -232,11 +232,13 @@ def dense_indexer_kl_part(cfg, recipe, bw, mm):
              ("fused blockwise (XLA), tiles of 256", fwd_bwd(fused, (0, 1, 2)), args),
              ("fused blockwise (XLA), tiles of 512",
               fwd_bwd(lambda *a: fused(*a, config=pk.DenseIndexerKLXlaConfig(block=512)), (0, 1, 2)), args)]
-    if jax.default_backend() == "gpu":
+    if jax.default_backend() == "gpu":          # the lab's kernels, registered by train_step_parts.py
+        from lab.dense_indexer_kl_gpu import DenseIndexerKLGpuConfig
+
         for tile in (64, 32, 16):
             cases.append((f"fused, Pallas GPU kernels (tiles of {tile})",
                           fwd_bwd(lambda *a, tile=tile: fused(*a, impl="pallas_gpu",
-                                                              config=pk.DenseIndexerKLGpuConfig(block=tile)), (0, 1, 2)),
+                                                              config=DenseIndexerKLGpuConfig(block=tile)), (0, 1, 2)),
                           args))
     pairs = b * s * (s + 1) / 2
     flops = pairs * 2 * (layers * h * dk + 3 * hi * di)

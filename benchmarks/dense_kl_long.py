@@ -6,6 +6,9 @@ and the bf16 matmul rate measured in the same run.
         --json OUT/dense_kl_long.json [--trace OUT/trace]
     PYTHONPATH=. python3 benchmarks/dense_kl_long.py --smoke          # tiny shapes, CPU
 
+Implementation pallas_gpu is the Pallas GPU kernels of `lab/dense_indexer_kl_gpu.py` (outside the
+package: measured slower than xla forward + backward), registered for the run.
+
 The group is the config's (default: configs/default-py.yaml, the default model: 4 layers of 8
 heads, absorbed width kv_lora_rank + rope = 160, an indexer of 8 heads of 64), batch 1, one
 document per row (`--documents N`: N equal packed documents), random bf16 operands.
@@ -110,6 +113,13 @@ def measure(shapes: dict, seq_len: int, documents: int, impl: str, reps: int, ra
 
 
 def main(argv=None) -> int:
+    from lab import dense_indexer_kl_gpu_vjp
+
+    with dense_indexer_kl_gpu_vjp.registered():          # impl pallas_gpu: the lab's kernels
+        return _run(argv)
+
+
+def _run(argv) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="configs/default-py.yaml")
     ap.add_argument("--seq-len", type=int, nargs="+", default=[32768, 131072])

@@ -12,7 +12,8 @@ in the two stages:
 
 * dense: causal attention over every earlier token through the fused attention kernel (LM and
   MTP losses; by default the indexer is not trained; with --dense-kl IMPL also the dense warm-up's
-  indexer KL of train.py's --dense-steps, computed by that implementation of the op);
+  indexer KL of train.py's --dense-steps, computed by that implementation of the op, pallas_gpu
+  being the Pallas GPU kernels of lab/dense_indexer_kl_gpu.py, registered for the run);
 * sparse: attention over the indexer's top-2048 through sparse MLA, with the selected-set
   indexer KL and the MTP losses; once per implementation in --sparse-impls (the Pallas GPU
   kernel, whose backward adds the latent rows' gradient atomically, and the XLA impl chunked
@@ -42,9 +43,15 @@ from glm_jax import costs, ops
 from glm_jax.config import load_config
 from glm_jax.model import GLMModel, params_by_part
 from glm_jax.training.step import Batch, LossWeights, OptimizerConfig, StepConfig, train_step_program
+from lab import dense_indexer_kl_gpu_vjp
 
 
 def main() -> None:
+    with dense_indexer_kl_gpu_vjp.registered():          # --dense-kl pallas_gpu: the lab's kernels
+        _run()
+
+
+def _run() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="configs/small-128k.yaml")
     ap.add_argument("--seq-len", type=int, default=131072)

@@ -9,7 +9,9 @@ limits, and train.py's steady loop on the same batch shape.
     ... --smoke                                                            # tiny sizes, CPU
 
 The recipe is scripts/gpu_default_model.sh's: configs/default-py.yaml, 16 x 4096 packed
-tokens, --remat, MTP depth 3 (weight 0.3), end-to-end TV 0.5, indexer weight 1.
+tokens, --remat, MTP depth 3 (weight 0.3), end-to-end TV 0.5, indexer weight 1. `--dense-kl
+pallas_gpu` (and the parts' Pallas KL rows) run the Pallas GPU kernels of
+lab/dense_indexer_kl_gpu.py, registered as that impl for the run.
 
 * steps: one optimizer step (`train_step`) on one packed batch of the Python standard library,
   timed alone (median of --reps calls after the compiling one, each ended by
@@ -333,6 +335,13 @@ def main() -> None:
     ap.add_argument("--prefetch-batches", type=int, nargs="+", default=[0, 2],
                     help="loop: run train.py once per value of its --prefetch-batches")
     args = ap.parse_args()
+    from lab import dense_indexer_kl_gpu_vjp
+
+    with dense_indexer_kl_gpu_vjp.registered():          # --dense-kl pallas_gpu: the lab's kernels
+        _run(args)
+
+
+def _run(args) -> None:
     recipe = SMOKE if args.smoke else RECIPE
     if args.smoke:
         jax.config.update("jax_platforms", "cpu")

@@ -40,7 +40,8 @@ __all__ = ["KernelChoice", "OpChoice", "OPS", "FP8_IMPLS", "SPARSE_MLA_SAVED", "
 #: paged_sparse_mla.
 OPS = ("sparse_mla", "indexer_topk", "indexer_cross_entropy", "causal_attention", "dense_indexer_kl")
 #: The implementation of an op a KernelChoice leaves out ("auto" for the others): the dense
-#: stage's KL keeps its XLA form (its "pallas_gpu" measured slower, docs/training.md).
+#: stage's KL runs its XLA form (Pallas GPU kernels of it measured slower and are in lab/,
+#: outside the package: docs/training.md).
 DEFAULT_IMPL = {"dense_indexer_kl": "xla"}
 
 #: Tokens per chunk of the batch-invariant cached forward by backend. On an accelerator a decode

@@ -63,7 +63,6 @@ from pallas_kernels._common import NoConfig, XlaConfig, start_or_zero
 from pallas_kernels.sparse_mla.gpu import SparseMLAGpuConfig
 from pallas_kernels.sparse_mla.tpu import SparseMLATpuConfig
 from pallas_kernels.causal_attention import cudnn as _cudnn
-from pallas_kernels.dense_indexer_kl.gpu import DenseIndexerKLGpuConfig
 from pallas_kernels.dense_indexer_kl.xla import DenseIndexerKLXlaConfig
 from pallas_kernels.indexer_topk.gpu import IndexerGpuConfig
 from pallas_kernels.indexer_topk.tpu import IndexerTpuConfig
@@ -75,7 +74,7 @@ __all__ = ["REGISTRY", "impl_choices", "resolve_impl", "indexer_scores", "indexe
            "indexer_cross_entropy", "causal_attention", "paged_indexer_topk", "paged_sparse_mla", "FP8_IMPLS",
            "NoConfig",
            "XlaConfig", "IndexerGpuConfig", "IndexerTpuConfig", "IndexerKLGpuConfig", "SparseMLAGpuConfig",
-           "SparseMLATpuConfig", "dense_indexer_kl", "DenseIndexerKLXlaConfig", "DenseIndexerKLGpuConfig"]
+           "SparseMLATpuConfig", "dense_indexer_kl", "DenseIndexerKLXlaConfig"]
 
 #: The implementations of the paged ops that read FP8 stores (`pallas_kernels.fp8`).
 FP8_IMPLS = {"paged_sparse_mla": ("reference", "xla", "pallas_gpu"),
@@ -365,8 +364,8 @@ def dense_indexer_kl(qs, latents, idx_q: jax.Array, idx_keys: jax.Array, idx_w: 
       kv_len: int32 [B] valid keys (capped at S).
       kv_start: int32 [B, S] the row where each query's document starts, or None for 0.
       shares: one weight per layer (static), default 1 / L each.
-      impl, config, interpret: see the package docstring ("auto" takes "xla" everywhere: the
-        Pallas GPU kernels measured slower).
+      impl, config, interpret: see the package docstring ("auto" takes "xla" everywhere; Pallas
+        GPU kernels, measured slower, are in the repository's lab/, outside the package).
 
     Returns:
       float32 [B, S]: per query sum_j share_j sum_t t_j,t log t_j,t - sum_t tbar_t s_t + LSE_s

@@ -18,7 +18,6 @@ import jax
 from pallas_kernels import checks
 from pallas_kernels._common import NoConfig, XlaConfig
 from pallas_kernels.causal_attention import cudnn as causal_cudnn, reference as causal_reference, xla as causal_xla
-from pallas_kernels.dense_indexer_kl import gpu as dense_indexer_kl_gpu, gpu_vjp as dense_indexer_kl_gpu_vjp
 from pallas_kernels.dense_indexer_kl import reference as dense_indexer_kl_reference, xla as dense_indexer_kl_xla
 from pallas_kernels.indexer_cross_entropy import gpu as cross_entropy_gpu, reference as cross_entropy_reference
 from pallas_kernels.indexer_cross_entropy import xla as cross_entropy_xla
@@ -114,10 +113,6 @@ REGISTRY: dict[str, dict[str, Implementation]] = {
     "dense_indexer_kl": {
         "reference": Implementation(dense_indexer_kl_reference.dense_indexer_kl, NoConfig),
         "xla": Implementation(dense_indexer_kl_xla.dense_indexer_kl, dense_indexer_kl_xla.DenseIndexerKLXlaConfig),
-        # 196 ms against the XLA form's 83 ms for 4 layers of the default recipe on an H100
-        # (docs/training.md): "auto" keeps the XLA form
-        "pallas_gpu": Implementation(dense_indexer_kl_gpu_vjp.dense_indexer_kl, dense_indexer_kl_gpu.DenseIndexerKLGpuConfig, "gpu",
-                                     auto=False),
     },
 }
 

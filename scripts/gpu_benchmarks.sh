@@ -53,7 +53,8 @@
 #                 backward mode) old against new, beside their limits
 # dense-kl-long  the dense-stage indexer KL of one default-model group alone,   3-6 min
 #                 forward and backward at 32K and 128K tokens, XLA against
-#                 the Pallas kernels, beside the op's matmul limit
+#                 the Pallas kernels (lab/dense_indexer_kl_gpu.py, outside the
+#                 package), beside the op's matmul limit
 # dense-step-128k  train.py's dense warm-up step of the default model at 128K  4-7 min
 #                 (benchmarks/train_long.py): the attention alone, then with
 #                 the indexer KL by the Pallas kernels and by XLA; each traced
@@ -62,7 +63,7 @@
 #                 repeats, gradients, timings against pallas_gpu beside the
 #                 matmul rate and copy bandwidth; memcheck and racecheck runs
 # train-steps    the recipe's step alone, absorbed form, dense and sparse,    6-8 min
-#                 then the dense step with the Pallas dense-stage KL; each
+#                 then the dense step with the lab's Pallas dense-stage KL; each
 #                 traced (kernel table in profile/)
 # train-steps-trained  the step alone from checkpoints/default's weights,     3-4 min
 #                 dense segment bound 32 (the loop's conditions late in a run)

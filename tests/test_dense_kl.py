@@ -1,7 +1,8 @@
 """The dense warm-up's indexer KL in the absorbed form (`glm_jax.layers.dense_indexer_kl` over
 `pallas_kernels.dense_indexer_kl`): blockwise, equal in value and gradients to the expanded
 form's per-layer KL on [S, T] matrices. (The op's contract, every implementation against a
-numpy oracle: test_kernel_contract.py.)"""
+numpy oracle: test_kernel_contract.py.) At the end: the Pallas GPU kernels outside the package
+(lab/dense_indexer_kl_gpu.py), against the same expanded form and contract."""
 
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ from glm_jax.layers.dense_indexer_kl import DenseTarget, dense_group_kl
 from glm_jax.layers.segments import segment_layout
 from glm_jax.model import GLMModel
 from glm_jax.training.step import LossWeights, loss_terms
+from lab import dense_indexer_kl_gpu_vjp as lab_kl
+from lab.dense_indexer_kl_gpu import DenseIndexerKLGpuConfig
 
 B, S, H, LATENT, ROPE, HI, DI, SCALE = 2, 64, 4, 32, 16, 2, 16, 0.2
 
@@ -81,40 +84,16 @@ def test_fused_dense_kl_equals_the_expanded_form(layers, packed, block):
     assert not any(np.any(np.asarray(g)) for g in jax.tree.leaves(jax.grad(fused)(targets, *idx)))
 
 
-@pytest.mark.parametrize("packed", [False, True])
-def test_pallas_kernels_equal_the_expanded_form(packed):
-    """The Pallas GPU forward and backward kernels (interpret mode; tiles of 16, S = 40 padded
-    to 48, widths 48 = 32 + 16 columns): the expanded form's value and gradients (the keys'
-    gradient from the kernel over key blocks, the others from the one over query blocks)."""
-    targets, idx, rows = _case(2, packed, seed=2)
-    s = 40
-    targets = [DenseTarget(t.q[:, :s], t.latent[:, :s]) for t in targets]
-    idx = tuple(x[:, :s] for x in idx)
-    rows = _Rows(s, rows.positions[:, :s], jnp.minimum(rows.kv_len, s - 3), None if rows.kv_start is None
-                 else rows.kv_start[:, :s])
-
-    kernels = ops.KernelChoice(dense_indexer_kl=("pallas_gpu", pk.DenseIndexerKLGpuConfig(block=16)), interpret=True)
-
-    def fused(targets, *idx):
-        return dense_group_kl(targets, idx_q=idx[0], idx_keys=idx[1], idx_w=idx[2], sm_scale=SCALE,
-                              kv_len=rows.kv_len, kv_start=rows.kv_start, kernels=kernels)
-
-    got, got_grads = jax.value_and_grad(fused, (1, 2, 3))(targets, *idx)
-    want, want_grads = jax.value_and_grad(functools.partial(_expanded_kl, rows=rows), (1, 2, 3))(targets, *idx)
-    assert float(want) > 1.0
-    np.testing.assert_allclose(got, want, rtol=2e-6)
-    for g, w in zip(got_grads, want_grads):
-        np.testing.assert_allclose(g, w, rtol=1e-4, atol=2e-6 * float(jnp.max(jnp.abs(w))))
-
-
-@pytest.mark.parametrize("impl,config", [("xla", pk.DenseIndexerKLXlaConfig(block=16)),
-                                         ("pallas_gpu", pk.DenseIndexerKLGpuConfig(block=16))])
-def test_small_tiles_match_the_contract(impl, config):
+def _check_small_tiles(impl, config):
     """The op's contract (test_kernel_contract.py) with tiles of 16: several query and key blocks,
     the last one padded."""
     *arrays, kv_len, kv_start = dense_indexer_kl_inputs(4)
     check_dense_indexer_kl(impl, *arrays, sm_scale=0.2, kv_len=kv_len, kv_start=kv_start, shares=(0.5, 0.5),
                            config=config)
+
+
+def test_small_tiles_match_the_contract():
+    _check_small_tiles("xla", pk.DenseIndexerKLXlaConfig(block=16))
 
 
 def test_shares_weigh_the_layers():
@@ -179,6 +158,53 @@ def test_loss_terms_dense_stage_absorbed_equals_expanded(packed, remat):
     assert indexer_grads >= 8        # wq_b, wk, k_norm, weights_proj of the stacked groups and MTP
 
 
+# ---------------------------------------------------------------------- the lab's Pallas GPU kernels
+# lab/dense_indexer_kl_gpu.py (outside the package: measured slower than xla forward + backward),
+# run through the public op while `registered()` makes it an impl.
+@pytest.mark.parametrize("packed", [False, True])
+def test_pallas_kernels_equal_the_expanded_form(packed):
+    """The lab's Pallas GPU forward and backward kernels, selected as a train step selects them
+    (registered; interpret mode; tiles of 16, S = 40 padded
+    to 48, widths 48 = 32 + 16 columns): the expanded form's value and gradients (the keys'
+    gradient from the kernel over key blocks, the others from the one over query blocks)."""
+    targets, idx, rows = _case(2, packed, seed=2)
+    s = 40
+    targets = [DenseTarget(t.q[:, :s], t.latent[:, :s]) for t in targets]
+    idx = tuple(x[:, :s] for x in idx)
+    rows = _Rows(s, rows.positions[:, :s], jnp.minimum(rows.kv_len, s - 3), None if rows.kv_start is None
+                 else rows.kv_start[:, :s])
+
+    def fused(targets, *idx):
+        kernels = ops.KernelChoice(dense_indexer_kl=(lab_kl.IMPL, DenseIndexerKLGpuConfig(block=16)), interpret=True)
+        return dense_group_kl(targets, idx_q=idx[0], idx_keys=idx[1], idx_w=idx[2], sm_scale=SCALE,
+                              kv_len=rows.kv_len, kv_start=rows.kv_start, kernels=kernels)
+
+    with lab_kl.registered():
+        got, got_grads = jax.value_and_grad(fused, (1, 2, 3))(targets, *idx)
+    want, want_grads = jax.value_and_grad(functools.partial(_expanded_kl, rows=rows), (1, 2, 3))(targets, *idx)
+    assert float(want) > 1.0
+    np.testing.assert_allclose(got, want, rtol=2e-6)
+    for g, w in zip(got_grads, want_grads):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=2e-6 * float(jnp.max(jnp.abs(w))))
+
+
+def test_lab_pallas_kernels_match_the_contract():
+    with lab_kl.registered():
+        _check_small_tiles(lab_kl.IMPL, DenseIndexerKLGpuConfig(block=16))
+
+
+def test_lab_registration_ends_with_its_block():
+    """The registry holds the lab's impl only inside `registered()`, and refuses it twice."""
+    with lab_kl.registered():
+        assert pk.impl_choices("dense_indexer_kl") == ("auto", "reference", "xla", lab_kl.IMPL)
+        assert pk.resolve_impl("dense_indexer_kl", "auto") == "xla"
+        with pytest.raises(RuntimeError, match="already has"), lab_kl.registered():
+            pass
+    assert pk.impl_choices("dense_indexer_kl") == ("auto", "reference", "xla")
+    with pytest.raises(ValueError, match="dense_indexer_kl='pallas_gpu': valid choices"):
+        ops.KernelChoice(dense_indexer_kl=lab_kl.IMPL)
+
+
 def test_pallas_kernels_lower_to_triton_for_h100():
     """The forward and backward kernels at the default model's widths (4 layers of 8 heads over
     160-wide latent rows, 8 indexer heads of 64, tiles of 64), lowered to Triton for an H100."""
@@ -192,10 +218,10 @@ def test_pallas_kernels_lower_to_triton_for_h100():
 
     def kl(qs, latents, iq, ik, iw):
         rows = pk.dense_indexer_kl(qs, latents, iq, ik, iw, sm_scale=SCALE, kv_len=jnp.full((batch,), seq, jnp.int32),
-                                   impl="pallas_gpu", config=pk.DenseIndexerKLGpuConfig(block=64))
+                                   impl=lab_kl.IMPL, config=DenseIndexerKLGpuConfig(block=64))
         return jnp.sum(rows)
 
-    with jax.sharding.use_abstract_mesh(mesh):
+    with jax.sharding.use_abstract_mesh(mesh), lab_kl.registered():
         for fn, kernels in ((kl, 1), (jax.grad(kl, argnums=(2, 3, 4)), 3)):
             text = jax.jit(fn).trace(qs, latents, *idx).lower(lowering_platforms=("cuda",)).as_text()
             assert text.count("xla.gpu.triton") == kernels

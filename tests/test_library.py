@@ -7,6 +7,7 @@ imports without them, and runs the docs page's example on 4 simulated CPU device
 
 from __future__ import annotations
 
+import ast
 import fnmatch
 import json
 import re
@@ -71,6 +72,26 @@ def test_the_wheel_holds_the_library_and_not_the_lab():
     tops = {p.name for p in ROOT.iterdir() if (p / "__init__.py").exists()}
     assert {"lab", "glm_jax", "pallas_kernels"} <= tops
     assert {t for t in tops if any(fnmatch.fnmatch(t, pattern) for pattern in include)} == {"glm_jax", "pallas_kernels"}
+
+
+def _imported_tops(path: Path) -> set[str]:
+    """The top-level names of every module the file imports (statements inside functions too)."""
+    tops = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            tops |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            tops.add(node.module.split(".")[0])
+    return tops
+
+
+def test_the_library_never_imports_the_lab():
+    """lab/ is not in the wheel, so no module of glm_jax or pallas_kernels may import it (lab
+    imports pallas_kernels, not the reverse)."""
+    files = [f for package in ("glm_jax", "pallas_kernels") for f in sorted((ROOT / package).rglob("*.py"))]
+    assert len(files) > 50
+    assert [str(f.relative_to(ROOT)) for f in files if "lab" in _imported_tops(f)] == []
+    assert "pallas_kernels" in _imported_tops(ROOT / "lab" / "dense_indexer_kl_gpu_vjp.py")   # the walk sees imports
 
 
 def test_presets_ship_as_package_data_and_load_by_name():

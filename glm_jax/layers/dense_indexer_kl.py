@@ -10,7 +10,7 @@ the indexer scores s_t = sum_h w_h relu(q'_h . k_t) and LSE_s over the visible k
 
 The attention side is a constant target: gradients reach only the indexer's queries, keys and
 head weights. The op (`ops.dense_indexer_kl`, i.e. `pallas_kernels.dense_indexer_kl`: XLA
-passes over causal tiles, or Pallas GPU kernels) forms no [S, S] array.
+passes over causal tiles) forms no [S, S] array.
 
 The queries are the sequence's own tokens: query s sits at row s of the keys (the dense causal
 form, as `MLAProjection.attend_causal`). Under context parallelism XLA partitions the op (it is

@@ -11,9 +11,8 @@ Live per tile: one layer's logits float32 [B, block, H, block] at a time (XLA ma
 layers) and the indexer's [B, block, Hi, block]; kept for the backward pass: the inputs, the
 lse float32 [L, B, S, H] and LSE_s float32 [B, S]. No [S, S] array exists.
 
-Passes 1 and 2 also exist as one Pallas GPU kernel and pass 3 as another (`dense_indexer_kl.gpu`, made
-an op by `dense_indexer_kl.gpu_vjp`), which takes pass 3 from here (`backward`) where its buffer would
-be too large.
+The same passes as Pallas GPU kernels, measured slower on an H100 forward + backward, are
+outside the package (lab/dense_indexer_kl_gpu.py).
 """
 
 from __future__ import annotations

@@ -1,5 +1,14 @@
-"""The forward of the dense warm-up's group indexer KL on NVIDIA GPUs: one Pallas kernel
-(Triton lowering) for the tiles of `glm_jax.layers.dense_indexer_kl`'s passes 1 and 2.
+"""The dense warm-up's group indexer KL (`pallas_kernels.dense_indexer_kl`) on NVIDIA GPUs as
+Pallas kernels (Triton lowering): one for the tiles of the XLA form's passes 1 and 2
+(`pallas_kernels/dense_indexer_kl/xla.py`), two for pass 3; `lab.dense_indexer_kl_gpu_vjp`
+makes them a differentiable op.
+
+Status: correct (tests/test_dense_kl.py, interpret mode, against the expanded form and the op's
+contract), outside the registry: on an H100 its forward is 1.4-1.6x faster than the XLA form's
+but forward + backward 1.7-1.8x slower (one IndexShare group of the default model at 32K and
+128K tokens; 196 ms against 83 ms for the default recipe's 16 x 4,096 tokens), and the train
+step needs both (docs/training.md). `benchmarks/dense_kl_long.py`, `train_long.py --dense-kl
+pallas_gpu` and `train_step_parts.py --dense-kl pallas_gpu` measure it.
 
 One program per (batch row b, block of `block` queries) runs both passes over its key blocks
 (those before the diagonal, from the block's first document start, below kv_len):
@@ -308,7 +317,7 @@ def forward(qs, latents, idx_q, idx_keys, idx_w, kv_len, kv_start, *, sm_scale: 
     """qs: L x [B, S, H, Dk] absorbed queries, latents: L x [B, S, Dk], idx_q [B, S, Hi, Di],
     idx_keys [B, S, Di], idx_w float32 [B, S, Hi], kv_len int32 [B] (<= S), kv_start int32
     [B, S] -> (row losses float32 [B, S], lse float32 [L, B, S, H], LSE_s float32 [B, S]), the
-    quantities of `glm_jax.layers.dense_indexer_kl`'s passes 1 and 2."""
+    quantities of the XLA form's passes 1 and 2."""
     batch, seq_len, heads = qs[0].shape[:3]
     (qs, latents, idx_q, idx_keys, idx_w, kv_start), sp, statics = _prepare(
         qs, latents, idx_q, idx_keys, idx_w, kv_start, config.block)

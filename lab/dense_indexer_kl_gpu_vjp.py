@@ -1,15 +1,39 @@
-"""The dense indexer KL's `pallas_gpu` implementation: the forward kernel of `dense_indexer_kl.gpu`
-(passes 1 and 2) and its backward kernels (pass 3) under one custom VJP."""
+"""The Pallas GPU dense indexer KL (`lab.dense_indexer_kl_gpu`, outside the registry: measured
+slower than the XLA form, that module's docstring) as a differentiable op: its forward kernel
+(passes 1 and 2) and backward kernels (pass 3) under one custom VJP, and `registered()`, which
+lets the public op and `glm_jax` (a train step's `KernelChoice(dense_indexer_kl="pallas_gpu")`)
+run it for as long as a benchmark or a test needs it."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.dense_indexer_kl import gpu
+from lab import dense_indexer_kl_gpu as gpu
+from pallas_kernels import registry
+
+#: The impl name `registered()` gives it.
+IMPL = "pallas_gpu"
+
+
+@contextlib.contextmanager
+def registered():
+    """Within the block, `pallas_kernels.REGISTRY["dense_indexer_kl"][IMPL]` is this op (config
+    `DenseIndexerKLGpuConfig`, platform gpu, never what "auto" picks), so that
+    `pallas_kernels.dense_indexer_kl(..., impl=IMPL)`, `KernelChoice(dense_indexer_kl=IMPL)`
+    and their config checks take it; programs traced inside keep it. Removed on exit."""
+    entries = registry.REGISTRY["dense_indexer_kl"]
+    if IMPL in entries:
+        raise RuntimeError(f"dense_indexer_kl already has an implementation {IMPL!r}")
+    entries[IMPL] = registry.Implementation(dense_indexer_kl, gpu.DenseIndexerKLGpuConfig, "gpu", auto=False)
+    try:
+        yield
+    finally:
+        del entries[IMPL]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,8 +46,9 @@ class _Static:
 
 def dense_indexer_kl(qs, latents, idx_q, idx_keys, idx_w, *, sm_scale: float, kv_len, kv_start, shares,
                      config: gpu.DenseIndexerKLGpuConfig = gpu.DenseIndexerKLGpuConfig(), interpret: bool = False) -> jax.Array:
-    """Contract of `pallas_kernels.dense_indexer_kl` (operands normalised as for
-    `dense_indexer_kl.xla.dense_indexer_kl`) -> float32 [B, S]; tiles of config.block."""
+    """An implementation of `pallas_kernels.dense_indexer_kl` (operands normalised by the public
+    op, as for `pallas_kernels.dense_indexer_kl.xla.dense_indexer_kl`) -> float32 [B, S]; tiles
+    of config.block."""
     if kv_start is None:
         kv_start = jnp.zeros(idx_q.shape[:2], jnp.int32)
     st = _Static(float(sm_scale), tuple(shares), config, bool(interpret))
