@@ -88,7 +88,7 @@ def time_step(variant: str, recipe: dict, reps: int, smoke: bool, trace_dir: str
     from glm_jax.config import load_config
     from glm_jax.layers.segments import count_segments, segment_bound
     from glm_jax.model import GLMModel, params_by_part
-    from glm_jax.training.run import memory_in_use
+    from glm_jax.training.metrics import memory_in_use
     from glm_jax.training.step import Batch, LossWeights, OptimizerConfig, StepConfig, train_step_program
 
     stage, form = variant.split(":")

@@ -7,7 +7,7 @@ with SIGKILL (ACTION `kill`, the default: as `kill -9` or a lost machine would) 
 `disk-full`, make every later write to a file fail as on a full disk (the file-size limit set to
 0: writes fail with EFBIG, SIGXFSZ ignored). Without the variable `reached` does nothing.
 
-The points train.py passes (`glm_jax.training.run`): `step@N` (step N dispatched, the device
+The points train.py passes (`glm_jax.training.loop` and `.saving`): `step@N` (step N dispatched, the device
 computing it), `save@N` (checkpoint N handed to the asynchronous writer, its files being
 written), `export` (the final weights being written).
 """

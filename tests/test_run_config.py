@@ -103,6 +103,8 @@ def test_every_settings_class_is_frozen_and_hashable(tmp_path):
 
     classes = [TrainConfig, DecodeConfig, ServeConfig] + [f.default_factory for f in dataclasses.fields(TrainConfig)
                                                           if settings._is_section(f)]
+    every = lambda cls: {c for sub in cls.__subclasses__() for c in {sub} | every(sub)}
+    assert set(classes) == every(settings.Settings)       # none left out
     for cls in classes:
         assert dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen, cls
         assert hash(cls()) == hash(cls()), cls

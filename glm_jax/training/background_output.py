@@ -3,7 +3,7 @@
 orbax writes checkpoints on its own threads; when a write fails (a full disk, a lost mount) those
 threads and tensorstore's callbacks print pages of tracebacks on stderr before the loop learns
 of the failure at its next save, and the loop then reports the failure in one line
-(`glm_jax.training.run.SaveFailedError`). Within `routed_to(path)`, what a thread other than
+(`glm_jax.training.saving.SaveFailedError`). Within `routed_to(path)`, what a thread other than
 the main one writes to stderr or logs goes to `path` instead, nothing lost; the main thread's
 output (progress, errors) is unchanged, except within `library_logs_too()` (around the calls
 into orbax), where the main thread's log records go to the file as well.

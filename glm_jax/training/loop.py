@@ -1,0 +1,146 @@
+"""A training run's loop (`train`): the steps from `run.setup`'s state, each with its stage and
+segment bound (`SegmentBounds`), the evaluations, the metrics, the checkpoints, a stop on
+--stop-after or a signal (`StopSignals`), then the export."""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+import sys
+import threading
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from glm_jax import faults, multihost
+from glm_jax.data.prefetch import Prefetched
+from glm_jax.layers.segments import count_segments, segment_bound
+from glm_jax.training import background_output
+from glm_jax.training.compiles import CompileWatch
+from glm_jax.training.metrics import MetricsLog
+from glm_jax.training.saving import export, finish_saves, save_checkpoint
+from glm_jax.training.step import Batch, TrainState, eval_step
+
+if TYPE_CHECKING:
+    from glm_jax.training.run import Run
+
+
+def train(run: Run) -> int:
+    """Steps run.start + 1 .. --steps (or --stop-after of them, or until SIGTERM on some process:
+    then a checkpoint and exit), evaluating, logging and saving on the way; then the export."""
+    source, depth = run.batches, run.prefetch
+    if depth:
+        run.batches = Prefetched(source, depth=depth)   # the next batches are packed while the device runs
+    try:
+        with (StopSignals() as stop_requested, background_output.routed_to(run.out / "background.log"),
+              CompileWatch() as compiles):
+            return _loop(run, stop_requested, compiles)
+    finally:
+        if depth:
+            run.batches.close()
+            run.batches = source
+
+
+
+def _loop(run: Run, stop_requested: "StopSignals", compiles: CompileWatch) -> int:
+    settings, schedule = run.settings, run.settings.schedule
+    log = MetricsLog(settings, run.cfg, run.out, start=run.start, compiles=compiles)
+    segment_bounds = SegmentBounds()
+    step = run.start
+    for step in range(run.start + 1, schedule.steps + 1):
+        batch = next(run.batches)
+        stage = "dense" if step <= schedule.dense_steps else "sparse"
+        config = dataclasses.replace(run.step_config, stage=stage,
+                                     max_segments=segment_bounds.for_step(batch.segment_ids, stage, run.form))
+        state, terms = run.step(TrainState(run.graphdef, run.params, run.rest, run.opt_state),
+                                Batch(*(run.feed.from_rows(a) for a in (batch.inputs, batch.targets,
+                                                                        batch.segment_ids))), config)
+        run.params, run.opt_state = state.params, state.opt_state
+        faults.reached("step", step)
+        record = log.step(step, stage, lambda: run.schedule.on_host(step - 1), terms, batch,
+                          full=step % settings.logging.log_every == 0 or step == schedule.steps
+                          or step == run.start + 1)
+        if step % settings.logging.eval_every == 0 or step == schedule.steps:
+            log.validation(record, evaluate(run, stage))
+        log.write(record)
+        limit = settings.stop_after is not None and step - run.start >= settings.stop_after
+        if limit:
+            stop_requested.request()
+        stop = multihost.any_process(stop_requested.requested)  # all processes stop at the same step
+        if step % settings.checkpointing.save_every == 0 or step == schedule.steps or stop:
+            save_checkpoint(run, step)
+        if stop:
+            finish_saves(run)
+            log.close()
+            if limit:               # a planned stop: its weights decode as they are
+                export(run, step)
+                print(f"stopped: saved step {step} and exported its weights to {run.out}; continue with --resume",
+                      flush=True)
+            else:                   # a signal: no time for more writing than the checkpoint
+                print(f"stopped: saved step {step}; continue with --resume (a run stopped by --stop-after "
+                      "also exports the weights that decode.py reads)", flush=True)
+            return 0
+    log.close()
+    export(run, step)
+    print(f"done: {step} steps; model written to {run.out}")
+    return 0
+
+
+class StopSignals:
+    """Within: SIGTERM (preemption) and a first Ctrl-C (SIGINT) ask the loop to save a checkpoint
+    at the end of the step and exit; a second Ctrl-C quits at once (KeyboardInterrupt). The
+    previous handlers come back on exit."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.requested = False
+        self._interrupts = 0
+        self._previous = {}
+
+    def request(self) -> None:
+        self.requested = True
+
+    def _handle(self, signum, _frame) -> None:
+        if signum == signal.SIGINT:
+            self._interrupts += 1
+            if self._interrupts > 1:
+                raise KeyboardInterrupt
+            print("\ninterrupted: saving a checkpoint after this step, then exiting "
+                  "(Ctrl-C again to quit at once, losing the steps since the last save)", file=sys.stderr, flush=True)
+        self.request()
+
+    def __enter__(self) -> "StopSignals":
+        if threading.current_thread() is threading.main_thread():   # handlers can only be set there
+            self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+
+class SegmentBounds:
+    """The static segment bound of dense absorbed-form steps (cuDNN's packed kernel, see
+    `train_step`): the largest `segments.segment_bound` of any batch so far on any process. It
+    never goes down, so a run compiles the step once per bound it reaches (a few times at most:
+    the bounds are powers of two), not each time the batches' segment counts cross a bound."""
+
+    def __init__(self):
+        self.bound = 0
+
+    def for_step(self, segment_ids, stage: str, form: str) -> int | None:
+        """segment_ids int [rows, L] of this process -> the bound, or None where it is not used."""
+        if stage != "dense" or form != "absorbed":
+            return None
+        self.bound = max(self.bound, segment_bound(max(multihost.allgather_json(count_segments(segment_ids)))))
+        return self.bound
+
+
+def evaluate(run: Run, stage: str) -> float:
+    """The mean LM loss over the held-out batches."""
+    return float(np.mean([eval_step(run.graphdef, run.params, run.rest, run.feed.from_host(x),
+                                    run.feed.from_host(y), stage=stage, kernels=run.kernels)
+                          for x, y in run.heldout]))
+
+
