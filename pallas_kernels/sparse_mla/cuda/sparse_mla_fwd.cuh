@@ -127,14 +127,26 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_fwd_kernel(const Param
   const int ld_row = tid / kTPR;
   const int ld_sub = tid % kTPR;
   const int slot = PAGED ? __ldg(p.slot) : 0;
-  auto load_block = [&](int blk, int stage) {
+  // This thread's row of block blk: its slot index (-1 past K or past the split's blocks), then
+  // (paged) the page holding it. The main loop fetches both ahead (software pipelined: the index
+  // of block n + 2 and the page of block n + 1 while block n is issued), so the two dependent
+  // global loads wait behind a block's compute instead of in front of its cp.async.
+  auto slot_index = [&](int blk) -> int {
     const int k = (first + blk) * BK + ld_row;
-    const int t = k < p.topk ? __ldg(idx_row + k) : -1;
+    return blk < nblocks && k < p.topk ? __ldg(idx_row + k) : -1;
+  };
+  auto page_of = [&](int t) -> int {
+    if constexpr (PAGED) {
+      if (t >= 0 && t < p.num_keys)
+        return __ldg(p.page_table + static_cast<long long>(b) * p.pages_per_seq + t / p.page_size);
+    }
+    return 0;
+  };
+  auto load_block = [&](int stage, int t, int page) {
     const bool valid = t >= 0 && t < p.num_keys;
     long long at = 0;  // the row's index in the store (rows of 576 bf16 or FP8 rows)
     if (valid) {
       if constexpr (PAGED) {
-        const int page = __ldg(p.page_table + static_cast<long long>(b) * p.pages_per_seq + t / p.page_size);
         at = (static_cast<long long>(slot) * p.pages_in_slot + page) * p.page_size + t % p.page_size;
       } else {
         at = static_cast<long long>(b) * p.num_keys + t;
@@ -157,9 +169,15 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_fwd_kernel(const Param
 
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < nblocks) load_block(s, s);
+    if (s < nblocks) {
+      const int t = slot_index(s);
+      load_block(s, t, page_of(t));
+    }
     cp_async_commit();
   }
+  int t_next = slot_index(STAGES - 1);  // the row of the block the loop issues next, its page,
+  int page_next = page_of(t_next);      // and the row of the block after it
+  int t_after = slot_index(STAGES);
 
   // S-phase roles
   const int s_mt = warp & 3;
@@ -184,8 +202,11 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_fwd_kernel(const Param
     __syncthreads();  // block j (and Q) visible to all; everyone is done with block j - 1 and P
     {
       const int next = j + STAGES - 1;
-      if (next < nblocks) load_block(next, next % STAGES);
+      if (next < nblocks) load_block(next % STAGES, t_next, page_next);
       cp_async_commit();
+      page_next = page_of(t_after);  // block next + 1
+      t_next = t_after;
+      t_after = slot_index(next + 2);
     }
     const int stage = j % STAGES;
     uint32_t s_k = s_kv + stage * L::kStageBytes;
