@@ -10,7 +10,7 @@ one row per measurement and a final markdown table:
   top-k 2048, one query per sequence) at 128K and 1M context, batch 64 and 128, with bf16
   pages [1, pages, 64, 576] and FP8 pages (`pallas_kernels.fp8.Fp8Latent`: the same rows
   quantized, 656 bytes a row against 1,152), per implementation (`--impls`; the GPU default is
-  pallas_gpu and xla). GB/s counts the selected rows' bytes in each layout (B x K x row bytes:
+  pallas_gpu and xla, and cuda where its library is built: scripts/build_cuda_kernels.sh). GB/s counts the selected rows' bytes in each layout (B x K x row bytes:
   what the kernel must read), set against the copy bandwidth. "vs bf16" is the largest
   |out_fp8 - out_bf16| of the same implementation (random rows: the quantization error, not a
   quality measurement).
@@ -39,9 +39,15 @@ import pallas_kernels as pk
 from benchmarks._measure import bench, ceilings
 from benchmarks._report import Table, device_kind, failure, write_json
 from pallas_kernels import fp8
+from pallas_kernels.sparse_mla import cuda
 
 HEADS, DK, V_DIM, TOPK, PAGE = 64, 576, 512, 2048, 64
 IDX_HEADS, IDX_DIM = 32, 128
+
+
+def default_mla_impls(interpret: bool) -> list[str]:
+    """pallas_gpu and xla, and cuda on a GPU where its library is built (`cuda.available`)."""
+    return ["pallas_gpu", "xla"] + (["cuda"] if not interpret and cuda.available() else [])
 
 
 def pool_pages(budget_bytes: float, page: int, row_bytes: int, wanted: int) -> int:
@@ -141,7 +147,8 @@ def main(argv=None):
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, Pallas in interpret mode")
     ap.add_argument("--contexts", type=int, nargs="+", default=[131072, 1048576])
     ap.add_argument("--batches", type=int, nargs="+", default=[64, 128])
-    ap.add_argument("--impls", nargs="+", help="paged_sparse_mla impls (default: pallas_gpu and xla on a GPU)")
+    ap.add_argument("--impls", nargs="+",
+                    help="paged_sparse_mla impls (default: pallas_gpu and xla on a GPU, and cuda where it is built)")
     ap.add_argument("--indexer-impls", nargs="+", help="paged_indexer_topk impls (default: pallas_gpu and xla)")
     ap.add_argument("--indexer-context", type=int, default=1048576)
     ap.add_argument("--indexer-batch", type=int, default=64)
@@ -153,7 +160,7 @@ def main(argv=None):
         args.contexts, args.batches, args.indexer_context, args.indexer_batch = [512], [2], 512, 2
         args.heads, args.dk, args.topk, args.page, args.idx_heads, args.pool_gib = 16, 256 + 64, 64, 16, 4, 0.01
     interpret = jax.default_backend() == "cpu"
-    impls = args.impls or ["pallas_gpu", "xla"]
+    impls = args.impls or default_mla_impls(interpret)
     indexer_impls = args.indexer_impls or ["pallas_gpu", "xla"]
     bw, _ = ceilings(args.smoke)
     print(f"device: {device_kind()}; copy bandwidth {bw / 1e9:.0f} GB/s (read + write)"

@@ -14,6 +14,9 @@ Stages, each catching and printing its whole exception so that the others still 
             the same size freed just before, which the allocator tends to hand out again); a NaN
             never passes;
   paged     the paged decode form against the same oracle over a store of shuffled pages;
+  paged_fp8 the paged decode over the same store quantized to FP8 pages (`fp8.Fp8Latent`, the FP8
+            kernel's (block_k, stages) pairs) against the oracle on the dequantized float32 rows
+            (the kernel rounds them to bf16, as the bf16 store is);
   bitwise   the same inputs twice (one split, several, paged): bitwise equal outputs;
   backward  the CUDA backward kernels alone (`cuda.backward`: dq kernel, dkv kernel over the key
             index) against a float64 numpy oracle of the contract (dq, dkv from lse, delta and
@@ -27,7 +30,8 @@ Stages, each catching and printing its whole exception so that the others still 
             (B 1, S 4096, H 64, Dk 576, v 512, K 2048, T 4096) against pallas_gpu in TFLOP/s
             (2 B S H K (Dk + v) FLOPs) and % of the matmul rate; paged decode (batch 64 and 128,
             128K context, pages of 64 rows shuffled) against pallas_gpu in GB/s of the bytes
-            moved (selected rows, q, out) and % of the copy bandwidth. Medians over repeats of
+            moved (selected rows, q, out) and % of the copy bandwidth, with bf16 pages and with
+            the same rows as FP8 pages (656 bytes a row against 1,152, GB/s counted in those). Medians over repeats of
             loops of calls on 3 rotated input sets, after a warm-up, each repeat ended by
             block_until_ready;
   bwd_timing  the backward at GLM-5.2's shape (B 1, S 4096, T 4096, K 2048, H 64): the CUDA
@@ -38,6 +42,7 @@ Stages, each catching and printing its whole exception so that the others still 
             index's build; forward + backward (jax.grad) of both.
 Then a short markdown table; --json writes everything (after each stage).
 
+    --paged-only  the paged stages alone (load, paged, paged_fp8, then the paged decode timing).
     --sanitize   tiny shapes, the CUDA kernels alone (no timing, no Pallas): for
                  XLA_PYTHON_CLIENT_ALLOCATOR=platform compute-sanitizer --tool memcheck \\
                      python3 benchmarks/sparse_mla_cuda.py --sanitize
@@ -60,13 +65,15 @@ import numpy as np
 import pallas_kernels as pk
 from benchmarks._measure import ceilings
 from benchmarks._report import device_kind, write_json
-from pallas_kernels.sparse_mla import cuda
+from pallas_kernels import fp8
+from pallas_kernels.sparse_mla import cuda, cuda_fp8
 
 H, DK, DV = 64, 576, 512
 SCALE = DK ** -0.5
 #: Pass thresholds of the forward checks (bf16 operands and output, float32 accumulation).
 OUT_TOL, LSE_TOL = 1e-2, 1e-3
 CONFIGS = [dict(block_k=b, stages=s) for b, s in cuda.BLOCK_STAGES]
+FP8_CONFIGS = [dict(block_k=b, stages=s) for b, s in cuda_fp8.BLOCK_STAGES]
 
 
 def stage(report: dict, name: str, fn, json_path):
@@ -204,10 +211,15 @@ def paged_store(seed, B, T, K, page=64, slots=2):
     return q, store, jnp.asarray(table), idx, kv
 
 
-def paged_checks(configs, cases=((3, 1000, 300), (2, 4096, 2048))):
+def paged_checks(configs, cases=((3, 1000, 300), (2, 4096, 2048)), *, fp8_pages=False):
+    """The paged form against the oracle; with fp8_pages the store quantized (`fp8.quantize_latent`)
+    and the oracle on its dequantized rows."""
     rows = []
     for B, T, K in cases:
         q, store, table, idx, kv = paged_store(B + T, B, T, K)
+        if fp8_pages:
+            store = fp8.quantize_latent(store, DV)
+            kv = fp8.dequantize(store)[1][table].reshape(kv.shape)
         ref_out, ref_lse = oracle(q, kv, idx)
         for cfg in configs:
             for splits in (None, 1):
@@ -224,7 +236,7 @@ def paged_checks(configs, cases=((3, 1000, 300), (2, 4096, 2048))):
                     traceback.print_exc()
                     row.update(error=f"{type(e).__name__}: {e}", passed=False)
                 rows.append(row)
-                print(f"paged B={B} T={T} K={K} {cfg} splits={splits}: rel {row.get('rel_err', float('nan')):.2e}, "
+                print(f"paged{' fp8' if fp8_pages else ''} B={B} T={T} K={K} {cfg} splits={splits}: rel {row.get('rel_err', float('nan')):.2e}, "
                       f"lse {row.get('lse_max_err', float('nan')):.2e} -> {'PASS' if row['passed'] else 'FAIL'}",
                       flush=True)
     return dict(rows=rows, passed=all(r["passed"] for r in rows))
@@ -242,10 +254,11 @@ def bitwise():
         rows.append(dict(form="forward", splits=splits, bitwise_equal=same))
     qp, store, table, pidx, _ = paged_store(11, 4, 4096, 2048)
     fn = jax.jit(lambda q, st, t, i: pk.paged_sparse_mla(q, st, t, i, slot=1, sm_scale=SCALE, v_dim=DV, impl="cuda"))
-    a = jax.block_until_ready(fn(qp, store, table, jnp.asarray(pidx)))
-    b = jax.block_until_ready(fn(qp, store, table, jnp.asarray(pidx)))
-    same = all(np.array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8)) for x, y in zip(a, b))
-    rows.append(dict(form="paged", splits="default", bitwise_equal=same))
+    for form, pages in (("paged", store), ("paged fp8", fp8.quantize_latent(store, DV))):
+        a = jax.block_until_ready(fn(qp, pages, table, jnp.asarray(pidx)))
+        b = jax.block_until_ready(fn(qp, pages, table, jnp.asarray(pidx)))
+        same = all(np.array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8)) for x, y in zip(a, b))
+        rows.append(dict(form=form, splits="default", bitwise_equal=same))
     for r in rows:
         print(r, flush=True)
     return dict(rows=rows, passed=all(r["bitwise_equal"] for r in rows))
@@ -499,7 +512,8 @@ def timed(fn, arg_sets, reps=7, min_time=0.05):
     return statistics.median(times)
 
 
-def timing(report, json_path, smoke):
+def timing(report, json_path, smoke, prefill=True):
+    """The ceilings, the prefill forward (prefill=True) and the paged decode (bf16 and FP8 pages)."""
     res = {}
     bw, mm = ceilings(smoke)
     res.update(copy_bw_gbs=bw / 1e9, matmul_tflops=mm / 1e12)
@@ -507,7 +521,14 @@ def timing(report, json_path, smoke):
     report["timing"] = res
     write_json(json_path, report)
 
-    # prefill forward at GLM-5.2's shape
+    if prefill:
+        prefill_timing(res, report, json_path, smoke, mm)
+    decode_timing(res, report, json_path, smoke, bw)
+    return res
+
+
+def prefill_timing(res, report, json_path, smoke, mm):
+    """The forward at GLM-5.2's shape, cuda's configs and pallas_gpu -> res["forward"]."""
     B, S, T, K = (1, 256, 512, 256) if smoke else (1, 4096, 4096, 2048)
     sets = []
     for i in range(3):
@@ -537,55 +558,61 @@ def timing(report, json_path, smoke):
         write_json(json_path, report)
     del sets
 
-    # paged decode
+
+def decode_timing(res, report, json_path, smoke, bw):
+    """Paged decode, bf16 and FP8 pages, cuda's configs and pallas_gpu -> res["paged_decode"]."""
     dec = res["paged_decode"] = []
     T, K, page = (4096, 256, 64) if smoke else (131072, 2048, 64)
     print(f"\npaged decode: H={H}, K={K}, context {T}, pages of {page} rows (shuffled), 1 query a sequence")
-    print("| batch | impl | config | us | GB/s | % of copy BW |")
-    print("|---|---|---|---|---|---|", flush=True)
+    print("| batch | pages | impl | config | us | GB/s | % of copy BW |")
+    print("|---|---|---|---|---|---|---|", flush=True)
     for batch in ((4, 8) if smoke else (64, 128)):
         n = T // page
-        sets = []
         rng = np.random.default_rng(batch)
         # distinct pages (every row read is its own address), their values a tiled random block: the
         # random generation of the whole store would need its size again in uint32 temporaries
         base = jax.random.normal(jax.random.key(batch), (1024, page, DK), jnp.bfloat16)
         pages = batch * n + 1
-        store = jax.jit(lambda b: jnp.tile(b, (-(-pages // 1024), 1, 1))[None, :pages])(base)   # one buffer
-        del base
+        queries = []
         for i in range(3):
             q = jax.random.normal(jax.random.key(1000 * batch + i), (batch, 1, H, DK), jnp.bfloat16)
             table = jnp.asarray((1 + rng.permutation(batch * n)).reshape(batch, n), jnp.int32)
             idx = jnp.asarray(rng.integers(0, T, (batch, 1, K)), jnp.int32)
-            sets.append((q, store, table, idx))
-        moved = batch * K * DK * 2 + batch * H * DK * 2 + batch * H * DV * 2
-        impls = [("cuda", cfg, cuda.SparseMLACudaConfig(block_k=cfg["block_k"], num_stages=cfg["stages"]))
-                 for cfg in CONFIGS]
-        impls.append(("pallas_gpu", {}, None))
-        for name, cfg, config in impls:
-            row = dict(batch=batch, impl=name, config=cfg)
-            try:
-                fn = jax.jit(lambda q, st, t, i, name=name, config=config: pk.paged_sparse_mla(
-                    q, st, t, i, sm_scale=SCALE, v_dim=DV, impl=name, config=config))
-                t = timed(fn, sets)
-                row.update(us=t * 1e6, gbs=moved / t / 1e9, pct_copy=100 * moved / t / bw)
-                print(f"| {batch} | {name} | {cfg} | {t * 1e6:.0f} | {moved / t / 1e9:.0f} | "
-                      f"{100 * moved / t / bw:.1f}% |", flush=True)
-            except Exception as e:  # noqa: BLE001
-                traceback.print_exc()
-                row["error"] = f"{type(e).__name__}: {e}"
-                print(f"| {batch} | {name} | {cfg} | failed: {type(e).__name__} | | |", flush=True)
-            dec.append(row)
-            write_json(json_path, report)
-        del sets, store
-    return res
+            queries.append((q, table, idx))
+        for layout in ("bf16", "fp8"):
+            rows = base if layout == "bf16" else fp8.quantize_latent(base, DV)
+            # one buffer a field
+            store = jax.jit(lambda b: jax.tree.map(lambda x: jnp.tile(x, (-(-pages // 1024), 1, 1))[None, :pages],
+                                                   b))(rows)
+            row_bytes = DK * 2 if layout == "bf16" else fp8.latent_row_bytes(DV, DK - DV)
+            moved = batch * K * row_bytes + batch * H * DK * 2 + batch * H * DV * 2
+            configs = CONFIGS if layout == "bf16" else FP8_CONFIGS
+            impls = [("cuda", cfg, cuda.SparseMLACudaConfig(block_k=cfg["block_k"], num_stages=cfg["stages"]))
+                     for cfg in configs] + [("pallas_gpu", {}, None)]
+            for name, cfg, config in impls:
+                row = dict(batch=batch, layout=layout, impl=name, config=cfg)
+                try:
+                    fn = jax.jit(lambda q, st, t, i, name=name, config=config: pk.paged_sparse_mla(
+                        q, st, t, i, sm_scale=SCALE, v_dim=DV, impl=name, config=config))
+                    t = timed(fn, [(q, store, table, idx) for q, table, idx in queries])
+                    row.update(us=t * 1e6, gbs=moved / t / 1e9, pct_copy=100 * moved / t / bw)
+                    print(f"| {batch} | {layout} | {name} | {cfg} | {t * 1e6:.0f} | {moved / t / 1e9:.0f} | "
+                          f"{100 * moved / t / bw:.1f}% |", flush=True)
+                except Exception as e:  # noqa: BLE001
+                    traceback.print_exc()
+                    row["error"] = f"{type(e).__name__}: {e}"
+                    print(f"| {batch} | {layout} | {name} | {cfg} | failed: {type(e).__name__} | | |", flush=True)
+                dec.append(row)
+                write_json(json_path, report)
+            del store
+        del base
 
 
 def summary(report):
     print("\n## summary")
     print("| check / measurement | result |")
     print("|---|---|")
-    for name in ("load", "forward", "paged", "bitwise", "backward", "bwd_bitwise", "grad"):
+    for name in ("load", "forward", "paged", "paged_fp8", "bitwise", "backward", "bwd_bitwise", "grad"):
         part = report.get(name)
         if part is None:
             continue
@@ -595,7 +622,7 @@ def summary(report):
             print(f"| load | {part['device']}, jax {part['jax']} |")
         else:
             worst = ""
-            if name in ("forward", "paged"):
+            if name in ("forward", "paged", "paged_fp8"):
                 errs = [r.get("rel_err", float("inf")) for r in part["rows"]]
                 worst = f" (worst rel err {max(errs):.2e}, {len(errs)} runs)"
             if name == "backward":
@@ -619,7 +646,7 @@ def summary(report):
         print(f"| key index build | {bt['key_index_ms']:.2f} ms |")
     for r in t.get("paged_decode", []):
         if "us" in r:
-            print(f"| decode b{r['batch']} {r['impl']} {r['config']} | {r['us']:.0f} us, {r['gbs']:.0f} GB/s, "
+            print(f"| decode b{r['batch']} {r['layout']} {r['impl']} {r['config']} | {r['us']:.0f} us, {r['gbs']:.0f} GB/s, "
                   f"{r['pct_copy']:.1f}% of copy BW |")
     sys.stdout.flush()
 
@@ -630,12 +657,19 @@ def main():
     ap.add_argument("--sanitize", action="store_true", help="tiny shapes, CUDA kernels only (compute-sanitizer)")
     ap.add_argument("--smoke", action="store_true", help="small timing shapes (a quick look)")
     ap.add_argument("--skip-timing", action="store_true")
+    ap.add_argument("--paged-only", action="store_true",
+                    help="only the paged stages (load, paged, paged_fp8, the paged decode timing)")
     ap.add_argument("--backward-only", action="store_true",
                     help="only the backward's stages (load, backward, bwd_bitwise, grad, bwd_timing)")
     args = ap.parse_args()
     report = {"mode": "sanitize" if args.sanitize else "full"}
     stage(report, "load", load, args.json)
-    if args.backward_only and not args.sanitize:
+    if args.paged_only and not args.sanitize:
+        stage(report, "paged", lambda: paged_checks(CONFIGS), args.json)
+        stage(report, "paged_fp8", lambda: paged_checks(FP8_CONFIGS, fp8_pages=True), args.json)
+        if not args.skip_timing:
+            stage(report, "timing", lambda: timing(report, args.json, args.smoke, prefill=False), args.json)
+    elif args.backward_only and not args.sanitize:
         bcases = [(2, 4, 256, 64, 64), (1, 3, 4096, 2048, 64), (2, 5, 300, 100, 64), (1, 3, 512, 128, 128),
                   (1, 4, 4096, 2048, 128)]
         stage(report, "backward", lambda: backward_checks(bcases), args.json)
@@ -646,11 +680,13 @@ def main():
     elif args.sanitize:
         stage(report, "forward", lambda: forward_checks([(1, 3, 200, 100, 64)], CONFIGS, (1, 2)), args.json)
         stage(report, "paged", lambda: paged_checks(CONFIGS[:1], ((2, 300, 100),)), args.json)
+        stage(report, "paged_fp8", lambda: paged_checks(FP8_CONFIGS[:1], ((2, 300, 100),), fp8_pages=True), args.json)
         stage(report, "backward", lambda: backward_checks([(1, 3, 200, 100, 64), (1, 2, 64, 40, 128)]), args.json)
     else:
         cases = [(2, 4, 256, 64, 64), (2, 3, 4096, 2048, 64), (1, 5, 300, 100, 64), (1, 3, 512, 128, 128)]
         stage(report, "forward", lambda: forward_checks(cases, CONFIGS, (1, 3)), args.json)
         stage(report, "paged", lambda: paged_checks(CONFIGS), args.json)
+        stage(report, "paged_fp8", lambda: paged_checks(FP8_CONFIGS, fp8_pages=True), args.json)
         stage(report, "bitwise", bitwise, args.json)
         bcases = [(2, 4, 256, 64, 64), (1, 3, 4096, 2048, 64), (2, 5, 300, 100, 64), (1, 3, 512, 128, 128),
                   (1, 4, 4096, 2048, 128)]

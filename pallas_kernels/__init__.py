@@ -77,7 +77,7 @@ __all__ = ["REGISTRY", "impl_choices", "resolve_impl", "indexer_scores", "indexe
            "SparseMLATpuConfig", "dense_indexer_kl", "DenseIndexerKLXlaConfig"]
 
 #: The implementations of the paged ops that read FP8 stores (`pallas_kernels.fp8`).
-FP8_IMPLS = {"paged_sparse_mla": ("reference", "xla", "pallas_gpu"),
+FP8_IMPLS = {"paged_sparse_mla": ("reference", "xla", "pallas_gpu", "cuda"),
              "paged_indexer_topk": ("reference", "xla", "pallas_gpu", "pallas_tpu")}
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Builds the CUDA sparse MLA kernels (pallas_kernels/sparse_mla/cuda/*.cu: the forward and the
-# backward's dq and dkv kernels) into
+# Builds the CUDA sparse MLA kernels (pallas_kernels/sparse_mla/cuda/*.cu: the forward over bf16
+# rows and paged FP8 rows, and the backward's dq and dkv kernels) into
 # build/cuda/libglm_sparse_mla.so, the library pallas_kernels.sparse_mla.cuda loads (impl="cuda").
 #
 #   scripts/build_cuda_kernels.sh
@@ -54,7 +54,7 @@ if ! "$NVCC" -std=c++17 -O3 -arch="$ARCH" -shared -Xcompiler -fPIC -Xptxas -v -l
   die "nvcc failed (log above, also in $LOG)"
 fi
 mv "$LIB.tmp" "$LIB"
-# one line per kernel: its template arguments (block_k, stages, paged, out type), registers,
+# one line per kernel: its template arguments (block_k, stages, paged, fp8 rows, out type), registers,
 # spills; then the dynamic shared memory of each (block_k, stages) (Layout in the source)
 FILT=cat; command -v c++filt >/dev/null 2>&1 && FILT=c++filt
 awk '/Compiling entry function/ {name=$0; sub(/.*function .?/, "", name); sub(/.? for .*/, "", name)}
@@ -64,6 +64,10 @@ awk '/Compiling entry function/ {name=$0; sub(/.*function .?/, "", name); sub(/.
 for cfg in "64 2" "32 3" "32 4"; do
   set -- $cfg
   echo "  forward block_k=$1 stages=$2: $(( 64 * 1152 + $2 * $1 * 1152 + 64 * ($1 + 8) * 2 + 6 * 64 * 4 + $2 * $1 )) bytes of dynamic shared memory (of 232448)"
+done
+# FP8 rows (paged): one bf16 tile of 32 rows + a ring of stages x 32 staged rows of 656 bytes
+for stages in 3 4; do
+  echo "  forward fp8 block_k=32 stages=$stages: $(( 64 * 1152 + 32 * 1152 + stages * 32 * 656 + 64 * 40 * 2 + 6 * 64 * 4 + stages * 32 )) bytes of dynamic shared memory (of 232448)"
 done
 # backward (DqLayout in sparse_mla_bwd_dq.cu, DkvLayout in sparse_mla_bwd_dkv.cu): dq Q + dO + 2 x 32 gathered rows + dS
 # [64][40] + lse, delta + valid flags; dkv 32 rows + 2 x (Q [32][576] + dO [32][512] + lse,

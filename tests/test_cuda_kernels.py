@@ -17,9 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import ml_dtypes
 import pallas_kernels as pk
-from pallas_kernels import registry
-from pallas_kernels.sparse_mla import cuda
+from pallas_kernels import fp8, registry
+from pallas_kernels.sparse_mla import cuda, cuda_fp8
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "build_cuda_kernels.sh"
@@ -85,7 +86,10 @@ def test_build_compiles_spill_free(tmp_path):
     result = subprocess.run([BASH, str(SCRIPT)], env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout + result.stderr
     kernels = [line for line in result.stdout.splitlines() if "sparse_mla_fwd_kernel<" in line]
-    assert len(kernels) == 12, result.stdout
+    assert len(kernels) == 16, result.stdout
+    fp8_kernels = [line for line in kernels if "true, true," in line]            # paged, FP8 rows
+    assert sorted(line.split("<")[1].split(",")[:2] for line in fp8_kernels) == [["32", " 3"]] * 2 + [["32", " 4"]] * 2
+    assert result.stdout.count("forward fp8 block_k=32") == 2, result.stdout
     bwd = [line for line in result.stdout.splitlines() if "sparse_mla_dq_kernel<" in line or "sparse_mla_dkv_kernel" in line]
     assert len(bwd) == 3, result.stdout
     assert all("0 bytes spill stores, 0 bytes spill loads" in line for line in kernels + bwd), result.stdout
@@ -662,3 +666,125 @@ def test_warp_model_of_the_dkv_kernel():
     assert np.all(got[T - t0:] == 0)
     err = np.linalg.norm(got[:T - t0] - ref) / np.linalg.norm(ref)
     assert err < 1e-2, err
+
+
+# ----------------------------------------------------------------------------- FP8 pages
+
+
+def _fp8_store(lead=(2, 8, 16), seed=0, kv_lora=512, rope=64):
+    rows = jax.random.normal(jax.random.key(seed), lead + (kv_lora + rope,), jnp.float32) * 3
+    return fp8.quantize_latent(rows, kv_lora)
+
+
+def test_cuda_reads_fp8_pages(monkeypatch):
+    assert "cuda" in pk.FP8_IMPLS["paged_sparse_mla"]
+    assert pk._store_impl("paged_sparse_mla", _fp8_store(), "cuda") == "cuda"
+    monkeypatch.setattr(registry.jax, "default_backend", lambda: "gpu")
+    assert pk._store_impl("paged_sparse_mla", _fp8_store(), "auto") == "auto"      # auto: pallas_gpu reads them
+
+
+def test_fp8_block_stages():
+    assert cuda_fp8.block_stages(32, 3) == (32, 3) and cuda_fp8.block_stages(32, 4) == (32, 4)
+    assert cuda_fp8.block_stages(64, 2) == (32, 4)                                  # the default config
+
+
+def test_fp8_paged_shapes(no_library):
+    q = jnp.zeros((4, 1, 128, cuda.DK), jnp.bfloat16)
+    table = jnp.zeros((4, 3), jnp.int32)
+    idx = jnp.zeros((4, 1, 40), jnp.int32)
+    for config in (cuda.SparseMLACudaConfig(), cuda.SparseMLACudaConfig(block_k=32, num_stages=3, num_splits=2)):
+        out, lse = jax.eval_shape(lambda config=config: cuda.paged_sparse_mla(
+            q, _fp8_store(), table, idx, slot=1, sm_scale=0.1, v_dim=512, config=config))
+        assert (out.shape, out.dtype, lse.shape) == ((4, 1, 128, 512), jnp.bfloat16, (4, 1, 128))
+
+
+@pytest.mark.parametrize("q_shape, dtype, store_widths, v_dim, match", [
+    ((2, 1, 32, 576), jnp.bfloat16, (512, 64), 512, "a multiple of 64 heads"),
+    ((2, 1, 64, 576), jnp.float32, (512, 64), 512, "bf16 q"),
+    ((2, 1, 64, 576), jnp.bfloat16, (512, 64), 256, "v_dim = 512"),
+    ((2, 1, 64, 576), jnp.bfloat16, (384, 192), 512, "FP8 rows of 512 e4m3 values"),
+    ((2, 1, 64, 544), jnp.bfloat16, (512, 64), 512, "Dk = 576"),
+])
+def test_fp8_unsupported_calls_name_the_fallback(q_shape, dtype, store_widths, v_dim, match):
+    q = jnp.zeros(q_shape, dtype)
+    with pytest.raises(ValueError, match=match + ".*use impl='pallas_gpu'") as info:
+        cuda.paged_sparse_mla(q, _fp8_store((2, 4, 16), kv_lora=store_widths[0], rope=store_widths[1]),
+                              jnp.zeros((2, 3), jnp.int32), jnp.zeros((2, 1, 8), jnp.int32), slot=0, sm_scale=0.1,
+                              v_dim=v_dim)
+    assert "\n" not in str(info.value)
+
+
+def test_fp8_missing_library_names_the_build_command(tmp_path, monkeypatch):
+    monkeypatch.setenv(cuda.LIB_ENV, str(tmp_path / "missing.so"))
+    monkeypatch.setattr(cuda, "_registered", False)
+    q = jnp.zeros((2, 1, 64, 576), jnp.bfloat16)
+    with pytest.raises(RuntimeError, match=r"not built: run scripts/build_cuda_kernels.sh") as info:
+        jax.eval_shape(lambda: cuda.paged_sparse_mla(q, _fp8_store(), jnp.zeros((2, 3), jnp.int32),
+                                                     jnp.zeros((2, 1, 8), jnp.int32), slot=0, sm_scale=0.1, v_dim=512))
+    assert "\n" not in str(info.value)
+
+
+# sparse_mla_fp8.cuh's layout
+_FP8_CHUNKS, _FP8_ROW, _SCALE_AT, _ROPE_AT = 41, 656, 512, 528
+
+
+def _gather_model(values, scales, rope, valid):
+    """gather_fp8_row<8> for rows [R]: thread sub of a row copies chunks sub, sub + 8, ... < 41
+    from the field the chunk falls in (0..31 values, 32 scales, 33..40 rope), zero-filled where
+    !valid -> the staged bytes uint8 [R, 656] and how often each chunk was written."""
+    fields = [np.asarray(x).view(np.uint8).reshape(len(valid), -1) for x in (values, scales, rope)]
+    staged = np.full((len(valid), _FP8_ROW), 0xAB, np.uint8)                       # stale bytes
+    writes = np.zeros((len(valid), _FP8_CHUNKS), int)
+    for r, ok in enumerate(valid):
+        for sub in range(8):
+            for ch in range(sub, _FP8_CHUNKS, 8):
+                field, at = (0, ch * 16) if ch < 32 else (1, 0) if ch == 32 else (2, (ch - 33) * 16)
+                staged[r, ch * 16:ch * 16 + 16] = fields[field][r, at:at + 16] if ok else 0
+                writes[r, ch] += 1
+    return staged, writes
+
+
+def _dequantize_model(staged):
+    """dequantize_rows over staged uint8 [32, 656] -> the swizzled bf16 tile's bytes [32 * 1152]:
+    thread (r, sub) reads the row's 4 scales (one float4) and value chunks sub + 8 i as four
+    uint32 words; each 16-bit half is an e4m3 pair (low byte first) -> f16 -> f32, times
+    scale[i], rounded to bf16 (nearest even); chunk 2 vc / 2 vc + 1 of the tile at swizzle(r, .);
+    rope chunk sub copied to chunk 64 + sub."""
+    tile = np.zeros(32 * 1152, np.uint8)
+    for tid in range(256):
+        r, sub = tid >> 3, tid & 7
+        row = staged[r]
+        scale = row[_SCALE_AT:_SCALE_AT + 16].view(np.float32)
+        for i in range(4):
+            vc = sub + 8 * i
+            words = row[vc * 16:vc * 16 + 16].view(np.uint32)
+            out = []
+            for w in words:
+                for pair in (int(w) & 0xFFFF, int(w) >> 16):
+                    two = np.array([pair & 0xFF, pair >> 8], np.uint8).view(ml_dtypes.float8_e4m3fn)
+                    f = two.astype(np.float16).astype(np.float32) * scale[i]
+                    out.append(f.astype(ml_dtypes.bfloat16))
+            out = np.concatenate(out).view(np.uint8)                                # 16 bf16 = 32 bytes
+            tile[_swz(r, 2 * vc):_swz(r, 2 * vc) + 16] = out[:16]
+            tile[_swz(r, 2 * vc + 1):_swz(r, 2 * vc + 1) + 16] = out[16:]
+        tile[_swz(r, 64 + sub):_swz(r, 64 + sub) + 16] = row[_ROPE_AT + sub * 16:_ROPE_AT + sub * 16 + 16]
+    return tile
+
+
+def test_dequantize_model_matches_fp8_dequantize():
+    """The kernel's gather and dequantize step, replayed on 32 rows (6 invalid) of a quantized
+    store, read back through the swizzle: bitwise fp8.dequantize rounded to bf16, zero rows
+    where invalid; every staged chunk written exactly once."""
+    rng = np.random.default_rng(5)
+    rows = rng.standard_normal((32, 576)).astype(np.float32) * rng.choice([1e-3, 1.0, 40.0], (32, 1))
+    rows[3, :128] = 0                                                               # a zero group: scale 0
+    store = fp8.quantize_latent(jnp.asarray(rows), 512)
+    valid = rng.random(32) > 0.2
+    staged, writes = _gather_model(store.values, store.scales, store.rope, valid)
+    assert np.all(writes == 1)
+    tile = _dequantize_model(staged)
+    got = np.stack([np.concatenate([tile[_swz(r, c):_swz(r, c) + 16] for c in range(72)]) for r in range(32)])
+    got = got.view(ml_dtypes.bfloat16).astype(np.float32)
+    want = np.asarray(fp8.dequantize(store).astype(jnp.bfloat16).astype(jnp.float32))
+    want = np.where(valid[:, None], want, 0.0)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))

@@ -9,7 +9,7 @@ The kernels are built by `scripts/build_cuda_kernels.sh` into build/cuda/libglm_
 its FFI targets registered (platform "CUDA") the first time an op is traced, so the module
 imports on a CPU-only machine and registers nothing there.
 
-Supported: bf16 q and kv, Dk = 576, v_dim = 512, heads a multiple of 64 (one CTA per 64 heads;
+Supported: bf16 q and kv (paged: also FP8 pages, `fp8.Fp8Latent`, read by `cuda_fp8`'s kernel), Dk = 576, v_dim = 512, heads a multiple of 64 (one CTA per 64 heads;
 H = 128 runs two), any K (slots past K, -1 and out-of-range indices are skipped), no indexer
 target. Anything else raises a ValueError naming impl="pallas_gpu" as the one to use.
 Design and status: docs/kernels-sparse-mla.md, "CUDA implementation".
@@ -28,7 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.sparse_mla import gpu, gpu_backward, transpose, vjp
+from pallas_kernels import fp8
+from pallas_kernels.sparse_mla import cuda_fp8, gpu, gpu_backward, transpose, vjp
 
 #: The command that builds the library.
 BUILD_COMMAND = "scripts/build_cuda_kernels.sh"
@@ -38,7 +39,8 @@ LIB_ENV = "GLM_CUDA_KERNELS_LIB"
 DEFAULT_LIB = Path(__file__).resolve().parents[2] / "build" / "cuda" / "libglm_sparse_mla.so"
 #: The FFI targets (the handler symbols of the library under these names).
 TARGETS = {"glm_sparse_mla_fwd": "GlmSparseMlaFwd", "glm_paged_sparse_mla_fwd": "GlmPagedSparseMlaFwd",
-           "glm_sparse_mla_dq": "GlmSparseMlaDq", "glm_sparse_mla_dkv": "GlmSparseMlaDkv"}
+           "glm_sparse_mla_dq": "GlmSparseMlaDq", "glm_sparse_mla_dkv": "GlmSparseMlaDkv",
+           cuda_fp8.TARGET: "GlmPagedSparseMlaFp8Fwd"}
 
 #: The shapes the kernels take.
 DK, DV, HEAD_TILE = 576, 512, 64
@@ -91,7 +93,8 @@ class SparseMLACudaConfig:
     """Tuning of the CUDA sparse MLA (`impl="cuda"`).
 
     block_k, num_stages: rows per shared-memory buffer and buffers in the ring: (64, 2), (32, 4)
-      or (32, 3) (the instantiations compiled; num_stages None: 2 for 64, 4 for 32).
+      or (32, 3) (the instantiations compiled; num_stages None: 2 for 64, 4 for 32). FP8 pages
+      run (32, 4) where block_k is 64 (`cuda_fp8.block_stages`).
     num_splits: CTAs per query and head group over the K slots (partials merged by lse);
       None: 1 when the queries fill the GPU, else enough to reach about TARGET_CTAS.
     backward: "cuda" (the CUDA dq and dkv kernels, `backward`; its index is `key_index`) or
@@ -360,17 +363,25 @@ def paged_sparse_mla(q: jax.Array, kv_pages: jax.Array, page_table: jax.Array, i
     """Contract of `pallas_kernels.paged_sparse_mla` (forward only): the same kernel reading the
     rows in place, logical row t of sequence b at kv_pages[slot, page_table[b, t // P], t % P]; the
     K slots split over `num_splits` CTAs per query (default: enough to fill the GPU) and merged
-    by lse."""
+    by lse. kv_pages bf16 [slots, pages, P, 576] or an `fp8.Fp8Latent` of such pages (the FP8
+    kernel, `cuda_fp8`)."""
     if interpret:
         raise ValueError("pallas_kernels.paged_sparse_mla: impl='cuda' has no interpret mode; it runs only on "
                          "CUDA GPUs")
-    check_supported("paged_sparse_mla", q, kv_pages, int(v_dim))
+    block_k, stages = config.block_k, config.stages
+    if fp8.is_fp8(kv_pages):
+        cuda_fp8.check_supported(q, kv_pages, int(v_dim))
+        block_k, stages = cuda_fp8.block_stages(block_k, stages)
+        target, store = cuda_fp8.TARGET, tuple(kv_pages)
+    else:
+        check_supported("paged_sparse_mla", q, kv_pages, int(v_dim))
+        target, store = "glm_paged_sparse_mla_fwd", (kv_pages,)
     batch, seq_len, heads, _ = q.shape
     topk = indices.shape[-1]
     rows = batch * seq_len
-    splits = int(config.num_splits or default_splits(rows * (heads // HEAD_TILE), topk, config.block_k))
+    splits = int(config.num_splits or default_splits(rows * (heads // HEAD_TILE), topk, block_k))
     slot = jnp.reshape(jnp.asarray(slot, jnp.int32), (1,))
-    args = (q, kv_pages, jnp.asarray(page_table, jnp.int32), slot, jnp.asarray(indices, jnp.int32))
-    out, lse = _call("glm_paged_sparse_mla_fwd", args, rows=rows, heads=heads, splits=splits, dtype=q.dtype,
-                     sm_scale=float(sm_scale), block_k=config.block_k, stages=config.stages)
+    args = (q, *store, jnp.asarray(page_table, jnp.int32), slot, jnp.asarray(indices, jnp.int32))
+    out, lse = _call(target, args, rows=rows, heads=heads, splits=splits, dtype=q.dtype,
+                     sm_scale=float(sm_scale), block_k=block_k, stages=stages)
     return _finish(out, lse, batch=batch, seq_len=seq_len, heads=heads, dtype=q.dtype)
