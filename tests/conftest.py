@@ -171,7 +171,7 @@ LONGEST_FIRST = ("test_train_multihost.py", "test_cli.py", "test_context_paralle
 #: test_train_sharding.py share the session's `one_device_run`.
 WORKER_GROUPS = {name: name for name in (
     "test_cli.py", "test_context_parallel.py", "test_batch_invariant.py", "test_bits_per_byte.py", "test_convert.py",
-    "test_engine.py", "test_engine_budget.py", "test_library.py", "test_logical_axes.py", "test_logprobs.py",
+    "test_engine.py", "test_engine_budget.py", "test_fp8_decode.py", "test_library.py", "test_logical_axes.py", "test_logprobs.py",
     "test_midtraining.py", "test_openai_client.py", "test_packed_forward.py", "test_server.py",
     "test_server_faults.py", "test_sharding.py")} | {"test_faults.py": "one_device_run",
                                                     "test_train_sharding.py": "one_device_run"}
