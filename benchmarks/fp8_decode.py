@@ -10,8 +10,9 @@ one row per measurement and a final markdown table:
   top-k 2048, one query per sequence) at 128K and 1M context, batch 64 and 128, with bf16
   pages [1, pages, 64, 576] and FP8 pages (`pallas_kernels.fp8.Fp8Latent`: the same rows
   quantized, 656 bytes a row against 1,152), per implementation (`--impls`; the GPU default is
-  pallas_gpu and xla, and cuda where its library is built: scripts/build_cuda_kernels.sh). GB/s counts the selected rows' bytes in each layout (B x K x row bytes:
-  what the kernel must read), set against the copy bandwidth. "vs bf16" is the largest
+  pallas_gpu and xla, and cuda where its library is built: scripts/build_cuda_kernels.sh). GB/s
+  counts the selected rows' bytes in each layout (B x K x row bytes: what the kernel must read),
+  set against the copy bandwidth. "vs bf16" is the largest
   |out_fp8 - out_bf16| of the same implementation (random rows: the quantization error, not a
   quality measurement).
 * the paged indexer top-k at 1M context (32 heads x 128, top-k 2048): bf16 keys against FP8

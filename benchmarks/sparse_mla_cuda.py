@@ -236,7 +236,8 @@ def paged_checks(configs, cases=((3, 1000, 300), (2, 4096, 2048)), *, fp8_pages=
                     traceback.print_exc()
                     row.update(error=f"{type(e).__name__}: {e}", passed=False)
                 rows.append(row)
-                print(f"paged{' fp8' if fp8_pages else ''} B={B} T={T} K={K} {cfg} splits={splits}: rel {row.get('rel_err', float('nan')):.2e}, "
+                print(f"paged{' fp8' if fp8_pages else ''} B={B} T={T} K={K} {cfg} splits={splits}: "
+                      f"rel {row.get('rel_err', float('nan')):.2e}, "
                       f"lse {row.get('lse_max_err', float('nan')):.2e} -> {'PASS' if row['passed'] else 'FAIL'}",
                       flush=True)
     return dict(rows=rows, passed=all(r["passed"] for r in rows))
@@ -646,7 +647,8 @@ def summary(report):
         print(f"| key index build | {bt['key_index_ms']:.2f} ms |")
     for r in t.get("paged_decode", []):
         if "us" in r:
-            print(f"| decode b{r['batch']} {r['layout']} {r['impl']} {r['config']} | {r['us']:.0f} us, {r['gbs']:.0f} GB/s, "
+            print(f"| decode b{r['batch']} {r['layout']} {r['impl']} {r['config']} | {r['us']:.0f} us, "
+                  f"{r['gbs']:.0f} GB/s, "
                   f"{r['pct_copy']:.1f}% of copy BW |")
     sys.stdout.flush()
 

@@ -9,9 +9,10 @@ The kernels are built by `scripts/build_cuda_kernels.sh` into build/cuda/libglm_
 its FFI targets registered (platform "CUDA") the first time an op is traced, so the module
 imports on a CPU-only machine and registers nothing there.
 
-Supported: bf16 q and kv (paged: also FP8 pages, `fp8.Fp8Latent`, read by `cuda_fp8`'s kernel), Dk = 576, v_dim = 512, heads a multiple of 64 (one CTA per 64 heads;
-H = 128 runs two), any K (slots past K, -1 and out-of-range indices are skipped), no indexer
-target. Anything else raises a ValueError naming impl="pallas_gpu" as the one to use.
+Supported: bf16 q and kv (paged: also FP8 pages, `fp8.Fp8Latent`, read by `cuda_fp8`'s
+kernel), Dk = 576, v_dim = 512, heads a multiple of 64 (one CTA per 64 heads; H = 128 runs two),
+any K (slots past K, -1 and out-of-range indices are skipped), no indexer target. Anything else
+raises a ValueError naming impl="pallas_gpu" as the one to use.
 Design and status: docs/kernels-sparse-mla.md, "CUDA implementation".
 """
 

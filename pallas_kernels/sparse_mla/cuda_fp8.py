@@ -37,7 +37,8 @@ def check_supported(q, store: fp8.Fp8Latent, v_dim: int) -> None:
         problems.append(f"bf16 q (got {q.dtype})")
     fields = (store.values.dtype, store.scales.dtype, store.rope.dtype)
     widths = (store.values.shape[-1], store.scales.shape[-1], store.rope.shape[-1])
-    if fields != (jnp.dtype(fp8.FP8), jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)) or widths != (LATENT, SCALES, ROPE):
+    want = (jnp.dtype(fp8.FP8), jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+    if fields != want or widths != (LATENT, SCALES, ROPE):
         problems.append(f"FP8 rows of {LATENT} e4m3 values, {SCALES} float32 scales and {ROPE} bf16 rope values "
                         f"(got {'/'.join(map(str, fields))} of widths {widths})")
     if dk != LATENT + ROPE:
