@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import contextlib
-import inspect
 import os
 import sys
+from collections import Counter
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -147,9 +147,9 @@ def one_device_run(tmp_path_factory):
     """train.py on one device in a fresh process, uninterrupted: the micro config, 5 steps (the
     first dense), a checkpoint after every step (`one_device_flags`). The losses that
     test_faults.py's killed and resumed runs must reproduce bit for bit and that
-    test_train_sharding.py's sharded runs must equal; one run for both (the tests that use it
-    are one group, run by one test worker: `shared_fixture_group`). -> (the config's path, the
-    run directory, the subprocess.CompletedProcess)"""
+    test_train_sharding.py's sharded runs must equal; one run for both (their modules are
+    collected first, so one test worker starts on both). -> (the config's path, the run
+    directory, the subprocess.CompletedProcess)"""
     root = tmp_path_factory.mktemp("one-device")
     cfg_path = root / "micro.yaml"
     from glm_jax.config import save_config
@@ -165,50 +165,29 @@ def one_device_run(tmp_path_factory):
 #: tests fill in around them, instead of one long test running alone at the end.
 LONGEST_FIRST = ("test_train_multihost.py", "test_cli.py", "test_context_parallel.py", "test_faults.py",
                  "test_train_sharding.py")
-#: The modules whose tests share a module- or session-scoped fixture (a trained run, a compiled
-#: model, a subprocess's checks) -> the group they run in, on one test worker (pytest-xdist sends
-#: the tests one by one otherwise, so both workers built each such fixture). test_faults.py and
-#: test_train_sharding.py share the session's `one_device_run`.
-WORKER_GROUPS = {name: name for name in (
-    "test_cli.py", "test_context_parallel.py", "test_batch_invariant.py", "test_bits_per_byte.py", "test_convert.py",
-    "test_engine.py", "test_engine_budget.py", "test_fp8_decode.py", "test_library.py", "test_logical_axes.py", "test_logprobs.py",
-    "test_midtraining.py", "test_openai_client.py", "test_packed_forward.py", "test_server.py",
-    "test_server_faults.py", "test_sharding.py")} | {"test_faults.py": "one_device_run",
-                                                    "test_train_sharding.py": "one_device_run"}
-TESTS = Path(__file__).resolve().parent
-
-
-def shares_a_fixture(item) -> bool:
-    """Whether `item` uses a module- or session-scoped fixture of this directory."""
-    for name in item.fixturenames:
-        defs = item._fixtureinfo.name2fixturedefs.get(name)
-        if defs and defs[-1].scope in ("module", "session") \
-                and Path(inspect.getfile(defs[-1].func)).resolve().is_relative_to(TESTS):
-            return True
-    return False
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """The order: LONGEST_FIRST, then the WORKER_GROUPS modules, then the rest (each test worker
-    runs its tests in this order); a module that shares a fixture must be in WORKER_GROUPS."""
-    unlisted = sorted({item.path.name for item in items if item.path.name not in WORKER_GROUPS
-                       and shares_a_fixture(item)})
-    if unlisted:
-        raise pytest.UsageError(f"{unlisted} share module- or session-scoped fixtures between their tests: "
-                                "add them to WORKER_GROUPS in tests/conftest.py")
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: (rank.get(item.path.name, len(rank)), item.path.name not in WORKER_GROUPS))
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))     # stable: the rest keep their order
+
+
+#: Tests whose worker died under them once in this run (`pytest_handlecrashitem`).
+CRASHED: set[str] = set()
 
 
 @pytest.hookimpl(optionalhook=True)      # a pytest-xdist hook (the dev extra)
-def pytest_xdist_make_scheduler(config, log):
-    """pytest-xdist's scheduling by scope, a scope being a WORKER_GROUPS group or else one test,
-    handed out in the order of collection (`pytest_collection_modifyitems`)."""
-    from xdist.scheduler import LoadScopeScheduling
+def pytest_handlecrashitem(crashitem, report, sched):
+    """A test worker died in a test (XLA's CPU compiler has segfaulted in long-lived workers,
+    never in the test alone): the test runs once more on the fresh worker xdist starts, and the
+    crash is reported as a rerun ("R", counted in the summary); a second crash is the failure.
+    (pytest-xdist's load scheduling re-queues it; its scope scheduling would hang instead.)"""
+    if crashitem not in CRASHED:
+        CRASHED.add(crashitem)
+        sched.mark_test_pending(crashitem)
+        report.outcome = "rerun"
 
-    class SharedFixtureScheduling(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            return WORKER_GROUPS.get(nodeid.split("::")[0].rsplit("/", 1)[-1], nodeid)
 
-    config.option.loadscopereorder = False
-    return SharedFixtureScheduling(config, log)
+def pytest_report_teststatus(report):
+    if report.outcome == "rerun":
+        return "rerun", "R", "RERUN"
