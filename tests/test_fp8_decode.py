@@ -175,7 +175,7 @@ def test_pool_pages_at_glm52_shape_fall_1_77x():
     (["--kv-cache-dtype", "fp16"], "error: --kv-cache-dtype must be one of auto, bf16, fp8, got 'fp16'"),
     (["--kv-cache-dtype", "fp8", "--attention-impl", "pallas_tpu"],
      "error: --kv-cache-dtype fp8: --attention-impl pallas_tpu does not read FP8 pages; the implementations that "
-     "do: reference, xla, pallas_gpu (or auto)"),
+     "do: reference, xla, pallas_gpu, cuda (or auto)"),
     (["--compile-only", "--kv-cache-dtype", "fp8"],
      "error: --compile-only compiles the cache in the model's dtype; leave out --kv-cache-dtype"),
 ])
