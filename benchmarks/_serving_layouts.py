@@ -28,10 +28,10 @@ def free_device_bytes() -> int | None:
 
 
 def cache_budget(fraction: float | None, explicit: int | None) -> int | None:
-    """The pool's bytes for every layout: `explicit`, or `fraction` of the device's free memory
-    (measured now: call it once, after the model's weights are placed), or None (no byte budget:
-    the pool is counted in max-context sequences). Exits in one line where a fraction is asked
-    of a device without memory statistics."""
+    """The pool's bytes for every layout: `explicit` (over a fraction), or `fraction` of the
+    device's free memory (measured now: call it once, after the model's weights are placed; the
+    numbers printed), or None (no byte budget: the pool is counted in max-context sequences).
+    Exits in one line where a fraction is asked of a device without memory statistics."""
     if explicit is not None:
         return explicit
     if fraction is None:
@@ -40,6 +40,7 @@ def cache_budget(fraction: float | None, explicit: int | None) -> int | None:
     if free is None:
         sys.exit("--cache-memory-fraction: this device reports no memory statistics (a CPU); "
                  "give the pool's bytes with --kv-cache-memory-bytes")
+    print(f"KV cache pools: {fraction:g} of {free:,} free bytes = {int(fraction * free):,} bytes", flush=True)
     return int(fraction * free)
 
 

@@ -63,7 +63,7 @@ the layout, the pool's pages and bytes, `admits` (max-context sequences the pool
 `peak_decoding` (most slots drawing in one step) and `decode_tokens_s` (tokens drawn per second
 in steps that prefilled nothing); a line gives FP8 / auto ratios per rate (`_serving_layouts`).
 `--min-prompt N`: prompts from N tokens (max context - new tokens: all at the full context);
-`--config FILE`: that config's model (8 layers, random weights) in place of the default. Programs are compiled before the clock starts. A server that fails at a context (e.g.
+`--config FILE`: its model (8 layers, random weights) for the default; `--no-waves`: no baseline. Programs are compiled before the clock starts. A server that fails at a context (e.g.
 out of device memory) gets a row with its error, and the run goes on. --out is rewritten after
 every row, so a run cut short keeps the rows it measured.
 """
@@ -344,11 +344,11 @@ def main() -> None:
                     help="serve on a device mesh (e.g. layer=2: the cache split by layers), continuous servers only")
     ap.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], choices=["auto", "bf16", "fp8"],
                     help="the cache layouts to serve, each in turn (default auto: the model's dtype)")
-    budget_flags = ap.add_mutually_exclusive_group()
-    budget_flags.add_argument("--cache-memory-fraction", type=float, default=None, metavar="F",
-                              help="every layout's pool: F of the device's free memory after the weights")
-    budget_flags.add_argument("--kv-cache-memory-bytes", type=int, default=None, metavar="N",
-                              help="every layout's pool: N bytes (a CPU's way to give the budget)")
+    ap.add_argument("--cache-memory-fraction", type=float, default=None, metavar="F",
+                    help="every layout's pool: F of the device's free memory after the weights")
+    ap.add_argument("--kv-cache-memory-bytes", type=int, default=None, metavar="N",
+                    help="every layout's pool: N bytes (over --cache-memory-fraction; a CPU's way to give it)")
+    ap.add_argument("--no-waves", action="store_true", help="leave out the static waves baseline")
     ap.add_argument("--config", default=None, help="serve this config's model (8 layers; default: GLM-5.2's "
                                                    "attention at 8 layers)")
     ap.add_argument("--min-prompt", type=int, default=16, help="shortest prompt drawn (default 16)")
@@ -421,7 +421,6 @@ def main() -> None:
             model = GLMModel(model_config(PATTERNS[pattern_name], smoke, args.config), rngs=nnx.Rngs(0))
             if not measured:                  # once, the first model's weights placed: every layout's bytes
                 cache_bytes, measured = cache_budget(args.cache_memory_fraction, cache_bytes), True
-                print(f"KV cache: {'--pool-contexts' if cache_bytes is None else f'{cache_bytes:,} bytes'}", flush=True)
             shape = dict(slots=slots, page_size=args.page_size, max_context=context, prefill_chunk=chunk,
                          kv_cache_dtype=layout)
             # Compiles every program: the second request prefills while the first decodes (budget's chunk).
@@ -432,7 +431,7 @@ def main() -> None:
             servers = [(f"continuous{where}", engine, run_continuous)]
             servers += [(f"continuous, budget {n}{where}", functools.partial(engine, step_token_budget=n),
                          run_continuous) for n in args.step_token_budget]
-            if mesh is None:                          # the baseline, on one device
+            if mesh is None and not args.no_waves:    # the baseline, on one device
                 servers.append(("static waves", WaveServer, run_waves))
             for base_name, build, run in servers:    # one at a time: one pool in device memory
                 name = layout_server(base_name, layout, layouts)
