@@ -63,9 +63,10 @@ the layout, the pool's pages and bytes, `admits` (max-context sequences the pool
 `peak_decoding` (most slots drawing in one step) and `decode_tokens_s` (tokens drawn per second
 in steps that prefilled nothing); a line gives FP8 / auto ratios per rate (`_serving_layouts`).
 `--min-prompt N`: prompts from N tokens (max context - new tokens: all at the full context);
-`--config FILE`: its model (8 layers, random weights) for the default; `--no-waves`: no baseline. Programs are compiled before the clock starts. A server that fails at a context (e.g.
-out of device memory) gets a row with its error, and the run goes on. --out is rewritten after
-every row, so a run cut short keeps the rows it measured.
+`--config FILE`: its model (8 layers, random weights) for the default; `--no-waves`: no baseline.
+Programs are compiled before the clock starts. A server that fails at a context (e.g. out of
+device memory, a refused layout) gets a row with its error, and the run goes on. --out is
+rewritten after every row, so a run cut short keeps the rows it measured.
 """
 
 from __future__ import annotations
