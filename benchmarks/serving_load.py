@@ -53,9 +53,20 @@ static waves run at the first rate only (the baseline). After each context, patt
 continuous server a line gives the saturation throughput (the best of the sweep) against the
 device ceiling. With --sweep, each continuous server is then replayed once more at 80% of
 its saturation throughput (the arrival rate that offers 0.8 x saturation tokens/s): its ITL p99
-against p50 there is the latency target's measure. Programs are compiled before the clock starts. A server that fails at a context (e.g.
-out of device memory) gets a row with its error, and the run goes on. --out is rewritten after
-every row, so a run cut short keeps the rows it measured.
+against p50 there is the latency target's measure.
+
+KV cache layouts: `--kv-cache-dtype auto fp8` runs every server once per layout, in turn, in one
+process (server names end ", KV auto" / ", KV fp8"). `--cache-memory-fraction F` gives every
+layout's pool the same bytes: F of the device's free memory once the first model's weights are
+placed, measured once (a CPU has no memory statistics: `--kv-cache-memory-bytes N`). Rows record
+the layout, the pool's pages and bytes, `admits` (max-context sequences the pool holds at once),
+`peak_decoding` (most slots drawing in one step) and `decode_tokens_s` (tokens drawn per second
+in steps that prefilled nothing); a line gives FP8 / auto ratios per rate (`_serving_layouts`).
+`--min-prompt N`: prompts from N tokens (max context - new tokens: all at the full context);
+`--config FILE`: its model (8 layers, random weights) for the default; `--no-waves`: no baseline.
+Programs are compiled before the clock starts. A server that fails at a context (e.g. out of
+device memory, a refused layout) gets a row with its error, and the run goes on. --out is
+rewritten after every row, so a run cut short keeps the rows it measured.
 """
 
 from __future__ import annotations
@@ -68,6 +79,8 @@ import time
 from collections import deque
 
 from benchmarks._report import device_kind, failure, write_json
+from benchmarks._serving_layouts import cache_budget, capacity, decode_rate, layout_server, pool_size, print_ratios
+from benchmarks._serving_report import failed_row, print_row, print_saturation, saturation_row
 
 
 @dataclasses.dataclass
@@ -174,12 +187,13 @@ def sweep_rates(first: float, *, given: list[float] | None, sweep: bool, most: i
         rate *= 2
 
 
-def workload(rng, *, requests: int, rate: float, context: int, new_tokens: int, vocab: int) -> list[Arrival]:
+def workload(rng, *, requests: int, rate: float, context: int, new_tokens: int, vocab: int,
+             shortest: int = 16) -> list[Arrival]:
     import numpy as np
 
     gaps = rng.exponential(1.0 / rate, requests)
     top = context - new_tokens
-    lengths = np.exp(rng.uniform(np.log(16), np.log(top), requests)).astype(int)
+    lengths = np.exp(rng.uniform(np.log(shortest), np.log(top), requests)).astype(int)
     return [Arrival(float(at), rng.integers(1, vocab, n).astype(np.int32), new_tokens)
             for at, n in zip(np.cumsum(gaps) - gaps[0], lengths)]
 
@@ -223,14 +237,16 @@ def run_continuous(engine, arrivals: list[Arrival]) -> Trace:
 class WaveServer:
     """The baseline: the serving engine as it was before continuous batching (static waves)."""
 
-    def __init__(self, model, *, slots: int, num_pages: int, page_size: int, max_context: int, prefill_chunk: int):
+    def __init__(self, model, *, slots: int, num_pages: int, page_size: int, max_context: int, prefill_chunk: int,
+                 kv_cache_dtype: str = "auto"):
         from glm_jax import ops
         from glm_jax.cache import PagePool
         from glm_jax.decoding.runtime import DecodeRuntime
 
         self.gen = DecodeRuntime(model, batch=slots, max_len=max_context, prefill_chunk=prefill_chunk,
-                                kernels=ops.KernelChoice())
-        self.pool = PagePool(model.cfg, num_pages=num_pages, page_size=page_size)
+                                kernels=ops.KernelChoice(), kv_cache_dtype=kv_cache_dtype)
+        self.pool = PagePool(model.cfg, num_pages=num_pages, page_size=page_size, dtype=self.gen.cache_dtype)
+        self.cache_layout = self.gen.cache_layout
         self.width = self.pool.pages_for(max_context + prefill_chunk)
         self.cache = self.pool.create_cache(slots, self.width)
         self.queue: deque = deque()
@@ -293,52 +309,11 @@ def run_waves(server: WaveServer, arrivals: list[Arrival]) -> Trace:
     return Trace([a.at for a in arrivals], times, server.host_s, [])
 
 
-def _num(x: float) -> str:
-    return "n/a" if x != x else f"{x:.1f}"
-
-
 def _next_rate(rates, throughput: float | None) -> float | None:
     try:
         return rates.send(throughput)
     except StopIteration:
         return None
-
-
-def _failed(context: int, pattern: str, server: str, rate: float, error: Exception) -> dict:
-    row = dict(context=context, pattern=pattern, server=server, rate=rate, error=failure(error))
-    print(f"| {context} | {pattern} | {server} | {rate:g} | failed: {row['error']} | | | | | |", flush=True)
-    return row
-
-
-def _print_row(row: dict) -> None:
-    print(f"| {row['context']} | {row['pattern']} | {row['server']} | {row['rate']:g} | {row['throughput']:.1f} | "
-          f"{row['goodput']:.1f} | {_num(row.get('device_ceiling_tokens_s', float('nan')))} | "
-          f"{_num(row['ceiling_tokens_s'])} | {_num(row['ttft_p50_ms'])} / "
-          f"{_num(row['ttft_p99_ms'])} | {_num(row['itl_p50_ms'])} / {_num(row['itl_p99_ms'])} | "
-          f"{row['host_ms_per_step']:.3f} / {row['host_cpu_ms_per_step']:.3f} |", flush=True)
-
-
-def _print_saturation(rows: list[dict], context: int, pattern: str, server: str) -> None:
-    """The best throughput of a continuous server's rates, against the ceiling of that run."""
-    best = saturation_row(rows, context, pattern, server)
-    if best is None:
-        return
-    runs = [r for r in rows if (r["context"], r["pattern"], r["server"]) == (context, pattern, server)
-            and "error" not in r and "load" not in r]
-    shares = []
-    for label, key in (("device ceiling", "device_ceiling_tokens_s"), ("decode ceiling", "ceiling_tokens_s")):
-        ceiling = best.get(key, float("nan"))
-        shares.append(f"{best['throughput'] / ceiling:.0%} of the {label} {ceiling:.1f}" if ceiling == ceiling
-                      else f"{label} n/a")
-    print(f"saturation, {context} {pattern} {server}: {best['throughput']:.1f} tokens/s at {best['rate']:g}/s, "
-          f"{'; '.join(shares)}; {len(runs)} rate(s) run", flush=True)
-
-
-def saturation_row(rows: list[dict], context: int, pattern: str, server: str) -> dict | None:
-    """The sweep row of a continuous server with the best throughput (None if none ran)."""
-    runs = [r for r in rows if (r["context"], r["pattern"], r["server"]) == (context, pattern, server)
-            and "error" not in r and "load" not in r]
-    return max(runs, key=lambda r: r["throughput"]) if runs else None
 
 
 def main() -> None:
@@ -368,6 +343,16 @@ def main() -> None:
                     help="prompt lengths timed alone for the device ceiling (default 8; smoke 3; 0: no device ceiling)")
     ap.add_argument("--mesh", default=None, metavar="SPEC",
                     help="serve on a device mesh (e.g. layer=2: the cache split by layers), continuous servers only")
+    ap.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], choices=["auto", "bf16", "fp8"],
+                    help="the cache layouts to serve, each in turn (default auto: the model's dtype)")
+    ap.add_argument("--cache-memory-fraction", type=float, default=None, metavar="F",
+                    help="every layout's pool: F of the device's free memory after the weights")
+    ap.add_argument("--kv-cache-memory-bytes", type=int, default=None, metavar="N",
+                    help="every layout's pool: N bytes (over --cache-memory-fraction; a CPU's way to give it)")
+    ap.add_argument("--no-waves", action="store_true", help="leave out the static waves baseline")
+    ap.add_argument("--config", default=None, help="serve this config's model (8 layers; default: GLM-5.2's "
+                                                   "attention at 8 layers)")
+    ap.add_argument("--min-prompt", type=int, default=16, help="shortest prompt drawn (default 16)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", required=True, help="write the rows here (JSON)")
     args = ap.parse_args()
@@ -382,6 +367,11 @@ def main() -> None:
     ceiling_points = pick(args.ceiling_points, 8, 3)
     if args.pool_contexts < 1:
         sys.exit("--pool-contexts must be >= 1: the longest request must fit the pool")
+    if not 1 <= args.min_prompt <= min(contexts) - new_tokens:
+        sys.exit(f"--min-prompt must be in 1..{min(contexts) - new_tokens} (max context - new tokens)")
+    if args.cache_memory_fraction is not None and not 0 < args.cache_memory_fraction <= 1:
+        sys.exit("--cache-memory-fraction must be in (0, 1]")
+    layouts = list(dict.fromkeys(args.kv_cache_dtype))
 
     import functools
 
@@ -395,6 +385,7 @@ def main() -> None:
     from glm_jax.sharding import make_mesh
 
     mesh = None if args.mesh is None else make_mesh(args.mesh)
+    shards = 1 if mesh is None else mesh.shape.get("data", 1)
 
     budgets = []
     for n in args.step_token_budget:
@@ -407,7 +398,7 @@ def main() -> None:
 
     print(f"device {jax.devices()[0].device_kind}; {requests} requests at {rate}/s, {new_tokens} new tokens each, "
           f"{slots} slots, pages of {args.page_size}, prefill chunk {chunk}, pool {args.pool_contexts} x max context, "
-          f"step token budgets {budget}; "
+          f"step token budgets {budget}; KV cache {', '.join(layouts)}; "
           f"patterns {', '.join(f'{n} {PATTERNS[n]}' for n in args.patterns)}")
     slo = Objective(args.slo_ttft_ms, args.slo_tpot_ms)
     print(f"goodput objective: TTFT <= {slo.ttft_ms:.0f} ms, mean time per output token <= {slo.tpot_ms:.0f} ms")
@@ -420,17 +411,19 @@ def main() -> None:
         write_json(args.out, dict(requests=requests, rate=rate, new_tokens=new_tokens, slots=slots,
                                   page_size=args.page_size, prefill_chunk=chunk,
                                   step_token_budget=args.step_token_budget, smoke=smoke, device=device_kind(),
-                                  rows=rows))
+                                  config=args.config, kv_cache_dtype=layouts, cache_bytes=cache_bytes, rows=rows))
 
+    cache_bytes, measured = args.kv_cache_memory_bytes, False
     for context in contexts:
-        vocab = model_config(PATTERNS["IndexShare"], smoke).vocab_size
+        vocab = model_config(PATTERNS["IndexShare"], smoke, args.config).vocab_size
         arrivals = workload(np.random.default_rng([args.seed, context]), requests=requests, rate=rate,
-                            context=context, new_tokens=new_tokens, vocab=vocab)
-        for pattern_name in args.patterns:
-            model = GLMModel(model_config(PATTERNS[pattern_name], smoke), rngs=nnx.Rngs(0))
-            pages = int(args.pool_contexts * context) // args.page_size + 2
-            shape = dict(slots=slots, num_pages=pages, page_size=args.page_size, max_context=context,
-                         prefill_chunk=chunk)
+                            context=context, new_tokens=new_tokens, vocab=vocab, shortest=args.min_prompt)
+        for pattern_name, layout in ((p, kv) for p in args.patterns for kv in layouts):
+            model = GLMModel(model_config(PATTERNS[pattern_name], smoke, args.config), rngs=nnx.Rngs(0))
+            if not measured:                  # once, the first model's weights placed: every layout's bytes
+                cache_bytes, measured = cache_budget(args.cache_memory_fraction, cache_bytes), True
+            shape = dict(slots=slots, page_size=args.page_size, max_context=context, prefill_chunk=chunk,
+                         kv_cache_dtype=layout)
             # Compiles every program: the second request prefills while the first decodes (budget's chunk).
             warm = [dataclasses.replace(arrivals[0], at=0.0, new_tokens=2),
                     dataclasses.replace(arrivals[0], at=0.0, prompt=arrivals[0].prompt[:8], new_tokens=2)]
@@ -439,14 +432,20 @@ def main() -> None:
             servers = [(f"continuous{where}", engine, run_continuous)]
             servers += [(f"continuous, budget {n}{where}", functools.partial(engine, step_token_budget=n),
                          run_continuous) for n in args.step_token_budget]
-            if mesh is None:                          # the baseline, on one device
+            if mesh is None and not args.no_waves:    # the baseline, on one device
                 servers.append(("static waves", WaveServer, run_waves))
-            for name, build, run in servers:         # one at a time: one pool in device memory
+            for base_name, build, run in servers:    # one at a time: one pool in device memory
+                name = layout_server(base_name, layout, layouts)
+                fields = dict(kv_cache_dtype=layout)
                 try:
-                    server = build(model, **shape)
+                    pages = pool_size(model.cfg, context=context, page_size=args.page_size, kv_cache_dtype=layout,
+                                      budget=cache_bytes, pool_contexts=args.pool_contexts, shards=shards)
+                    server = build(model, num_pages=pages, **shape)
+                    fields.update(layout=server.cache_layout, **capacity(server.pool, context))
                     run(server, warm)                                          # compile
-                except jax.errors.JaxRuntimeError as e:                        # e.g. out of device memory
-                    rows.append(_failed(context, pattern_name, name, rate, e))
+                except (jax.errors.JaxRuntimeError, ValueError) as e:          # out of memory, a refused layout
+                    server = None
+                    rows.append(failed_row(context, pattern_name, name, rate, e, **fields))
                     save()
                     continue
                 profile = None
@@ -457,17 +456,18 @@ def main() -> None:
                         print(f"device ceiling n/a: prefill profile failed: {failure(e)}", flush=True)
 
                 def replay_at(at, **extra):
-                    row = dict(context=context, pattern=pattern_name, server=name, rate=at, **extra)
+                    row = dict(context=context, pattern=pattern_name, server=name, rate=at, **fields, **extra)
                     try:
                         trace = run(server, at_rate(arrivals, rate, at))
-                        row.update(trace.metrics(slots, slo), preemptions=getattr(server, "preemptions", 0))
+                        row.update(trace.metrics(slots, slo), preemptions=getattr(server, "preemptions", 0),
+                                   **decode_rate(server))
                         if profile is not None:
                             row["device_ceiling_tokens_s"] = device_ceiling(
                                 arrivals, profile, row["decode_step_ms"] / 1e3, slots)
                             row["prefill_profile"] = dict(zip(("lengths", "seconds"), profile))
-                        _print_row(row)
+                        print_row(row)
                     except jax.errors.JaxRuntimeError as e:
-                        row = _failed(context, pattern_name, name, at, e)
+                        row = failed_row(context, pattern_name, name, at, e, **fields, **extra)
                     rows.append(row)
                     save()
                     return row
@@ -480,7 +480,7 @@ def main() -> None:
                         break                                 # the baseline runs at the first rate only
                     at = _next_rate(rates, row["throughput"])
                 if run is run_continuous:
-                    _print_saturation(rows, context, pattern_name, name)
+                    print_saturation(rows, context, pattern_name, name)
                     best = saturation_row(rows, context, pattern_name, name)
                     if args.sweep and best is not None:
                         at = 0.8 * best["throughput"] / new_tokens
@@ -491,6 +491,8 @@ def main() -> None:
                                   f"{row['itl_p99_ms']:.1f} ms ({row['itl_p99_ms'] / row['itl_p50_ms']:.1f}x p50; "
                                   f"target <= 3x)", flush=True)
                 server = None
+                if layout == layouts[-1]:
+                    print_ratios(rows, context=context, pattern=pattern_name, server=base_name, layouts=layouts)
             del model
 
 

@@ -31,6 +31,14 @@
 #                 queries over 64K keys), Triton against Mosaic GPU
 # fp8             paged decode over FP8 against bf16 cache pages: sparse MLA  2-5 min
 #                 at 128K and 1M (batch 64, 128), the indexer top-k at 1M
+# fp8-serving     the engine under load at 128K, small-128k, bf16 then FP8    5-9 min
+#                 pools of the same bytes (0.2 of the free memory): sequences
+#                 admitted, decode tokens/s, TTFT, ITL and their FP8 / bf16
+#                 ratios, 20 requests of 128K tokens at 1/s and 100/s
+# fp8-quality     held-out bits per byte, FP8 against bf16 cache: the default  3-6 min
+#                 model at 4K, small-128k (random weights) at 32K; greedy
+#                 agreement on 32 held-out prompts, plain and K = 7 (the
+#                 held-out corpus built first unless runs/pycorpus is there)
 # prefill         one 200K-token prompt, IndexShare against all Full          2-4 min
 # serving         host time per engine step (16K context, 12,000 tokens);    6-8 min
 #                 the load benchmark at 32K, IndexShare: a rate sweep to
@@ -133,7 +141,7 @@ expand() {
         serving-all) echo serving serving-128k serving-full serving-1m serving-1m-full ;;
         dense-kl-long|dense-step-128k|sparse-mla-cuda|train-parts|train-steps|train-steps-trained|train-steps-expanded|train-loop) echo "$1" ;;
         mtp-ablation|speculative|speculative-32|speculative-graphs|speculative-rows|speculative-sampled|speculative-context) echo "$1" ;;
-        training-parts|serving-itl|training-glm52-profile|training-glm52-tuned|training-memory|training-64k|training-128k|training-glm52-64k|training-glm52-128k|kernels|fp8|prefill|serving|host|layer-split|layer-split-1m|layer-split-serving|serving-128k|serving-full|serving-1m|serving-1m-full)
+        training-parts|serving-itl|training-glm52-profile|training-glm52-tuned|training-memory|training-64k|training-128k|training-glm52-64k|training-glm52-128k|kernels|fp8|fp8-serving|fp8-quality|prefill|serving|host|layer-split|layer-split-1m|layer-split-serving|serving-128k|serving-full|serving-1m|serving-1m-full)
             echo "$1" ;;
         *) return 1 ;;
     esac
@@ -389,6 +397,32 @@ for group in "${groups[@]}"; do
             ;;
         fp8)
             run fp8_decode 420 "--smoke" "$py" benchmarks/fp8_decode.py --json "$stage/fp8_decode.json"
+            ;;
+        fp8-serving)
+            # every request at the full 128K (prompt 129,920 + 1,152 new tokens); 20 slots, more than
+            # either pool admits, so the pool's pages bound the sequences decoding together
+            tiny="--smoke --contexts 256 --requests 4 --new-tokens 8 --min-prompt 16 --slots 4 --kv-cache-memory-bytes 2000000"
+            run serving_load_128k_fp8 540 "$tiny" "$py" benchmarks/serving_load.py --config configs/small-128k.yaml \
+                --contexts 131072 --patterns IndexShare --kv-cache-dtype auto fp8 --cache-memory-fraction 0.2 \
+                --slots 20 --requests 20 --new-tokens 1152 --min-prompt 129920 --rates 1 100 --ceiling-points 0 \
+                --no-waves --out "$stage/serving_load_128k_fp8.json"
+            ;;
+        fp8-quality)
+            run fp8_bits_per_byte_4k 150 "--smoke --context 128 --rows 2" "$py" benchmarks/fp8_bits_per_byte.py \
+                --context 4096 --rows 16 --json "$stage/fp8_bits_per_byte_4k.json"
+            run fp8_bits_per_byte_32k 200 "--smoke --context 128 --rows 2" "$py" benchmarks/fp8_bits_per_byte.py \
+                --config configs/small-128k.yaml --context 32768 --rows 4 --json "$stage/fp8_bits_per_byte_32k.json"
+            corpus="${RUNS_DIR:-runs}/pycorpus"
+            if [ $smoke = 0 ] && [ ! -f "$corpus/manifest.json" ]; then
+                run python_corpus 240 "" "$py" scripts/build_python_corpus.py --out "$corpus"
+            fi
+            # the stdlib split has 31 documents: 32 prompts come from the corpus's held-out packages
+            if [ $smoke = 1 ]; then heldout_flags=(); else heldout_flags=(--heldout "$corpus/heldout.jsonl"); fi
+            for k in 0 7; do
+                run fp8_agreement_k$k 150 "--prompts 2 --prompt-len 32 --new-tokens 8" "$py" \
+                    benchmarks/fp8_agreement.py "${heldout_flags[@]}" --prompts 32 --new-tokens 128 --speculative $k \
+                    --json "$stage/fp8_agreement_k$k.json"
+            done
             ;;
         prefill)
             run long_prefill_200k 420 "--smoke --prefill 512 --prefill-chunk 128" "$py" benchmarks/long_context.py \

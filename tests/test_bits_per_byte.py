@@ -161,3 +161,57 @@ def test_command_line(tmp_path, docs, result, capsys):
     empty.write_text("")
     assert bpb.main(["--model", str(MODEL), "--heldout-jsonl", str(empty)]) == 2
     assert "no held-out files" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------- benchmarks/fp8_bits_per_byte.py
+def fp8_micro_model():
+    """kv_lora 128 (the FP8 layout's scale group); top-k 64 >= every position, so every row is
+    selected and the FP8 keys cannot change a selection."""
+    from conftest import micro_config
+    from glm_jax.model import GLMModel
+
+    return GLMModel(micro_config(kv_lora_rank=128, index_topk=64), rngs=nnx.Rngs(0))
+
+
+def prefill_scores(model, rows: np.ndarray, layout: str, chunk: int) -> np.ndarray:
+    from benchmarks import fp8_bits_per_byte
+    from glm_jax.decoding.runtime import DecodeRuntime
+    from glm_jax.ops import KernelChoice
+
+    runtime = DecodeRuntime(model, batch=2, max_len=rows.shape[1] - 1, prefill_chunk=chunk, kernels=KernelChoice(),
+                            kv_cache_dtype=layout)
+    return fp8_bits_per_byte.score_rows(runtime, rows)
+
+
+def test_fp8_scores_read_the_quantized_cache_in_every_chunk():
+    """Scored through the prefill program: auto's scores are a direct forward pass's ln p of
+    each next token; FP8's differ from them (finite, close), and are the same whether the 48
+    positions run as one chunk or three, so later chunks read what earlier ones wrote quantized."""
+    model = fp8_micro_model()
+    rows = (np.arange(3 * 49).reshape(3, 49) * 7 % 97).astype(np.int32)     # 3 rows: one call of 2, one padded
+    auto = prefill_scores(model, rows, "auto", 16)
+    logits = model(jnp.asarray(rows[:, :-1]), settings=AttentionSettings(mode="sparse", form="absorbed")).logits
+    direct = jnp.take_along_axis(jax.nn.log_softmax(logits.astype(jnp.float32), -1), rows[:, 1:, None], -1)[..., 0]
+    np.testing.assert_allclose(auto, np.asarray(direct), atol=2e-4)
+    fp8_chunks, fp8_whole = prefill_scores(model, rows, "fp8", 16), prefill_scores(model, rows, "fp8", 48)
+    np.testing.assert_allclose(fp8_chunks, fp8_whole, atol=2e-4)
+    gap = np.abs(fp8_chunks - auto)
+    print(f"|fp8 - auto| nats: mean {gap.mean():.4f}, max {gap.max():.4f}; mean ln p {auto.mean():.4f} (auto), "
+          f"{fp8_chunks.mean():.4f} (fp8)")
+    assert np.isfinite(fp8_chunks).all() and 1e-3 < gap.mean() < 0.2
+    assert abs(fp8_chunks.mean() / auto.mean() - 1) < 0.02
+
+
+def test_fp8_bits_per_byte_smoke_gives_both_layouts_close(tmp_path, capsys):
+    """--smoke on checkpoints/default: a row per layout, finite bits, FP8 within 2% of auto."""
+    from benchmarks import fp8_bits_per_byte
+
+    out = tmp_path / "bpb.json"
+    assert fp8_bits_per_byte.main(["--smoke", "--context", "64", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["context"], r["layout"], r["cache"]) for r in rows] == [(64, "auto", "bfloat16"), (64, "fp8", "fp8")]
+    assert all(r["finite"] and 0 < r["bits_per_byte"] < 8 for r in rows)
+    assert abs(rows[1]["relative_to_auto"]) < 0.02 and rows[1]["bits_per_byte"] != rows[0]["bits_per_byte"]
+    assert fp8_bits_per_byte.main(["--smoke", "--context", "8192"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "error: --context 8192 exceeds the model's max_position_embeddings (4096)")

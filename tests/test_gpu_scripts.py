@@ -115,6 +115,27 @@ def test_smoke_appends_each_benchmarks_small_flags_on_the_cpu(tmp_path):
     assert "serving_load_32k.json" in archive_members(out / "gpu_benchmarks-serving-smoke.tar.gz")
 
 
+def test_fp8_groups_smoke_both_layouts_without_the_corpus(tmp_path):
+    """fp8-serving: the load benchmark over both layouts at one memory fraction, its smoke flags
+    last (explicit bytes: a CPU has no memory statistics); fp8-quality: bits per byte twice,
+    then the agreement plain and K = 7 on the stdlib split (no corpus is built under --smoke)."""
+    out = tmp_path / "out"
+    result = run_script("gpu_benchmarks.sh", ["--smoke", str(out), "fp8-serving", "fp8-quality"], tmp_path,
+                        stub(tmp_path, BENCH_STUB))
+    assert result.returncode == 0, result.stderr
+    load, bits_4k, bits_32k, plain, speculative = [c for c in calls(tmp_path) if "benchmarks/" in c]
+    assert "--kv-cache-dtype auto fp8 --cache-memory-fraction 0.2" in load
+    assert load.endswith("--smoke --contexts 256 --requests 4 --new-tokens 8 --min-prompt 16 --slots 4 "
+                         "--kv-cache-memory-bytes 2000000")
+    assert "--context 4096 --rows 16" in bits_4k and "--config configs/small-128k.yaml --context 32768" in bits_32k
+    assert all(c.endswith("--smoke --context 128 --rows 2") for c in (bits_4k, bits_32k))
+    assert "--speculative 0" in plain and "--speculative 7" in speculative
+    assert all("--heldout" not in c and c.endswith("--prompts 2 --prompt-len 32 --new-tokens 8")
+               for c in (plain, speculative))
+    files = archive_members(out / "gpu_benchmarks-fp8-serving_fp8-quality-smoke.tar.gz")
+    assert {"serving_load_128k_fp8.json", "fp8_bits_per_byte_32k.json", "fp8_agreement_k7.json"} <= set(files)
+
+
 def test_the_budget_times_out_a_hanging_benchmark_and_skips_the_rest(tmp_path):
     out = tmp_path / "out"
     t = time.perf_counter()
