@@ -43,6 +43,8 @@ Stages, each catching and printing its whole exception so that the others still 
 Then a short markdown table; --json writes everything (after each stage).
 
     --paged-only  the paged stages alone (load, paged, paged_fp8, then the paged decode timing).
+    --splits N..  cuda's paged decode timed with each of these K splits per query (default: the
+                 kernel's choice, enough CTAs for two waves of the GPU).
     --sanitize   tiny shapes, the CUDA kernels alone (no timing, no Pallas): for
                  XLA_PYTHON_CLIENT_ALLOCATOR=platform compute-sanitizer --tool memcheck \\
                      python3 benchmarks/sparse_mla_cuda.py --sanitize
@@ -513,8 +515,9 @@ def timed(fn, arg_sets, reps=7, min_time=0.05):
     return statistics.median(times)
 
 
-def timing(report, json_path, smoke, prefill=True):
-    """The ceilings, the prefill forward (prefill=True) and the paged decode (bf16 and FP8 pages)."""
+def timing(report, json_path, smoke, prefill=True, splits=(None,)):
+    """The ceilings, the prefill forward (prefill=True) and the paged decode (bf16 and FP8 pages;
+    cuda with each of `splits`, None: the kernel's own choice)."""
     res = {}
     bw, mm = ceilings(smoke)
     res.update(copy_bw_gbs=bw / 1e9, matmul_tflops=mm / 1e12)
@@ -524,7 +527,7 @@ def timing(report, json_path, smoke, prefill=True):
 
     if prefill:
         prefill_timing(res, report, json_path, smoke, mm)
-    decode_timing(res, report, json_path, smoke, bw)
+    decode_timing(res, report, json_path, smoke, bw, splits)
     return res
 
 
@@ -560,8 +563,9 @@ def prefill_timing(res, report, json_path, smoke, mm):
     del sets
 
 
-def decode_timing(res, report, json_path, smoke, bw):
-    """Paged decode, bf16 and FP8 pages, cuda's configs and pallas_gpu -> res["paged_decode"]."""
+def decode_timing(res, report, json_path, smoke, bw, splits=(None,)):
+    """Paged decode, bf16 and FP8 pages, cuda's configs (each with every K split count of
+    `splits`, None: the kernel's default) and pallas_gpu -> res["paged_decode"]."""
     dec = res["paged_decode"] = []
     T, K, page = (4096, 256, 64) if smoke else (131072, 2048, 64)
     print(f"\npaged decode: H={H}, K={K}, context {T}, pages of {page} rows (shuffled), 1 query a sequence")
@@ -588,8 +592,9 @@ def decode_timing(res, report, json_path, smoke, bw):
             row_bytes = DK * 2 if layout == "bf16" else fp8.latent_row_bytes(DV, DK - DV)
             moved = batch * K * row_bytes + batch * H * DK * 2 + batch * H * DV * 2
             configs = CONFIGS if layout == "bf16" else FP8_CONFIGS
-            impls = [("cuda", cfg, cuda.SparseMLACudaConfig(block_k=cfg["block_k"], num_stages=cfg["stages"]))
-                     for cfg in configs] + [("pallas_gpu", {}, None)]
+            impls = [("cuda", {**cfg, "splits": n} if n else cfg,
+                      cuda.SparseMLACudaConfig(block_k=cfg["block_k"], num_stages=cfg["stages"], num_splits=n))
+                     for cfg in configs for n in splits] + [("pallas_gpu", {}, None)]
             for name, cfg, config in impls:
                 row = dict(batch=batch, layout=layout, impl=name, config=cfg)
                 try:
@@ -663,6 +668,8 @@ def main():
                     help="only the paged stages (load, paged, paged_fp8, the paged decode timing)")
     ap.add_argument("--backward-only", action="store_true",
                     help="only the backward's stages (load, backward, bwd_bitwise, grad, bwd_timing)")
+    ap.add_argument("--splits", type=int, nargs="+", default=[None], metavar="N",
+                    help="K splits per query of cuda's paged decode timing (default: the kernel's choice)")
     args = ap.parse_args()
     report = {"mode": "sanitize" if args.sanitize else "full"}
     stage(report, "load", load, args.json)
@@ -670,7 +677,8 @@ def main():
         stage(report, "paged", lambda: paged_checks(CONFIGS), args.json)
         stage(report, "paged_fp8", lambda: paged_checks(FP8_CONFIGS, fp8_pages=True), args.json)
         if not args.skip_timing:
-            stage(report, "timing", lambda: timing(report, args.json, args.smoke, prefill=False), args.json)
+            stage(report, "timing", lambda: timing(report, args.json, args.smoke, prefill=False, splits=args.splits),
+                  args.json)
     elif args.backward_only and not args.sanitize:
         bcases = [(2, 4, 256, 64, 64), (1, 3, 4096, 2048, 64), (2, 5, 300, 100, 64), (1, 3, 512, 128, 128),
                   (1, 4, 4096, 2048, 128)]
