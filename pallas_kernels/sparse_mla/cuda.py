@@ -52,8 +52,11 @@ BLOCK_STAGES = ((64, 2), (32, 4), (32, 3))
 KEY_BLOCK = 32
 #: The backward implementations `SparseMLACudaConfig.backward` takes.
 BACKWARDS = ("cuda", "pallas_gpu")
-#: CTAs the K splits aim for when the queries are few (two waves of an H100's 132 SMs).
-TARGET_CTAS = 264
+#: CTAs the K splits aim for when the queries are few: one wave of an H100's 132 SMs (one CTA an
+#: SM). Measured at 128K context, K 2048, 64 heads: one wave beat two at batch 64 (2 splits, 112
+#: against 128 us) and 128 (1 split, 186 against 212 us): the f32 partials and their merge cost
+#: more than the second wave's tail saves.
+TARGET_CTAS = 132
 
 _lock = threading.Lock()
 _registered = False
