@@ -115,21 +115,28 @@ def test_kv_share_draft_runs_no_indexer_and_reads_only_target_kv(model, monkeypa
         calls["indexer"] += 1
         return real_topk(*a, **k)
 
+    def record_max_index(indices):
+        calls["max_index"] = max(calls["max_index"], int(np.max(indices)))
+
     def spy_mla(q, kv_pages, page_table, indices, **k):   # the cache positions every draft step attends
-        calls["max_index"] = max(calls["max_index"], int(np.max(np.asarray(indices))))
+        jax.debug.callback(record_max_index, indices)
         return real_mla(q, kv_pages, page_table, indices, **k)
+
+    # Traced afresh for each setting (the draft steps are a Python loop, so each call of an op in
+    # the trace is one call in the run); the attended indices come back through the callback.
+    run_draft = nnx.jit(draft, static_argnames=("sampling", "num_draft", "kv_share", "kernels"))
 
     monkeypatch.setattr(ops, "paged_indexer_topk", spy_topk)
     monkeypatch.setattr(ops, "paged_sparse_mla", spy_mla)
     for kv_share, want_calls in ((True, 0), (False, 2)):
         calls.update(indexer=0, max_index=-1)
-        with jax.disable_jit():
-            d, probs = draft(model, q1, g1, idx1, mtp_cache, jax.random.key(2), GREEDY, num_draft=3,
+        d, probs = run_draft(model, q1, g1, idx1, mtp_cache, jax.random.key(2), sampling=GREEDY, num_draft=3,
                              kv_share=kv_share, kernels=ops.KernelChoice())
+        jax.effects_barrier()
         assert d.shape == (b, 3) and probs.shape == (b, 3, cfg.vocab_size)
         assert calls["indexer"] == want_calls
         if kv_share:   # positions 0..n-1 hold KV computed from the target's hidden states
-            assert calls["max_index"] <= n - 1
+            assert 0 <= calls["max_index"] <= n - 1
         else:          # the baseline reads the draft steps' own KV at positions n, n+1
             assert calls["max_index"] >= n
 
