@@ -14,6 +14,7 @@ from glm_jax import ops
 from glm_jax.cache import create_cache, create_paged_cache
 from glm_jax.layers.indexer import Indexer
 from glm_jax.model import GLMModel
+from testtime_decode_calls import forward_cached, forward_logits
 
 
 def test_group_view_writes_its_slots_through_the_page_table(micro_cfg):
@@ -79,13 +80,13 @@ def test_paged_decode_equals_full_forward(micro_cfg):
     (interpreted)."""
     model = GLMModel(micro_cfg, rngs=nnx.Rngs(0))
     tokens = jax.random.randint(jax.random.key(1), (2, 4), 0, micro_cfg.vocab_size, jnp.int32)
-    full = model(tokens).logits
+    full = forward_logits(model, tokens)
     table = jnp.asarray(np.random.default_rng(0).permutation(np.arange(1, 18))[:16].reshape(2, 8), jnp.int32)
     cache = create_paged_cache(micro_cfg, 18, 2, table)
-    prefill, _, cache = model.forward_cached(tokens[:, :3], cache)
+    prefill, _, cache = forward_cached(model, tokens[:, :3], cache)
     np.testing.assert_allclose(prefill, full[:, :3], atol=2e-4, rtol=1e-4)
     assert not np.asarray(cache.latent[:, 0]).any()                  # page 0 is nobody's
 
     pallas = ops.KernelChoice(indexer_topk="pallas_gpu", sparse_mla="pallas_gpu", interpret=True)
-    step, _, _ = model.forward_cached(tokens[:, 3:4], cache, kernels=pallas)
+    step, _, _ = forward_cached(model, tokens[:, 3:4], cache, kernels=pallas)
     np.testing.assert_allclose(step, full[:, 3:4], atol=2e-4, rtol=1e-4)

@@ -49,9 +49,14 @@ def compiles(monkeypatch):
     logger.setLevel(level)
 
 
-def test_plain_speculative_and_engine_decodes_share_their_prefill(compiles, monkeypatch):
-    # A model of its own (configs/tiny.yaml's shape, micro_config): no program compiled for it before this test.
-    model = GLMModel(micro_config(vocab_size=89), rngs=nnx.Rngs(0))
+@pytest.fixture(scope="module")
+def model() -> GLMModel:
+    """A model of this file's own (configs/tiny.yaml's shape, micro_config): no program is compiled
+    for it before the first test, whose decodes' programs the later tests' engines reuse."""
+    return GLMModel(micro_config(vocab_size=89), rngs=nnx.Rngs(0))
+
+
+def test_plain_speculative_and_engine_decodes_share_their_prefill(model, compiles, monkeypatch):
     traced = []
     forward = prefill.chunk_forward
 
@@ -108,8 +113,7 @@ def test_one_stop_rule_and_one_cut_rule():
     assert stops(np.array([5, 2]), 2) and not stops([5, 6], 2) and not stops([5, 6], None)
 
 
-def test_every_policy_reports_one_stats_shape():
-    model = GLMModel(micro_config(), rngs=nnx.Rngs(0))
+def test_every_policy_reports_one_stats_shape(model):
     prompts = np.array([[3, 5, 7, 9, 11], [2, 4, 6, 8, 10]], np.int32)
     plain = Generator(model, batch=2, max_len=48, prefill_chunk=8, block_size=4)
     list(plain.generate(prompts, max_new_tokens=8))
@@ -126,9 +130,8 @@ def test_every_policy_reports_one_stats_shape():
     assert spec.stats.steady_tokens == 16 and spec.stats.verify_steps > 0
 
 
-def test_every_policy_answers_one_completions_call():
+def test_every_policy_answers_one_completions_call(model):
     """decode.py's one call: plain, speculative and engine greedy completions agree, cut before the stop token."""
-    model = GLMModel(micro_config(), rngs=nnx.Rngs(0))
     prompts = [np.array([3, 5, 7, 9, 11], np.int32), np.array([2, 4, 6], np.int32)]
     plain = Generator(model, batch=2, max_len=48, prefill_chunk=8, block_size=4)
     full = [sum(pieces, []) for pieces in zip(*plain.completions(prompts, max_new_tokens=10))]

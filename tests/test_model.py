@@ -14,12 +14,21 @@ from glm_jax.cache import create_cache
 from glm_jax.layers import moe as moe_lib
 from glm_jax.layers.decoder import AttentionSettings, plan_groups
 from glm_jax.model import GLMModel
+from testtime_decode_calls import forward_cached, forward_logits
 
 ATOL = 2e-4
 
 
 def _model(cfg, seed=0):
     return GLMModel(cfg, rngs=nnx.Rngs(seed))
+
+
+@pytest.fixture(scope="module")
+def micro_model():
+    """The micro config's model (seed 0), shared by the tests that only read it."""
+    from conftest import micro_config
+
+    return _model(micro_config())
 
 
 def _tokens(cfg, b, s, seed=1):
@@ -37,55 +46,54 @@ def test_sparse_equals_dense_when_topk_covers_context(micro_cfg):
     cfg = micro_cfg.replace(index_topk=16)
     model, tokens = _model(cfg), _tokens(cfg, 2, 12)
     for form in ("absorbed", "expanded"):
-        sparse = model(tokens, settings=AttentionSettings(mode="sparse", form=form)).logits
-        dense = model(tokens, settings=AttentionSettings(mode="dense", form=form)).logits
+        sparse = forward_logits(model, tokens, AttentionSettings(mode="sparse", form=form))
+        dense = forward_logits(model, tokens, AttentionSettings(mode="dense", form=form))
         np.testing.assert_allclose(sparse, dense, atol=ATOL, rtol=1e-4)
 
 
-def test_sparse_differs_from_dense_when_topk_is_small(micro_cfg):
-    model, tokens = _model(micro_cfg), _tokens(micro_cfg, 2, 12)
-    sparse = model(tokens, settings=AttentionSettings(mode="sparse")).logits
-    dense = model(tokens, settings=AttentionSettings(mode="dense")).logits
+def test_sparse_differs_from_dense_when_topk_is_small(micro_cfg, micro_model):
+    model, tokens = micro_model, _tokens(micro_cfg, 2, 12)
+    sparse = forward_logits(model, tokens, AttentionSettings(mode="sparse"))
+    dense = forward_logits(model, tokens, AttentionSettings(mode="dense"))
     assert np.abs(np.asarray(sparse - dense))[:, micro_cfg.index_topk:].max() > 1e-3
     np.testing.assert_allclose(sparse[:, :micro_cfg.index_topk], dense[:, :micro_cfg.index_topk], atol=ATOL)
 
 
 @pytest.mark.parametrize("mode", ["sparse", "dense"])
-def test_absorbed_equals_expanded(micro_cfg, mode):
-    model, tokens = _model(micro_cfg), _tokens(micro_cfg, 2, 10)
-    a = model(tokens, settings=AttentionSettings(mode=mode, form="absorbed")).logits
-    e = model(tokens, settings=AttentionSettings(mode=mode, form="expanded")).logits
+def test_absorbed_equals_expanded(micro_cfg, micro_model, mode):
+    model, tokens = micro_model, _tokens(micro_cfg, 2, 12)
+    a = forward_logits(model, tokens, AttentionSettings(mode=mode, form="absorbed"))
+    e = forward_logits(model, tokens, AttentionSettings(mode=mode, form="expanded"))
     np.testing.assert_allclose(a, e, atol=ATOL, rtol=1e-4)
 
 
-def test_cached_decode_equals_full_forward(micro_cfg):
-    model, tokens = _model(micro_cfg), _tokens(micro_cfg, 2, 11)
-    full = model(tokens).logits
+def test_cached_decode_equals_full_forward(micro_cfg, micro_model):
+    model, tokens = micro_model, _tokens(micro_cfg, 2, 11)
+    full = forward_logits(model, tokens)
     cache = create_cache(micro_cfg, 2, 16)
     # prefill 5 tokens as one chunk, then one token at a time
-    logits, _, cache = model.forward_cached(tokens[:, :5], cache)
+    logits, _, cache = forward_cached(model, tokens[:, :5], cache)
     steps = [logits]
     for t in range(5, 11):
-        logits, _, cache = model.forward_cached(tokens[:, t:t + 1], cache)
+        logits, _, cache = forward_cached(model, tokens[:, t:t + 1], cache)
         steps.append(logits)
     np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, atol=ATOL, rtol=1e-4)
     assert cache.lengths.tolist() == [11, 11]
 
 
-def test_padded_prefill_chunk_equals_unpadded(micro_cfg):
-    model, tokens = _model(micro_cfg), _tokens(micro_cfg, 1, 7)
-    full = model(tokens).logits
+def test_padded_prefill_chunk_equals_unpadded(micro_cfg, micro_model):
+    model, tokens = micro_model, _tokens(micro_cfg, 1, 7)
+    full = forward_logits(model, tokens)
     padded = jnp.concatenate([tokens, jnp.zeros((1, 5), jnp.int32)], axis=1)
-    logits, _, cache = model.forward_cached(padded, create_cache(micro_cfg, 1, 16),
-                                            num_valid=jnp.array([7]))
+    logits, _, cache = forward_cached(model, padded, create_cache(micro_cfg, 1, 16), jnp.array([7]))
     np.testing.assert_allclose(logits[:, :7], full, atol=ATOL, rtol=1e-4)
-    nxt, _, _ = model.forward_cached(tokens[:, :1], cache)
-    ref = model(jnp.concatenate([tokens, tokens[:, :1]], axis=1)).logits[:, -1:]
+    nxt, _, _ = forward_cached(model, tokens[:, :1], cache)
+    ref = forward_logits(model, jnp.concatenate([tokens, tokens[:, :1]], axis=1))[:, -1:]
     np.testing.assert_allclose(nxt, ref, atol=ATOL, rtol=1e-4)
 
 
-def test_shared_layers_own_no_indexer_and_reuse_full_indices(micro_cfg, monkeypatch):
-    model, tokens = _model(micro_cfg), _tokens(micro_cfg, 1, 12)
+def test_shared_layers_own_no_indexer_and_reuse_full_indices(micro_cfg, micro_model, monkeypatch):
+    model, tokens = micro_model, _tokens(micro_cfg, 1, 12)
     for plan, stack in zip(model.plan, model.stacks):
         for kind, layer in zip(plan.kinds, stack.layers):
             assert (layer.indexer is not None) == kind.is_full
@@ -171,28 +179,35 @@ def test_blocked_expert_matmuls_equal_ragged_dot(sizes):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
 
 
-def test_mtp_forward_shapes(micro_cfg):
-    model, tokens = _model(micro_cfg), _tokens(micro_cfg, 2, 9)
-    out = model(tokens)
-    mtp, (latent, indices) = model.mtp_forward(out.hidden, tokens)
+@nnx.jit
+def _forward_then_mtp(model, tokens):
+    """model.mtp_forward over model(tokens)'s hidden states, as one program -> (MTP logits
+    [B, S, V], (latent [B, S, latent], indices [B, S, topk]))."""
+    mtp, selection = model.mtp_forward(model(tokens).hidden, tokens)
+    return mtp.logits, selection
+
+
+def test_mtp_forward_shapes(micro_cfg, micro_model):
+    tokens = _tokens(micro_cfg, 2, 9)
+    logits, (latent, indices) = _forward_then_mtp(micro_model, tokens)
     assert latent.shape == (2, 9, micro_cfg.latent_dim) and indices.shape == (2, 9, micro_cfg.index_topk)
-    assert mtp.logits.shape == (2, 9, micro_cfg.vocab_size)
-    assert np.isfinite(np.asarray(mtp.logits)).all()
+    assert logits.shape == (2, 9, micro_cfg.vocab_size)
+    assert np.isfinite(np.asarray(logits)).all()
 
 
-def test_kernel_configs_reach_the_ops(micro_cfg):
+def test_kernel_configs_reach_the_ops(micro_cfg, micro_model):
     """KernelChoice's indexer_topk and sparse_mla configs are passed to the ops, in the full
     forward and through the cache view: the same logits with another query chunk, and a config
     of another implementation refused."""
     import pallas_kernels as pk
 
-    model, tokens = _model(micro_cfg), _tokens(micro_cfg, 1, 9)
+    model, tokens = micro_model, _tokens(micro_cfg, 1, 8)
     kernels = ops.KernelChoice(indexer_topk=("xla", pk.XlaConfig(q_chunk=2)),
                                sparse_mla=("xla", pk.XlaConfig(q_chunk=3)))
-    base = model(tokens).logits
-    np.testing.assert_allclose(model(tokens, settings=AttentionSettings(kernels=kernels)).logits, base,
+    base = forward_logits(model, tokens)
+    np.testing.assert_allclose(forward_logits(model, tokens, AttentionSettings(kernels=kernels)), base,
                                atol=ATOL, rtol=1e-4)
-    logits, _, _ = model.forward_cached(tokens, create_cache(micro_cfg, 1, 16), kernels=kernels)
+    logits, _, _ = forward_cached(model, tokens, create_cache(micro_cfg, 1, 16), kernels=kernels)
     np.testing.assert_allclose(logits, base, atol=ATOL, rtol=1e-4)
     wrong = ops.KernelChoice(indexer_topk=("auto", pk.SparseMLAGpuConfig()))    # "auto" is xla on a CPU
     with pytest.raises(ValueError, match="takes config=XlaConfig"):

@@ -34,6 +34,13 @@ def _inputs(seed, B, S, K, dtype=jnp.float32):
 _vjp = vjp_grads
 
 
+def _jitted_pair(fn, idx, dout):
+    """One compiled program (q [B, S, H, DK], kv [B, T, DK]) -> (fn's gradients (dq, dkv), the
+    reference's), called once per layer of one shape; eagerly, the interpreted kernels would
+    dispatch op by op on each call."""
+    return jax.jit(lambda q, kv: (_vjp(fn, q, kv, idx, dout), _vjp(_ref, q, kv, idx, dout)))
+
+
 def _ref(q, kv, idx):
     return reference.sparse_mla(q, kv, idx, sm_scale=SCALE, v_dim=DV)
 
@@ -106,10 +113,9 @@ def test_prebuilt_index_serves_several_layers():
         pk.sparse_mla(q, kv, idx, sm_scale=SCALE, v_dim=DV, impl="xla", tindex=ti)
     fn = lambda q, kv, i: pk.sparse_mla(q, kv, i, sm_scale=SCALE, v_dim=DV, impl="pallas_gpu", config=cfg,
                                         interpret=True, tindex=ti)[:2]
+    got_and_want = _jitted_pair(fn, idx, dout)
     for layer in range(2):
-        qq, kk = q * (1 + layer), kv - layer
-        got = _vjp(fn, qq, kk, idx, dout)
-        want = _vjp(_ref, qq, kk, idx, dout)
+        got, want = got_and_want(q * (1 + layer), kv - layer)
         for g, w in zip(got, want):
             np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5)
     with pytest.raises(ValueError, match="built for"):
@@ -196,9 +202,10 @@ def test_by_key_prebuilt_bitmap_serves_several_layers():
     assert isinstance(km, tr.KeyBitmap)
     fn = lambda q, kv, i: pk.sparse_mla(q, kv, i, sm_scale=SCALE, v_dim=DV, impl="pallas_gpu", config=cfg,
                                         interpret=True, tindex=km)
+    got_and_want = _jitted_pair(fn, idx, dout)
     for layer in range(2):
-        qq, kk = q * (1 + layer), kv - layer
-        for g, w in zip(_vjp(fn, qq, kk, idx, dout), _vjp(_ref, qq, kk, idx, dout)):
+        got, want = got_and_want(q * (1 + layer), kv - layer)
+        for g, w in zip(got, want):
             np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5)
     sorted_index = gb.backward_index(idx, T, dk=DK, dtype=kv.dtype)
     with pytest.raises(ValueError, match="takes a KeyBitmap"):
@@ -225,7 +232,7 @@ def test_auto_takes_by_key_at_the_default_model_shape():
                                                 tindex=sorted_index)
     jaxpr = str(jax.make_jaxpr(lambda q, kv: _vjp(fn, q, kv, idx, dout))(q, kv))
     assert "sparse_mla_bwd_keys" in jaxpr and "sparse_mla_bwd_pairs" not in jaxpr
-    for g, w in zip(_vjp(fn, q, kv, idx, dout), _vjp(_ref, q, kv, idx, dout)):
+    for g, w in zip(*_jitted_pair(fn, idx, dout)(q, kv)):
         np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5)
 
 

@@ -71,10 +71,15 @@ def test_rejection_sample_greedy_and_shapes():
         rejection_sample(p[:, :2], q, jnp.array([[1, 4]], jnp.int32), jax.random.key(0))
 
 
+@pytest.fixture(scope="module")
+def model() -> GLMModel:
+    """The micro config's model (seed 0), shared by the tests that only read it."""
+    return GLMModel(micro_config(), rngs=nnx.Rngs(0))
+
+
 @pytest.mark.parametrize("kv_share", [True, False])
-def test_greedy_speculative_equals_greedy_plain(kv_share):
-    cfg = micro_config()
-    model = GLMModel(cfg, rngs=nnx.Rngs(0))
+def test_greedy_speculative_equals_greedy_plain(model, kv_share):
+    cfg = model.cfg
     prompts = np.stack([np.arange(1, 14), np.arange(20, 33)]) % cfg.vocab_size
     plain = np.concatenate(list(Generator(model, batch=2, max_len=64, prefill_chunk=8, block_size=4)
                                 .generate(prompts, max_new_tokens=15)), axis=1)[:, :15]
@@ -87,15 +92,20 @@ def test_greedy_speculative_equals_greedy_plain(kv_share):
         SpeculativeGenerator(model, batch=2, max_len=64, verification="greedy")
 
 
-def test_kv_share_draft_runs_no_indexer_and_reads_only_target_kv(monkeypatch):
-    cfg = micro_config()
-    model = GLMModel(cfg, rngs=nnx.Rngs(0))
+@nnx.jit
+def _target_then_mtp(model, tokens, cache, mtp_cache):
+    """The target's cached forward over tokens [B, N], then the MTP's over its hidden states
+    -> model.mtp_forward_cached's (logits, hidden, MTP cache, indices), as one program."""
+    _, hidden, _ = model.forward_cached(tokens, cache)
+    return model.mtp_forward_cached(tokens, hidden, mtp_cache)
+
+
+def test_kv_share_draft_runs_no_indexer_and_reads_only_target_kv(model, monkeypatch):
+    cfg = model.cfg
     b, n = 2, 9
     tokens = jax.random.randint(jax.random.key(1), (b, n), 0, cfg.vocab_size)
-    cache = create_cache(cfg, b, 32)
-    _, hidden, cache = model.forward_cached(tokens, cache)
-    mtp_cache = create_mtp_cache(cfg, b, 32)
-    q1, g1, mtp_cache, idx1 = model.mtp_forward_cached(tokens, hidden, mtp_cache)
+    q1, g1, mtp_cache, idx1 = _target_then_mtp(model, tokens, create_cache(cfg, b, 32),
+                                               create_mtp_cache(cfg, b, 32))
     q1, g1, idx1 = q1[:, -1], g1[:, -1], idx1[:, -1:]
 
     calls = {"indexer": 0, "max_index": -1}
@@ -105,43 +115,50 @@ def test_kv_share_draft_runs_no_indexer_and_reads_only_target_kv(monkeypatch):
         calls["indexer"] += 1
         return real_topk(*a, **k)
 
+    def record_max_index(indices):
+        calls["max_index"] = max(calls["max_index"], int(np.max(indices)))
+
     def spy_mla(q, kv_pages, page_table, indices, **k):   # the cache positions every draft step attends
-        calls["max_index"] = max(calls["max_index"], int(np.max(np.asarray(indices))))
+        jax.debug.callback(record_max_index, indices)
         return real_mla(q, kv_pages, page_table, indices, **k)
+
+    # Traced afresh for each setting (the draft steps are a Python loop, so each call of an op in
+    # the trace is one call in the run); the attended indices come back through the callback.
+    run_draft = nnx.jit(draft, static_argnames=("sampling", "num_draft", "kv_share", "kernels"))
 
     monkeypatch.setattr(ops, "paged_indexer_topk", spy_topk)
     monkeypatch.setattr(ops, "paged_sparse_mla", spy_mla)
     for kv_share, want_calls in ((True, 0), (False, 2)):
         calls.update(indexer=0, max_index=-1)
-        with jax.disable_jit():
-            d, probs = draft(model, q1, g1, idx1, mtp_cache, jax.random.key(2), GREEDY, num_draft=3,
+        d, probs = run_draft(model, q1, g1, idx1, mtp_cache, jax.random.key(2), sampling=GREEDY, num_draft=3,
                              kv_share=kv_share, kernels=ops.KernelChoice())
+        jax.effects_barrier()
         assert d.shape == (b, 3) and probs.shape == (b, 3, cfg.vocab_size)
         assert calls["indexer"] == want_calls
         if kv_share:   # positions 0..n-1 hold KV computed from the target's hidden states
-            assert calls["max_index"] <= n - 1
+            assert 0 <= calls["max_index"] <= n - 1
         else:          # the baseline reads the draft steps' own KV at positions n, n+1
             assert calls["max_index"] >= n
 
 
-@pytest.mark.parametrize("speculative", [False, True])
-def test_ragged_batch_equals_one_by_one(speculative):
-    """Prompts of different lengths in one batch give each prompt's own greedy continuation. In a
-    process of its own: compiling it late in a long test worker crashed XLA (a segfault inside
-    the compile or the cache write), never alone."""
-    if not in_own_process(f"tests/test_speculative.py::test_ragged_batch_equals_one_by_one[{speculative}]"):
+def test_ragged_batch_equals_one_by_one(model):
+    """Prompts of different lengths in one batch give each prompt's own greedy continuation, from
+    the plain and from the speculative generator. In a process of its own (one for both, which
+    share the model and its start): compiling it late in a long test worker crashed XLA (a
+    segfault inside the compile or the cache write), never alone."""
+    if not in_own_process("tests/test_speculative.py::test_ragged_batch_equals_one_by_one"):
         return
-    cfg = micro_config()
-    model = GLMModel(cfg, rngs=nnx.Rngs(0))
+    cfg = model.cfg
     prompts = [np.arange(1, 12) % cfg.vocab_size, np.arange(30, 34), np.arange(50, 69) % cfg.vocab_size]
 
-    def run(batch, items):
+    def run(speculative, batch, items):
         if speculative:
             return SpeculativeGenerator(model, batch=batch, max_len=64, num_draft=2, prefill_chunk=8).generate(
                 items, max_new_tokens=9)
         gen = Generator(model, batch=batch, max_len=64, prefill_chunk=8, block_size=4)
         return np.concatenate(list(gen.generate(items, max_new_tokens=9)), axis=1)[:, :9]
 
-    together = run(3, prompts)
-    for i, prompt in enumerate(prompts):
-        np.testing.assert_array_equal(together[i], run(1, [prompt])[0])
+    for speculative in (False, True):
+        together = run(speculative, 3, prompts)
+        for i, prompt in enumerate(prompts):
+            np.testing.assert_array_equal(together[i], run(speculative, 1, [prompt])[0], err_msg=f"{speculative=}")
