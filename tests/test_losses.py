@@ -206,8 +206,8 @@ def test_loss_terms_with_mtp_depth_3_equal_the_full_logits_path(tv, packed):
     def old(params):
         return _old_loss(nnx.merge(graphdef, params, rest), inputs, targets, weights, segments)
 
-    (got, got_terms), got_grads = jax.jit(jax.value_and_grad(new, has_aux=True))(params)
-    (want, want_terms), want_grads = jax.jit(jax.value_and_grad(old, has_aux=True))(params)
+    both = jax.jit(lambda params: [jax.value_and_grad(f, has_aux=True)(params) for f in (new, old)])   # one program
+    ((got, got_terms), got_grads), ((want, want_terms), want_grads) = both(params)
     assert float(got) == pytest.approx(float(want), rel=1e-6)
     for name in ("lm", "mtp", "mtp_tv"):
         assert float(got_terms[name]) == pytest.approx(float(want_terms[name]), rel=1e-6), name
@@ -247,20 +247,23 @@ def test_indexer_kl_matches_numpy():
 @pytest.mark.parametrize("stage", ["dense", "sparse"])
 def test_multi_depth_mtp_losses_with_and_without_kv_share(stage):
     cfg, graphdef, params, rest = _micro_parts(**TWO_LAYERS)
-    model = nnx.merge(graphdef, params, rest)
     tokens = jax.random.randint(jax.random.key(3), (2, 12), 0, cfg.vocab_size)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    results = {}
-    for kv_share in (True, False):
-        w = LossWeights(mtp_depth=3, kv_share=kv_share, tv=0.5)
-        total, terms = loss_terms(model, inputs, targets, stage=stage, weights=w, kernels=ops.KernelChoice())
+    # depth 3 with KVShare and without, then depth 1 with it and without
+    settings = [LossWeights(mtp_depth=3, kv_share=True, tv=0.5), LossWeights(mtp_depth=3, kv_share=False, tv=0.5),
+                LossWeights(kv_share=True), LossWeights(kv_share=False)]
+
+    @jax.jit
+    def every_setting(params):          # one program for the four
+        model = nnx.merge(graphdef, params, rest)
+        return [loss_terms(model, inputs, targets, stage=stage, weights=w, kernels=ops.KernelChoice()) for w in settings]
+
+    deep_share, deep_own, one_share, one_own = every_setting(params)
+    for total, terms in (deep_share, deep_own):
         assert np.isfinite(float(total)) and 0 <= float(terms["mtp_tv"]) <= 1
-        results[kv_share] = float(terms["mtp"])
-    assert results[True] != pytest.approx(results[False], rel=1e-6)
+    assert float(deep_share[1]["mtp"]) != pytest.approx(float(deep_own[1]["mtp"]), rel=1e-6)
     # depth 1 alone does not depend on the KVShare switch
-    one = [float(loss_terms(model, inputs, targets, stage=stage, weights=LossWeights(kv_share=k),
-                            kernels=ops.KernelChoice())[1]["mtp"]) for k in (True, False)]
-    assert one[0] == one[1]
+    assert float(one_share[1]["mtp"]) == float(one_own[1]["mtp"])
 
 
 def test_grouped_selected_set_kl_equals_the_per_layer_sum():
@@ -310,11 +313,11 @@ def test_long_sequence_forms_equal_the_expanded_form():
     from glm_jax.layers.decoder import AttentionSettings
 
     cfg, graphdef, params, rest = _micro_parts(**TWO_LAYERS)
-    model = nnx.merge(graphdef, params, rest)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 12)), jnp.int32)
     run = lambda m, **kw: m(tokens, settings=AttentionSettings(**kw))
-    np.testing.assert_allclose(run(model, mode="dense", form="absorbed").logits,
-                               run(model, mode="dense", form="expanded").logits, atol=2e-5)
+    dense_logits = jax.jit(lambda params: [run(nnx.merge(graphdef, params, rest), mode="dense", form=form).logits
+                                           for form in ("absorbed", "expanded")])
+    np.testing.assert_allclose(*dense_logits(params), atol=2e-5)
 
     def kl(params, form):
         out = run(nnx.merge(graphdef, params, rest), mode="sparse", form=form, indexer_loss=True)
