@@ -338,7 +338,7 @@ def test_remat_keeps_the_loss_and_gradients(stage, form):
     """Per-layer rematerialisation (only each layer's input and the top-k kept) changes memory,
     not results: the compiled step's temporaries shrink (XLA may not merge the recomputed layer
     with the original one, which would keep every activation alive again)."""
-    cfg, graphdef, params, rest = _micro_parts()
+    cfg, graphdef, params, rest = _micro_parts(num_hidden_layers=3, index_topk_pattern="FSF")   # 2 groups, MTP
     tokens = jax.random.randint(jax.random.key(5), (2, 13), 0, cfg.vocab_size)
 
     def loss(params, remat):
