@@ -302,8 +302,10 @@ def test_grouped_selected_set_kl_equals_the_per_layer_sum():
             total = total + indexer_kl(target, scores, mask) / layers
         return total
 
-    np.testing.assert_allclose(grouped(iq, ik, iw), per_layer(iq, ik, iw), rtol=1e-5)
-    for a, b in zip(jax.grad(grouped, (0, 1, 2))(iq, ik, iw), jax.grad(per_layer, (0, 1, 2))(iq, ik, iw)):
+    both = jax.jit(lambda *x: [jax.value_and_grad(f, (0, 1, 2))(*x) for f in (grouped, per_layer)])   # one program
+    (got, got_grads), (want, want_grads) = both(iq, ik, iw)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for a, b in zip(got_grads, want_grads, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
