@@ -73,8 +73,8 @@ def test_fused_dense_kl_equals_the_expanded_form(layers, packed, block):
     targets, idx, rows = _case(layers, packed)
     fused = functools.partial(_fused_kl, rows=rows, block=block)
     expanded = functools.partial(_expanded_kl, rows=rows)
-    got, got_grads = jax.value_and_grad(fused, (1, 2, 3))(targets, *idx)
-    want, want_grads = jax.value_and_grad(expanded, (1, 2, 3))(targets, *idx)
+    both = jax.jit(lambda *x: [jax.value_and_grad(f, (1, 2, 3))(*x) for f in (fused, expanded)])   # one program
+    (got, got_grads), (want, want_grads) = both(targets, *idx)
     assert float(want) > 1.0
     np.testing.assert_allclose(got, want, rtol=2e-6)
     for name, g, w in zip(("queries", "keys", "weights"), got_grads, want_grads):
@@ -180,9 +180,10 @@ def test_pallas_kernels_equal_the_expanded_form(packed):
         return dense_group_kl(targets, idx_q=idx[0], idx_keys=idx[1], idx_w=idx[2], sm_scale=SCALE,
                               kv_len=rows.kv_len, kv_start=rows.kv_start, kernels=kernels)
 
-    with lab_kl.registered():
-        got, got_grads = jax.value_and_grad(fused, (1, 2, 3))(targets, *idx)
-    want, want_grads = jax.value_and_grad(functools.partial(_expanded_kl, rows=rows), (1, 2, 3))(targets, *idx)
+    expanded = functools.partial(_expanded_kl, rows=rows)
+    with lab_kl.registered():       # one program for both forms
+        both = jax.jit(lambda *x: [jax.value_and_grad(f, (1, 2, 3))(*x) for f in (fused, expanded)])
+        (got, got_grads), (want, want_grads) = both(targets, *idx)
     assert float(want) > 1.0
     np.testing.assert_allclose(got, want, rtol=2e-6)
     for g, w in zip(got_grads, want_grads):
