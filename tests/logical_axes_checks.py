@@ -70,10 +70,11 @@ class _nothing:
 
 
 def model_logit_diffs() -> dict:
-    """GLMModel("tiny": MoE, MTP) logits on meshes of each kind against one device: {mesh: max |diff|}."""
+    """GLMModel("tiny" cut to one IndexShare group of 2 layers: a dense MLP, then MoE; MTP) logits
+    on meshes of each kind against one device: {mesh: max |diff|}."""
     from glm_jax.model import GLMModel
 
-    cfg = load_config("tiny")
+    cfg = load_config("tiny").replace(num_hidden_layers=2, index_topk_pattern="FS")
     model = GLMModel(cfg, rngs=nnx.Rngs(0))
     tokens = (jnp.arange(4)[:, None] * 5 + jnp.arange(16)[None, :]) % cfg.vocab_size
     settings = AttentionSettings(form="expanded", indexer_loss=True)

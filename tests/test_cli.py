@@ -25,12 +25,17 @@ from conftest import ROOT, micro_config
 from pallas_kernels import XlaConfig
 
 
+#: The micro config of the runs here: 128 positions, two layers (one IndexShare group: a dense
+#: MLP, then MoE) and the MTP layer.
+MICRO = dict(vocab_size=320, max_position_embeddings=128, num_hidden_layers=2, index_topk_pattern="FS")
+
+
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory):
     """A micro model trained for a few steps on a handful of stdlib files."""
     out = tmp_path_factory.mktemp("run")
     cfg_path = out.parent / "micro.yaml"
-    save_config(micro_config(vocab_size=320, max_position_embeddings=128), cfg_path)
+    save_config(micro_config(**MICRO), cfg_path)
     code = train.main(["--config", str(cfg_path), "--out", str(out), "--steps", "12", "--batch-size", "4",
                        "--seq-len", "32", "--dense-steps", "6", "--warmup-steps", "2", "--lr", "1e-2",
                        "--max-files", "6", "--eval-every", "6", "--save-every", "6", "--eval-batches", "2"])
@@ -137,7 +142,7 @@ def test_resume_continues_bit_exactly(tmp_path, form, dense_steps, data_files):
 def _assert_resume_is_exact(tmp_path, extra: list[str]) -> None:
     """Runs 5 steps uninterrupted, then 3 + --resume 2, and compares the logged losses bit for bit."""
     cfg_path = tmp_path / "micro.yaml"
-    save_config(micro_config(vocab_size=320, max_position_embeddings=128), cfg_path)
+    save_config(micro_config(**MICRO), cfg_path)
     common = ["--config", str(cfg_path), "--batch-size", "2", "--seq-len", "16", "--warmup-steps", "1",
               "--eval-every", "100", "--log-every", "1", "--eval-batches", "1", *extra]
 
@@ -252,7 +257,7 @@ def test_train_from_a_hugging_face_checkpoint(tmp_path, monkeypatch, capsys):
     """--hf-checkpoint: the run starts from the checkpoint's weights and config (one step at
     learning rate 0 exports them unchanged), with the kernels of the flags."""
     hf_dir, out = tmp_path / "hf", tmp_path / "run"
-    hf.write_checkpoint(hf_dir, dict(hf.GLM, vocab_size=320))
+    hf.write_checkpoint(hf_dir, dict(hf.GLM, vocab_size=320, num_hidden_layers=3))    # Full, Full, Shared
     seen = []
     step = run.train_step
     monkeypatch.setattr(run, "train_step", lambda state, batch, config: seen.append(config.kernels)

@@ -38,18 +38,24 @@ def _flat(model) -> dict[str, np.ndarray]:
             for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(nnx.state(model)))}
 
 
+@nnx.jit
+def _logits_and_mtp_logits(model, tokens, next_tokens):
+    """tokens, next_tokens int32 [B, S] -> (the model's logits, its MTP layer's on the next tokens), one program."""
+    out = model(tokens)
+    return out.logits, model.mtp_forward(out.hidden, next_tokens)[0].logits
+
+
 @pytest.mark.parametrize("which", ["glm", "deepseek"])
 def test_logits_match_numpy_forward(which, glm_dir, deepseek_dir):
     directory, values = glm_dir if which == "glm" else deepseek_dir
     c = hf.GLM if which == "glm" else hf.DEEPSEEK
     model = load_hf_checkpoint(directory, dtype="float32", progress=False)
     assert model.cfg.pattern == ("FFSFS" if which == "glm" else "FFFFF")
-    out = model(jnp.asarray(TOKENS)[None])
-    want_logits, want_hidden = hf.forward(c, values, TOKENS)
-    np.testing.assert_allclose(np.asarray(out.logits[0]), want_logits, rtol=2e-4, atol=2e-4)
     next_tokens = np.roll(TOKENS, -1)
-    mtp, _ = model.mtp_forward(out.hidden, jnp.asarray(next_tokens)[None])
-    np.testing.assert_allclose(np.asarray(mtp.logits[0]), hf.mtp_forward(c, values, want_hidden, next_tokens),
+    logits, mtp_logits = _logits_and_mtp_logits(model, jnp.asarray(TOKENS)[None], jnp.asarray(next_tokens)[None])
+    want_logits, want_hidden = hf.forward(c, values, TOKENS)
+    np.testing.assert_allclose(np.asarray(logits[0]), want_logits, rtol=2e-4, atol=2e-4)
+    np.testing.assert_allclose(np.asarray(mtp_logits[0]), hf.mtp_forward(c, values, want_hidden, next_tokens),
                                rtol=2e-4, atol=2e-4)
 
 
@@ -162,6 +168,7 @@ def test_train_cli_refuses_a_checkpoint_that_does_not_fit(tmp_path, capsys):
 _MESH_SCRIPT = r"""
 import sys
 import jax, numpy as np
+from flax import nnx
 from jax.sharding import Mesh
 from glm_jax.convert import load_hf_checkpoint
 mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "model"))
@@ -169,7 +176,8 @@ model = load_hf_checkpoint(sys.argv[1], mesh=mesh, dtype="float32", progress=Fal
 experts = model.stacks[1].layers[0].mlp.gate_proj[...]           # [groups 2, experts 4, 32, 12]
 assert experts.sharding.spec[2] == ("data", "model"), experts.sharding.spec  # largest dim 4 divides
 assert len({s.index for s in experts.addressable_shards}) == 4
-np.save(sys.argv[2], np.asarray(model(jax.numpy.asarray([[3, 17, 42, 5, 29, 11]])).logits))
+logits = nnx.jit(lambda model, tokens: model(tokens).logits)(model, jax.numpy.asarray([[3, 17, 42, 5, 29, 11]]))
+np.save(sys.argv[2], np.asarray(logits))
 """
 
 

@@ -15,10 +15,9 @@ import pytest
 from flax import nnx
 
 import pallas_kernels as pk
-from conftest import ROOT, jaxpr_equations
+from conftest import jaxpr_equations, micro_config
 from kernel_contract import check_dense_indexer_kl, dense_indexer_kl_inputs
 from glm_jax import ops
-from glm_jax.config import load_config
 from glm_jax.layers.decoder import head_summed_target, _Rows, indexer_kl
 from glm_jax.layers.dense_indexer_kl import DenseTarget, dense_group_kl
 from glm_jax.layers.segments import segment_layout
@@ -74,13 +73,13 @@ def test_fused_dense_kl_equals_the_expanded_form(layers, packed, block):
     targets, idx, rows = _case(layers, packed)
     fused = functools.partial(_fused_kl, rows=rows, block=block)
     expanded = functools.partial(_expanded_kl, rows=rows)
-    got, got_grads = jax.value_and_grad(fused, (1, 2, 3))(targets, *idx)
-    want, want_grads = jax.value_and_grad(expanded, (1, 2, 3))(targets, *idx)
+    both = jax.jit(lambda *x: [jax.value_and_grad(f, (1, 2, 3))(*x) for f in (fused, expanded)])   # one program
+    (got, got_grads), (want, want_grads) = both(targets, *idx)
     assert float(want) > 1.0
     np.testing.assert_allclose(got, want, rtol=2e-6)
     for name, g, w in zip(("queries", "keys", "weights"), got_grads, want_grads):
-        assert float(jnp.max(jnp.abs(w))) > 1e-3, name
-        np.testing.assert_allclose(g, w, rtol=1e-4, atol=2e-6 * float(jnp.max(jnp.abs(w))), err_msg=name)
+        assert float(np.abs(w).max()) > 1e-3, name
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=2e-6 * float(np.abs(w).max()), err_msg=name)
     assert not any(np.any(np.asarray(g)) for g in jax.tree.leaves(jax.grad(fused)(targets, *idx)))
 
 
@@ -122,18 +121,20 @@ def test_no_sequence_squared_array_forward_or_backward():
 
 
 # ---------------------------------------------------------------------- in the model
-def _tiny_model():
-    cfg = load_config(ROOT / "configs" / "tiny.yaml").replace(max_position_embeddings=64)
-    return nnx.split(GLMModel(cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)
+def _micro_model():
+    """The micro config's model (conftest.py: MoE, the MTP layer) cut to 3 layers in IndexShare
+    groups of 1 and 2 -> (its vocabulary size, graphdef, params, the rest of its state)."""
+    cfg = micro_config(num_hidden_layers=3, index_topk_pattern="FFS")
+    return (cfg.vocab_size, *nnx.split(GLMModel(cfg, rngs=nnx.Rngs(0)), nnx.Param, ...))
 
 
 @pytest.mark.parametrize("packed,remat", [(True, True)])     # the plain causal case: the tests above
 def test_loss_terms_dense_stage_absorbed_equals_expanded(packed, remat):
-    """`loss_terms` with stage="dense" on configs/tiny.yaml: the absorbed form (fused causal
+    """`loss_terms` with stage="dense" on the micro config: the absorbed form (fused causal
     attention, blockwise KL over tiles of 8) gives the expanded form's indexer KL terms (the
     decoder's groups and the MTP layer's) and the same gradients, the indexer's included."""
-    graphdef, params, rest = _tiny_model()
-    tokens = jax.random.randint(jax.random.key(3), (2, 21), 0, 4096)
+    vocab, graphdef, params, rest = _micro_model()
+    tokens = jax.random.randint(jax.random.key(3), (2, 21), 0, vocab)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     segments = jnp.asarray([[1] * 7 + [2] * 9 + [3] * 4, [1] * 12 + [2] * 8], jnp.int32) if packed else None
     weights = LossWeights(indexer=1.0, mtp=0.3, mtp_depth=2)
@@ -144,17 +145,17 @@ def test_loss_terms_dense_stage_absorbed_equals_expanded(packed, remat):
                           form=form,
                           remat=remat and form == "absorbed", segment_ids=segments)
 
-    step = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)
-    (_, got), got_grads = step(params, "absorbed")
-    (_, want), want_grads = step(params, "expanded")
+    both = jax.jit(lambda params: [jax.value_and_grad(loss, has_aux=True)(params, form)        # one program
+                                   for form in ("absorbed", "expanded")])
+    ((_, got), got_grads), ((_, want), want_grads) = both(params)
     for name in ("indexer_kl", "mtp_indexer_kl", "loss"):
         assert float(want[name]) > 0.01, name
         np.testing.assert_allclose(got[name], want[name], rtol=2e-5, err_msg=name)
     indexer_grads = 0
     for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got_grads), jax.tree.leaves(want_grads), strict=True):
         name = jax.tree_util.keystr(path)
-        indexer_grads += "indexer" in name and float(jnp.max(jnp.abs(w))) > 0
-        np.testing.assert_allclose(g, w, rtol=1e-3, atol=1e-5 * max(float(jnp.max(jnp.abs(w))), 1e-3), err_msg=name)
+        indexer_grads += "indexer" in name and float(np.abs(w).max()) > 0
+        np.testing.assert_allclose(g, w, rtol=1e-3, atol=1e-5 * max(float(np.abs(w).max()), 1e-3), err_msg=name)
     assert indexer_grads >= 8        # wq_b, wk, k_norm, weights_proj of the stacked groups and MTP
 
 
@@ -179,13 +180,14 @@ def test_pallas_kernels_equal_the_expanded_form(packed):
         return dense_group_kl(targets, idx_q=idx[0], idx_keys=idx[1], idx_w=idx[2], sm_scale=SCALE,
                               kv_len=rows.kv_len, kv_start=rows.kv_start, kernels=kernels)
 
-    with lab_kl.registered():
-        got, got_grads = jax.value_and_grad(fused, (1, 2, 3))(targets, *idx)
-    want, want_grads = jax.value_and_grad(functools.partial(_expanded_kl, rows=rows), (1, 2, 3))(targets, *idx)
+    expanded = functools.partial(_expanded_kl, rows=rows)
+    with lab_kl.registered():       # one program for both forms
+        both = jax.jit(lambda *x: [jax.value_and_grad(f, (1, 2, 3))(*x) for f in (fused, expanded)])
+        (got, got_grads), (want, want_grads) = both(targets, *idx)
     assert float(want) > 1.0
     np.testing.assert_allclose(got, want, rtol=2e-6)
     for g, w in zip(got_grads, want_grads):
-        np.testing.assert_allclose(g, w, rtol=1e-4, atol=2e-6 * float(jnp.max(jnp.abs(w))))
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=2e-6 * float(np.abs(w).max()))
 
 
 def test_lab_pallas_kernels_match_the_contract():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,6 +20,18 @@ from glm_jax.training.losses import (cross_entropy, end_to_end_tv, head_cross_en
                                     total_variation)
 from glm_jax.training.step import LossWeights, _targets_ahead, loss_terms
 from conftest import jaxpr_equations, micro_config
+
+#: The micro config cut to two layers, one IndexShare group (Full, Shared; a dense MLP then an
+#: MoE) and the MTP layer: for the checks that do not count layers or groups.
+TWO_LAYERS = dict(num_hidden_layers=2, index_topk_pattern="FS")
+
+
+@functools.cache
+def _micro_parts(**changes) -> tuple:
+    """The micro model (`micro_config(**changes)`, seed 0), initialised once for the file ->
+    (config, graphdef, params, the rest of its state)."""
+    cfg = micro_config(**changes)
+    return (cfg, *nnx.split(GLMModel(cfg, rngs=nnx.Rngs(0)), nnx.Param, ...))
 
 
 def _softmax(x):
@@ -179,8 +193,7 @@ def test_loss_terms_with_mtp_depth_3_equal_the_full_logits_path(tv, packed):
     """MTP depth 3 with a trained (0.5) or only reported (0) TV, packed rows or not: the total,
     the LM, MTP and TV terms and the gradients of every parameter are those of the terms on the
     whole logits."""
-    cfg = micro_config()
-    graphdef, params, rest = nnx.split(GLMModel(cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)
+    cfg, graphdef, params, rest = _micro_parts(**TWO_LAYERS)
     tokens = jax.random.randint(jax.random.key(7), (2, 12), 0, cfg.vocab_size)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     segments = jnp.asarray([[1] * 5 + [2] * 6, [1] * 9 + [0] * 2], jnp.int32) if packed else None
@@ -193,8 +206,8 @@ def test_loss_terms_with_mtp_depth_3_equal_the_full_logits_path(tv, packed):
     def old(params):
         return _old_loss(nnx.merge(graphdef, params, rest), inputs, targets, weights, segments)
 
-    (got, got_terms), got_grads = jax.jit(jax.value_and_grad(new, has_aux=True))(params)
-    (want, want_terms), want_grads = jax.jit(jax.value_and_grad(old, has_aux=True))(params)
+    both = jax.jit(lambda params: [jax.value_and_grad(f, has_aux=True)(params) for f in (new, old)])   # one program
+    ((got, got_terms), got_grads), ((want, want_terms), want_grads) = both(params)
     assert float(got) == pytest.approx(float(want), rel=1e-6)
     for name in ("lm", "mtp", "mtp_tv"):
         assert float(got_terms[name]) == pytest.approx(float(want_terms[name]), rel=1e-6), name
@@ -233,21 +246,24 @@ def test_indexer_kl_matches_numpy():
 
 @pytest.mark.parametrize("stage", ["dense", "sparse"])
 def test_multi_depth_mtp_losses_with_and_without_kv_share(stage):
-    cfg = micro_config()
-    model = GLMModel(cfg, rngs=nnx.Rngs(0))
+    cfg, graphdef, params, rest = _micro_parts(**TWO_LAYERS)
     tokens = jax.random.randint(jax.random.key(3), (2, 12), 0, cfg.vocab_size)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    results = {}
-    for kv_share in (True, False):
-        w = LossWeights(mtp_depth=3, kv_share=kv_share, tv=0.5)
-        total, terms = loss_terms(model, inputs, targets, stage=stage, weights=w, kernels=ops.KernelChoice())
+    # depth 3 with KVShare and without, then depth 1 with it and without
+    settings = [LossWeights(mtp_depth=3, kv_share=True, tv=0.5), LossWeights(mtp_depth=3, kv_share=False, tv=0.5),
+                LossWeights(kv_share=True), LossWeights(kv_share=False)]
+
+    @jax.jit
+    def every_setting(params):          # one program for the four
+        model = nnx.merge(graphdef, params, rest)
+        return [loss_terms(model, inputs, targets, stage=stage, weights=w, kernels=ops.KernelChoice()) for w in settings]
+
+    deep_share, deep_own, one_share, one_own = every_setting(params)
+    for total, terms in (deep_share, deep_own):
         assert np.isfinite(float(total)) and 0 <= float(terms["mtp_tv"]) <= 1
-        results[kv_share] = float(terms["mtp"])
-    assert results[True] != pytest.approx(results[False], rel=1e-6)
+    assert float(deep_share[1]["mtp"]) != pytest.approx(float(deep_own[1]["mtp"]), rel=1e-6)
     # depth 1 alone does not depend on the KVShare switch
-    one = [float(loss_terms(model, inputs, targets, stage=stage, weights=LossWeights(kv_share=k),
-                            kernels=ops.KernelChoice())[1]["mtp"]) for k in (True, False)]
-    assert one[0] == one[1]
+    assert float(one_share[1]["mtp"]) == float(one_own[1]["mtp"])
 
 
 def test_grouped_selected_set_kl_equals_the_per_layer_sum():
@@ -286,8 +302,10 @@ def test_grouped_selected_set_kl_equals_the_per_layer_sum():
             total = total + indexer_kl(target, scores, mask) / layers
         return total
 
-    np.testing.assert_allclose(grouped(iq, ik, iw), per_layer(iq, ik, iw), rtol=1e-5)
-    for a, b in zip(jax.grad(grouped, (0, 1, 2))(iq, ik, iw), jax.grad(per_layer, (0, 1, 2))(iq, ik, iw)):
+    both = jax.jit(lambda *x: [jax.value_and_grad(f, (0, 1, 2))(*x) for f in (grouped, per_layer)])   # one program
+    (got, got_grads), (want, want_grads) = both(iq, ik, iw)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for a, b in zip(got_grads, want_grads, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
@@ -296,14 +314,12 @@ def test_long_sequence_forms_equal_the_expanded_form():
     with the chunked selected-set KL) give the expanded form's logits, KL and KL gradients."""
     from glm_jax.layers.decoder import AttentionSettings
 
-    cfg = micro_config()
-    model = GLMModel(cfg, rngs=nnx.Rngs(0))
+    cfg, graphdef, params, rest = _micro_parts(**TWO_LAYERS)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 12)), jnp.int32)
     run = lambda m, **kw: m(tokens, settings=AttentionSettings(**kw))
-    np.testing.assert_allclose(run(model, mode="dense", form="absorbed").logits,
-                               run(model, mode="dense", form="expanded").logits, atol=2e-5)
-
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    dense_logits = jax.jit(lambda params: [run(nnx.merge(graphdef, params, rest), mode="dense", form=form).logits
+                                           for form in ("absorbed", "expanded")])
+    np.testing.assert_allclose(*dense_logits(params), atol=2e-5)
 
     def kl(params, form):
         out = run(nnx.merge(graphdef, params, rest), mode="sparse", form=form, indexer_loss=True)
@@ -324,8 +340,7 @@ def test_remat_keeps_the_loss_and_gradients(stage, form):
     """Per-layer rematerialisation (only each layer's input and the top-k kept) changes memory,
     not results: the compiled step's temporaries shrink (XLA may not merge the recomputed layer
     with the original one, which would keep every activation alive again)."""
-    cfg = micro_config()
-    graphdef, params, rest = nnx.split(GLMModel(cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)
+    cfg, graphdef, params, rest = _micro_parts(num_hidden_layers=3, index_topk_pattern="FSF")   # 2 groups, MTP
     tokens = jax.random.randint(jax.random.key(5), (2, 13), 0, cfg.vocab_size)
 
     def loss(params, remat):
@@ -351,8 +366,7 @@ def test_sparse_attention_backward_index_is_sorted_once_per_group():
     """The Pallas sparse-MLA backward's transposed index is built by each IndexShare group's Full
     layer and reused by its Shared layers: one sort per group (2 in the stack, 1 in MTP), not one
     per layer (6), beyond the sorts of the XLA path (which takes no index)."""
-    cfg = micro_config()                        # FSSFS: groups of 3 and 2 layers, one MTP layer
-    graphdef, params, rest = nnx.split(GLMModel(cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)
+    cfg, graphdef, params, rest = _micro_parts()          # FSSFS: groups of 3 and 2 layers, one MTP layer
     tokens = jax.random.randint(jax.random.key(5), (2, 13), 0, cfg.vocab_size)
 
     def sorts(attention):
@@ -373,8 +387,8 @@ def test_the_group_builds_the_backward_index_its_kernel_will_use():
     layers; the kernel tests check gradients with a prebuilt bitmap), not the sorted mode's."""
     from pallas_kernels.sparse_mla.transpose import KeyBitmap, TransposedIndex
 
-    cfg = micro_config()
-    attn = GLMModel(cfg, rngs=nnx.Rngs(0)).stacks[0].layers[0].self_attn
+    cfg, graphdef, params, rest = _micro_parts()
+    attn = nnx.merge(graphdef, params, rest).stacks[0].layers[0].self_attn
     indices = jax.random.randint(jax.random.key(6), (2, 16, cfg.index_topk), 0, 16)
     gpu = ops.KernelChoice(sparse_mla="pallas_gpu", interpret=True)
     assert isinstance(attn.backward_index(indices, 16, jnp.float32, gpu), KeyBitmap)
@@ -393,8 +407,7 @@ def test_keep_attention_runs_the_sparse_forward_kernel_once_a_layer():
     """With remat, keep_attention saves the sparse attention's outputs: the forward kernel is not
     run again in the backward pass, and the loss and gradients are those of the plain remat (up
     to float32 rounding)."""
-    cfg = micro_config(num_hidden_layers=2, index_topk_pattern="FS")     # and one MTP layer
-    graphdef, params, rest = nnx.split(GLMModel(cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)
+    cfg, graphdef, params, rest = _micro_parts(**TWO_LAYERS)     # and one MTP layer
     tokens = jax.random.randint(jax.random.key(5), (2, 13), 0, cfg.vocab_size)
     kernels = ops.KernelChoice(sparse_mla="pallas_gpu", interpret=True)
 
@@ -403,11 +416,11 @@ def test_keep_attention_runs_the_sparse_forward_kernel_once_a_layer():
         return loss_terms(model, tokens[:, :-1], tokens[:, 1:], stage="sparse", weights=LossWeights(indexer=1.0),
                           kernels=kernels, remat=True, keep_attention=keep, form="absorbed")[0]
 
-    grad = jax.value_and_grad(loss)
-    calls = [_forward_kernel_calls(jax.make_jaxpr(grad, static_argnums=1)(params, keep).jaxpr) for keep in (False, True)]
+    traced = [jax.jit(jax.value_and_grad(loss), static_argnums=1).trace(params, keep) for keep in (False, True)]
+    calls = [_forward_kernel_calls(t.jaxpr.jaxpr) for t in traced]
     layers = cfg.num_hidden_layers + cfg.num_nextn_predict_layers
     assert calls == [2 * layers, layers], calls
-    (plain, g_plain), (kept, g_kept) = (jax.jit(grad, static_argnums=1)(params, keep) for keep in (False, True))
+    (plain, g_plain), (kept, g_kept) = (t.lower().compile()(params) for t in traced)
     assert float(kept) == float(plain)
     for a, b in zip(jax.tree.leaves(g_plain), jax.tree.leaves(g_kept), strict=True):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)      # XLA fuses the two programs differently

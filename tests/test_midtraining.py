@@ -179,11 +179,12 @@ _COMMON = ["--batch-size", "2", "--warmup-steps", "1", "--lr", "1e-2", "--max-fi
 
 @pytest.fixture(scope="module")
 def base_run(tmp_path_factory):
-    """A micro model of 32 positions, trained and exported (what checkpoints/default is to the
-    real stage)."""
+    """A micro model of 32 positions (two layers: one IndexShare group, and the MTP layer), trained
+    and exported (what checkpoints/default is to the real stage)."""
     out = tmp_path_factory.mktemp("base")
     cfg_path = out.parent / "micro32.yaml"
-    save_config(micro_config(vocab_size=320, max_position_embeddings=32), cfg_path)
+    save_config(micro_config(vocab_size=320, max_position_embeddings=32, num_hidden_layers=2, index_topk_pattern="FS"),
+                cfg_path)
     assert train.main(["--config", str(cfg_path), "--out", str(out), "--steps", "2", "--dense-steps", "2",
                        "--seq-len", "32", *_COMMON]) == 0
     return out

@@ -1,5 +1,5 @@
-"""train.py as 2 processes on one CPU host (4 simulated devices each, gloo collectives), each
-reading its own data shard: the losses of 1 process with 8 devices reading the same 2 shards,
+"""train.py as 2 processes on one CPU host (2 simulated devices each, gloo collectives), each
+reading its own data shard: the losses of 1 process with 4 devices reading the same 2 shards,
 also across a stop and --resume of the 2 processes; a resume with another shard count is refused."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from conftest import micro_config
 from glm_jax.config import save_config
 from multiprocess import finish, gloo_available, launch, launch_processes
 
-MESH = "data=8"      # (over gloo, tensor > 1 makes each CPU step tens of seconds slower)
+MESH = "data=4"      # (over gloo, tensor > 1 makes each CPU step tens of seconds slower)
 KEYS = ("loss", "lm", "indexer_kl", "mtp", "grad_norm")
 
 
@@ -36,13 +36,13 @@ def test_two_processes_train_like_one_and_resume(tmp_path, capsys):
     common, one, two = _common(tmp_path), tmp_path / "one", tmp_path / "two"
     # (the resumed run compiles nothing: the tests share one compilation cache, conftest.py)
     procs = launch_processes("train.py", common + ["--out", str(two), "--stop-after", "2"], processes=2,
-                             devices=4)
-    single = launch("train.py", common + ["--out", str(one), "--data-shards", "2"], devices=8)
+                             devices=2)
+    single = launch("train.py", common + ["--out", str(one), "--data-shards", "2"], devices=4)
     first = [finish(p) for p in procs]
     assert "stopped: saved step 2" in first[0][0] and "data in 2 shard(s), this process reading 1" in first[0][0]
     assert first[1][0].strip() == ""                                   # only process 0 prints
     resumed = [finish(p) for p in launch_processes("train.py", common + ["--out", str(two), "--resume"],
-                                                    processes=2, devices=4)]
+                                                    processes=2, devices=2)]
     assert "resume: continuing from step 2" in resumed[0][0] and "done: 4 steps" in resumed[0][0]
     finish(single)
 
