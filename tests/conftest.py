@@ -142,22 +142,29 @@ def train_process(args: list[str], env: dict | None = None, timeout: float = 600
                           capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
+#: conftest's micro config with 320 tokens and 128 positions, cut to one IndexShare group of two
+#: layers (Full: a dense MLP; Shared: MoE) and the MTP layer: the kills, resumes and meshes of
+#: the tests that use the one-device run do not depend on the depth, and each train.py process
+#: traces and compiles half the layers.
+TWO_LAYER_MICRO = dict(vocab_size=320, max_position_embeddings=128, num_hidden_layers=2, index_topk_pattern="FS")
+
+
 @pytest.fixture(scope="session")
 def one_device_run(tmp_path_factory):
-    """train.py on one device in a fresh process, uninterrupted: the micro config, 5 steps (the
-    first dense), a checkpoint after every step (`one_device_flags`). The losses that
-    test_faults.py's killed and resumed runs must reproduce bit for bit and that
-    test_train_sharding.py's sharded runs must equal; one run for both (their modules are
-    collected first, so one test worker starts on both). -> (the config's path, the run
-    directory, the subprocess.CompletedProcess)"""
+    """train.py on one device in a fresh process, uninterrupted, with `one_device_flags` (5 steps,
+    the first dense, a checkpoint after every step) on `TWO_LAYER_MICRO`: the losses the killed
+    and resumed runs of test_faults.py reproduce bit for bit and the sharded runs of
+    test_train_sharding.py equal; one run for both (their modules are collected first, so one
+    test worker starts on both). -> (the config's path, the run directory, the finished
+    subprocess.CompletedProcess)"""
     root = tmp_path_factory.mktemp("one-device")
     cfg_path = root / "micro.yaml"
     from glm_jax.config import save_config
 
-    save_config(micro_config(vocab_size=320, max_position_embeddings=128), cfg_path)
-    done = train_process(one_device_flags(cfg_path, root / "run"))
-    assert done.returncode == 0, done.stderr[-3000:]
-    return cfg_path, root / "run", done
+    save_config(micro_config(**TWO_LAYER_MICRO), cfg_path)
+    finished = train_process(one_device_flags(cfg_path, root / "run"))
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    return cfg_path, root / "run", finished
 
 
 #: The modules whose tests start train.py processes or compile the most (several minutes of the

@@ -14,7 +14,7 @@ from glm_jax import ops
 from glm_jax.cache import create_cache, create_paged_cache
 from glm_jax.layers.indexer import Indexer
 from glm_jax.model import GLMModel
-from testtime_decode_calls import forward_cached, forward_logits
+from jitted_calls import forward_cached, forward_logits
 
 
 def test_group_view_writes_its_slots_through_the_page_table(micro_cfg):

@@ -26,14 +26,13 @@ from conftest import one_device_flags, train_process
 from glm_jax import faults
 from glm_jax.checkpoint_damage import check_file_manifest
 
-pytest_plugins = ["_testtime_train_shared"]      # the uninterrupted run, shared with test_train_sharding.py
 
 STEPS = 5              # the --steps of one_device_flags
 TIMEOUT = 300
 
 
 def _train(out, cfg_path, *extra: str, fault: str | None = None) -> subprocess.CompletedProcess:
-    """train.py with the flags of the uninterrupted run (`two_layer_run`: 5 steps, a checkpoint
+    """train.py with the flags of the uninterrupted run (`one_device_run`: 5 steps, a checkpoint
     after every step) into `out`, with `fault` injected."""
     env = {k: v for k, v in os.environ.items() if k != faults.ENV}
     if fault:
@@ -55,9 +54,9 @@ def _resumed_from(proc: subprocess.CompletedProcess) -> int:
 
 
 @pytest.fixture(scope="module")
-def run_config(two_layer_run):
+def run_config(one_device_run):
     """(the micro config's path, the losses of an uninterrupted run)."""
-    cfg_path, uninterrupted, done = two_layer_run
+    cfg_path, uninterrupted, done = one_device_run
     # compilation is reported apart from the speed, and the step compiles once per stage (a
     # program loaded from the persistent compilation cache counts too)
     summary = next(line for line in done.stdout.splitlines() if line.startswith("compiled: "))

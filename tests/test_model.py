@@ -14,7 +14,7 @@ from glm_jax.cache import create_cache
 from glm_jax.layers import moe as moe_lib
 from glm_jax.layers.decoder import AttentionSettings, plan_groups
 from glm_jax.model import GLMModel
-from testtime_decode_calls import forward_cached, forward_logits
+from jitted_calls import forward_cached, forward_logits
 
 ATOL = 2e-4
 

@@ -12,7 +12,6 @@ import json
 
 from conftest import one_device_flags, simulated_devices_env, train_process
 
-pytest_plugins = ["_testtime_train_shared"]      # the one-device run, shared with test_faults.py
 
 
 def _train(tmp_path, cfg_path, out: str, *extra: str) -> list[dict]:
@@ -28,8 +27,8 @@ def _metrics(run) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_sharded_training_equals_one_device_and_resumes_onto_another_mesh(two_layer_run, tmp_path):
-    cfg_path, one_device, _ = two_layer_run          # the uninterrupted one-device run (_testtime_train_shared.py)
+def test_sharded_training_equals_one_device_and_resumes_onto_another_mesh(one_device_run, tmp_path):
+    cfg_path, one_device, _ = one_device_run          # the uninterrupted one-device run (conftest.py)
     one = _metrics(one_device)[:3]
     # the dense step on data=2,tensor=2,layer=2, preempted after it; restored onto a
     # context-parallel mesh, which runs two sparse steps (each sharded run trains one stage)
