@@ -432,3 +432,20 @@ def test_prompts_file_errors_name_the_file_and_line(trained_run, tmp_path, capsy
     err = capsys.readouterr().err
     assert err.startswith(f"error: {prompts}:") and expected in err
 
+
+
+def test_compile_summary_names_the_step_however_fast():
+    """train.py's `compiled:` line names the step and its builds even when each took under the
+    line's 1 s (a step loaded from the persistent compilation cache); other fast programs are
+    counted together."""
+    from glm_jax.training.compiles import CompileWatch
+
+    def train_step(x):
+        return x * 2 + 1
+
+    step = jax.jit(train_step)
+    with CompileWatch() as watch:
+        step(np.ones(3, np.float32))
+        step(np.ones(4, np.float32))
+    assert re.fullmatch(r"jit\(train_step\) 2x \d+\.\d s", watch.summary(always=("jit(train_step)",)))
+    assert re.fullmatch(r"2 smaller program\(s\) \d+\.\d s", watch.summary())

@@ -56,12 +56,13 @@ class CompileWatch:
         self._marked = total
         return n, secs
 
-    def summary(self, at_least_s: float = 1.0) -> str:
+    def summary(self, at_least_s: float = 1.0, always: tuple[str, ...] = ()) -> str:
         """'jit(train_step) 2x 20.1 s, jit(eval_step) 1x 1.2 s, 11 smaller programs 0.3 s' (the
-        functions that took at least `at_least_s` each, the slowest first)."""
+        functions that took at least `at_least_s` each, and those named in `always` however
+        fast, e.g. a step loaded from the persistent compilation cache; the slowest first)."""
         if not self.counts:
             return "nothing compiled"
-        big = [(name, s) for name, s in self.seconds_by_name.most_common() if s >= at_least_s]
+        big = [(name, s) for name, s in self.seconds_by_name.most_common() if s >= at_least_s or name in always]
         parts = [f"{name} {self.counts[name]}x {s:.1f} s" for name, s in big]
         small = [name for name in self.counts if name not in dict(big)]
         if small:

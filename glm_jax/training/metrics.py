@@ -136,7 +136,7 @@ class MetricsLog:
         if self.compiles is not None:
             steady = (f"steady {np.median(self.steady):,.0f} tokens/s (median of {len(self.steady)} logged "
                       "intervals without compilation)" if self.steady else "no logged interval without compilation")
-            print(f"compiled: {self.compiles.summary()}; {steady}", flush=True)
+            print(f"compiled: {self.compiles.summary(always=('jit(train_step)',))}; {steady}", flush=True)
 
 
 def _peak_flops(peak_tflops: float | None) -> float | None:
