@@ -2,7 +2,7 @@
 two model directories (e.g. before and after long-context mid-training).
 
     PYTHONPATH=. python3 benchmarks/long_context_eval.py --model checkpoints/default runs/mid128k \
-        --heldout runs/long/heldout.jsonl --length 131072 --distance 100000 --json long_eval.json
+        --heldout runs/long/heldout.jsonl --length 131072 --distance 2048 16384 65536 100000 --json long_eval.json
     PYTHONPATH=. python3 benchmarks/long_context_eval.py --smoke       # a CPU: 512 tokens, a few seconds a model
 
 Loss by position: --rows rows of --length tokens cut from the held-out documents (JSON lines, e.g.
@@ -21,7 +21,9 @@ and hex digits, e.g. `merge_quartz_7f3a`) is defined once (`def NAME(v):`), --di
 before the row's end, and used again at the end (`result = NAME(`); the probe scores the
 log-probability of the name's tokens after its first word (what only the definition can tell).
 The same row with another made-up name of the same token count defined in its place is the
-control: "gain" = with - control, in nats, is what the definition far back is worth.
+control: "gain" = with - control, in nats, is what the definition far back is worth. Several
+--distance values run the probe at each (same filler text), so the table shows where a model
+stops finding the definition.
 
 A model whose max_position_embeddings is below --length is evaluated at its own maximum (said
 in the table's length column), the probe's distance then at most 3/4 of it. With
@@ -184,16 +186,27 @@ def evaluate(path: str, args, extend: bool = False) -> dict:
     result = {"model": name, "length": length, "bounds": bounds, "bits_per_token": bucket_bits(logp, bounds),
               "rows": args.rows}
     if args.probes:
-        distance = min(args.distance, length * 3 // 4)
-        rows, first, counts = probe_rows(tok, stream, args.probes, length, distance, args.seed)
-        lp = score(model, rows, chunk, args.batch_size)
-        answers = np.array([lp[r, first[r]:first[r] + counts[r]].sum() for r in range(len(rows))])
-        with_def, control = answers[0::2], answers[1::2]
-        result.update(distance=distance, probes=args.probes, probe_logp=float(with_def.mean()),
-                      control_logp=float(control.mean()), gain=float((with_def - control).mean()),
-                      found=float((with_def > control).mean()))
+        result["probe"] = [probe(model, tok, stream, args, length, chunk, d) for d in probe_distances(args.distance, length)]
     result["seconds"] = time.perf_counter() - t
     return result
+
+
+def probe_distances(distances, length: int) -> list[int]:
+    """The probe's distances that a row of `length` tokens holds: each at most 3/4 of it, in
+    increasing order, each once."""
+    return sorted({min(d, length * 3 // 4) for d in distances})
+
+
+def probe(model, tok, stream, args, length: int, chunk: int, distance: int) -> dict:
+    """The retrieval probe at one distance: mean ln p of the names' tokens with the definition and
+    with the control's decoy, their difference (gain, nats) and the share of probes it is > 0."""
+    rows, first, counts = probe_rows(tok, stream, args.probes, length, distance, args.seed)
+    lp = score(model, rows, chunk, args.batch_size)
+    answers = np.array([lp[r, first[r]:first[r] + counts[r]].sum() for r in range(len(rows))])
+    with_def, control = answers[0::2], answers[1::2]
+    return {"distance": distance, "probes": args.probes, "probe_logp": float(with_def.mean()),
+            "control_logp": float(control.mean()), "gain": float((with_def - control).mean()),
+            "found": float((with_def > control).mean())}
 
 
 def _positions(path: str) -> int:
@@ -212,7 +225,8 @@ def main(argv=None) -> int:
     ap.add_argument("--buckets", type=lambda s: tuple(int(x) for x in s.split(",")), default=BUCKETS,
                     help="upper ends of the position buckets (default 4096,16384,65536,131072)")
     ap.add_argument("--probes", type=int, default=4, help="retrieval probes (each also run as its control)")
-    ap.add_argument("--distance", type=int, default=100_000, help="tokens from the definition to the row's end")
+    ap.add_argument("--distance", type=int, nargs="+", default=[100_000], metavar="TOKENS",
+                    help="tokens from the definition to the row's end; several: the probe at each (default 100000)")
     ap.add_argument("--chunk", type=int, default=4096, help="positions whose logits are made at once")
     ap.add_argument("--batch-size", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
@@ -223,7 +237,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     cli.choose_platforms()      # before jax starts a backend: no TPU runtime (libtpu) on a host without TPU chips
     if args.smoke:
-        args.length, args.buckets, args.distance, args.chunk, args.rows, args.probes = 512, (128, 256, 512), 384, 128, 1, 2
+        args.length, args.buckets, args.distance, args.chunk, args.rows, args.probes = 512, (128, 256, 512), [384], 128, 1, 2
     models = args.model or ["checkpoints/default"]
     print(f"device: {device_kind()}; rows of up to {args.length} tokens", file=sys.stderr)
     results = []
@@ -244,14 +258,14 @@ def main(argv=None) -> int:
         table = Table("model", "length", *[f"bits/token {n}" for n in names])
         for r in ok:
             table.row(r["model"], r["length"], *[f"{b:.3f}" for b in r["bits_per_token"]])
-        if any("gain" in r for r in ok):
+        if any(r.get("probe") for r in ok):
             print()
-            probe = Table("model", "distance", "probes", "ln p(name), defined", "ln p(name), control", "gain (nats)",
+            table = Table("model", "distance", "probes", "ln p(name), defined", "ln p(name), control", "gain (nats)",
                           "defined > control")
             for r in ok:
-                if "gain" in r:
-                    probe.row(r["model"], r["distance"], r["probes"], f"{r['probe_logp']:.2f}",
-                              f"{r['control_logp']:.2f}", f"{r['gain']:+.2f}", f"{r['found']:.0%}")
+                for p in r.get("probe", []):
+                    table.row(r["model"], p["distance"], p["probes"], f"{p['probe_logp']:.2f}",
+                              f"{p['control_logp']:.2f}", f"{p['gain']:+.2f}", f"{p['found']:.0%}")
     for r in results:
         if "failed" in r:
             print(f"{r['model']}: failed: {r['failed']}")

@@ -8,13 +8,15 @@
 #
 # SUBCOMMAND   what it does
 # data         long documents: each package of the environment's site-packages as one
-#              document, 3 long packages held out (RUNS_DIR/long/{train,heldout}.jsonl)
+#              document, 3 long packages held out (RUNS_DIR/long/{train,heldout}.jsonl), recall
+#              pairs (a made-up constant defined, used again far later) in the training ones
 # stage32k     checkpoints/default extended to 32,768 positions (YaRN), trained sparse from
 #              the first step on 32K-token rows (call again until it says done)
 # stage128k    the 32K stage's weights extended to 131,072 positions, trained on 128K rows
 # kill-resume  at 32K: a short uninterrupted run, the same run killed (SIGKILL) mid-step and
 #              during an asynchronous save, each resumed; the losses compared bit for bit
-# eval         held-out bits per token by position bucket and the retrieval probe at 128K for
+# eval         held-out bits per token by position bucket and the retrieval probe (2K, 16K, 64K
+#              and 100K tokens from the definition) in 128K rows for
 #              checkpoints/default, the 32K and the 128K stage, and each shorter model extended
 #              to 128K by YaRN without training (the row the trained extension must beat)
 # speed [LEN]  train.py's steady tokens/s and peak memory at 32K and 128K (or LEN tokens only),
@@ -27,7 +29,8 @@
 #
 # Environment: PYTHON (default python3), RUNS_DIR (default /root/runs: outside the repository),
 # JAX_COMPILATION_CACHE_DIR (default /root/jaxcache), STEPS_32K / STEPS_128K (default 300 / 150),
-# LR (default 3e-4), LIMIT_S (seconds a training call runs before it stops itself, default 540),
+# LR (default 3e-4), RECALL_EVERY (characters of training text a recall pair, default 20000),
+# LIMIT_S (seconds a training call runs before it stops itself, default 540),
 # MID_FLAGS (more train.py flags for every run, e.g. --remat where a stage does not fit the card).
 set -uo pipefail
 
@@ -78,7 +81,7 @@ case $cmd in
 data)
     site=$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
     "$py" scripts/long_documents.py --root "$site" --min-chars 50000 --out "$long/train.jsonl" \
-        --heldout-packages 3 --heldout-min-chars 600000 --heldout-out "$long/heldout.jsonl"
+        --heldout-packages 3 --heldout-min-chars 600000 --heldout-out "$long/heldout.jsonl" --recall-every "${RECALL_EVERY:-20000}"
     ;;
 stage32k)
     need_data
@@ -119,7 +122,7 @@ eval)
     models=(checkpoints/default)
     for m in "$runs/mid32k" "$runs/mid128k"; do [ -d "$m/params" ] && models+=("$m"); done
     timeout 570 "$py" benchmarks/long_context_eval.py --model "${models[@]}" --heldout "$long/heldout.jsonl" \
-        --length 131072 --distance 100000 --rows 2 --probes 4 --untrained-extension \
+        --length 131072 --distance 2048 16384 65536 100000 --rows 2 --probes 4 --untrained-extension \
         --json "$runs/long_context_eval.json"
     ;;
 speed)

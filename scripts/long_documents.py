@@ -12,6 +12,10 @@ The output is JSON lines ({"text": ...}) for `train.py --data`. With --root omit
 the running interpreter's standard library (`glm_jax.data.corpus`: no tests or site-packages),
 so every machine can build it; a 128K-token row then holds one to a few documents.
 
+--recall-every CHARS inserts recall pairs into the training documents (`with_recall_pairs`): a
+made-up constant defined and used again up to a whole document later, with names and a
+template of their own (the retrieval probe's never appear in training).
+
 --heldout-packages N moves N whole packages into --heldout-out (for `train.py --heldout-data`
 and benchmarks/long_context_eval.py): those of at least --heldout-min-chars characters whose
 names hash lowest (`heldout_names`), so the choice does not depend on the other packages or on
@@ -23,8 +27,11 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import sys
 from pathlib import Path
+
+import numpy as np
 
 from glm_jax.data import corpus
 
@@ -49,6 +56,46 @@ def package_documents(root: Path, files: list[Path], min_chars: int, max_chars: 
         if len(text) >= min_chars:
             docs.append((name, text))
     return docs
+
+
+# Recall pairs: made-up constants from a word list and a template of their own, disjoint from
+# benchmarks/long_context_eval.py's probe (its `def NAME(v):` and `result = NAME(`), so that the
+# probe measures a learned skill carried over, not its own task seen in training.
+_RECALL_WORDS = ("amber", "birch", "canyon", "delta", "fjord", "garnet", "heron", "indigo", "juniper", "kestrel",
+                 "lumen", "meadow", "nimbus", "onyx", "prism", "quill", "russet", "sierra", "tundra", "umber")
+RECALL_DEFINITION = "{} = {}\n"
+RECALL_USE = "check({})\n"
+
+
+def recall_name(rng: np.random.Generator) -> str:
+    a, b = rng.choice(len(_RECALL_WORDS), 2, replace=False)
+    return f"{_RECALL_WORDS[a].upper()}_{_RECALL_WORDS[b].upper()}_{rng.integers(16 ** 4):04X}"
+
+
+def with_recall_pairs(text: str, every: int, rng: np.random.Generator, min_gap: int = 2000) -> str:
+    """`text` with about len(text) / every recall pairs inserted at line starts: a made-up
+    constant defined (`NAME = 123`) and used again (`check(NAME)`) a log-uniform 2K to
+    len(text) characters later, the long-range copying that natural code holds too rarely.
+    Every pair's name is new, so only the definition tells the name's rest."""
+    starts = np.flatnonzero(np.frombuffer(text.encode("utf-32-le"), np.uint32) == ord("\n")) + 1
+    count = len(text) // every
+    if count == 0 or len(starts) < 2 or len(text) < 2 * min_gap:
+        return text
+    inserts: list[tuple[int, str]] = []
+    for _ in range(count):
+        gap = math.exp(rng.uniform(math.log(min_gap), math.log(len(text) - min_gap)))
+        first = int(rng.integers(0, max(len(text) - int(gap), 1)))
+        a, b = np.searchsorted(starts, [first, first + gap])
+        if b >= len(starts) or a >= b:
+            continue
+        name = recall_name(rng)
+        inserts += [(int(starts[a]), RECALL_DEFINITION.format(name, int(rng.integers(1000)))),
+                    (int(starts[b]), RECALL_USE.format(name))]
+    pieces, last = [], 0
+    for at, line in sorted(inserts, key=lambda x: x[0]):
+        pieces += [text[last:at], line]
+        last = at
+    return "".join(pieces) + text[last:]
 
 
 def heldout_names(docs: list[tuple[str, str]], count: int, min_chars: int) -> set[str]:
@@ -81,7 +128,15 @@ def main(argv=None) -> int:
     ap.add_argument("--heldout-min-chars", type=int, default=None, metavar="N",
                     help="held-out packages have at least N characters (default: --min-chars)")
     ap.add_argument("--heldout-out", default=None, help="the JSON-lines file of the held-out packages")
+    ap.add_argument("--recall-every", type=int, default=0, metavar="CHARS",
+                    help="insert a recall pair (a made-up constant defined, then used 2K characters to a whole "
+                         "document later) for every CHARS characters of each training document (default 0: none; "
+                         "held-out documents never get any)")
+    ap.add_argument("--seed", type=int, default=0, help="the recall pairs' random draws")
     args = ap.parse_args(argv)
+    if args.recall_every < 0:
+        print("error: --recall-every takes a number of characters >= 1 (0: no recall pairs)", file=sys.stderr)
+        return 2
     if args.heldout_packages < 0 or bool(args.heldout_packages) != bool(args.heldout_out):
         print("error: --heldout-packages N (N >= 1) and --heldout-out FILE go together", file=sys.stderr)
         return 2
@@ -102,6 +157,9 @@ def main(argv=None) -> int:
               "--heldout-min-chars or --heldout-packages", file=sys.stderr)
         return 2
     train_docs = [d for d in docs if d[0] not in held]
+    if args.recall_every:
+        rng = np.random.default_rng(args.seed)
+        train_docs = [(name, with_recall_pairs(text, args.recall_every, rng)) for name, text in train_docs]
     write_jsonl(args.out, train_docs)
     print(f"training: {summary(train_docs)} from {root} -> {args.out}")
     if held:

@@ -160,6 +160,33 @@ def test_long_documents_hold_out_whole_packages(tmp_path):
     assert len(sources.open_documents((str(out),))) == 3 and len(sources.open_documents((str(held),))) == 2
 
 
+def test_recall_pairs_define_each_name_once_and_use_it_later(tmp_path):
+    import re
+
+    import numpy as np
+
+    long_documents = _script("long_documents")
+    from benchmarks import long_context_eval as lce
+
+    text = "".join(f"line {i} of the document\n" for i in range(4000))
+    out = long_documents.with_recall_pairs(text, 10_000, np.random.default_rng(0))
+    defined = re.findall(r"^([A-Z]+_[A-Z]+_[0-9A-F]{4}) = \d+$", out, re.M)
+    used = re.findall(r"^check\(([A-Z]+_[A-Z]+_[0-9A-F]{4})\)$", out, re.M)
+    assert len(defined) >= len(text) // 10_000 // 2 and sorted(defined) == sorted(used)
+    gaps = [out.index(f"check({n})") - out.index(f"{n} = ") for n in defined]
+    assert min(gaps) >= 2000 and max(gaps) > 20_000                 # from 2K characters to far across the document
+    kept = [line for line in out.splitlines(keepends=True) if not re.match(r"^[A-Z]+_|^check\(", line)]
+    assert "".join(kept) == text                                    # only whole lines inserted
+    assert not {w.upper() for w in lce._WORDS} & {w for n in defined for w in n.split("_")[:2]}   # not the probe's names
+    # through main: training documents get pairs, held-out ones none
+    tree = tmp_path / "src"
+    _source_tree(tree, {"alpha": 6, "beta": 2, "gamma": 5})
+    args = ["--root", str(tree), "--min-chars", "2000", "--out", str(tmp_path / "t.jsonl"), "--heldout-packages", "1",
+            "--heldout-min-chars", "4000", "--heldout-out", str(tmp_path / "h.jsonl"), "--recall-every", "2000"]
+    assert long_documents.main(args) == 0
+    assert "check(" in (tmp_path / "t.jsonl").read_text() and "check(" not in (tmp_path / "h.jsonl").read_text()
+
+
 def test_long_documents_refuse_a_held_out_split_that_cannot_be(tmp_path, capsys):
     long_documents = _script("long_documents")
 
@@ -302,10 +329,12 @@ def test_long_context_eval_scores_buckets_and_the_probe(base_run, extended_run, 
     logp[:, 4:] = np.log(0.25)
     assert lce.bucket_bits(logp, [4, 8]) == [1.0, 2.0]
     out = tmp_path / "eval.json"
-    assert lce.main(["--model", str(extended_run), "--length", "64", "--buckets", "16,32,64", "--distance", "32",
+    assert lce.main(["--model", str(extended_run), "--length", "64", "--buckets", "16,32,64", "--distance", "32", "24",
                      "--chunk", "16", "--rows", "1", "--probes", "1", "--json", str(out)]) == 0
     result = json.loads(out.read_text())["results"][0]
     assert result["length"] == 64 and result["bounds"] == [16, 32, 64] and len(result["bits_per_token"]) == 3
     assert all(0 < b < 20 for b in result["bits_per_token"])
-    assert result["distance"] == 32 and np.isfinite(result["gain"]) and result["probe_logp"] < 0
+    assert [p["distance"] for p in result["probe"]] == [24, 32]
+    assert lce.probe_distances([100_000, 2048, 2048], 32768) == [2048, 24576]     # clipped to 3/4 of the row
+    assert all(np.isfinite(p["gain"]) and p["probe_logp"] < 0 for p in result["probe"])
     assert "| bits/token 0-16 | bits/token 16-32 | bits/token 32-64 |" in capsys.readouterr().out
