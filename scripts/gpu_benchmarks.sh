@@ -225,12 +225,10 @@ run() {
 mem95=(env XLA_PYTHON_CLIENT_MEM_FRACTION=0.95)   # the training steps need the card's memory
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$(cd "${RUNS_DIR:-runs}" && pwd)/jax_cache}
 parts=benchmarks/train_step_parts.py
-if [[ " ${groups[*]} " == *" train-"* || " ${groups[*]} " == *" fp8-quality "* ]] && ! "$py" -c 'import grain' 2>/dev/null; then
-    # the train-* groups read real packed batches through grain, and fp8-quality tokenizes as the
-    # data pipeline does: grain from wheels/ (scripts/gpu_wheels.sh)
-    "$py" -m pip install -q --no-index --find-links wheels grain \
-        || echo "grain does not import and could not be installed from wheels/" >&2
-fi
+# the train-* groups read real packed batches through grain, fp8-quality tokenizes as the data
+# pipeline does, and the benchmarks that run train.py or decode.py parse their flags with tyro
+source scripts/_gpu_deps.sh
+[ $smoke = 1 ] || need_python_packages "$py" grain tyro || echo "the groups that need them will fail" >&2
 for group in "${groups[@]}"; do
     case $group in
         train-parts)

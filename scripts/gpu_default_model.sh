@@ -106,11 +106,9 @@ log=$run/train-$(date -u +%Y%m%dT%H%M%SZ).log
 left() { echo $((deadline - SECONDS - reserve)); }
 mkdir -p "$run"
 
-echo "== grain"
-if ! "$py" -c 'import grain' 2>/dev/null; then
-    [ -d wheels ] || fail "grain does not import and wheels/ is missing: run scripts/gpu_wheels.sh where pip reaches an index and carry wheels/"
-    "$py" -m pip install -q --no-index --find-links wheels grain || fail "pip could not install grain from wheels/"
-fi
+echo "== grain, tyro"
+source scripts/_gpu_deps.sh
+need_python_packages "$py" grain tyro || fail "train.py needs grain and tyro"
 
 echo "== corpus $corpus"
 if [ ! -f "$corpus/manifest.json" ]; then

@@ -6,6 +6,8 @@
 #
 #   bash scripts/gpu_midtraining.sh SUBCOMMAND
 #
+# Carry wheels/ (scripts/gpu_wheels.sh): grain and tyro are installed from it where they do not import.
+#
 # SUBCOMMAND   what it does
 # data         long documents: each package of the environment's site-packages as one
 #              document, 3 long packages held out (RUNS_DIR/long/{train,heldout}.jsonl), recall
@@ -50,6 +52,7 @@ limit=${LIMIT_S:-540}
 lr=${LR:-3e-4}
 long=$runs/long
 mkdir -p "$runs" "$JAX_COMPILATION_CACHE_DIR"
+source scripts/_gpu_deps.sh
 
 # The flags every stage shares: sparse from the first step, the long documents, batch 1.
 stage_flags() {   # LENGTH STEPS
@@ -75,6 +78,7 @@ train_for_a_while() {   # OUT FLAGS...
 
 need_data() {
     [ -s "$long/train.jsonl" ] && [ -s "$long/heldout.jsonl" ] || { echo "error: run the data subcommand first" >&2; exit 2; }
+    need_python_packages "$py" grain tyro || exit 2
 }
 
 case $cmd in
@@ -102,7 +106,7 @@ kill-resume)
     flags=(--checkpoint checkpoints/default $(stage_flags 32768 8) --save-every 2 --log-every 1 --eval-every 100)
     "$py" train.py "${flags[@]}" --out "$base/whole" >/dev/null || exit 1
     status=0
-    for fault in step@5 save@4; do    # killed mid-step 5; killed while checkpoint 4 is being written
+    for fault in step@5 saving@4; do    # killed mid-step 5; killed while checkpoint 4 is being written
         out=$base/${fault/@/-}
         GLM_JAX_FAULT=$fault "$py" train.py "${flags[@]}" --out "$out" >/dev/null
         echo "$fault: the first call ended with exit code $? (137: SIGKILL)"

@@ -150,3 +150,18 @@ def test_restoring_holds_stderr_back_and_drops_it_when_the_restore_fails(monkeyp
     sys.stderr.write("error: one line\n")
     assert terminal.getvalue() == "main 1\nthread 1\nerror: one line\n"
     assert checkpoint_damage.orbax_leftovers_seen()
+
+
+def test_a_resume_from_step_0_drops_the_metrics_of_the_run_it_replaces(tmp_path):
+    """A run killed before its first checkpoint completed (an asynchronous save outrun by fast
+    steps) is resumed from step 0: its logged steps are dropped, so each step is logged once."""
+    from glm_jax.config import load_config
+    from glm_jax.training.metrics import MetricsLog
+    from glm_jax.training.run_config import TrainConfig
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (1, 2, 3)) + '{"step": 4, "lo')
+    log = MetricsLog(TrainConfig(), load_config("tiny"), tmp_path, start=0)
+    log.file.close()
+    log.bar.close()
+    assert path.read_text() == ""

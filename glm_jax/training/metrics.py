@@ -70,7 +70,7 @@ class MetricsLog:
                         disable=None if multihost.is_main_process() else True, leave=False)
         self.cfg = cfg
         path = Path(settings.logging.metrics_file or out / "metrics.jsonl")
-        if multihost.is_main_process() and start > 0:
+        if multihost.is_main_process():     # from step 0 too: a resume that found no complete checkpoint
             drop_records_after(path, start)
         self.file = path.open("a") if multihost.is_main_process() else open(os.devnull, "w")
         self.peak = _peak_flops(settings.logging.peak_tflops)
