@@ -1,7 +1,8 @@
 """Where a traced program's GPU time goes: the device events of a `jax.profiler` trace
-(perfetto_trace.json.gz, written by `jax.profiler.trace(dir, create_perfetto_trace=True)`)
-summed by kernel and by the model part their op names point to (`summarize`; the command line:
-benchmarks/trace_summary.py).
+(its *.xplane.pb, or perfetto_trace.json.gz as `jax.profiler.trace(dir, create_perfetto_trace=True)`
+writes beside it) summed by kernel and by the model part their op names point to (`summarize`;
+the command line: benchmarks/trace_summary.py), with the launches and the share of the traced
+span the device stood idle (a program bound by its host or its loops' conditions shows there).
 
 Run the traced program with XLA command buffers off (`XLA_FLAGS=--xla_gpu_enable_command_buffer=`)
 or the device events carry the graph's name instead of each kernel's.
@@ -47,43 +48,87 @@ def op_name(event: dict) -> str:
     return event.get("name", "")
 
 
-def part_of(event: dict) -> str:
-    text = (op_name(event) + " " + event.get("name", "")).lower()
+def part_of(kernel: str, op: str) -> str:
+    text = (op + " " + kernel).lower()
     for part, pattern in PARTS:
         if re.search(pattern, text):
             return part
     return "rest (projections, norms, elementwise)"
 
 
+class Kernels:
+    """Device events summed by kernel name: time (us), calls, one op name each, and the span."""
+
+    def __init__(self):
+        self.time, self.calls, self.op = collections.Counter(), collections.Counter(), {}
+        self.first, self.last = float("inf"), float("-inf")
+
+    def add(self, name: str, ts: float, dur: float, op) -> None:
+        """One event (microseconds); op: its op name, or a function giving it (asked once a kernel)."""
+        self.time[name] += dur
+        self.calls[name] += 1
+        if name not in self.op:
+            self.op[name] = op() if callable(op) else op
+        self.first, self.last = min(self.first, ts), max(self.last, ts + dur)
+
+
+def _from_perfetto(path: Path) -> Kernels:
+    kernels = Kernels()
+    for e in device_events(json.loads(gzip.decompress(path.read_bytes()))):
+        kernels.add(e["name"], e["ts"], e["dur"], op_name(e))
+    return kernels
+
+
+def _from_xplane(path: Path) -> Kernels:
+    """The GPU planes' stream events of an XSpace file (*.xplane.pb), read by JAX's profile
+    reader: seconds where the perfetto JSON of a long program (millions of kernels) takes minutes."""
+    from jax.profiler import ProfileData
+
+    kernels = Kernels()
+    for plane in ProfileData.from_file(str(path)).planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            if "stream" not in line.name.lower():
+                continue
+            for ev in line.events:
+                kernels.add(ev.name, ev.start_ns / 1e3, ev.duration_ns / 1e3, lambda ev=ev: _xplane_op(ev))
+    return kernels
+
+
+def _xplane_op(event) -> str:
+    stats = dict(event.stats)
+    for key in ("tf_op", "long_name", "hlo_op", "name"):
+        if stats.get(key):
+            return str(stats[key])
+    return event.name
+
+
 def summarize(trace_dir: str, steps: int = 1, top: int = 40) -> str:
-    files = sorted(Path(trace_dir).rglob("perfetto_trace.json.gz")) or sorted(Path(trace_dir).rglob("*.trace.json.gz"))
-    if not files:
-        raise ValueError(f"no perfetto_trace.json.gz or *.trace.json.gz under {trace_dir}")
-    trace = json.loads(gzip.decompress(files[-1].read_bytes()))
-    events = device_events(trace)
-    if not events:
-        raise ValueError(f"{files[-1]}: no device events (a CPU trace has none)")
-    total = sum(e["dur"] for e in events)
-    span = max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)
-    by_kernel = collections.Counter()
-    count = collections.Counter()
-    example = {}
-    for e in events:
-        by_kernel[e["name"]] += e["dur"]
-        count[e["name"]] += 1
-        example.setdefault(e["name"], op_name(e))
+    """The markdown tables of a trace's GPU time by part and by kernel (its *.xplane.pb, else
+    its perfetto_trace.json.gz), per step over `steps` traced steps. ValueError where the trace
+    has no device events (a CPU's)."""
+    root = Path(trace_dir)
+    xplanes = sorted(root.rglob("*.xplane.pb"))
+    files = sorted(root.rglob("perfetto_trace.json.gz")) or sorted(root.rglob("*.trace.json.gz"))
+    if not xplanes and not files:
+        raise ValueError(f"no *.xplane.pb, perfetto_trace.json.gz or *.trace.json.gz under {trace_dir}")
+    source = xplanes[-1] if xplanes else files[-1]
+    kernels = _from_xplane(source) if xplanes else _from_perfetto(source)
+    if not kernels.time:
+        raise ValueError(f"{source}: no device events (a CPU trace has none)")
+    total, launches = sum(kernels.time.values()), sum(kernels.calls.values())
+    span = kernels.last - kernels.first
     by_part = collections.Counter()
-    for e in events:
-        by_part[part_of(e)] += e["dur"]
-    out = [f"{files[-1]}: {len(events)} device events, busy {total / 1e3 / steps:.1f} ms a step "
-           f"over a span of {span / 1e3 / steps:.1f} ms a step ({steps} steps traced)", "",
+    for name, d in kernels.time.items():
+        by_part[part_of(name, kernels.op[name])] += d
+    out = [f"{source}: {launches} device events ({launches / steps:.0f} a step), busy {total / 1e3 / steps:.1f} ms "
+           f"a step over a span of {span / 1e3 / steps:.1f} ms a step: the device idle {1 - total / span:.0%} of it "
+           f"({steps} steps traced)", "",
            "| part | ms/step | share |", "|---|---:|---:|"]
     out += [f"| {p} | {d / 1e3 / steps:.1f} | {d / total:.0%} |" for p, d in by_part.most_common()]
     out += ["", "| kernel | calls/step | ms/step | share | op |", "|---|---:|---:|---:|---|"]
-    for name, d in by_kernel.most_common(top):
-        out.append(f"| {name[:70]} | {count[name] / steps:.0f} | {d / 1e3 / steps:.2f} | {d / total:.1%} | "
-                   f"{example[name][:140]} |")
-    sample = next((e for e in events if e.get("args")), events[0])
-    out += ["", "one event's fields: " + json.dumps({k: str(v)[:120] for k, v in sample.get("args", {}).items()})]
+    for name, d in kernels.time.most_common(top):
+        out.append(f"| {name[:70]} | {kernels.calls[name] / steps:.0f} | {d / 1e3 / steps:.2f} | {d / total:.1%} | "
+                   f"{kernels.op[name][:140]} |")
     return "\n".join(out)
-

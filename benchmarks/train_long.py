@@ -156,7 +156,7 @@ def _run() -> None:
         save()
         if args.profile:
             trace_dir = f"{args.profile}/{stage}-{impl.replace(' ', '_')}{'-kept' if keep else ''}"
-            with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+            with jax.profiler.trace(trace_dir):       # *.xplane.pb: summarize reads it in seconds
                 p, opt_state, terms = run(p, opt_state)
                 jax.block_until_ready(terms)
             try:

@@ -65,7 +65,7 @@
 #                 package), beside the op's matmul limit
 # dense-step-128k  train.py's dense warm-up step of the default model at 128K  4-7 min
 #                 (benchmarks/train_long.py): the attention alone, then with
-#                 the indexer KL by the Pallas kernels and by XLA; each traced
+#                 the XLA indexer KL; each traced, its kernel table printed
 # sparse-mla-cuda  the CUDA sparse MLA (scripts/build_cuda_kernels.sh first;   4-6 min
 #                 carry build/cuda): checks against the float64 oracle, bitwise
 #                 repeats, gradients, timings against pallas_gpu beside the
@@ -243,9 +243,11 @@ for group in "${groups[@]}"; do
                 --reps 2 --json "$stage/dense_kl_128k.json"
             ;;
         dense-step-128k)
-            run train_long_dense_128k 400 "--smoke" "${mem95[@]}" env XLA_FLAGS=--xla_gpu_enable_command_buffer= \
+            # the traces (hundreds of MB) stay outside the archive; the kernel tables are in the log
+            run train_long_dense_128k 480 "--smoke" "${mem95[@]}" env XLA_FLAGS=--xla_gpu_enable_command_buffer= \
                 "$py" benchmarks/train_long.py --config configs/default-py.yaml --seq-len 131072 --stages dense \
-                --dense-kl none pallas_gpu xla --steps 1 --profile "$stage/profile" --json "$stage/train_long_dense_128k.json"
+                --dense-kl none xla --steps 1 --profile "$(dirname "$stage")/traces-dense-128k" \
+                --json "$stage/train_long_dense_128k.json"
             ;;
         sparse-mla-cuda)
             run sparse_mla_cuda 300 "--smoke" "$py" benchmarks/sparse_mla_cuda.py --json "$stage/sparse_mla_cuda.json"

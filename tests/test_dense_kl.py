@@ -227,3 +227,13 @@ def test_pallas_kernels_lower_to_triton_for_h100():
         for fn, kernels in ((kl, 1), (jax.grad(kl, argnums=(2, 3, 4)), 3)):
             text = jax.jit(fn).trace(qs, latents, *idx).lower(lowering_platforms=("cuda",)).as_text()
             assert text.count("xla.gpu.triton") == kernels
+
+
+def test_auto_block_grows_the_tile_at_long_lengths_within_its_memory():
+    from pallas_kernels.dense_indexer_kl.xla import auto_block
+
+    assert auto_block(4096, 16, 8) == 512                   # the default recipe's rows
+    assert auto_block(131072, 1, 8) == 2048                 # the default model at 128K: 64 query blocks
+    assert auto_block(65536, 1, 64) == 1024                 # GLM-5.2's attention shape at 64K
+    assert auto_block(1 << 20, 1, 1024) == 512              # a doubled tile would pass MAX_TILE_BYTES
+    assert auto_block(100, 1, 8) == 512                     # capped at S by the op

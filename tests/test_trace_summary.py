@@ -24,3 +24,28 @@ def test_summary_sums_device_events_by_kernel_and_part(tmp_path):
     assert "| MoE | 0.5 | 20% |" in text
     assert "| sparse_mla_fwd | 1 | 2.00 | 80.0% |" in text
     assert "host work" not in text
+
+
+def test_summary_reads_an_xspace_file_and_says_how_long_the_device_stood_idle(tmp_path):
+    """The same sums from the *.xplane.pb JAX's profiler writes (read without the perfetto JSON),
+    with the device's idle share of the traced span: 5 ms of kernels over 9 ms."""
+    from jax.profiler import ProfileData
+
+    ms = 1_000_000_000        # picoseconds
+    xspace = f'''
+    planes {{ id: 1 name: "/device:GPU:0"
+      lines {{ id: 1 name: "Stream #13(Compute)"
+        events {{ metadata_id: 1 offset_ps: 0 duration_ps: {3 * ms} }}
+        events {{ metadata_id: 2 offset_ps: {3 * ms} duration_ps: {ms} stats {{ metadata_id: 1 str_value: "jit(step)/moe/dot" }} }}
+        events {{ metadata_id: 1 offset_ps: {8 * ms} duration_ps: {ms} }} }}
+      event_metadata {{ key: 1 value {{ id: 1 name: "sparse_mla_fwd" }} }}
+      event_metadata {{ key: 2 value {{ id: 2 name: "fusion_1" }} }}
+      stat_metadata {{ key: 1 value {{ id: 1 name: "tf_op" }} }} }}
+    planes {{ id: 2 name: "/host:CPU" lines {{ id: 1 name: "python" events {{ metadata_id: 1 duration_ps: {9 * ms} }} }}
+      event_metadata {{ key: 1 value {{ id: 1 name: "host work" }} }} }}'''
+    (tmp_path / "run.xplane.pb").write_bytes(ProfileData.text_proto_to_serialized_xspace(xspace))
+    text = summarize(str(tmp_path))
+    assert "3 device events (3 a step), busy 5.0 ms a step over a span of 9.0 ms a step: the device idle 44%" in text
+    assert "| sparse MLA kernels | 4.0 | 80% |" in text and "| MoE | 1.0 | 20% |" in text
+    assert "| sparse_mla_fwd | 2 | 4.00 | 80.0% |" in text
+    assert "host work" not in text

@@ -48,7 +48,7 @@ def dense_group_kl(targets: Sequence[DenseTarget], *, idx_q: jax.Array, idx_keys
     or None: the row where each query's document starts (packed rows). Key t is visible to query
     s iff kv_start[s] <= t <= s and t < kv_len. shares: one weight per layer (default
     1 / len(targets)). kernels: its `dense_indexer_kl` entry picks the implementation and its
-    config (`pallas_kernels.DenseIndexerKLXlaConfig`: tiles of 512 by default)."""
+    config (`pallas_kernels.DenseIndexerKLXlaConfig`: tiles of 512 at 4K, larger at long lengths)."""
     if not targets:
         raise ValueError("dense_group_kl needs at least one layer's target")
     rows = ops.dense_indexer_kl([t.q for t in targets], [t.latent for t in targets], idx_q, idx_keys, idx_w,

@@ -27,18 +27,35 @@ from jax import lax
 
 from pallas_kernels._common import check_positive_fields
 
-#: Queries (and keys) per tile unless told otherwise: 512 took one IndexShare group of the
+#: The smallest tile (queries and keys) `auto_block` picks: 512 took one IndexShare group of the
 #: default recipe (16 x 4,096 tokens, 4 layers) forward and backward in 82.8 ms on an H100
-#: against 101.5 ms with 256 (docs/data/dense_kl_pallas_h100.json); fewer, larger tiles also
-#: mean fewer loop steps at long lengths (a pass at 128K is about 33,000 tiles instead of 131,000).
+#: against 101.5 ms with 256 (docs/data/dense_kl_pallas_h100.json).
 DEFAULT_BLOCK = 512
+#: Query blocks a pass may have before `auto_block` doubles the tile. Each tile is a loop step
+#: of a dozen small kernels and a device-to-host copy of the loop's condition: at 128K with 512
+#: (256 blocks, 32,896 causal tiles a pass) a dense step of the default model launched about
+#: two million kernels and its GPU stood idle for 19 of the step's 26 s (docs/training.md).
+MAX_QUERY_BLOCKS = 64
+#: The most bytes of one layer's float32 attention logits [B, block, H, block] a larger tile may take.
+MAX_TILE_BYTES = 1 << 30
+
+
+def auto_block(seq_len: int, batch: int, heads: int) -> int:
+    """Queries (and keys) per tile: DEFAULT_BLOCK, doubled while a pass has more than
+    MAX_QUERY_BLOCKS query blocks and the doubled tile's logits [batch, block, heads, block]
+    float32 stay within MAX_TILE_BYTES (4,096 tokens: 512; 131,072 tokens, 8 heads: 2,048)."""
+    block = DEFAULT_BLOCK
+    while -(-seq_len // block) > MAX_QUERY_BLOCKS and batch * heads * (2 * block) ** 2 * 4 <= MAX_TILE_BYTES:
+        block *= 2
+    return block
 
 
 @dataclasses.dataclass(frozen=True)
 class DenseIndexerKLXlaConfig:
-    """Tuning of the XLA dense indexer KL: block, queries and keys per tile (capped at S)."""
+    """Tuning of the XLA dense indexer KL: block, queries and keys per tile (capped at S; None:
+    `auto_block` from the length, batch and heads)."""
 
-    block: int = DEFAULT_BLOCK
+    block: int | None = None
 
     def __post_init__(self):
         check_positive_fields(self)
@@ -50,8 +67,9 @@ def dense_indexer_kl(qs, latents, idx_q, idx_keys, idx_w, *, sm_scale: float, kv
     latents L-tuples of [B, S, H, Dk] and [B, S, Dk] without gradient, idx_w float32, kv_len
     int32 [B] <= S, kv_start int32 [B, S] or None, shares an L-tuple of floats) -> float32
     [B, S]. interpret: unused (plain XLA)."""
-    seq_len = idx_q.shape[1]
-    st = _Static(float(sm_scale), tuple(shares), max(1, min(config.block, seq_len)), seq_len)
+    batch, seq_len = idx_q.shape[:2]
+    block = config.block or auto_block(seq_len, batch, max(q.shape[2] for q in qs))
+    st = _Static(float(sm_scale), tuple(shares), max(1, min(block, seq_len)), seq_len)
     return _row_losses(st, qs, latents, idx_q, idx_keys, idx_w, kv_len, kv_start)
 
 
