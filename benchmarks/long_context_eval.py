@@ -21,7 +21,9 @@ and hex digits, e.g. `merge_quartz_7f3a`) is defined once (`def NAME(v):`), --di
 before the row's end, and used again at the end (`result = NAME(`); the probe scores the
 log-probability of the name's tokens after its first word (what only the definition can tell).
 The same row with another made-up name of the same token count defined in its place is the
-control: "gain" = with - control, in nats, is what the definition far back is worth. Several
+control: "gain" = with - control, in nats, is what the definition far back is worth; "definition
+selected" is, per IndexShare group, the share of the definition's tokens in the indexer's top-k
+of the queries that predict the name (the sparse attention reads nothing else). Several
 --distance values run the probe at each (same filler text), so the table shows where a model
 stops finding the definition.
 
@@ -77,6 +79,39 @@ def token_logprobs(graphdef, state, inputs, targets, *, chunk: int):
     return jax.lax.map(piece, pieces).swapaxes(0, 1).reshape(b, s)
 
 
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def group_selections(graphdef, state, inputs, queries):
+    """inputs int32 [B, S], queries int32 [B, Q] (positions) -> int32 [G, B, Q, topk]: the keys
+    each IndexShare group's indexer selects for those queries (sparse mode, as `token_logprobs`)."""
+    model = nnx.merge(graphdef, state)
+    settings = AttentionSettings(mode="sparse", form="absorbed")
+    x, picked = model.embed_tokens(inputs), []
+    for stack in model.stacks:
+        stack_graphdef, stack_state = nnx.split(stack)
+
+        def body(x, group_state, stack_graphdef=stack_graphdef):
+            out = nnx.merge(stack_graphdef, group_state)(x, None, None, settings)
+            return out.x, jnp.take_along_axis(out.indices, queries[:, :, None], axis=1)
+
+        x, selected = jax.lax.scan(body, x, stack_state)
+        picked.append(selected)
+    return jnp.concatenate(picked)
+
+
+def definition_selected(model, rows: np.ndarray, spans, first, counts) -> list[float]:
+    """rows int32 [R, L + 1] with the definition at spans[r] = (start, end) -> per IndexShare
+    group, the share of the definition's tokens in the indexer's top-k of the queries that
+    predict the name (positions first[r] .. first[r] + counts[r] - 1), over all rows: 0 means the
+    sparse attention never reads the definition there."""
+    graphdef, state = nnx.split(model)
+    shares = []
+    for r, (start, end) in enumerate(spans):
+        queries = np.arange(first[r], first[r] + counts[r], dtype=np.int32)[None]
+        sel = np.asarray(group_selections(graphdef, state, jnp.asarray(rows[r:r + 1, :-1]), jnp.asarray(queries)))
+        shares.append(((sel >= start) & (sel < end)).sum(axis=-1).mean(axis=(1, 2)) / (end - start))   # [G]
+    return [float(x) for x in np.mean(shares, axis=0)]
+
+
 def text_stream(tok, docs, need: int):
     """Token ids of the documents in order, each followed by end-of-text, at least `need` of them
     (the documents repeated if they hold fewer)."""
@@ -116,7 +151,8 @@ def made_up_name(rng: np.random.Generator) -> str:
 
 
 def probe_row(tok, filler: np.ndarray, name: str, defined: str, length: int, distance: int):
-    """-> (ids int32 [length + 1], first scored target index, count): filler text with
+    """-> (ids int32 [length + 1], first scored target index, count, the definition's token
+    span (start, end) in ids): filler text with
     `def DEFINED(v):` ending `distance` tokens before the row's end, and `result = NAME(`
     at the end, NAME's tokens after its first word the scored targets."""
     first, rest = name.split("_", 1)
@@ -129,14 +165,14 @@ def probe_row(tok, filler: np.ndarray, name: str, defined: str, length: int, dis
     if before < 1 or after < 0:
         raise ValueError(f"--distance {distance} does not fit a row of {length} tokens")
     ids = np.concatenate([filler[:before], definition, filler[before:before + after], cue, answer])
-    return ids, length + 1 - len(answer) - 1, len(answer)
+    return ids, length + 1 - len(answer) - 1, len(answer), (before, before + len(definition))
 
 
 def probe_rows(tok, stream: np.ndarray, count: int, length: int, distance: int, seed: int):
-    """-> (ids [count, length + 1], with/control flags, first target, answer lengths): for each
+    """-> (ids [count * 2, length + 1], first target, answer lengths, definition spans): for each
     probe a row with its name defined and one with a decoy of the same token count defined instead."""
     rng = np.random.default_rng(seed)
-    rows, first_scored, counts = [], [], []
+    rows, first_scored, counts, spans = [], [], [], []
     for p in range(count):
         name = made_up_name(rng)
         n = len(tok.encode(DEFINITION.format(name)).ids)
@@ -146,11 +182,12 @@ def probe_rows(tok, stream: np.ndarray, count: int, length: int, distance: int, 
             decoy = made_up_name(rng)
         filler = stream[(p * (length + 1)) % max(len(stream) - length - 1, 1):][:length + 1]
         for defined in (name, decoy):
-            ids, first, k = probe_row(tok, filler, name, defined, length, distance)
+            ids, first, k, span = probe_row(tok, filler, name, defined, length, distance)
             rows.append(ids)
             first_scored.append(first)
             counts.append(k)
-    return np.stack(rows), first_scored, counts
+            spans.append(span)
+    return np.stack(rows), first_scored, counts, spans
 
 
 def score(model, rows: np.ndarray, chunk: int, batch: int) -> np.ndarray:
@@ -199,14 +236,17 @@ def probe_distances(distances, length: int) -> list[int]:
 
 def probe(model, tok, stream, args, length: int, chunk: int, distance: int) -> dict:
     """The retrieval probe at one distance: mean ln p of the names' tokens with the definition and
-    with the control's decoy, their difference (gain, nats) and the share of probes it is > 0."""
-    rows, first, counts = probe_rows(tok, stream, args.probes, length, distance, args.seed)
+    with the control's decoy, their difference (gain, nats), the share of probes it is > 0, and
+    per IndexShare group the share of the definition's tokens its indexer selects for the
+    queries that predict the name (`definition_selected`)."""
+    rows, first, counts, spans = probe_rows(tok, stream, args.probes, length, distance, args.seed)
     lp = score(model, rows, chunk, args.batch_size)
     answers = np.array([lp[r, first[r]:first[r] + counts[r]].sum() for r in range(len(rows))])
     with_def, control = answers[0::2], answers[1::2]
+    selected = definition_selected(model, rows[0::2], spans[0::2], first[0::2], counts[0::2])
     return {"distance": distance, "probes": args.probes, "probe_logp": float(with_def.mean()),
             "control_logp": float(control.mean()), "gain": float((with_def - control).mean()),
-            "found": float((with_def > control).mean())}
+            "found": float((with_def > control).mean()), "definition_selected": selected}
 
 
 def _positions(path: str) -> int:
@@ -261,11 +301,12 @@ def main(argv=None) -> int:
         if any(r.get("probe") for r in ok):
             print()
             table = Table("model", "distance", "probes", "ln p(name), defined", "ln p(name), control", "gain (nats)",
-                          "defined > control")
+                          "defined > control", "definition selected, by group")
             for r in ok:
                 for p in r.get("probe", []):
                     table.row(r["model"], p["distance"], p["probes"], f"{p['probe_logp']:.2f}",
-                              f"{p['control_logp']:.2f}", f"{p['gain']:+.2f}", f"{p['found']:.0%}")
+                              f"{p['control_logp']:.2f}", f"{p['gain']:+.2f}", f"{p['found']:.0%}",
+                              " / ".join(f"{x:.0%}" for x in p["definition_selected"]))
     for r in results:
         if "failed" in r:
             print(f"{r['model']}: failed: {r['failed']}")

@@ -321,6 +321,31 @@ def test_checkpoint_parts_round_trip_and_resume(base_run, extended_run, tmp_path
 
 
 # ---------------------------------------------------------------------- the evaluation
+def test_definition_selected_counts_the_definitions_tokens_in_the_top_k(extended_run):
+    """With a top-k as long as the row every earlier key is selected: the whole definition; with the
+    model's top-4 at most 4 of its tokens a query."""
+    import dataclasses
+
+    from flax import nnx
+
+    from benchmarks import long_context_eval as lce
+    from glm_jax.checkpoint import load_model_dir
+    from glm_jax.data.tokenizer import load_tokenizer
+    from glm_jax.model import abstract_model
+
+    model, tok = load_model_dir(str(extended_run)), load_tokenizer(str(extended_run))
+    stream = np.arange(3, 3 + 200, dtype=np.int32) % 300
+    rows, first, counts, spans = lce.probe_rows(tok, stream, 1, 64, 32, seed=0)
+    start, end = spans[0]
+    assert 0 < start < end <= first[0] and end - start > 4
+    few = lce.definition_selected(model, rows[0::2], spans[0::2], first[0::2], counts[0::2])
+    assert len(few) == 1 and 0 <= few[0] <= 4 / (end - start)
+    graphdef, _ = nnx.split(abstract_model(dataclasses.replace(model.cfg, index_topk=64)))
+    every = lce.definition_selected(nnx.merge(graphdef, nnx.state(model)), rows[0::2], spans[0::2], first[0::2],
+                                    counts[0::2])
+    assert every == [1.0]
+
+
 def test_long_context_eval_scores_buckets_and_the_probe(base_run, extended_run, tmp_path, capsys):
     from benchmarks import long_context_eval as lce
 
@@ -337,4 +362,6 @@ def test_long_context_eval_scores_buckets_and_the_probe(base_run, extended_run, 
     assert [p["distance"] for p in result["probe"]] == [24, 32]
     assert lce.probe_distances([100_000, 2048, 2048], 32768) == [2048, 24576]     # clipped to 3/4 of the row
     assert all(np.isfinite(p["gain"]) and p["probe_logp"] < 0 for p in result["probe"])
+    assert all(len(p["definition_selected"]) == 1 and 0 <= p["definition_selected"][0] <= 1
+               for p in result["probe"])                          # one IndexShare group
     assert "| bits/token 0-16 | bits/token 16-32 | bits/token 32-64 |" in capsys.readouterr().out
