@@ -10,8 +10,9 @@ scripts/long_documents.py --heldout-out; default: the standard library's held-ou
 document from its start and followed by the end-of-text token, documents joined where one is
 shorter than a row (a row then holds several). Every target is scored with the model's
 log-probability (sparse attention over the indexer's top-k in the absorbed form, as train.py's
-held-out evaluation, with the logits made --chunk positions at a time so that 128K positions
-never hold a [S, vocab] array at once), and the table gives bits per token in the position
+held-out evaluation; --attention dense: over every earlier key, what a perfect selection
+allows; the logits made --chunk positions at a time so that 128K positions never hold a
+[S, vocab] array at once), and the table gives bits per token in the position
 buckets 0-4K, 4-16K, 16-64K and 64-128K (--buckets; clipped to --length). A model that uses
 its context predicts later positions better; one that cannot reach past its training length
 gets worse in the far buckets.
@@ -62,12 +63,12 @@ _WORDS = ("merge", "quartz", "ledger", "falcon", "vertex", "cobalt", "lantern", 
           "maple", "signal", "copper", "glacier", "pivot", "ember")
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "chunk"))
-def token_logprobs(graphdef, state, inputs, targets, *, chunk: int):
+@functools.partial(jax.jit, static_argnames=("graphdef", "chunk", "mode"))
+def token_logprobs(graphdef, state, inputs, targets, *, chunk: int, mode: str = "sparse"):
     """inputs, targets int32 [B, S] -> float32 [B, S]: ln p(target), the logits made `chunk`
     positions at a time (S a multiple of chunk)."""
     model = nnx.merge(graphdef, state)
-    hidden = model(inputs, settings=AttentionSettings(mode="sparse", form="absorbed")).hidden
+    hidden = model(inputs, settings=AttentionSettings(mode=mode, form="absorbed")).hidden
     b, s, h = hidden.shape
     pieces = (hidden.reshape(b, s // chunk, chunk, h).swapaxes(0, 1), targets.reshape(b, s // chunk, chunk).swapaxes(0, 1))
 
@@ -190,14 +191,14 @@ def probe_rows(tok, stream: np.ndarray, count: int, length: int, distance: int, 
     return np.stack(rows), first_scored, counts, spans
 
 
-def score(model, rows: np.ndarray, chunk: int, batch: int) -> np.ndarray:
+def score(model, rows: np.ndarray, chunk: int, batch: int, mode: str = "sparse") -> np.ndarray:
     """rows int32 [R, L + 1] -> ln p of each target, float64 [R, L]."""
     graphdef, state = nnx.split(model)
     out = []
     for b in range(0, len(rows), batch):
         part = rows[b:b + batch]
         out.append(np.asarray(token_logprobs(graphdef, state, jnp.asarray(part[:, :-1]), jnp.asarray(part[:, 1:]),
-                                             chunk=chunk), np.float64))
+                                             chunk=chunk, mode=mode), np.float64))
     return np.concatenate(out)
 
 
@@ -217,7 +218,7 @@ def evaluate(path: str, args, extend: bool = False) -> dict:
     docs = heldout_documents(args.heldout)
     stream = text_stream(tok, docs, (max(args.rows, args.probes) + 1) * (length + 1))
     t = time.perf_counter()
-    logp = score(model, position_rows(stream, args.rows, length), chunk, args.batch_size)
+    logp = score(model, position_rows(stream, args.rows, length), chunk, args.batch_size, args.attention)
     bounds = clipped_bounds(args.buckets, length)
     name = f"{path} + YaRN to {length}, untrained" if extend else path
     result = {"model": name, "length": length, "bounds": bounds, "bits_per_token": bucket_bits(logp, bounds),
@@ -240,10 +241,11 @@ def probe(model, tok, stream, args, length: int, chunk: int, distance: int) -> d
     per IndexShare group the share of the definition's tokens its indexer selects for the
     queries that predict the name (`definition_selected`)."""
     rows, first, counts, spans = probe_rows(tok, stream, args.probes, length, distance, args.seed)
-    lp = score(model, rows, chunk, args.batch_size)
+    lp = score(model, rows, chunk, args.batch_size, args.attention)
     answers = np.array([lp[r, first[r]:first[r] + counts[r]].sum() for r in range(len(rows))])
     with_def, control = answers[0::2], answers[1::2]
-    selected = definition_selected(model, rows[0::2], spans[0::2], first[0::2], counts[0::2])
+    selected = definition_selected(model, rows[0::2], spans[0::2], first[0::2], counts[0::2]) \
+        if args.attention == "sparse" else []
     return {"distance": distance, "probes": args.probes, "probe_logp": float(with_def.mean()),
             "control_logp": float(control.mean()), "gain": float((with_def - control).mean()),
             "found": float((with_def > control).mean()), "definition_selected": selected}
@@ -270,6 +272,9 @@ def main(argv=None) -> int:
     ap.add_argument("--chunk", type=int, default=4096, help="positions whose logits are made at once")
     ap.add_argument("--batch-size", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--attention", choices=("sparse", "dense"), default="sparse",
+                    help="sparse: over the indexer's top-k, as the model decodes (default); dense: over every "
+                         "earlier key (what the model could do with a perfect selection)")
     ap.add_argument("--untrained-extension", action="store_true",
                     help="also evaluate each model shorter than --length extended to it by YaRN, untrained")
     ap.add_argument("--smoke", action="store_true", help="512-token rows, buckets 128,256,512, distance 384")
