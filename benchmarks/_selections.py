@@ -21,7 +21,7 @@ from glm_jax import ops
 from glm_jax.checkpoint import load_model_dir
 from glm_jax.data import pipeline
 from glm_jax.data.tokenizer import load_tokenizer
-from glm_jax.layers.decoder import AttentionSettings
+from glm_jax.forward_options import ForwardOptions
 from glm_jax.layers.embedding import embed
 
 CACHE_DIR = "runs/real_selections"
@@ -61,7 +61,7 @@ def select_group(model, tokens: jax.Array, *, group: int, topk: int) -> jax.Arra
         graphdef, state = nnx.split(stack)
 
         def body(x, group_state, graphdef=graphdef):
-            return nnx.merge(graphdef, group_state).forward(x, positions, kv_len, AttentionSettings())[0], None
+            return nnx.merge(graphdef, group_state).forward(x, positions, kv_len, ForwardOptions())[0], None
 
         if before := min(group, plan.count):
             x, _ = jax.lax.scan(body, x, jax.tree.map(lambda a: a[:before], state))
@@ -132,7 +132,7 @@ def full_layer_indices(model, tokens: jax.Array) -> list[np.ndarray]:
         graphdef, state = nnx.split(stack)
 
         def body(x, group_state, graphdef=graphdef):
-            x, _, _, indices = nnx.merge(graphdef, group_state).forward(x, positions, kv_len, AttentionSettings())
+            x, _, _, indices = nnx.merge(graphdef, group_state).forward(x, positions, kv_len, ForwardOptions())
             return x, indices
 
         x, indices = jax.lax.scan(body, x, state)                   # [groups, B, S, K]

@@ -182,12 +182,12 @@ def plan_windows(num_ids: int, context: int, stride: int | None = None, doc: int
     return windows
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "settings"))
-def target_logprobs(graphdef, state, inputs, targets, *, settings):
+@functools.partial(jax.jit, static_argnames=("graphdef", "options"))
+def target_logprobs(graphdef, state, inputs, targets, *, options):
     """inputs, targets int32 [B, S] (windows from position 0) -> float32 [B, S]: the natural log
     of the model's probability of each target (log_softmax in float32 over the logits)."""
     model = nnx.merge(graphdef, state)
-    logits = model(inputs, settings=settings).logits.astype(jnp.float32)       # [B, S, V]
+    logits = model(inputs, options=options).logits.astype(jnp.float32)       # [B, S, V]
     logp = jax.nn.log_softmax(logits, axis=-1)
     return jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
 
@@ -207,15 +207,15 @@ def window_rows(ids_list: list[np.ndarray], windows: list[Window], rows: int, wi
 
 
 def score_documents(model, ids_list: list[np.ndarray], *, context: int, stride: int | None = None,
-                    batch_size: int = 8, settings=None, progress: Callable[[int, int, int], None] | None = None):
+                    batch_size: int = 8, options=None, progress: Callable[[int, int, int], None] | None = None):
     """ids_list: each document's int32 ids [n_i] -> (bits float64 [D]: -sum log2 p of the
     targets 1 .. n_i - 1, scored int64 [D]: how many). The first id of each is not included.
 
-    settings: the AttentionSettings (default: sparse, absorbed, as the held-out evaluation).
+    options: the ForwardOptions (default: sparse, absorbed, as the held-out evaluation).
     progress(windows done, windows, documents done) after each batch."""
-    from glm_jax.layers.decoder import AttentionSettings
+    from glm_jax.forward_options import ForwardOptions
 
-    settings = settings or AttentionSettings(mode="sparse", form="absorbed")
+    options = options or ForwardOptions(mode="sparse", form="absorbed")
     windows = [w for d, ids in enumerate(ids_list) for w in plan_windows(len(ids), context, stride, d)]
     bits = np.zeros(len(ids_list), np.float64)
     scored = np.zeros(len(ids_list), np.int64)
@@ -229,7 +229,7 @@ def score_documents(model, ids_list: list[np.ndarray], *, context: int, stride: 
         chunk = windows[b:b + rows]
         inputs, targets, mask = window_rows(ids_list, chunk, rows, width)
         logp = np.asarray(target_logprobs(graphdef, state, jnp.asarray(inputs), jnp.asarray(targets),
-                                          settings=settings), np.float64)
+                                          options=options), np.float64)
         row_bits = -np.where(mask, logp, 0.0).sum(axis=1) / math.log(2)
         for r, w in enumerate(chunk):
             bits[w.doc] += row_bits[r]
@@ -243,7 +243,7 @@ def score_documents(model, ids_list: list[np.ndarray], *, context: int, stride: 
 
 # ---------------------------------------------------------------------- the measurement
 def measure(model, tok, docs: list[Document], *, context: int | None = None, stride: int | None = None,
-            batch_size: int = 8, settings=None, log=None) -> dict:
+            batch_size: int = 8, options=None, log=None) -> dict:
     """The bits of `docs` under the model and each compressor -> the result dict (see --json):
     totals, per-measure bits and bits/byte, every file's numbers. log: a text stream for
     progress lines (None: quiet)."""
@@ -275,7 +275,7 @@ def measure(model, tok, docs: list[Document], *, context: int | None = None, str
                   f"{windows_done}/{windows} windows, {now - t0:.0f} s", file=log, flush=True)
 
     scored_bits, scored = score_documents(model, ids_list, context=context, stride=stride, batch_size=batch_size,
-                                          settings=settings, progress=progress)
+                                          options=options, progress=progress)
     model_seconds = time.perf_counter() - t0
     files = []
     for doc, raw, ids, bits, n in zip(docs, data, ids_list, scored_bits, scored):
@@ -293,7 +293,7 @@ def measure(model, tok, docs: list[Document], *, context: int | None = None, str
         measures[name] = {"bits": bits, "bits_per_byte": bits / total_bytes}
         joined = fn(b"".join(data))
         measures[name + JOINED] = {"bits": joined, "bits_per_byte": joined / total_bytes}
-    form = (settings.form if settings is not None else "absorbed")
+    form = (options.form if options is not None else "absorbed")
     return {"model": {"name": cfg.name, "params": count_params(model), "vocab_size": cfg.vocab_size,
                       "context": context, "stride": stride, "attention": f"sparse, {form}",
                       "dtype": str(jax.tree.leaves(nnx.state(model))[0].dtype)},
@@ -330,7 +330,7 @@ def main(argv=None) -> int:
     from glm_jax.frontends import cli
     from glm_jax.checkpoint import load_model_dir
     from glm_jax.data.tokenizer import load_tokenizer
-    from glm_jax.layers.decoder import AttentionSettings
+    from glm_jax.forward_options import ForwardOptions
     from glm_jax.training.step import attention_form
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -375,12 +375,12 @@ def main(argv=None) -> int:
         model = load_model_dir(model_dir, dtype=args.dtype)
         tok = load_tokenizer(model_dir)
         context = args.context or model.cfg.max_position_embeddings
-        settings = AttentionSettings(mode="sparse", form=attention_form(args.attention_form, context),
-                                     kernels=cli.kernel_choice(args))
+        options = ForwardOptions(mode="sparse", form=attention_form(args.attention_form, context),
+                                 kernels=cli.kernel_choice(args))
         print(f"{len(docs):,} files from {where}; model {model_dir} ({model.cfg.name}), context {context}",
               file=sys.stderr)
         result = measure(model, tok, docs, context=context, stride=args.stride, batch_size=args.batch_size,
-                         settings=settings, log=sys.stderr)
+                         options=options, log=sys.stderr)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -55,7 +55,7 @@ from glm_jax.config import extend_context
 from glm_jax.model import abstract_model
 from glm_jax.data.tokenizer import eos_id, load_tokenizer
 from glm_jax.frontends import cli
-from glm_jax.layers.decoder import AttentionSettings
+from glm_jax.forward_options import ForwardOptions
 
 BUCKETS = (4096, 16384, 65536, 131072)
 DEFINITION = "\ndef {}(v):\n    return v\n"
@@ -68,7 +68,7 @@ def token_logprobs(graphdef, state, inputs, targets, *, chunk: int, mode: str = 
     """inputs, targets int32 [B, S] -> float32 [B, S]: ln p(target), the logits made `chunk`
     positions at a time (S a multiple of chunk)."""
     model = nnx.merge(graphdef, state)
-    hidden = model(inputs, settings=AttentionSettings(mode=mode, form="absorbed")).hidden
+    hidden = model(inputs, options=ForwardOptions(mode=mode, form="absorbed")).hidden
     b, s, h = hidden.shape
     pieces = (hidden.reshape(b, s // chunk, chunk, h).swapaxes(0, 1), targets.reshape(b, s // chunk, chunk).swapaxes(0, 1))
 
@@ -85,13 +85,13 @@ def group_selections(graphdef, state, inputs, queries):
     """inputs int32 [B, S], queries int32 [B, Q] (positions) -> int32 [G, B, Q, topk]: the keys
     each IndexShare group's indexer selects for those queries (sparse mode, as `token_logprobs`)."""
     model = nnx.merge(graphdef, state)
-    settings = AttentionSettings(mode="sparse", form="absorbed")
+    options = ForwardOptions(mode="sparse", form="absorbed")
     x, picked = model.embed_tokens(inputs), []
     for stack in model.stacks:
         stack_graphdef, stack_state = nnx.split(stack)
 
         def body(x, group_state, stack_graphdef=stack_graphdef):
-            out = nnx.merge(stack_graphdef, group_state)(x, None, None, settings)
+            out = nnx.merge(stack_graphdef, group_state)(x, None, None, options)
             return out.x, jnp.take_along_axis(out.indices, queries[:, :, None], axis=1)
 
         x, selected = jax.lax.scan(body, x, stack_state)

@@ -42,6 +42,7 @@ from glm_jax.data.tokenizer import load_tokenizer
 from glm_jax.decoding.runtime import committed
 from glm_jax.decoding.sampling import SamplingParams
 from glm_jax.decoding.speculative import SpeculativeGenerator
+from glm_jax.forward_options import ForwardOptions
 from glm_jax.training.step import Batch, LossWeights, OptimizerConfig, StepConfig, train_step_program
 
 PUBLISHED = {"a": 4.56, "b": 5.10, "c": 5.29, "d": 5.47}
@@ -58,7 +59,8 @@ def finetune_mtp(model, docs, tok, weights: LossWeights, args) -> tuple[nnx.Stat
     graphdef, params, rest = nnx.split(model, MTP_PARAMS, ...)
     optimizer = OptimizerConfig(args.lr, args.finetune_steps, max(1, args.finetune_steps // 10))
     tx = optimizer.tx
-    config = StepConfig(optimizer, stage="sparse", weights=weights, kernels=ops.KernelChoice(), form="expanded")
+    config = StepConfig(optimizer, forward=ForwardOptions(mode="sparse", form="expanded", kernels=ops.KernelChoice()),
+                        weights=weights)
     params = committed(jax.tree.map(lambda x: x.copy(), params))   # train_step donates them
     opt_state = committed(tx.init(params))     # as train_step's outputs are: else it compiles twice
     batches = pipeline.PackedBatches(docs, pipeline.token_encoder(tok), seq_len=args.seq_len,

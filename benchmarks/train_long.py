@@ -41,6 +41,7 @@ from benchmarks._traces import summarize
 from benchmarks._measure import ceilings
 from glm_jax import costs, ops
 from glm_jax.config import load_config
+from glm_jax.forward_options import ForwardOptions
 from glm_jax.model import GLMModel, params_by_part
 from glm_jax.training.step import Batch, LossWeights, OptimizerConfig, StepConfig, train_step_program
 from lab import dense_indexer_kl_gpu_vjp
@@ -126,8 +127,8 @@ def _run() -> None:
                                    interpret=args.smoke and (impl.startswith("pallas") or impl.endswith("pallas_gpu")))
         weights = LossWeights(indexer=1.0 if stage == "sparse" or dense_kl else 0.0, mtp=0.3)
         opt_state = tx.init(params)
-        config = StepConfig(optimizer, stage=stage, weights=weights, kernels=kernels, remat=True,
-                            keep_attention=keep, form="absorbed")
+        config = StepConfig(optimizer, forward=ForwardOptions(mode=stage, form="absorbed", kernels=kernels, remat=True,
+                                                              keep_attention=keep), weights=weights)
         run = lambda p, o: train_step_program(graphdef, p, rest, o, Batch(inputs, targets), config=config)
         p = jax.tree.map(jnp.copy, params)
         try:

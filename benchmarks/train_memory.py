@@ -32,6 +32,7 @@ from flax import nnx
 
 from glm_jax import ops
 from glm_jax.config import load_config
+from glm_jax.forward_options import ForwardOptions
 from glm_jax.model import abstract_model
 from glm_jax.training.step import Batch, LossWeights, OptimizerConfig, StepConfig, train_step_program
 
@@ -77,8 +78,8 @@ def compiled_memory(cfg, seq_len: int, stage: str, *, batch: int = 1, packed: bo
         placed = jax.sharding.use_abstract_mesh(jax.sharding.Mesh(np.array([tpu_chip]), ("chip",)).abstract_mesh)
     t = time.perf_counter()
     with placed:
-        config = StepConfig(optimizer, stage=stage, weights=weights, kernels=kernels, remat=True, form="absorbed",
-                            max_segments=max_segments)
+        config = StepConfig(optimizer, forward=ForwardOptions(mode=stage, form="absorbed", kernels=kernels, remat=True,
+                                                              max_segments=max_segments), weights=weights)
         lowered = train_step_program.trace(graphdef, params, rest, opt_state,
                                            Batch(tokens, tokens, tokens if packed else None), config=config).lower()
     try:

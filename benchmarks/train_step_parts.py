@@ -86,6 +86,7 @@ def time_step(variant: str, recipe: dict, reps: int, smoke: bool, trace_dir: str
 
     from glm_jax import costs, ops
     from glm_jax.config import load_config
+    from glm_jax.forward_options import ForwardOptions
     from glm_jax.layers.segments import count_segments, segment_bound
     from glm_jax.model import GLMModel, params_by_part
     from glm_jax.training.metrics import memory_in_use
@@ -115,8 +116,8 @@ def time_step(variant: str, recipe: dict, reps: int, smoke: bool, trace_dir: str
         max_segments = segment_bound(count_segments(batch.segment_ids))
     inputs, targets, segments = (jnp.asarray(a) for a in (batch.inputs, batch.targets, batch.segment_ids))
 
-    config = StepConfig(optimizer, stage=stage, weights=weights, kernels=kernels, remat=True, form=form,
-                        max_segments=max_segments)
+    config = StepConfig(optimizer, forward=ForwardOptions(mode=stage, form=form, kernels=kernels, remat=True,
+                                                          max_segments=max_segments), weights=weights)
 
     def run(p, o):
         return train_step_program(graphdef, p, rest, o, Batch(inputs, targets, segments), config=config)

@@ -17,7 +17,7 @@ _EXPORTS = {
     "load_config": "glm_jax.config",
     "preset_names": "glm_jax.config",
     "GLMModel": "glm_jax.model",
-    "AttentionSettings": "glm_jax.layers.decoder",
+    "ForwardOptions": "glm_jax.forward_options",
     "KernelChoice": "glm_jax.ops",
     "OpChoice": "glm_jax.ops",
 }

@@ -25,6 +25,7 @@ from jax.experimental.layout import Format, Layout
 from glm_jax import ops
 from glm_jax.cache import LayerSplit, cache_shardings, create_cache
 from glm_jax.config import GLMConfig
+from glm_jax.forward_options import ForwardOptions
 from glm_jax.model import abstract_model
 from glm_jax.sharding import logical_sharding, make_mesh, param_shardings
 
@@ -72,11 +73,11 @@ def compile_decode_step(cfg: GLMConfig, *, topology: str, mesh_spec: str, batch:
     cache = _abstract(cache, formats)
     tokens = jax.ShapeDtypeStruct((batch, 1), jnp.int32,
                                   sharding=logical_sharding(mesh, ("batch", None), (batch, 1), "tokens"))
-    kernels = kernels or ops.KernelChoice(indexer_topk="xla", sparse_mla="xla")
+    options = ForwardOptions(kernels=kernels or ops.KernelChoice(indexer_topk="xla", sparse_mla="xla"))
 
     @functools.partial(jax.jit, donate_argnums=(1,), out_shardings=(None, formats))
     def step(state, cache, tokens):
-        logits, _, cache = nnx.merge(graphdef, state).forward_cached(tokens, cache, kernels=kernels)
+        logits, _, cache = nnx.merge(graphdef, state).forward_cached(tokens, cache, options=options)
         return jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32), cache
 
     return step.lower(params, cache, tokens).compile(compiler_options or {})

@@ -4,6 +4,9 @@
     logits, hidden, aux = model(tokens)                       # full sequence (training, scoring)
     logits, hidden, cache = model.forward_cached(tokens, cache)  # prefill chunk or decode step
 
+Every call's static choices are one `ForwardOptions` (`options=`, glm_jax.forward_options):
+the full-sequence calls read all of its fields, the cached calls only its kernels.
+
 Decoder layers live in `stacks`: stack k holds `plan[k].count` groups of identical structure
 with their parameters stacked on a leading axis and is run with `jax.lax.scan`.
 """
@@ -20,7 +23,8 @@ from flax import nnx
 from glm_jax import ops
 from glm_jax.cache import KVCache
 from glm_jax.config import GLMConfig
-from glm_jax.layers.decoder import AttentionSettings, GroupStackPlan, IndexShareGroup, plan_groups
+from glm_jax.forward_options import ForwardOptions, cached_kernels, check_options
+from glm_jax.layers.decoder import GroupStackPlan, IndexShareGroup, plan_groups
 from glm_jax.layers.embedding import Embed
 from glm_jax.layers.linear import Linear
 from glm_jax.layers.mtp import MTPLayer
@@ -67,10 +71,10 @@ class GLMModel(nnx.Module):
         return self.lm_head(hidden_normed).astype(jnp.float32)
 
     # ------------------------------------------------------------------ full sequence
-    def __call__(self, tokens: jnp.ndarray, *, settings: AttentionSettings = AttentionSettings(),
-                 lengths: jnp.ndarray | None = None, remat: bool = False,
-                 segment_ids: jnp.ndarray | None = None) -> ForwardOutput:
-        """tokens int32 [B, S] starting at position 0; lengths int32 [B] valid tokens (default S).
+    def __call__(self, tokens: jnp.ndarray, *, options: ForwardOptions = ForwardOptions(),
+                 lengths: jnp.ndarray | None = None, segment_ids: jnp.ndarray | None = None) -> ForwardOutput:
+        """tokens int32 [B, S] starting at position 0; lengths int32 [B] valid tokens (default S);
+        options: the call's static choices (mode, form, kernels, remat, ...: `ForwardOptions`).
 
         segment_ids int32 [B, S]: packed rows (`layers/segments.py`): tokens attend only their
         own segment, and positions restart at each segment's first token.
@@ -78,12 +82,10 @@ class GLMModel(nnx.Module):
         On a mesh set with `jax.set_mesh` whose context axis splits S (context parallelism,
         `glm_jax.sharding`), each device computes the activations of its S / context tokens; the
         results are those of one device."""
-        _check_call("GLMModel", tokens, settings)
+        _check_call("GLMModel", tokens, options)
         b, s = tokens.shape
         positions, kv_start = _layout(b, s, segment_ids)
         kv_len = jnp.full((b,), s, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
-        if remat:
-            settings = dataclasses.replace(settings, remat=True)
         x = self.embed_tokens(tokens)
         kl = jnp.zeros((), jnp.float32)
         for stack in self.stacks:
@@ -91,7 +93,7 @@ class GLMModel(nnx.Module):
 
             def body(carry, group_state, graphdef=graphdef):
                 x, kl = carry
-                x, group_kl, _, _ = nnx.merge(graphdef, group_state)(x, positions, kv_len, settings,
+                x, group_kl, _, _ = nnx.merge(graphdef, group_state)(x, positions, kv_len, options,
                                                                      kv_start=kv_start)
                 return (x, kl + group_kl), None
 
@@ -100,31 +102,34 @@ class GLMModel(nnx.Module):
         return ForwardOutput(self.logits(hidden), hidden, kl)
 
     def mtp_forward(self, hidden: jnp.ndarray, next_tokens: jnp.ndarray, *,
-                    settings: AttentionSettings = AttentionSettings(), lengths=None, shared_kv=None,
+                    options: ForwardOptions = ForwardOptions(), lengths=None, shared_kv=None,
                     segment_ids=None):
         """One MTP depth over a sequence: hidden [B, S, hidden] (normed h_i, or the previous
-        depth's output), next_tokens [B, S] (the tokens one further ahead); segment_ids as in
-        `__call__`.
+        depth's output), next_tokens [B, S] (the tokens one further ahead); options and
+        segment_ids as in `__call__`.
 
         shared_kv: (latent, indices) of depth 1, reused by depths >= 2 (KVShare training).
         -> (ForwardOutput, (latent [B, S, latent], indices [B, S, topk] or None)) of this depth."""
-        _check_call("GLMModel.mtp_forward", next_tokens, settings, name="next_tokens")
+        _check_call("GLMModel.mtp_forward", next_tokens, options, name="next_tokens")
         b, s = next_tokens.shape
         positions, kv_start = _layout(b, s, segment_ids)
         kv_len = jnp.full((b,), s, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
         out, kl, latent, indices = self.mtp.forward(self.embed_tokens(next_tokens), hidden, positions,
-                                                    kv_len, settings, shared_kv=shared_kv, kv_start=kv_start)
+                                                    kv_len, options, shared_kv=shared_kv, kv_start=kv_start)
         return ForwardOutput(self.logits(out), out, kl), (latent, indices)
 
     # ------------------------------------------------------------------ with a KV cache
     def forward_cached(self, tokens: jnp.ndarray, cache: KVCache, *,
-                       kernels: ops.KernelChoice = ops.KernelChoice(),
+                       options: ForwardOptions = ForwardOptions(),
                        num_valid: jnp.ndarray | None = None) -> tuple[jnp.ndarray, jnp.ndarray, KVCache]:
         """Run tokens int32 [B, S] at the cache's next positions (its lengths + [0, S)).
 
+        options: only its kernels are read (sparse attention in the absorbed form; any other
+        field set is a ValueError, `forward_options.cached_kernels`).
         num_valid int32 [B] (default S): how many of the S tokens are real; the cache length
         advances by it (padding rows are written but never attended by real queries).
         -> (logits float32 [B, S, vocab], hidden normed [B, S, hidden], updated cache)."""
+        kernels = cached_kernels("GLMModel.forward_cached", options)
         s = tokens.shape[1]
         positions = cache.positions(s)
         x, cache = self._cached_stacks(self.embed_tokens(tokens), positions, cache, kernels)
@@ -164,11 +169,13 @@ class GLMModel(nnx.Module):
 
     # ------------------------------------------------------------------ MTP with a cache
     def mtp_forward_cached(self, next_tokens, hidden, cache: KVCache, *,
-                           kernels: ops.KernelChoice = ops.KernelChoice(), num_valid=None):
+                           options: ForwardOptions = ForwardOptions(), num_valid=None):
         """MTP over the MTP cache's next positions (its lengths + [0, S)): row i takes the
         target's normed hidden h_i [B, S, hidden] and the token t_{i+1} int32 [B, S]; its KV is
-        written to the MTP cache (`create_mtp_cache`). -> (logits [B, S, V], normed hidden
-        [B, S, hidden], cache, indices int32 [B, S, topk] the MTP indexer chose)."""
+        written to the MTP cache (`create_mtp_cache`); options as in `forward_cached`.
+        -> (logits [B, S, V], normed hidden [B, S, hidden], cache, indices int32 [B, S, topk]
+        the MTP indexer chose)."""
+        kernels = cached_kernels("GLMModel.mtp_forward_cached", options)
         s = next_tokens.shape[1]
         positions = cache.positions(s)
         x = self._mtp_inputs(next_tokens, hidden, kernels)
@@ -178,10 +185,12 @@ class GLMModel(nnx.Module):
         return logits, out, cache.with_view(view).advance(_advance(s, num_valid)), indices
 
     def mtp_draft_step(self, next_tokens, hidden, positions, cache: KVCache, indices, *,
-                       kernels: ops.KernelChoice = ops.KernelChoice()):
+                       options: ForwardOptions = ForwardOptions()):
         """A KVShare draft step (2..K): reuse `indices` [B, 1, topk] from draft step 1, so only KV
-        computed from the target's hidden states is read; nothing is written.
+        computed from the target's hidden states is read; nothing is written; options as in
+        `forward_cached`.
         next_tokens [B, 1], hidden [B, 1, hidden], positions [B, 1] -> (logits [B, 1, V], hidden)."""
+        kernels = cached_kernels("GLMModel.mtp_draft_step", options)
         x = self._mtp_inputs(next_tokens, hidden, kernels)
         x = self.mtp.block.forward_reusing_indices(x, positions, _mtp_view(cache, positions), indices, kernels)
         return self._cached_head(self.mtp.shared_head.norm, x, kernels)
@@ -192,12 +201,10 @@ class GLMModel(nnx.Module):
         return in_row_chunks(self.mtp.inputs, self.embed_tokens(next_tokens), hidden, rows=kernels.token_rows)
 
 
-def _check_call(owner: str, tokens, settings, name: str = "tokens") -> None:
-    """TypeError / ValueError naming the argument unless tokens are int [B, S] and settings an
-    AttentionSettings."""
-    if not isinstance(settings, AttentionSettings):
-        raise TypeError(f"{owner}: settings must be an AttentionSettings (e.g. AttentionSettings(mode=\"sparse\")), "
-                        f"got {type(settings).__name__} {settings!r}")
+def _check_call(owner: str, tokens, options, name: str = "tokens") -> None:
+    """TypeError / ValueError naming the argument unless tokens are int [B, S] and options a
+    ForwardOptions."""
+    check_options(owner, options)
     if getattr(tokens, "ndim", None) != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
         raise ValueError(f"{owner}: {name} must be token ids int32 [batch, sequence], got "
                          f"{getattr(tokens, 'dtype', type(tokens).__name__)} {tuple(getattr(tokens, 'shape', ()))}")

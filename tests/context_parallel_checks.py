@@ -23,6 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 from conftest import micro_config  # noqa: E402
 from glm_jax import ops, sharding  # noqa: E402
+from glm_jax.forward_options import ForwardOptions  # noqa: E402
 from glm_jax.model import GLMModel  # noqa: E402
 from glm_jax.training.step import LossWeights, loss_terms  # noqa: E402
 
@@ -44,11 +45,13 @@ def make_batch(s: int = S):
 
 def loss_and_grads(graphdef, stage: str, form: str, packed: bool, weights: LossWeights):
     """A jitted (params, rest, inputs, targets, segments) -> (loss terms, gradients)."""
+    options = ForwardOptions(mode=stage, form=form)
+
     @jax.jit
     def run(params, rest, inputs, targets, segments):
         def f(p):
-            return loss_terms(nnx.merge(graphdef, p, rest), inputs, targets, stage=stage, weights=weights,
-                              kernels=ops.KernelChoice(), form=form, segment_ids=segments if packed else None)
+            return loss_terms(nnx.merge(graphdef, p, rest), inputs, targets, options=options, weights=weights,
+                              segment_ids=segments if packed else None)
         (_, terms), grads = jax.value_and_grad(f, has_aux=True)(params)
         return terms, grads
     return run
@@ -131,8 +134,8 @@ def main():
     with jax.set_mesh(mesh):
         args = on_mesh(mesh, params, rest, batch)
         loss = jax.jit(lambda p, r, x, y, seg: loss_terms(
-            nnx.merge(graphdef, p, r), x, y, stage="sparse", weights=ALL_LOSSES, kernels=ops.KernelChoice(),
-            form="absorbed", segment_ids=seg)[0])(args[0], args[1], *args[2])
+            nnx.merge(graphdef, p, r), x, y, options=ForwardOptions(mode="sparse", form="absorbed"),
+            weights=ALL_LOSSES, segment_ids=seg)[0])(args[0], args[1], *args[2])
     ops.split_queries = REAL_SPLIT
     out["keys_not_gathered"] = [float(loss), float(refs[("sparse", True)][0]["loss"])]
     out["indivisible"] = indivisible_errors(graphdef, params, rest)

@@ -6,18 +6,17 @@ from __future__ import annotations
 
 from flax import nnx
 
-from glm_jax.layers.decoder import AttentionSettings
+from glm_jax.forward_options import ForwardOptions
 
 
-@nnx.jit(static_argnames="settings")
-def forward_logits(model, tokens, settings: AttentionSettings = AttentionSettings()):
-    """model(tokens [B, S], settings=settings).logits -> [B, S, V]."""
-    return model(tokens, settings=settings).logits
+@nnx.jit(static_argnames="options")
+def forward_logits(model, tokens, options: ForwardOptions = ForwardOptions()):
+    """model(tokens [B, S], options=options).logits -> [B, S, V]."""
+    return model(tokens, options=options).logits
 
 
-@nnx.jit(static_argnames="kernels")
-def forward_cached(model, tokens, cache, num_valid=None, kernels=None):
-    """model.forward_cached(tokens [B, S], cache, num_valid [B] or None, kernels) -> (logits
-    [B, S, V], normed hidden [B, S, hidden], the advanced cache); kernels None: the default."""
-    extra = {} if kernels is None else {"kernels": kernels}
-    return model.forward_cached(tokens, cache, num_valid=num_valid, **extra)
+@nnx.jit(static_argnames="options")
+def forward_cached(model, tokens, cache, num_valid=None, options: ForwardOptions = ForwardOptions()):
+    """model.forward_cached(tokens [B, S], cache, num_valid [B] or None, options) -> (logits
+    [B, S, V], normed hidden [B, S, hidden], the advanced cache)."""
+    return model.forward_cached(tokens, cache, num_valid=num_valid, options=options)

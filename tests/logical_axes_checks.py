@@ -18,7 +18,7 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from glm_jax import load_config  # noqa: E402
-from glm_jax.layers import AttentionSettings, Embed, IndexShareGroup, LayerKind, Linear, RMSNorm  # noqa: E402
+from glm_jax.layers import Embed, ForwardOptions, IndexShareGroup, LayerKind, Linear, RMSNorm  # noqa: E402
 from glm_jax.sharding import batch_sharding, make_mesh, make_rules, shard_params, use_rules  # noqa: E402
 
 CFG = load_config("tiny-attention")
@@ -34,7 +34,7 @@ class TinyLM(nnx.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, rngs=rngs, axes=("embed", "vocab"))
 
     def __call__(self, tokens):
-        out = self.group(self.embed_tokens(tokens), settings=AttentionSettings(mode="sparse"))
+        out = self.group(self.embed_tokens(tokens), options=ForwardOptions(mode="sparse"))
         return self.lm_head(self.norm(out.x))
 
 
@@ -77,8 +77,8 @@ def model_logit_diffs() -> dict:
     cfg = load_config("tiny").replace(num_hidden_layers=2, index_topk_pattern="FS")
     model = GLMModel(cfg, rngs=nnx.Rngs(0))
     tokens = (jnp.arange(4)[:, None] * 5 + jnp.arange(16)[None, :]) % cfg.vocab_size
-    settings = AttentionSettings(form="expanded", indexer_loss=True)
-    logits = nnx.jit(lambda model, tokens: model(tokens, settings=settings).logits)
+    options = ForwardOptions(form="expanded", indexer_loss=True)
+    logits = nnx.jit(lambda model, tokens: model(tokens, options=options).logits)
     want = logits(model, tokens)
     out = {}
     for name, mesh, rules in (("library mesh", make_mesh("data=2,tensor=2"), None),

@@ -21,6 +21,7 @@ from glm_jax.decoding.engine import Request, ServingEngine
 from glm_jax.decoding.generate import Generator
 from glm_jax.decoding.sampling import SamplingParams
 from glm_jax.decoding.speculative import SpeculativeGenerator
+from glm_jax.forward_options import ForwardOptions
 from glm_jax.model import GLMModel
 from glm_jax.row_chunks import in_row_chunks
 
@@ -71,7 +72,8 @@ def test_in_row_chunks_refuses_bad_rows_and_mismatched_arrays():
 
 
 # ---------------------------------------------------------------- the cached forward, bit for bit
-_forward = nnx.jit(lambda model, tokens, cache, kernels: model.forward_cached(tokens, cache, kernels=kernels),
+_forward = nnx.jit(lambda model, tokens, cache, kernels: model.forward_cached(tokens, cache,
+                                                                              options=ForwardOptions(kernels=kernels)),
                    static_argnames="kernels")
 
 

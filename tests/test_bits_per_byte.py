@@ -18,7 +18,7 @@ from flax import nnx
 from benchmarks import bits_per_byte as bpb
 from glm_jax.checkpoint import load_model_dir
 from glm_jax.data.tokenizer import eos_id, load_tokenizer
-from glm_jax.layers.decoder import AttentionSettings
+from glm_jax.forward_options import ForwardOptions
 from conftest import ROOT
 
 MODEL = ROOT / "checkpoints" / "default"
@@ -56,7 +56,7 @@ def _by_hand(model, ids: np.ndarray, context: int) -> float:
     """-sum log2 p(ids[t] | ids[window start .. t-1]) over t = 1 .. n-1, windows of `context`
     inputs from 0, each run alone at its own length; float64 softmax on the host."""
     graphdef, state = nnx.split(model)
-    forward = jax.jit(lambda st, x: nnx.merge(graphdef, st)(x, settings=AttentionSettings(
+    forward = jax.jit(lambda st, x: nnx.merge(graphdef, st)(x, options=ForwardOptions(
         mode="sparse", form="absorbed")).logits)
     total = 0.0
     for start in range(0, ids.size - 1, context):
@@ -190,7 +190,7 @@ def test_fp8_scores_read_the_quantized_cache_in_every_chunk():
     model = fp8_micro_model()
     rows = (np.arange(3 * 49).reshape(3, 49) * 7 % 97).astype(np.int32)     # 3 rows: one call of 2, one padded
     auto = prefill_scores(model, rows, "auto", 16)
-    logits = model(jnp.asarray(rows[:, :-1]), settings=AttentionSettings(mode="sparse", form="absorbed")).logits
+    logits = model(jnp.asarray(rows[:, :-1]), options=ForwardOptions(mode="sparse", form="absorbed")).logits
     direct = jnp.take_along_axis(jax.nn.log_softmax(logits.astype(jnp.float32), -1), rows[:, 1:, None], -1)[..., 0]
     np.testing.assert_allclose(auto, np.asarray(direct), atol=2e-4)
     fp8_chunks, fp8_whole = prefill_scores(model, rows, "fp8", 16), prefill_scores(model, rows, "fp8", 48)

@@ -12,6 +12,7 @@ from flax import nnx
 
 from glm_jax import ops
 from glm_jax.cache import create_cache, create_paged_cache
+from glm_jax.forward_options import ForwardOptions
 from glm_jax.layers.indexer import Indexer
 from glm_jax.model import GLMModel
 from jitted_calls import forward_cached, forward_logits
@@ -88,5 +89,5 @@ def test_paged_decode_equals_full_forward(micro_cfg):
     assert not np.asarray(cache.latent[:, 0]).any()                  # page 0 is nobody's
 
     pallas = ops.KernelChoice(indexer_topk="pallas_gpu", sparse_mla="pallas_gpu", interpret=True)
-    step, _, _ = forward_cached(model, tokens[:, 3:4], cache, kernels=pallas)
+    step, _, _ = forward_cached(model, tokens[:, 3:4], cache, options=ForwardOptions(kernels=pallas))
     np.testing.assert_allclose(step, full[:, 3:4], atol=2e-4, rtol=1e-4)

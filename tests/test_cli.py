@@ -260,7 +260,7 @@ def test_train_from_a_hugging_face_checkpoint(tmp_path, monkeypatch, capsys):
     hf.write_checkpoint(hf_dir, dict(hf.GLM, vocab_size=320, num_hidden_layers=3))    # Full, Full, Shared
     seen = []
     step = run.train_step
-    monkeypatch.setattr(run, "train_step", lambda state, batch, config: seen.append(config.kernels)
+    monkeypatch.setattr(run, "train_step", lambda state, batch, config: seen.append(config.forward.kernels)
                         or step(state, batch, config))
     assert train.main(["--hf-checkpoint", str(hf_dir), "--out", str(out), "--steps", "1", "--lr", "0",
                        "--batch-size", "2", "--seq-len", "16", "--max-files", "2", "--eval-batches", "1",

@@ -18,6 +18,7 @@ import pallas_kernels as pk
 from conftest import jaxpr_equations, micro_config
 from kernel_contract import check_dense_indexer_kl, dense_indexer_kl_inputs
 from glm_jax import ops
+from glm_jax.forward_options import ForwardOptions
 from glm_jax.layers.decoder import head_summed_target, _Rows, indexer_kl
 from glm_jax.layers.dense_indexer_kl import DenseTarget, dense_group_kl
 from glm_jax.layers.segments import segment_layout
@@ -140,10 +141,10 @@ def test_loss_terms_dense_stage_absorbed_equals_expanded(packed, remat):
     weights = LossWeights(indexer=1.0, mtp=0.3, mtp_depth=2)
 
     def loss(params, form):
-        return loss_terms(nnx.merge(graphdef, params, rest), inputs, targets, stage="dense", weights=weights,
-                          kernels=ops.KernelChoice(dense_indexer_kl=("xla", pk.DenseIndexerKLXlaConfig(block=8))),
-                          form=form,
-                          remat=remat and form == "absorbed", segment_ids=segments)
+        kernels = ops.KernelChoice(dense_indexer_kl=("xla", pk.DenseIndexerKLXlaConfig(block=8)))
+        options = ForwardOptions(mode="dense", form=form, kernels=kernels, remat=remat and form == "absorbed")
+        return loss_terms(nnx.merge(graphdef, params, rest), inputs, targets, options=options, weights=weights,
+                          segment_ids=segments)
 
     both = jax.jit(lambda params: [jax.value_and_grad(loss, has_aux=True)(params, form)        # one program
                                    for form in ("absorbed", "expanded")])

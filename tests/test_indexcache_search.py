@@ -16,9 +16,9 @@ from glm_jax.frontends import indexcache_search as search_cli
 from glm_jax.checkpoint import save_model_dir
 from glm_jax.convert.repattern import with_pattern
 from glm_jax.data.tokenizer import save_tokenizer, train_bpe
-from glm_jax.layers.decoder import AttentionSettings
 from glm_jax.convert.load import assemble_model
 from glm_jax.convert.names import param_specs
+from glm_jax.forward_options import ForwardOptions
 
 TEXT = "def add(a, b):\n    return a + b\n\n\nclass Stack:\n    def push(self, x):\n        self.items.append(x)\n" * 4
 
@@ -33,7 +33,7 @@ def _random_model(cfg, seed):
 
 @nnx.jit(static_argnames="mode")
 def _logits(model, tokens, mode):
-    return model(tokens, settings=AttentionSettings(mode=mode)).logits
+    return model(tokens, options=ForwardOptions(mode=mode)).logits
 
 
 def test_with_pattern_moves_weights_and_changes_only_index_selection():

@@ -11,7 +11,7 @@ from conftest import ROOT
 
 PACKAGE = ROOT / "glm_jax"
 CORE = ["training", "decoding", "layers", "cache", "data", "convert", "model", "config", "checkpoint", "ops",
-        "sharding", "settings", "kernel_configs"]
+        "forward_options", "sharding", "settings", "kernel_configs"]
 FRONT_ENDS = "glm_jax.frontends"
 
 

@@ -24,7 +24,7 @@ import glm_jax
 from conftest import simulated_devices_env
 from glm_jax.config import PRESETS_DIR, ConfigError, load_config, preset_names
 from glm_jax.extras import EXTRA_OF
-from glm_jax.layers import AttentionSettings, IndexShareGroup, LayerKind
+from glm_jax.layers import ForwardOptions, IndexShareGroup, LayerKind
 from glm_jax.model import GLMModel
 from glm_jax.ops import KernelChoice
 
@@ -105,13 +105,13 @@ def test_presets_ship_as_package_data_and_load_by_name():
         load_config("tiny2")
 
 
-def test_settings_and_layer_constructors_check_their_arguments():
-    with pytest.raises(ValueError, match=r"AttentionSettings.mode must be one of \('sparse', 'dense'\), got 'sprase'"):
-        AttentionSettings(mode="sprase")
-    with pytest.raises(ValueError, match=r"AttentionSettings.form must be one of \('absorbed', 'expanded'\), got 'flash'"):
-        AttentionSettings(form="flash")
+def test_options_and_layer_constructors_check_their_arguments():
+    with pytest.raises(ValueError, match=r"ForwardOptions.mode must be one of \('sparse', 'dense'\), got 'sprase'"):
+        ForwardOptions(mode="sprase")
+    with pytest.raises(ValueError, match=r"ForwardOptions.form must be one of \('absorbed', 'expanded'\), got 'flash'"):
+        ForwardOptions(form="flash")
     with pytest.raises(ValueError, match=r"max_segments must be a positive int or None, got 0"):
-        AttentionSettings(max_segments=0)
+        ForwardOptions(max_segments=0)
     with pytest.raises(ValueError, match=r"KernelChoice sparse_mla='flash': valid choices are 'auto', 'reference'"):
         KernelChoice(sparse_mla="flash")
     with pytest.raises(ValueError, match=r"KernelChoice: unknown op 'attention'; the ops are sparse_mla, indexer_topk"):
@@ -126,7 +126,7 @@ def test_settings_and_layer_constructors_check_their_arguments():
     s = cfg.max_position_embeddings + 1
     with pytest.raises(ValueError, match=rf"a sequence of {s} tokens is longer than max_position_embeddings="):
         group.forward(jnp.zeros((1, s, cfg.hidden_size)), jnp.zeros((1, s), jnp.int32), jnp.full((1,), s, jnp.int32),
-                      AttentionSettings())
+                      ForwardOptions())
 
 
 def test_modules_are_small_and_the_scripts_are_shims():
@@ -143,7 +143,7 @@ def test_public_names():
     from glm_jax import layers
 
     assert glm_jax.GLMModel is GLMModel
-    assert glm_jax.load_config is load_config and glm_jax.AttentionSettings is AttentionSettings
+    assert glm_jax.load_config is load_config and glm_jax.ForwardOptions is ForwardOptions
     assert all(getattr(layers, name) for name in layers.__all__) and set(glm_jax.__all__) <= set(dir(glm_jax))
     with pytest.raises(AttributeError, match="has no attribute 'Model'"):
         glm_jax.Model

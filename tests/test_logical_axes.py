@@ -21,7 +21,7 @@ from jax.sharding import AbstractMesh, PartitionSpec as P
 
 from conftest import simulated_devices_env
 from glm_jax import load_config
-from glm_jax.layers import (AttentionSettings, DecoderLayer, Embed, GroupOutput, IndexShareGroup, Indexer, LayerKind,
+from glm_jax.layers import (DecoderLayer, Embed, ForwardOptions, GroupOutput, IndexShareGroup, Indexer, LayerKind,
                             Linear, MLAProjection, MLP, MoE, MTPLayer, RMSNorm)
 from glm_jax.logical_axes import LOGICAL_AXES, param
 from glm_jax.model import abstract_model, init_model
@@ -123,8 +123,8 @@ def test_misuse_is_one_line_naming_the_layers_argument():
         group(jnp.zeros((2, 8, 32)))
     with pytest.raises(ValueError, match=r"IndexShareGroup: positions must have shape \(2, 8\), got shape \(8,\)"):
         group(x, jnp.arange(8, dtype=jnp.int32))
-    with pytest.raises(TypeError, match=r"IndexShareGroup: settings must be an AttentionSettings .*got str 'sparse'"):
-        group(x, settings="sparse")
+    with pytest.raises(TypeError, match=r"IndexShareGroup: options must be a ForwardOptions .*got str 'sparse'"):
+        group(x, options="sparse")
     with pytest.raises(ValueError, match=r"IndexShareGroup: kv_len must have shape \(2,\), got shape \(\)"):
         group(x, kv_len=jnp.int32(8))
     with pytest.raises(ValueError, match=r"Linear: x has shape \(4, 5\), but the layer takes in_features=6"):
@@ -138,8 +138,8 @@ def test_misuse_is_one_line_naming_the_layers_argument():
     with pytest.raises(ValueError, match=r"Embed: ids must hold integers"):
         Embed(4, 2, rngs=nnx.Rngs(0))(jnp.zeros((2,)))
     model = abstract_model(cfg)
-    with pytest.raises(TypeError, match=r"GLMModel: settings must be an AttentionSettings .*got str 'dense'"):
-        model(jnp.zeros((1, 4), jnp.int32), settings="dense")
+    with pytest.raises(TypeError, match=r"GLMModel: options must be a ForwardOptions .*got str 'dense'"):
+        model(jnp.zeros((1, 4), jnp.int32), options="dense")
     with pytest.raises(ValueError, match=r"GLMModel: tokens must be token ids int32 \[batch, sequence\], got int32 \(4,\)"):
         model(jnp.zeros((4,), jnp.int32))
 
@@ -148,10 +148,10 @@ def test_the_group_is_called_like_a_flax_module():
     cfg = load_config("tiny-attention")
     group = IndexShareGroup(cfg, (FULL, SHARED), rngs=nnx.Rngs(0))
     x = jax.random.normal(jax.random.key(1), (2, 8, cfg.hidden_size))
-    out = group(x)                                            # positions, lengths and settings defaulted
+    out = group(x)                                            # positions, lengths and options defaulted
     assert isinstance(out, GroupOutput) and out.x.shape == x.shape and out.indices.shape == (2, 8, cfg.index_topk)
     positions = jnp.broadcast_to(jnp.arange(8, dtype=jnp.int32), (2, 8))
-    again = group.forward(x, positions, jnp.full((2,), 8, jnp.int32), AttentionSettings())
+    again = group.forward(x, positions, jnp.full((2,), 8, jnp.int32), ForwardOptions())
     np.testing.assert_array_equal(again.x, out.x)
     x_out, kl, latent, indices = out                          # still unpacks as the 4-tuple it was
     assert latent.shape == (2, 8, cfg.kv_lora_rank + cfg.qk_rope_head_dim) and kl.shape == ()

@@ -12,9 +12,9 @@ from flax import nnx
 
 import pallas_kernels as pk
 from glm_jax import ops
+from glm_jax.forward_options import ForwardOptions
 from glm_jax.layers.decoder import indexer_kl
 from glm_jax.model import GLMModel
-from glm_jax.layers.decoder import AttentionSettings
 from glm_jax.training.head_losses import linear_cross_entropy, linear_cross_entropy_with_tv, linear_nll_and_tv
 from glm_jax.training.losses import (cross_entropy, end_to_end_tv, head_cross_entropy, shift_left, token_nll,
                                     total_variation)
@@ -163,15 +163,15 @@ def test_linear_head_losses_hold_one_chunk_of_logits():
 def _old_loss(model, inputs, targets, weights: LossWeights, segment_ids):
     """`loss_terms` (expanded dense attention) as it was before the head losses were fused: the
     terms from the whole logits of `model.logits`. -> (total, {"lm", "mtp", "mtp_tv"})."""
-    settings = AttentionSettings(mode="dense", form="expanded", indexer_loss=weights.indexer > 0)
-    out = model(inputs, settings=settings, segment_ids=segment_ids)
+    options = ForwardOptions(mode="dense", form="expanded", indexer_loss=weights.indexer > 0)
+    out = model(inputs, options=options, segment_ids=segment_ids)
     s = inputs.shape[1]
     lm_mask = None if segment_ids is None else segment_ids > 0
     terms = {"lm": cross_entropy(model.logits(out.hidden), targets, lm_mask)}
     total = terms["lm"] + weights.indexer * out.indexer_kl / (s * len(model.cfg.full_layers))
     hidden, shared, ces, tvs = out.hidden, None, [], []
     for d in range(1, weights.mtp_depth + 1):
-        mtp, kv = model.mtp_forward(hidden, shift_left(targets, d - 1), settings=settings, shared_kv=shared,
+        mtp, kv = model.mtp_forward(hidden, shift_left(targets, d - 1), options=options, shared_kv=shared,
                                     segment_ids=segment_ids)
         mask = jnp.broadcast_to(_targets_ahead(segment_ids, s, d), targets.shape)
         ces.append(cross_entropy(model.logits(mtp.hidden), shift_left(targets, d), mask))
@@ -200,8 +200,8 @@ def test_loss_terms_with_mtp_depth_3_equal_the_full_logits_path(tv, packed):
     weights = LossWeights(mtp=0.3, mtp_depth=3, tv=tv)
 
     def new(params):
-        return loss_terms(nnx.merge(graphdef, params, rest), inputs, targets, stage="dense", weights=weights,
-                          kernels=ops.KernelChoice(), segment_ids=segments)
+        return loss_terms(nnx.merge(graphdef, params, rest), inputs, targets, weights=weights, segment_ids=segments,
+                          options=ForwardOptions(mode="dense", form="expanded"))
 
     def old(params):
         return _old_loss(nnx.merge(graphdef, params, rest), inputs, targets, weights, segments)
@@ -256,7 +256,8 @@ def test_multi_depth_mtp_losses_with_and_without_kv_share(stage):
     @jax.jit
     def every_setting(params):          # one program for the four
         model = nnx.merge(graphdef, params, rest)
-        return [loss_terms(model, inputs, targets, stage=stage, weights=w, kernels=ops.KernelChoice()) for w in settings]
+        options = ForwardOptions(mode=stage, form="expanded")
+        return [loss_terms(model, inputs, targets, options=options, weights=w) for w in settings]
 
     deep_share, deep_own, one_share, one_own = every_setting(params)
     for total, terms in (deep_share, deep_own):
@@ -312,11 +313,9 @@ def test_grouped_selected_set_kl_equals_the_per_layer_sum():
 def test_long_sequence_forms_equal_the_expanded_form():
     """The forms that hold no [S, T] matrices (dense: fused causal attention; sparse: sparse MLA
     with the chunked selected-set KL) give the expanded form's logits, KL and KL gradients."""
-    from glm_jax.layers.decoder import AttentionSettings
-
     cfg, graphdef, params, rest = _micro_parts(**TWO_LAYERS)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 12)), jnp.int32)
-    run = lambda m, **kw: m(tokens, settings=AttentionSettings(**kw))
+    run = lambda m, **kw: m(tokens, options=ForwardOptions(**kw))
     dense_logits = jax.jit(lambda params: [run(nnx.merge(graphdef, params, rest), mode="dense", form=form).logits
                                            for form in ("absorbed", "expanded")])
     np.testing.assert_allclose(*dense_logits(params), atol=2e-5)
@@ -345,8 +344,8 @@ def test_remat_keeps_the_loss_and_gradients(stage, form):
 
     def loss(params, remat):
         model = nnx.merge(graphdef, params, rest)
-        return loss_terms(model, tokens[:, :-1], tokens[:, 1:], stage=stage, weights=LossWeights(indexer=1.0),
-                          kernels=ops.KernelChoice(), remat=remat, form=form)[0]
+        return loss_terms(model, tokens[:, :-1], tokens[:, 1:], weights=LossWeights(indexer=1.0),
+                          options=ForwardOptions(mode=stage, form=form, remat=remat))[0]
 
     compiled = [jax.jit(jax.value_and_grad(loss), static_argnums=1).lower(params, r).compile() for r in (False, True)]
     temps = [c.memory_analysis().temp_size_in_bytes for c in compiled]
@@ -374,8 +373,8 @@ def test_sparse_attention_backward_index_is_sorted_once_per_group():
             model = nnx.merge(graphdef, params, rest)
             config = pk.SparseMLAGpuConfig(dkv_mode="sorted") if attention == "pallas_gpu" else None
             kernels = ops.KernelChoice(sparse_mla=(attention, config), interpret=attention != "xla")
-            return loss_terms(model, tokens[:, :-1], tokens[:, 1:], stage="sparse", weights=LossWeights(indexer=1.0),
-                              kernels=kernels, form="absorbed")[0]
+            return loss_terms(model, tokens[:, :-1], tokens[:, 1:], weights=LossWeights(indexer=1.0),
+                              options=ForwardOptions(mode="sparse", form="absorbed", kernels=kernels))[0]
         return _sorts(jax.make_jaxpr(jax.grad(loss))(params).jaxpr)
 
     assert sorts("pallas_gpu") - sorts("xla") == 3
@@ -413,8 +412,8 @@ def test_keep_attention_runs_the_sparse_forward_kernel_once_a_layer():
 
     def loss(params, keep):
         model = nnx.merge(graphdef, params, rest)
-        return loss_terms(model, tokens[:, :-1], tokens[:, 1:], stage="sparse", weights=LossWeights(indexer=1.0),
-                          kernels=kernels, remat=True, keep_attention=keep, form="absorbed")[0]
+        options = ForwardOptions(mode="sparse", form="absorbed", kernels=kernels, remat=True, keep_attention=keep)
+        return loss_terms(model, tokens[:, :-1], tokens[:, 1:], weights=LossWeights(indexer=1.0), options=options)[0]
 
     traced = [jax.jit(jax.value_and_grad(loss), static_argnums=1).trace(params, keep) for keep in (False, True)]
     calls = [_forward_kernel_calls(t.jaxpr.jaxpr) for t in traced]
@@ -433,3 +432,26 @@ def test_keep_attention_needs_remat():
     with pytest.raises(SettingError, match="--remat"):
         KernelsConfig(keep_attention=True)
     assert KernelsConfig(remat=True, keep_attention=True).keep_attention
+
+
+def test_the_step_config_holds_the_forward_options_whole():
+    """StepConfig holds the model call's ForwardOptions as one field: `of` builds it from a run's
+    settings, `with_forward` changes some of its fields (the loop's stage and segment bound), and
+    its indexer_loss follows the loss weights as `loss_terms` sets it."""
+    from glm_jax.training.run_config import KernelsConfig, TrainConfig
+    from glm_jax.training.step import OptimizerConfig, StepConfig
+
+    settings = TrainConfig(out="r", kernels=KernelsConfig(remat=True, keep_attention=True))
+    config = StepConfig.of(settings, kernels=ops.KernelChoice(), form="absorbed", stage="dense")
+    assert config.forward == ForwardOptions(mode="dense", form="absorbed", remat=True, keep_attention=True,
+                                            indexer_loss=config.weights.indexer > 0)
+    step = config.with_forward(mode="sparse", max_segments=4)
+    assert (step.forward.mode, step.forward.max_segments, step.forward.remat) == ("sparse", 4, True)
+    assert step.optimizer == config.optimizer and step.weights == config.weights and hash(step) != hash(config)
+    plain = StepConfig(OptimizerConfig(1e-3, 10, 2), forward=ForwardOptions(), weights=LossWeights(indexer=0.0))
+    assert not plain.forward.indexer_loss
+    assert StepConfig(plain.optimizer, forward=ForwardOptions(), weights=LossWeights(indexer=1.0)).forward.indexer_loss
+    with pytest.raises(TypeError, match=r"StepConfig: forward must be a ForwardOptions .*got str 'sparse'"):
+        StepConfig(plain.optimizer, forward="sparse")
+    with pytest.raises(TypeError, match="positional argument"):
+        ForwardOptions("sparse")

@@ -11,8 +11,9 @@ from flax import nnx
 
 from glm_jax import ops
 from glm_jax.cache import create_cache
+from glm_jax.forward_options import ForwardOptions
 from glm_jax.layers import moe as moe_lib
-from glm_jax.layers.decoder import AttentionSettings, plan_groups
+from glm_jax.layers.decoder import plan_groups
 from glm_jax.model import GLMModel
 from jitted_calls import forward_cached, forward_logits
 
@@ -46,15 +47,15 @@ def test_sparse_equals_dense_when_topk_covers_context(micro_cfg):
     cfg = micro_cfg.replace(index_topk=16)
     model, tokens = _model(cfg), _tokens(cfg, 2, 12)
     for form in ("absorbed", "expanded"):
-        sparse = forward_logits(model, tokens, AttentionSettings(mode="sparse", form=form))
-        dense = forward_logits(model, tokens, AttentionSettings(mode="dense", form=form))
+        sparse = forward_logits(model, tokens, ForwardOptions(mode="sparse", form=form))
+        dense = forward_logits(model, tokens, ForwardOptions(mode="dense", form=form))
         np.testing.assert_allclose(sparse, dense, atol=ATOL, rtol=1e-4)
 
 
 def test_sparse_differs_from_dense_when_topk_is_small(micro_cfg, micro_model):
     model, tokens = micro_model, _tokens(micro_cfg, 2, 12)
-    sparse = forward_logits(model, tokens, AttentionSettings(mode="sparse"))
-    dense = forward_logits(model, tokens, AttentionSettings(mode="dense"))
+    sparse = forward_logits(model, tokens, ForwardOptions(mode="sparse"))
+    dense = forward_logits(model, tokens, ForwardOptions(mode="dense"))
     assert np.abs(np.asarray(sparse - dense))[:, micro_cfg.index_topk:].max() > 1e-3
     np.testing.assert_allclose(sparse[:, :micro_cfg.index_topk], dense[:, :micro_cfg.index_topk], atol=ATOL)
 
@@ -62,8 +63,8 @@ def test_sparse_differs_from_dense_when_topk_is_small(micro_cfg, micro_model):
 @pytest.mark.parametrize("mode", ["sparse", "dense"])
 def test_absorbed_equals_expanded(micro_cfg, micro_model, mode):
     model, tokens = micro_model, _tokens(micro_cfg, 2, 12)
-    a = forward_logits(model, tokens, AttentionSettings(mode=mode, form="absorbed"))
-    e = forward_logits(model, tokens, AttentionSettings(mode=mode, form="expanded"))
+    a = forward_logits(model, tokens, ForwardOptions(mode=mode, form="absorbed"))
+    e = forward_logits(model, tokens, ForwardOptions(mode=mode, form="expanded"))
     np.testing.assert_allclose(a, e, atol=ATOL, rtol=1e-4)
 
 
@@ -116,7 +117,7 @@ def test_shared_layers_own_no_indexer_and_reuse_full_indices(micro_cfg, micro_mo
     monkeypatch.setattr(ops, "indexer_topk", spy_topk)
     monkeypatch.setattr(ops, "sparse_mla", spy_mla)
     with jax.disable_jit():
-        model(tokens, settings=AttentionSettings(mode="sparse", form="absorbed"))
+        model(tokens, options=ForwardOptions(mode="sparse", form="absorbed"))
     # pattern FSSFS: 2 indexer calls, 5 attention calls (+1 MTP-free path)
     assert len(selected) == 2 and len(attended) == 5
     for i in (0, 1, 2):
@@ -205,12 +206,24 @@ def test_kernel_configs_reach_the_ops(micro_cfg, micro_model):
     kernels = ops.KernelChoice(indexer_topk=("xla", pk.XlaConfig(q_chunk=2)),
                                sparse_mla=("xla", pk.XlaConfig(q_chunk=3)))
     base = forward_logits(model, tokens)
-    np.testing.assert_allclose(forward_logits(model, tokens, AttentionSettings(kernels=kernels)), base,
+    np.testing.assert_allclose(forward_logits(model, tokens, ForwardOptions(kernels=kernels)), base,
                                atol=ATOL, rtol=1e-4)
-    logits, _, _ = forward_cached(model, tokens, create_cache(micro_cfg, 1, 16), kernels=kernels)
+    cache = create_cache(micro_cfg, 1, 16)
+    logits, _, _ = forward_cached(model, tokens, cache, options=ForwardOptions(kernels=kernels))
     np.testing.assert_allclose(logits, base, atol=ATOL, rtol=1e-4)
     wrong = ops.KernelChoice(indexer_topk=("auto", pk.SparseMLAGpuConfig()))    # "auto" is xla on a CPU
     with pytest.raises(ValueError, match="takes config=XlaConfig"):
-        model.forward_cached(tokens, create_cache(micro_cfg, 1, 16), kernels=wrong)
+        model.forward_cached(tokens, create_cache(micro_cfg, 1, 16), options=ForwardOptions(kernels=wrong))
     with pytest.raises(ValueError, match="^KernelChoice indexer_topk='xla' takes config=XlaConfig"):
         ops.KernelChoice(indexer_topk=("xla", pk.SparseMLAGpuConfig()))
+
+
+def test_cached_calls_read_only_the_kernels_of_their_options(micro_cfg, micro_model):
+    """The cached calls attend sparse in the absorbed form: options asking for anything else
+    (a mode, a form, remat...) are refused, naming the call and the fields."""
+    model, tokens = micro_model, _tokens(micro_cfg, 1, 4)
+    with pytest.raises(ValueError, match=r"GLMModel.forward_cached: a cached call reads only options.kernels .*"
+                                         r"mode='dense', remat=True"):
+        model.forward_cached(tokens, create_cache(micro_cfg, 1, 16), options=ForwardOptions(mode="dense", remat=True))
+    with pytest.raises(TypeError, match=r"GLMModel.forward_cached: options must be a ForwardOptions"):
+        model.forward_cached(tokens, create_cache(micro_cfg, 1, 16), options=ops.KernelChoice())

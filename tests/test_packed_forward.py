@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from glm_jax.layers.decoder import AttentionSettings
+from glm_jax.forward_options import ForwardOptions
 from glm_jax.layers.segments import count_segments, same_segment_ahead, segment_layout, segment_table
 from glm_jax.model import GLMModel
 from glm_jax.training.losses import cross_entropy
@@ -21,12 +21,12 @@ from conftest import micro_config
 LENS = (8, 8)  # equal lengths: the documents alone run as one batch
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "settings"))
-def _forward(graphdef, state, inputs, targets, segment_ids, *, settings):
+@functools.partial(jax.jit, static_argnames=("graphdef", "options"))
+def _forward(graphdef, state, inputs, targets, segment_ids, *, options):
     """-> (per-token CE [B, S], MTP depth-1 per-token CE [B, S], indexer KL, MTP indexer KL)."""
     model = nnx.merge(graphdef, state)
-    out = model(inputs, settings=settings, segment_ids=segment_ids)
-    mtp, _ = model.mtp_forward(out.hidden, targets, settings=settings, segment_ids=segment_ids)
+    out = model(inputs, options=options, segment_ids=segment_ids)
+    mtp, _ = model.mtp_forward(out.hidden, targets, options=options, segment_ids=segment_ids)
     next_targets = jnp.concatenate([targets[:, 1:], targets[:, :1]], axis=1)
     per_token = lambda logits, y: jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, y[..., None], -1)[..., 0]
     return per_token(out.logits, targets), per_token(mtp.logits, next_targets), out.indexer_kl, mtp.indexer_kl
@@ -45,14 +45,14 @@ def model_and_docs():
                                        ("dense", "absorbed")])
 def test_packed_row_equals_documents_alone(model_and_docs, mode, form):
     model, docs = model_and_docs
-    settings = AttentionSettings(mode=mode, form=form, indexer_loss=(mode, form) != ("dense", "absorbed"))
+    options = ForwardOptions(mode=mode, form=form, indexer_loss=(mode, form) != ("dense", "absorbed"))
     graphdef, state = nnx.split(model)
     inputs = np.concatenate([d[:-1] for d in docs])[None]
     targets = np.concatenate([d[1:] for d in docs])[None]
     segments = np.concatenate([np.full(n, i + 1) for i, n in enumerate(LENS)]).astype(np.int32)[None]
-    packed = _forward(graphdef, state, inputs, targets, segments, settings=settings)
+    packed = _forward(graphdef, state, inputs, targets, segments, options=options)
     alone = _forward(graphdef, state, np.stack([d[:-1] for d in docs]), np.stack([d[1:] for d in docs]), None,
-                     settings=settings)
+                     options=options)
     for i, n in enumerate(LENS):
         start = sum(LENS[:i])
         np.testing.assert_allclose(packed[0][0, start:start + n], alone[0][i], rtol=1e-5, atol=1e-5)
@@ -92,9 +92,9 @@ def test_padding_has_no_loss(model_and_docs):
     def padded_and_alone(state):        # one program: the packed LM loss for two fills, the document alone
         model = nnx.merge(graphdef, state)
         padded = [loss_terms(model, inputs, np.concatenate([docs[0][1:], np.full(3, fill, np.int32)])[None],
-                             stage="dense", weights=weights, kernels=AttentionSettings().kernels,
+                             options=ForwardOptions(mode="dense", form="expanded"), weights=weights,
                              segment_ids=seg)[1]["lm"] for fill in (0, 5)]
-        out = model(docs[0][None, :-1], settings=AttentionSettings(mode="dense", form="expanded"))
+        out = model(docs[0][None, :-1], options=ForwardOptions(mode="dense", form="expanded"))
         return padded, cross_entropy(out.logits, docs[0][None, 1:])
 
     losses, alone = padded_and_alone(state)

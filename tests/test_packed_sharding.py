@@ -19,7 +19,8 @@ sys.path[:0] = [sys.argv[1], sys.argv[2]]
 import jax, jax.numpy as jnp, numpy as np
 from flax import nnx
 from conftest import micro_config
-from glm_jax import ops, sharding
+from glm_jax import sharding
+from glm_jax.forward_options import ForwardOptions
 from glm_jax.model import GLMModel
 from glm_jax.training.step import LossWeights, loss_terms
 
@@ -32,8 +33,9 @@ segments = jnp.asarray(np.repeat([[1] * 5 + [2] * 4 + [0] * 3], 8, axis=0), jnp.
 
 @jax.jit
 def loss_and_grads(params, rest, inputs, targets, segments):
-    f = lambda p: loss_terms(nnx.merge(graphdef, p, rest), inputs, targets, stage="sparse",
-                             weights=LossWeights(), kernels=ops.KernelChoice(), segment_ids=segments)[0]
+    f = lambda p: loss_terms(nnx.merge(graphdef, p, rest), inputs, targets,
+                             options=ForwardOptions(mode="sparse", form="expanded"), weights=LossWeights(),
+                             segment_ids=segments)[0]
     return jax.value_and_grad(f)(params)
 
 ref_loss, ref_grads = loss_and_grads(params, rest, inputs, targets, segments)

@@ -75,6 +75,7 @@ from glm_jax.decoding.prefill import prefill_chunk
 from glm_jax.decoding.programs import Options, ParamLayout, jit
 from glm_jax.decoding.sampling import sample_tokens
 from glm_jax.decoding.slots import SlotState, Scores, scores_of
+from glm_jax.forward_options import ForwardOptions
 
 
 def pack_draws(tokens: jnp.ndarray, scores: Scores) -> jnp.ndarray:
@@ -168,7 +169,8 @@ def engine_programs(layout: ParamLayout, kernels: ops.KernelChoice, data_shards:
             token = sample_tokens(slots.logits, row_keys(slots.seeds, slots.drawn), slots.sampling)
             scores = scores_of(slots.logits, token)
             view = dataclasses.replace(view, page_table=jnp.where(active[:, None], table, scratch))
-            logits, _, view = layout.model(params).forward_cached(token[:, None], view, kernels=kernels,
+            logits, _, view = layout.model(params).forward_cached(token[:, None], view,
+                                                                  options=ForwardOptions(kernels=kernels),
                                                                   num_valid=active.astype(jnp.int32))
             slots = dataclasses.replace(slots, logits=jnp.where(active[:, None], logits[:, 0], slots.logits),
                                         drawn=slots.drawn + active)

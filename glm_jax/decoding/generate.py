@@ -23,6 +23,7 @@ from glm_jax.cache import KVCache
 from glm_jax.decoding.programs import program
 from glm_jax.decoding.runtime import DecodeRuntime, DecodeStats, cut, round_up, stops
 from glm_jax.decoding.sampling import GREEDY, SamplingParams, sample_tokens
+from glm_jax.forward_options import ForwardOptions
 from glm_jax.multihost import to_host
 
 
@@ -31,14 +32,14 @@ def decode_block(graphdef, state, cache: KVCache, logits, key, sampling: Samplin
     """Sample from logits [B, V] by `sampling`, feed the token back, `steps` times (one jitted call).
 
     -> (tokens int32 [B, steps], logits [B, V] after the last token, cache, key)."""
-    model = nnx.merge(graphdef, state)
+    model, options = nnx.merge(graphdef, state), ForwardOptions(kernels=kernels)
     batch = logits.shape[0]
 
     def step(i, carry):
         cache, logits, key, out = carry
         key, sub = jax.random.split(key)
         token = sample_tokens(logits, sub, sampling)
-        new_logits, _, cache = model.forward_cached(token[:, None], cache, kernels=kernels)
+        new_logits, _, cache = model.forward_cached(token[:, None], cache, options=options)
         return cache, new_logits[:, 0], key, out.at[:, i].set(token)
 
     out = jnp.zeros((batch, steps), jnp.int32)

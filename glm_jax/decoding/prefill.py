@@ -30,6 +30,7 @@ from glm_jax import ops
 from glm_jax.cache import KVCache
 from glm_jax.decoding.programs import ParamLayout, program
 from glm_jax.decoding.slots import SlotState, scores_of
+from glm_jax.forward_options import ForwardOptions
 
 
 class PrefillRows(NamedTuple):
@@ -53,7 +54,8 @@ def chunk_forward(model, tokens, cache: KVCache, num_valid, kernels: ops.KernelC
     """The target forward of one prefill chunk: tokens int32 [B, C] (padded), num_valid int32
     [B] -> (logits [B, C, V], hidden [B, C, hidden], cache, the last real token's logits [B, V]
     and hidden [B, hidden])."""
-    logits, hidden, cache = model.forward_cached(tokens, cache, kernels=kernels, num_valid=num_valid)
+    logits, hidden, cache = model.forward_cached(tokens, cache, options=ForwardOptions(kernels=kernels),
+                                                num_valid=num_valid)
     last = jnp.maximum(num_valid - 1, 0)[:, None, None]
     return (logits, hidden, cache, jnp.take_along_axis(logits, last, axis=1)[:, 0],
             jnp.take_along_axis(hidden, last, axis=1)[:, 0])
@@ -79,7 +81,8 @@ def prefill_chunk(layout: ParamLayout, params: tuple, cache: KVCache, tokens, nu
     cache = view if rows is None else rows.put_back(cache, view)
     if mtp_cache is not None:
         next_tokens, num_valid_mtp = mtp_inputs
-        _, _, mtp_cache, _ = model.mtp_forward_cached(next_tokens, hidden, mtp_cache, kernels=kernels,
+        _, _, mtp_cache, _ = model.mtp_forward_cached(next_tokens, hidden, mtp_cache,
+                                                      options=ForwardOptions(kernels=kernels),
                                                       num_valid=num_valid_mtp)
     if slots is not None:
         slots = slots.installed(rows.rows, last_logits, *slot_inputs)

@@ -35,6 +35,7 @@ from glm_jax.decoding.programs import program
 from glm_jax.decoding.runtime import DecodeRuntime, DecodeStats, cut, round_up
 from glm_jax.decoding.rejection import VERIFICATION_RULES, match_sample, rejection_sample
 from glm_jax.decoding.sampling import GREEDY, SamplingParams, sampling_probs
+from glm_jax.forward_options import ForwardOptions
 from glm_jax.multihost import to_host
 
 
@@ -47,6 +48,7 @@ def draft(model, q1_logits, g1, idx1, mtp_cache: KVCache, key, sampling: Samplin
     """K draft tokens from draft step 1's outputs (q1_logits [B, V], g1 [B, hidden], idx1 [B, 1, topk]).
 
     -> (draft_tokens int32 [B, K], draft_probs [B, K, V])."""
+    options = ForwardOptions(kernels=kernels)
     probs = [sampling_probs(q1_logits, sampling)]
     keys = jax.random.split(key, num_draft)
     tokens = [_sample(keys[0], probs[0])]
@@ -56,10 +58,9 @@ def draft(model, q1_logits, g1, idx1, mtp_cache: KVCache, key, sampling: Samplin
         positions = (mtp_cache.lengths + j - 1)[:, None]
         if kv_share:
             logits, hidden = model.mtp_draft_step(tokens[-1][:, None], hidden, positions, mtp_cache, idx1,
-                                                  kernels=kernels)
+                                                  options=options)
         else:
-            logits, hidden, cache, _ = model.mtp_forward_cached(tokens[-1][:, None], hidden, cache,
-                                                                kernels=kernels)
+            logits, hidden, cache, _ = model.mtp_forward_cached(tokens[-1][:, None], hidden, cache, options=options)
         probs.append(sampling_probs(logits[:, 0], sampling))
         tokens.append(_sample(keys[j], probs[-1]))
     return jnp.stack(tokens, axis=1), jnp.stack(probs, axis=1)
@@ -74,12 +75,12 @@ def _speculate(graphdef, state, cache, mtp_cache, logits, hidden, key, sampling:
     logits [B, V] / hidden [B, hidden]: the target's outputs at the last prompt position.
     -> (tokens int32 [B, max_new + K + 1] (-1 past the end), count [B], verify steps [B],
         accepted [B], accepted_at [K], cache, mtp_cache)."""
-    model = nnx.merge(graphdef, state)
+    model, options = nnx.merge(graphdef, state), ForwardOptions(kernels=kernels)
     b = logits.shape[0]
     k = num_draft
     key, sub = jax.random.split(key)
     first = _sample(sub, sampling_probs(logits, sampling))
-    q1, g1, mtp_cache, idx1 = model.mtp_forward_cached(first[:, None], hidden[:, None], mtp_cache, kernels=kernels)
+    q1, g1, mtp_cache, idx1 = model.mtp_forward_cached(first[:, None], hidden[:, None], mtp_cache, options=options)
     out = jnp.full((b, max_new + k + 1), -1, jnp.int32).at[:, 0].set(first)
     rows = jnp.arange(b)[:, None]
 
@@ -92,13 +93,13 @@ def _speculate(graphdef, state, cache, mtp_cache, logits, hidden, key, sampling:
                                   num_draft=k, kv_share=kv_share, kernels=kernels)
         n = c["cache"].lengths
         verify_in = jnp.concatenate([c["pending"][:, None], d_tokens], axis=1)
-        v_logits, v_hidden, cache = model.forward_cached(verify_in, c["cache"], kernels=kernels)
+        v_logits, v_hidden, cache = model.forward_cached(verify_in, c["cache"], options=options)
         p = sampling_probs(v_logits, sampling)
         emitted, accepted = (rejection_sample(p, d_probs, d_tokens, k_verify) if verification == "rejection"
                              else match_sample(p, d_tokens, k_verify))
         cache = dataclasses.replace(cache, lengths=n + accepted + 1)
         q, g, mtp_cache, idx = model.mtp_forward_cached(jnp.maximum(emitted, 0), v_hidden, c["mtp_cache"],
-                                                        kernels=kernels)
+                                                        options=options)
         mtp_cache = dataclasses.replace(mtp_cache, lengths=c["mtp_cache"].lengths + accepted + 1)
         at = accepted[:, None, None]
         active = ~c["done"]

@@ -5,15 +5,16 @@
 dtype is the computation's dtype, param_dtype the parameters' (Flax's meaning).
 
     IndexShareGroup   one Full layer (with its lightning indexer) and the Shared layers that
-                      reuse its top-k indices: `group(x, positions, kv_len, AttentionSettings())`
+                      reuse its top-k indices: `group(x, positions, kv_len, ForwardOptions())`
                       -> GroupOutput(x, indexer_kl, latent, indices)
     DecoderLayer      one layer: MLA attention, then an MLP or MoE; LayerKind(is_full, is_moe)
-    AttentionSettings sparse or dense attention, absorbed or expanded form, indexer loss, remat
+    ForwardOptions    a call's static choices (glm_jax.forward_options): sparse or dense
+                      attention, absorbed or expanded form, kernels, remat, indexer loss
     MLAProjection, Indexer, MLP, MoE, RMSNorm, Linear, Embed, MTPLayer
 """
 
-from glm_jax.layers.decoder import (AttentionSettings, DecoderLayer, GroupOutput, IndexShareGroup, LayerKind,
-                                    plan_groups)
+from glm_jax.forward_options import ForwardOptions
+from glm_jax.layers.decoder import DecoderLayer, GroupOutput, IndexShareGroup, LayerKind, plan_groups
 from glm_jax.layers.embedding import Embed
 from glm_jax.layers.indexer import Indexer
 from glm_jax.layers.linear import Linear
@@ -22,5 +23,5 @@ from glm_jax.layers.moe import MLP, MoE
 from glm_jax.layers.mtp import MTPLayer
 from glm_jax.layers.norms import RMSNorm
 
-__all__ = ["AttentionSettings", "DecoderLayer", "Embed", "GroupOutput", "IndexShareGroup", "LayerKind", "plan_groups",
+__all__ = ["ForwardOptions", "DecoderLayer", "Embed", "GroupOutput", "IndexShareGroup", "LayerKind", "plan_groups",
            "Indexer", "Linear", "MLAProjection", "MLP", "MoE", "MTPLayer", "RMSNorm"]

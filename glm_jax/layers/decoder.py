@@ -5,7 +5,8 @@ reuse its top-k indices. `IndexShareGroup` runs its layers in order; `plan_group
 layer list into groups and stacks consecutive groups of identical structure so the model can
 `jax.lax.scan` over them (GLM-5.2: 3 scans instead of 78 Python-level layers).
 
-Attention modes for full-sequence calls:
+Attention modes for full-sequence calls (`ForwardOptions.mode`, glm_jax.forward_options, holds
+them with the call's other static choices):
   "sparse"  attend the indexer's top-k set (what the model does in inference and sparse training)
   "dense"   attend every causal position (the indexer's dense warm-up stage)
 """
@@ -23,6 +24,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from glm_jax import ops
 from glm_jax.config import GLMConfig
+from glm_jax.forward_options import ForwardOptions, check_options
 from glm_jax.layers.checks import check_config, check_hidden, check_rows
 from glm_jax.layers.dense_indexer_kl import DenseTarget, dense_group_kl
 from glm_jax.layers.indexer import Indexer
@@ -74,37 +76,6 @@ def plan_groups(cfg: GLMConfig) -> tuple[GroupStackPlan, ...]:
     return tuple(stacks)
 
 
-MODES = ("sparse", "dense")
-FORMS = ("absorbed", "expanded")
-
-
-@dataclasses.dataclass(frozen=True)
-class AttentionSettings:
-    """Static choices for a full-sequence call (no cache); ValueError for a value outside them."""
-
-    mode: str = "sparse"          # "sparse" | "dense"
-    form: str = "absorbed"        # "absorbed" (ops.sparse_mla) | "expanded" (per-head K/V)
-    indexer_loss: bool = False    # compute the IndexCache multi-layer KL
-    remat: bool = False           # recompute each layer's activations in the backward pass
-    keep_attention: bool = False  # with remat: keep the sparse attention kernels' outputs (absorbed
-                                  # form, Pallas kernels) instead of running them again
-    max_segments: int | None = None  # packed rows: at least the segments of any row (dense mode
-                                     # then runs cuDNN's packed kernel, see `attend_causal`)
-    kernels: ops.KernelChoice = ops.KernelChoice()
-
-    def __post_init__(self):
-        for name, allowed in (("mode", MODES), ("form", FORMS)):
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"AttentionSettings.{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        for name in ("indexer_loss", "remat", "keep_attention"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"AttentionSettings.{name} must be True or False, got {getattr(self, name)!r}")
-        if self.max_segments is not None and (not isinstance(self.max_segments, int) or self.max_segments < 1):
-            raise ValueError(f"AttentionSettings.max_segments must be a positive int or None, got {self.max_segments!r}")
-        if not isinstance(self.kernels, ops.KernelChoice):
-            raise TypeError(f"AttentionSettings.kernels must be an ops.KernelChoice, got {type(self.kernels).__name__}")
-
-
 def _check_layer_args(owner: str, cfg: GLMConfig, kinds: tuple[LayerKind, ...]) -> None:
     """TypeError unless cfg is a GLMConfig and kinds one or more LayerKinds."""
     check_config(owner, cfg)
@@ -148,7 +119,7 @@ _TOPK_NAME = "indexer_topk"
 #: Remat policy of a layer: keep the top-k indices and their sorted backward index (integers,
 #: costly to select or sort again).
 _SAVE_TOPK = jax.checkpoint_policies.save_only_these_names(_TOPK_NAME)
-#: The same, also keeping the sparse attention's outputs (`AttentionSettings.keep_attention`).
+#: The same, also keeping the sparse attention's outputs (`ForwardOptions.keep_attention`).
 _SAVE_TOPK_AND_ATTENTION = jax.checkpoint_policies.save_only_these_names(_TOPK_NAME, ops.SPARSE_MLA_SAVED)
 
 
@@ -197,7 +168,7 @@ class IndexShareGroup(nnx.Module):
     """One Full layer and the Shared layers that reuse its indices.
 
     group = IndexShareGroup(cfg, kinds, rngs=nnx.Rngs(0))
-    out = group(x, settings=AttentionSettings())     # GroupOutput(x, indexer_kl, latent, indices)
+    out = group(x, options=ForwardOptions())     # GroupOutput(x, indexer_kl, latent, indices)
 
     dtype: the computation's dtype (default None: the parameters'); param_dtype: the
     parameters' (default cfg.dtype)."""
@@ -213,11 +184,11 @@ class IndexShareGroup(nnx.Module):
                                 for k in kinds])
         self.cfg = cfg
 
-    def __call__(self, x, positions=None, kv_len=None, settings: AttentionSettings | None = None, *,
+    def __call__(self, x, positions=None, kv_len=None, options: ForwardOptions | None = None, *,
                  shared_kv=None, kv_start=None) -> GroupOutput:
         """Full-sequence forward. x [B, S, hidden]; positions int32 [B, S] (default 0..S-1 in
-        every row), kv_len int32 [B] (default S: every token valid), settings (default
-        AttentionSettings()).
+        every row), kv_len int32 [B] (default S: every token valid), options (default
+        ForwardOptions()).
 
         kv_start: optional int32 [B, S] for packed rows (`segments`): the row where each token's
         document starts; positions then count from it, and no query attends (or, through the
@@ -227,7 +198,7 @@ class IndexShareGroup(nnx.Module):
         of an earlier pass (KVShare training of MTP depths >= 2): the Full layer then attends
         those latent rows with those indices instead of its own, and runs no indexer.
 
-        settings.remat: each layer is rematerialised in the backward pass; between the forward
+        options.remat: each layer is rematerialised in the backward pass; between the forward
         and the backward pass only its input and the Full layer's indexer outputs are kept, and
         the top-k is not recomputed. The absorbed form's dense-stage indexer loss also keeps
         each layer's `DenseTarget` (its absorbed queries and latent rows: per token
@@ -239,12 +210,12 @@ class IndexShareGroup(nnx.Module):
         -> (x [B, S, hidden], indexer KL summed over the group's layers (scalar float32),
             the Full layer's latent rows [B, S, latent], its indices [B, S, topk] or None) as a
             `GroupOutput`."""
-        x, positions, kv_len, settings = _group_inputs(self.cfg, x, positions, kv_len, settings, kv_start)
+        x, positions, kv_len, options = _group_inputs(self.cfg, x, positions, kv_len, options, kv_start)
         if explicit_axes():
             rows = leading_spec(x, 3, 2)
-            out = GroupOutput(rows, jax.sharding.PartitionSpec(), rows, rows if settings.mode == "sparse" else None)
+            out = GroupOutput(rows, jax.sharding.PartitionSpec(), rows, rows if options.mode == "sparse" else None)
             call = lambda group, x, positions, kv_len, shared_kv, kv_start: group(
-                x, positions, kv_len, settings, shared_kv=shared_kv, kv_start=kv_start)
+                x, positions, kv_len, options, shared_kv=shared_kv, kv_start=kv_start)
             return on_auto_axes(self, call, (x, positions, kv_len, shared_kv, kv_start), out)
         if x.shape[1] > self.cfg.max_position_embeddings:
             raise ValueError(f"a sequence of {x.shape[1]} tokens is longer than max_position_embeddings="
@@ -255,10 +226,10 @@ class IndexShareGroup(nnx.Module):
         kl, first_latent, targets, dense_targets = jnp.zeros((), jnp.float32), None, None, []
         share = 1.0 / len(self.layers)
         for j, layer in enumerate(self.layers):
-            forward = functools.partial(_layer_forward, j=j, share=share, rows=rows, settings=settings,
+            forward = functools.partial(_layer_forward, j=j, share=share, rows=rows, options=options,
                                         shared_kv=shared_kv)
-            if settings.remat:
-                forward = _rematerialised(forward, settings.keep_attention)
+            if options.remat:
+                forward = _rematerialised(forward, options.keep_attention)
             x, layer_kl, target, latent, found = forward(layer, x, found)
             kl = kl + layer_kl
             if isinstance(target, DenseTarget):
@@ -270,12 +241,12 @@ class IndexShareGroup(nnx.Module):
         if targets is not None:          # the absorbed form's KL: the indexer side once per group
             idx_q, idx_keys, idx_w = found.index_inputs
             kl = kl + selected_set_kl(targets, idx_q=idx_q, idx_keys=idx_keys, idx_w=idx_w,
-                                      indices=found.indices, kernels=settings.kernels)
+                                      indices=found.indices, kernels=options.kernels)
         if dense_targets:
             idx_q, idx_keys, idx_w = found.index_inputs
             kl = kl + dense_group_kl(dense_targets, idx_q=idx_q, idx_keys=idx_keys, idx_w=idx_w,
                                      sm_scale=self.layers[0].self_attn.sm_scale, kv_len=kv_len, kv_start=kv_start,
-                                     kernels=settings.kernels)
+                                     kernels=options.kernels)
         return GroupOutput(split_tokens(x), kl, first_latent, found.indices)
 
     #: The same as calling the group (the name earlier code uses).
@@ -323,13 +294,10 @@ class IndexShareGroup(nnx.Module):
         return x
 
 
-def _group_inputs(cfg: GLMConfig, x, positions, kv_len, settings, kv_start):
-    """IndexShareGroup's arguments checked, with their defaults -> (x, positions, kv_len, settings)."""
+def _group_inputs(cfg: GLMConfig, x, positions, kv_len, options, kv_start):
+    """IndexShareGroup's arguments checked, with their defaults -> (x, positions, kv_len, options)."""
     owner = "IndexShareGroup"
-    settings = AttentionSettings() if settings is None else settings
-    if not isinstance(settings, AttentionSettings):
-        raise TypeError(f"{owner}: settings must be an AttentionSettings (e.g. AttentionSettings(mode=\"sparse\")), "
-                        f"got {type(settings).__name__} {settings!r}")
+    options = check_options(owner, ForwardOptions() if options is None else options)
     check_hidden(owner, cfg, x)
     b, s = x.shape[:2]
     if positions is None:
@@ -340,7 +308,7 @@ def _group_inputs(cfg: GLMConfig, x, positions, kv_len, settings, kv_start):
     check_rows(owner, "kv_len", kv_len, (b,))
     if kv_start is not None:
         check_rows(owner, "kv_start", kv_start, (b, s))
-    return x, positions, kv_len, settings
+    return x, positions, kv_len, options
 
 
 class _CachedInputs(NamedTuple):
@@ -394,11 +362,11 @@ def _rematerialised(forward, keep_attention: bool):
 
 
 def _layer_forward(layer: DecoderLayer, x, found: _IndexerOutputs, *, j: int, share: float, rows: _Rows,
-                   settings: AttentionSettings, shared_kv):
+                   options: ForwardOptions, shared_kv):
     """Layer j of an IndexShare group whose layers each weigh `share` in its indexer KL
     (`IndexShareGroup.forward`). The Full layer (j = 0) runs the indexer unless shared_kv is
     given; the later layers read its outputs from `found`. The attention runs in the form of
-    `settings` (`_ATTEND`).
+    `options` (`_ATTEND`).
     -> (x [B, S, hidden], this layer's weighted indexer KL (expanded form; else 0), its part
         of the group's KL (absorbed form with the indexer loss: sparse mode its selected-set
         target float32 [B, S, K], dense mode its `DenseTarget`; else None), its latent rows
@@ -407,37 +375,37 @@ def _layer_forward(layer: DecoderLayer, x, found: _IndexerOutputs, *, j: int, sh
     if j == 0 and shared_kv is not None:
         latent = shared_kv[0]
     elif j == 0:
-        found = _run_indexer(layer, h, q_resid, rows, settings)
+        found = _run_indexer(layer, h, q_resid, rows, options)
     latent = gather_keys(latent)
-    form = settings.form if settings.form == "expanded" else f"{settings.form} {settings.mode}"
+    form = options.form if options.form == "expanded" else f"{options.form} {options.mode}"
     out, kl, target, found = _ATTEND[form](layer, q_nope, q_rope, latent, found, j=j, share=share, rows=rows,
-                                           settings=settings)
+                                           options=options)
     return layer.finish(x, out), kl, target, latent, found
 
 
-def _run_indexer(layer: DecoderLayer, h, q_resid, rows: _Rows, settings: AttentionSettings) -> _IndexerOutputs:
+def _run_indexer(layer: DecoderLayer, h, q_resid, rows: _Rows, options: ForwardOptions) -> _IndexerOutputs:
     """The Full layer's indexer on its detached inputs h [B, S, hidden], q_resid [B, S, q_lora]:
     the top-k (sparse mode) and what the indexer loss of the form needs."""
     positions, kv_len, kv_start = rows.positions, rows.kv_len, rows.kv_start
     hd, qd = jax.lax.stop_gradient(h), jax.lax.stop_gradient(q_resid)
     keys = gather_keys(layer.indexer.keys(hd, positions))
     indices = index_logits = index_inputs = None
-    if settings.mode == "sparse":
-        indices = checkpoint_name(layer.indexer.select(hd, qd, positions, keys, kv_len, settings.kernels, kv_start),
+    if options.mode == "sparse":
+        indices = checkpoint_name(layer.indexer.select(hd, qd, positions, keys, kv_len, options.kernels, kv_start),
                                   _TOPK_NAME)
-    if settings.indexer_loss and settings.form == "expanded":
-        index_logits = layer.indexer.scores(hd, qd, positions, keys, kv_len, settings.kernels, kv_start)
-    elif settings.indexer_loss:
+    if options.indexer_loss and options.form == "expanded":
+        index_logits = layer.indexer.scores(hd, qd, positions, keys, kv_len, options.kernels, kv_start)
+    elif options.indexer_loss:
         index_inputs = (layer.indexer.queries(qd, positions), keys, layer.indexer.head_weights(hd))
     return _IndexerOutputs(indices, index_logits, index_inputs)
 
 
 def _attend_expanded(layer: DecoderLayer, q_nope, q_rope, latent, found: _IndexerOutputs, *, j: int, share: float,
-                     rows: _Rows, settings: AttentionSettings):
+                     rows: _Rows, options: ForwardOptions):
     """Per-head K and V over the causal (dense mode) or selected (sparse mode) keys; the layer's
     indexer KL from its probabilities. -> (out, weighted KL, None, found)."""
     mask = rows.causal()
-    if settings.mode == "sparse":
+    if options.mode == "sparse":
         mask = split_tokens(indices_to_mask(found.indices, rows.length)) & mask
     out, probs = layer.self_attn.attend_expanded(q_nope, q_rope, latent, mask, return_probs=True)
     kl = jnp.zeros((), jnp.float32)
@@ -447,13 +415,13 @@ def _attend_expanded(layer: DecoderLayer, q_nope, q_rope, latent, found: _Indexe
 
 
 def _attend_dense_causal(layer: DecoderLayer, q_nope, q_rope, latent, found: _IndexerOutputs, *, j: int,
-                         share: float, rows: _Rows, settings: AttentionSettings):
+                         share: float, rows: _Rows, options: ForwardOptions):
     """Dense causal attention over every visible key (`attend_causal`); with the indexer loss
     the layer's `DenseTarget` for the group's dense KL. -> (out, 0, target or None, found)."""
     packed = rows.kv_start is not None
-    segments = segment_table(rows.positions, settings.max_segments) if packed and settings.max_segments else None
+    segments = segment_table(rows.positions, options.max_segments) if packed and options.max_segments else None
     out = layer.self_attn.attend_causal(q_nope, q_rope, latent, rows.kv_len, mask=rows.causal() if packed else None,
-                                        segments=segments, kernels=settings.kernels)
+                                        segments=segments, kernels=options.kernels)
     target = None
     if found.index_inputs is not None:
         q_abs = layer.self_attn.absorbed_queries(q_nope, q_rope)
@@ -462,15 +430,15 @@ def _attend_dense_causal(layer: DecoderLayer, q_nope, q_rope, latent, found: _In
 
 
 def _attend_absorbed_sparse(layer: DecoderLayer, q_nope, q_rope, latent, found: _IndexerOutputs, *, j: int,
-                            share: float, rows: _Rows, settings: AttentionSettings):
+                            share: float, rows: _Rows, options: ForwardOptions):
     """Sparse attention over the selected latent rows (`ops.sparse_mla`); the Full layer sorts
     the backward's index once for the group. With the indexer loss the layer's selected-set
     target. -> (out, 0, target or None, found)."""
     if j == 0:
-        tindex = layer.self_attn.backward_index(found.indices, rows.length, q_nope.dtype, settings.kernels)
+        tindex = layer.self_attn.backward_index(found.indices, rows.length, q_nope.dtype, options.kernels)
         found = found._replace(tindex=jax.tree.map(lambda a: checkpoint_name(a, _TOPK_NAME), tindex))
     attend = functools.partial(layer.self_attn.attend_absorbed, q_nope, q_rope, latent, found.indices,
-                               settings.kernels, tindex=found.tindex)
+                               options.kernels, tindex=found.tindex)
     if found.index_inputs is None:
         return attend(), jnp.zeros((), jnp.float32), None, found
     out, target = attend(return_target=True)

@@ -12,7 +12,8 @@ from flax import nnx
 
 from glm_jax.config import GLMConfig
 from glm_jax.layers.checks import check_config
-from glm_jax.layers.decoder import AttentionSettings, IndexShareGroup, LayerKind
+from glm_jax.forward_options import ForwardOptions
+from glm_jax.layers.decoder import IndexShareGroup, LayerKind
 from glm_jax.layers.linear import Linear
 from glm_jax.layers.norms import RMSNorm
 
@@ -44,10 +45,10 @@ class MTPLayer(nnx.Module):
         joined = jnp.concatenate([self.enorm(next_token_embeddings), self.hnorm(hidden)], axis=-1)
         return self.eh_proj(joined)
 
-    def forward(self, next_token_embeddings, hidden, positions, kv_len, settings: AttentionSettings,
+    def forward(self, next_token_embeddings, hidden, positions, kv_len, options: ForwardOptions,
                 *, shared_kv=None, kv_start=None):
         """Full-sequence MTP step -> (normed output hidden [B, S, hidden], indexer KL, latent rows,
         indices); see IndexShareGroup.forward for shared_kv and kv_start."""
-        x, kl, latent, indices = self.block(self.inputs(next_token_embeddings, hidden), positions, kv_len, settings,
+        x, kl, latent, indices = self.block(self.inputs(next_token_embeddings, hidden), positions, kv_len, options,
                                             shared_kv=shared_kv, kv_start=kv_start)
         return self.shared_head.norm(x), kl, latent, indices

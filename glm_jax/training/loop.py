@@ -4,7 +4,6 @@ segment bound (`SegmentBounds`), the evaluations, the metrics, the checkpoints, 
 
 from __future__ import annotations
 
-import dataclasses
 import signal
 import sys
 import threading
@@ -50,8 +49,8 @@ def _loop(run: Run, stop_requested: "StopSignals", compiles: CompileWatch) -> in
     for step in range(run.start + 1, schedule.steps + 1):
         batch = next(run.batches)
         stage = "dense" if step <= schedule.dense_steps else "sparse"
-        config = dataclasses.replace(run.step_config, stage=stage,
-                                     max_segments=segment_bounds.for_step(batch.segment_ids, stage, run.form))
+        config = run.step_config.with_forward(mode=stage,
+                                              max_segments=segment_bounds.for_step(batch.segment_ids, stage, run.form))
         state, terms = run.step(TrainState(run.graphdef, run.params, run.rest, run.opt_state),
                                 Batch(*(run.feed.from_rows(a) for a in (batch.inputs, batch.targets,
                                                                         batch.segment_ids))), config)

@@ -66,7 +66,7 @@ class Run:
     start: int            # the step restored (0: a new run)
     form: str             # attention form (training.step.attention_form)
     kernels: ops.KernelChoice
-    step_config: StepConfig   # the train step's static settings (its stage and max_segments set per step)
+    step_config: StepConfig   # the train step's static settings (its forward's mode and max_segments set per step)
     step: Callable        # train_step, on a mesh with the state's layouts pinned (`_step_for`)
     prefetch: int         # batches packed ahead on a thread while the loop runs (`prefetch_depth`)
     exported: int | None = None   # the step whose weights `export` wrote to params/, if it ran

@@ -1,9 +1,9 @@
 """The jitted train step: LM loss + IndexCache indexer KL + MTP cross-entropy, AdamW update.
 
 `train_step(state, batch, config)`: `state` a `TrainState`, `batch` a `Batch`, `config` one
-hashable `StepConfig` (static: the optimizer, stage, loss weights, kernels, attention form...).
+hashable `StepConfig` (static: the optimizer, the forward's `ForwardOptions` and the loss weights).
 
-Stages (`StepConfig.stage`):
+Stages (the mode of `StepConfig.forward`):
   "dense"   dense causal attention; the indexer learns the head-summed attention (warm-up)
   "sparse"  attention over the indexer's top-k; the indexer's KL is restricted to that set
 The indexer's inputs are detached in both, so the indexer learns only from its KL and the rest
@@ -23,7 +23,7 @@ import optax
 from flax import nnx
 
 from glm_jax import ops
-from glm_jax.layers.decoder import AttentionSettings
+from glm_jax.forward_options import ForwardOptions, check_options
 from glm_jax.layers.segments import same_segment_ahead
 from glm_jax.training.head_losses import linear_cross_entropy, linear_cross_entropy_with_tv, linear_nll_and_tv
 from glm_jax.training.losses import end_to_end_tv, head_cross_entropy, masked_mean, shift_left
@@ -120,31 +120,29 @@ def make_optimizer(lr: float, total_steps: int, warmup_steps: int, weight_decay:
     return tx, schedule
 
 
-def loss_terms(model, inputs, targets, *, stage: str, weights: LossWeights, kernels: ops.KernelChoice,
-               remat: bool = False, keep_attention: bool = False, form: str = "expanded", segment_ids=None,
-               max_segments: int | None = None):
+def loss_terms(model, inputs, targets, *, options: ForwardOptions, weights: LossWeights, segment_ids=None):
     """inputs, targets int32 [B, S] -> (total loss, dict of terms).
 
-    remat: each layer is recomputed in the backward pass; keep_attention: except the sparse
-    attention kernels' outputs (`AttentionSettings.keep_attention`: more memory, one forward
-    kernel call a layer instead of two).
+    options: the forward's static choices (`ForwardOptions`): the stage is its mode, then the
+    attention form, kernels, remat (each layer recomputed in the backward pass), keep_attention
+    (except the sparse attention kernels' outputs: more memory, one forward kernel call a layer
+    instead of two) and max_segments. Its indexer_loss is set here from the weights
+    (weights.indexer > 0).
 
     The vocabulary-wide terms run through the head's kernel per chunk of positions
     (`head_losses`): the model's [B, S, V] logits are never kept.
 
     segment_ids int32 [B, S] or None: packed documents (0 = padding, no loss); attention stays
     inside each document and the MTP losses count only targets of the same document.
-    max_segments: at least the segments of any row (`segments.count_segments`); with it dense
-    attention on a GPU runs cuDNN's packed kernel instead of building an [S, S] mask.
+    options.max_segments: at least the segments of any row (`segments.count_segments`); with it
+    dense attention on a GPU runs cuDNN's packed kernel instead of building an [S, S] mask.
 
-    form "expanded" builds [B, H, S, S] attention matrices; "absorbed" holds none: dense attention
-    runs the fused causal kernel and the dense stage's indexer KL is computed blockwise from the
-    attention's per-row log-sum-exp (`layers.dense_indexer_kl`); both give every stage and loss (see
-    `attention_form`)."""
-    settings = AttentionSettings(mode=stage, form=form, indexer_loss=weights.indexer > 0,
-                                 remat=remat, keep_attention=keep_attention, max_segments=max_segments,
-                                 kernels=kernels)
-    out = model(inputs, settings=settings, segment_ids=segment_ids)
+    options.form "expanded" builds [B, H, S, S] attention matrices; "absorbed" holds none: dense
+    attention runs the fused causal kernel and the dense stage's indexer KL is computed blockwise
+    from the attention's per-row log-sum-exp (`layers.dense_indexer_kl`); both give every stage
+    and loss (see `attention_form`)."""
+    options = check_options("loss_terms", options).replace(indexer_loss=weights.indexer > 0)
+    out = model(inputs, options=options, segment_ids=segment_ids)
     s = inputs.shape[1]
     n_full = len(model.cfg.full_layers)
     lm_mask = None if segment_ids is None else segment_ids > 0
@@ -152,7 +150,7 @@ def loss_terms(model, inputs, targets, *, stage: str, weights: LossWeights, kern
              "indexer_kl": out.indexer_kl / (s * n_full)}
     total = terms["lm"] + weights.indexer * terms["indexer_kl"]
     if model.mtp is not None and (weights.mtp > 0 or weights.tv > 0):
-        total = total + _mtp_losses(model, out, targets, settings, weights, terms, segment_ids)
+        total = total + _mtp_losses(model, out, targets, options, weights, terms, segment_ids)
     terms["loss"] = total
     return total, terms
 
@@ -164,7 +162,7 @@ def _targets_ahead(segment_ids, s: int, d: int):
     return same_segment_ahead(segment_ids, d)
 
 
-def _mtp_losses(model, out, targets, settings, weights: LossWeights, terms: dict, segment_ids=None):
+def _mtp_losses(model, out, targets, options: ForwardOptions, weights: LossWeights, terms: dict, segment_ids=None):
     """MTP depths d = 1..D with shared parameters. Depth d at position i reads the previous
     depth's normed hidden (the target's for d = 1) and token t_{i+d}, and predicts t_{i+d+1}.
     Adds 'mtp' (mean CE over depths), 'mtp_indexer_kl' and, with a TV weight, 'mtp_tv' to terms;
@@ -177,7 +175,7 @@ def _mtp_losses(model, out, targets, settings, weights: LossWeights, terms: dict
     hidden, shared, ces, tvs = out.hidden, None, [], []
     total = jnp.zeros((), jnp.float32)
     for d in range(1, weights.mtp_depth + 1):
-        mtp, kv = model.mtp_forward(hidden, shift_left(targets, d - 1), settings=settings, shared_kv=shared,
+        mtp, kv = model.mtp_forward(hidden, shift_left(targets, d - 1), options=options, shared_kv=shared,
                                     segment_ids=segment_ids)
         mask = jnp.broadcast_to(_targets_ahead(segment_ids, s, d), targets.shape)
         p_hidden = jax.lax.stop_gradient(shift_left(out.hidden, d))
@@ -240,27 +238,33 @@ class OptimizerConfig:
 class StepConfig:
     """Everything static about one train step (hashable: `train_step`'s static argument).
 
-    stage: "dense" or "sparse"; form: "expanded" or "absorbed" (`attention_form`, resolved);
-    kernels: the resolved `ops.KernelChoice`; remat, keep_attention and max_segments as in
-    `loss_terms`. `of(settings, ...)` builds one from a run's `TrainConfig`."""
+    optimizer: the `OptimizerConfig`; forward: the model call's `ForwardOptions` (the stage is
+    its mode; its form and kernels resolved for the backend, `attention_form`); weights: the
+    `LossWeights`. forward.indexer_loss follows the weights (weights.indexer > 0), as in
+    `loss_terms`. `of(settings, ...)` builds one from a run's `TrainConfig`; `with_forward(...)`
+    changes forward options (the loop sets the stage and max_segments per step)."""
 
     optimizer: OptimizerConfig
-    stage: str = "sparse"
+    forward: ForwardOptions
     weights: LossWeights = LossWeights()
-    kernels: ops.KernelChoice = ops.KernelChoice()
-    remat: bool = False
-    keep_attention: bool = False
-    form: str = "expanded"
-    max_segments: int | None = None
+
+    def __post_init__(self):
+        forward = check_options("StepConfig", self.forward, name="forward")
+        object.__setattr__(self, "forward", forward.replace(indexer_loss=self.weights.indexer > 0))
 
     @classmethod
     def of(cls, settings: TrainConfig, *, kernels: ops.KernelChoice, form: str, stage: str = "sparse",
            max_segments: int | None = None) -> "StepConfig":
         """The step of a run's settings; `kernels` and `form` resolved for the backend (the
         settings may say "auto")."""
-        return cls(optimizer=OptimizerConfig.of(settings.schedule), stage=stage,
-                   weights=LossWeights.of(settings.losses), kernels=kernels, remat=settings.kernels.remat,
-                   keep_attention=settings.kernels.keep_attention, form=form, max_segments=max_segments)
+        forward = ForwardOptions(mode=stage, form=form, kernels=kernels, remat=settings.kernels.remat,
+                                 keep_attention=settings.kernels.keep_attention, max_segments=max_segments)
+        return cls(optimizer=OptimizerConfig.of(settings.schedule), forward=forward,
+                   weights=LossWeights.of(settings.losses))
+
+    def with_forward(self, **changes) -> "StepConfig":
+        """A copy whose forward options have the named fields changed."""
+        return dataclasses.replace(self, forward=self.forward.replace(**changes))
 
     @property
     def tx(self) -> optax.GradientTransformation:
@@ -287,10 +291,8 @@ class Batch(NamedTuple):
 
 def _step(graphdef, params, rest, opt_state, batch: Batch, *, config: StepConfig):
     def loss_fn(p):
-        return loss_terms(nnx.merge(graphdef, p, rest), batch.inputs, batch.targets, stage=config.stage,
-                          weights=config.weights, kernels=config.kernels, remat=config.remat,
-                          keep_attention=config.keep_attention, form=config.form, segment_ids=batch.segment_ids,
-                          max_segments=config.max_segments)
+        return loss_terms(nnx.merge(graphdef, p, rest), batch.inputs, batch.targets, options=config.forward,
+                          weights=config.weights, segment_ids=batch.segment_ids)
 
     (_, terms), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
     updates, opt_state = config.tx.update(grads, opt_state, params)
@@ -332,5 +334,5 @@ def train_step_keeping(param_shardings, opt_shardings):
 def eval_step(graphdef, params, rest, inputs, targets, *, stage, kernels):
     """Validation LM loss (sparse attention, as the model is used)."""
     model = nnx.merge(graphdef, params, rest)
-    out = model(inputs, settings=AttentionSettings(mode=stage, form="absorbed", kernels=kernels))
+    out = model(inputs, options=ForwardOptions(mode=stage, form="absorbed", kernels=kernels))
     return head_cross_entropy(model.logits, out.hidden, targets)
