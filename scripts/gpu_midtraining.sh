@@ -32,7 +32,8 @@
 # Environment: PYTHON (default python3), RUNS_DIR (default /root/runs: outside the repository),
 # JAX_COMPILATION_CACHE_DIR (default /root/jaxcache), STEPS_32K / STEPS_128K (default 300 / 150),
 # DENSE_32K / DENSE_128K (of those, the dense steps first: the indexer learns the attention over
-# every key, not only over the keys it already selects; default 0 / 0),
+# every key, not only over the keys it already selects; default 0 / 0), TOPK_32K / TOPK_128K (the
+# indexer's top-k in each stage, --index-topk; default: the model's),
 # LR (default 3e-4), RECALL_EVERY (characters of training text a recall pair, default 20000),
 # LIMIT_S (seconds a training call runs before it stops itself, default 540),
 # MID_FLAGS (more train.py flags for every run, e.g. --remat where a stage does not fit the card).
@@ -58,8 +59,9 @@ source scripts/_gpu_deps.sh
 
 # The flags every stage shares: the long documents, batch 1, DENSE dense steps first (0: sparse
 # from the first step).
-stage_flags() {   # LENGTH STEPS [DENSE]
+stage_flags() {   # LENGTH STEPS [DENSE [TOPK]]
     echo --context-length "$1" --seq-len "$1" --batch-size 1 --dense-steps "${3:-0}" --steps "$2" --lr "$lr" \
+        ${4:+--index-topk "$4"} \
         --warmup-steps 20 --save-every 25 --eval-every 50 --eval-batches 2 --log-every 5 \
         --data "$long/train.jsonl" --heldout-data "$long/heldout.jsonl" ${MID_FLAGS:-}
 }
@@ -93,13 +95,13 @@ data)
 stage32k)
     need_data
     # shellcheck disable=SC2046
-    train_for_a_while "$runs/mid32k" --checkpoint checkpoints/default $(stage_flags 32768 "${STEPS_32K:-300}" "${DENSE_32K:-0}")
+    train_for_a_while "$runs/mid32k" --checkpoint checkpoints/default $(stage_flags 32768 "${STEPS_32K:-300}" "${DENSE_32K:-0}" "${TOPK_32K:-}")
     ;;
 stage128k)
     need_data
     [ -d "$runs/mid32k/params" ] || { echo "error: the 32K stage has no exported weights yet (run stage32k until done)" >&2; exit 2; }
     # shellcheck disable=SC2046
-    train_for_a_while "$runs/mid128k" --checkpoint "$runs/mid32k" $(stage_flags 131072 "${STEPS_128K:-150}" "${DENSE_128K:-0}")
+    train_for_a_while "$runs/mid128k" --checkpoint "$runs/mid32k" $(stage_flags 131072 "${STEPS_128K:-150}" "${DENSE_128K:-0}" "${TOPK_128K:-}")
     ;;
 kill-resume)
     need_data

@@ -365,3 +365,19 @@ def test_long_context_eval_scores_buckets_and_the_probe(base_run, extended_run, 
     assert all(len(p["definition_selected"]) == 1 and 0 <= p["definition_selected"][0] <= 1
                for p in result["probe"])                          # one IndexShare group
     assert "| bits/token 0-16 | bits/token 16-32 | bits/token 32-64 |" in capsys.readouterr().out
+
+
+def test_index_topk_sets_the_runs_top_k_over_the_extension():
+    import dataclasses
+
+    from glm_jax.config import load_config
+    from glm_jax.training.run import run_model_config
+    from glm_jax.training.run_config import TrainConfig
+
+    source = load_config("tiny")
+    base = TrainConfig()
+    settings = dataclasses.replace(base, model=dataclasses.replace(base.model, context_length=2 * source.max_position_embeddings,
+                                                                   index_topk=3 * source.index_topk))
+    cfg = run_model_config(source, settings)
+    assert cfg.index_topk == 3 * source.index_topk and cfg.max_position_embeddings == 2 * source.max_position_embeddings
+    assert run_model_config(source, base).index_topk == source.index_topk

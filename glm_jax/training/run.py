@@ -154,9 +154,12 @@ def model_source(model: ModelSourceConfig) -> ModelSource | None:
 
 def run_model_config(source_cfg: GLMConfig, settings: TrainConfig) -> GLMConfig:
     """The model config of the run: the source's, its positions extended to --context-length
-    (`extend_context`); ValueError where --seq-len is longer than the positions it has."""
+    (`extend_context`), its indexer's top-k set to --index-topk; ValueError where --seq-len is
+    longer than the positions it has."""
     length = settings.model.context_length
     cfg = extend_context(source_cfg, length) if length else source_cfg
+    if settings.model.index_topk:
+        cfg = dataclasses.replace(cfg, index_topk=settings.model.index_topk)
     seq_len = settings.data.seq_len
     if seq_len > cfg.max_position_embeddings:
         hint = (f"a --context-length of at least {seq_len}" if not length else

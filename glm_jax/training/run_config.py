@@ -38,8 +38,8 @@ EXPANDED_MAX_LEN = 4096
 @dataclasses.dataclass(frozen=True)
 class ModelSourceConfig(Settings):
     """The model: a config file, the weights a run starts from (if any: a Hugging Face checkpoint
-    or a model directory, e.g. another run's), and the context length its position encoding is
-    extended to (`glm_jax.config.extend_context`)."""
+    or a model directory, e.g. another run's), the context length its position encoding is
+    extended to (`glm_jax.config.extend_context`) and the indexer's top-k."""
 
     SECTION = "model"
     config: str | None = setting(None, help="configs/*.yaml or a config.json (default: configs/tiny.yaml, or the "
@@ -56,6 +56,11 @@ class ModelSourceConfig(Settings):
                                               "length) by YaRN: rope_scaling factor N / original, written into the "
                                               "run's config.yaml; for long-context mid-training from --checkpoint "
                                               "or --hf-checkpoint weights")
+    index_topk: int | None = setting(None, at_least=1, metavar="K", fixed="the sparse attention reads the indexer's "
+                                     "top-K keys, which the checkpoint's steps were trained on",
+                                     help="keys the indexer selects for each query (the config's index_topk; it "
+                                          "changes no weight), written into the run's config.yaml: e.g. a larger "
+                                          "top-k for long-context stages (default: the model's)")
 
 
 @dataclasses.dataclass(frozen=True)
