@@ -6,17 +6,18 @@ decodes them (`serving.engine_setup.build_engine`). Recorded on the CPU with thi
 flags and the jax version named in the file; another version or backend may round
 differently, and the test is then skipped. GLM_WRITE_DECODE_REFERENCE=1 writes the file.
 
-Where the outputs equal the recorded ones (as they do where they were recorded) nothing else is
-looked at. Another CPU's vector width (e.g. AVX2 against AVX-512) rounds the bfloat16 model's
-logits differently, which can flip a draw that was a near-tie, and after a flipped draw the rest
-of the sequence legitimately goes its own way. So the file also holds, per recorded token, how
-far its draw was from choosing another token (`margins`, in logits: `NEAR_TIE`), and the
-recorded completions' token ids (`token_ids`): a sequence may differ from the recorded one only
-first at a token whose draw was within NEAR_TIE of a tie, and is not compared after it."""
+Another CPU's vector width (e.g. AVX2 against AVX-512) rounds the bfloat16 model's logits
+differently, which can flip a draw that was a near-tie, and after a flipped draw the rest of the
+sequence legitimately goes its own way. So the file also holds, per recorded token, how far its
+draw was from choosing another token (`margins`, in logits: `NEAR_TIE`) and the completions'
+token ids (`token_ids`): an output must equal the recorded one, or its tokens may first differ
+from the recorded ones at a token whose draw was within NEAR_TIE of a tie, and are not compared
+after it. Where the outputs were recorded they are equal. The served tokens' log-probs
+(`logprobs`) are compared to within `LOGPROB_ATOL` too: they catch a change of the model too
+small to flip more than near-ties."""
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import os
@@ -47,6 +48,13 @@ MODES = {"plain1": (1, ["--speculative", "0"]), "plain": (3, ["--speculative", "
 #: steps). 0.25 is twice that; a real change of the computation moves the logits by more and
 #: flips draws that were not near-ties (the tokens are still compared exactly up to there).
 NEAR_TIE = 0.25
+#: The served tokens also come with the log-probs the engine reports (log_softmax of the raw
+#: logits): each token's own and the LOGPROBS most likely tokens', compared to within
+#: LOGPROB_ATOL. With the rounding changed as above they moved by up to 0.12 (0.017 on average);
+#: a change of the model too small to flip more than near-ties moves them by more (the routed
+#: experts' weights 5% larger: up to 0.37), which the tokens alone would let through.
+LOGPROBS = 20
+LOGPROB_ATOL = 0.25
 
 
 def _completions(tmp_path, prompts, flags, monkeypatch) -> tuple[list[str], list[list[int]]]:
@@ -63,7 +71,9 @@ def _completions(tmp_path, prompts, flags, monkeypatch) -> tuple[list[str], list
 
 
 def _served() -> dict:
-    """The server's engine (build_engine) on the prompts' token ids -> tokens per sampling."""
+    """The server's engine (build_engine) on the prompts' token ids -> per sampling, (tokens, and
+    per token the log-probs the engine reports with it: its own, then the LOGPROBS most likely
+    tokens')."""
     from glm_jax.checkpoint import load_model_dir
     from glm_jax.data.tokenizer import load_tokenizer
     from glm_jax.decoding.engine import Request
@@ -73,25 +83,43 @@ def _served() -> dict:
     model = load_model_dir(DEFAULT_CHECKPOINT)
     tok = load_tokenizer(DEFAULT_CHECKPOINT)
     engine = build_engine(model, slots=2, page_size=16, max_context=96, prefill_chunk=16)
+    events, step = [], engine.step      # the log-probs come with the events `serve` steps through
+    engine.step = lambda: (lambda stepped: events.extend(stepped) or stepped)(step())
     ids = [np.asarray(tok.encode(p).ids, np.int32) for p in PROMPTS]
     out = {}
     for name, sampling in (("greedy", SamplingParams(temperature=0.0)),
                            ("seeded", SamplingParams(temperature=TEMPERATURE["seeded"], top_k=40))):
-        results = engine.serve([Request(row, MAX_NEW, sampling, None, 3 + i) for i, row in enumerate(ids)])
-        out[name] = [r.tokens for r in results]
+        events.clear()
+        results = engine.serve([Request(row, MAX_NEW, sampling, None, 3 + i, logprobs=LOGPROBS)
+                                for i, row in enumerate(ids)])
+        by_request: dict = {}              # request ids count up in the order of the requests
+        for event in events:
+            tokens, logprobs = by_request.setdefault(event.request_id, ([], []))
+            tokens += event.tokens
+            logprobs += [[t.logprob, *(p for _, p in t.top)] for t in event.logprobs]
+        streams = [by_request[rid] for rid in sorted(by_request)]
+        assert [tokens for tokens, _ in streams] == [r.tokens for r in results]
+        out[name] = [r.tokens for r in results], [logprobs for _, logprobs in streams]
     return out
 
 
-def _decoded(tmp_path, monkeypatch) -> tuple[dict, dict]:
-    """-> (key -> the outputs: completion texts, or the served token ids; key -> their token ids)."""
-    got, ids = {}, {}
+def _decoded(tmp_path, monkeypatch) -> tuple[dict, dict, dict]:
+    """-> (key -> the outputs: completion texts, or the served token ids; key -> their token ids;
+    served key -> the log-probs of `_served`)."""
+    got, ids, logprobs = {}, {}, {}
     for mode, (n, flags) in MODES.items():
         for name, sampling in SAMPLINGS.items():
-            got[f"{mode}/{name}"], ids[f"{mode}/{name}"] = _completions(tmp_path, PROMPTS[:n], flags + sampling,
-                                                                        monkeypatch)
-    for name, tokens in _served().items():
+            key = f"{mode}/{name}"
+            got[key], ids[key] = _completions(tmp_path, PROMPTS[:n], flags + sampling, monkeypatch)
+    for name, (tokens, scores) in _served().items():
         got[f"served/{name}"] = ids[f"served/{name}"] = tokens
-    return got, ids
+        logprobs[f"served/{name}"] = scores
+    return got, ids, logprobs
+
+
+def _first_difference(a: list, b: list) -> int:
+    """The first position where token lists a and b differ (the shorter one's end counts)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def _assert_recorded_but_for_a_near_tie(key: str, got: list, got_ids: list, want: list, want_ids: list,
@@ -103,26 +131,40 @@ def _assert_recorded_but_for_a_near_tie(key: str, got: list, got_ids: list, want
         if g == w:
             continue
         a, b = got_ids[row], want_ids[row]
-        first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        first = _first_difference(a, b)
         margin = margins[row][first] if first < len(margins[row]) else math.inf
         assert margin <= NEAR_TIE, (
             f"{key}, sequence {row}: token {first} is {a[first:first + 1]}, recorded {b[first:first + 1]}, whose "
             f"draw was {margin:.3f} logits from a tie (more than NEAR_TIE = {NEAR_TIE}): {g!r} != {w!r}")
 
 
+def _assert_logprobs_recorded(key: str, got_ids: list, got: list, want_ids: list, want: list) -> None:
+    """The served tokens' log-probs (their own and the most likely tokens') are the recorded ones to
+    within LOGPROB_ATOL, at every token before the first that differs from the recorded one."""
+    assert len(got) == len(want), key
+    for row, (a, b, g, w) in enumerate(zip(got_ids, want_ids, got, want)):
+        n = _first_difference(a, b)
+        assert len(g) >= n and len(w) >= n, (key, row)
+        np.testing.assert_allclose(g[:n], w[:n], rtol=0, atol=LOGPROB_ATOL, err_msg=f"{key}, sequence {row}")
+
+
 def test_decode_outputs_are_those_of_the_code_before(tmp_path, monkeypatch):
-    got, ids = _decoded(tmp_path, monkeypatch)
+    got, ids, logprobs = _decoded(tmp_path, monkeypatch)
     if os.environ.get("GLM_WRITE_DECODE_REFERENCE"):
         margins = _recorded_margins(tmp_path, monkeypatch, ids)
         REFERENCE.write_text(_reference_text({
             "jax": jax.__version__, "backend": jax.default_backend(), **got,
-            "token_ids": {key: ids[key] for key in got if not key.startswith("served/")}, "margins": margins}))
+            "token_ids": {key: ids[key] for key in got if not key.startswith("served/")}, "margins": margins,
+            "logprobs": {key: [[[round(x, 4) for x in position] for position in row] for row in rows]
+                         for key, rows in logprobs.items()}}))
     want = json.loads(REFERENCE.read_text())
     if (want["jax"], want["backend"]) != (jax.__version__, jax.default_backend()):
         pytest.skip(f"outputs recorded with jax {want['jax']} on {want['backend']}")
     for key, value in got.items():
-        _assert_recorded_but_for_a_near_tie(key, value, ids[key], want[key], want["token_ids"].get(key, want[key]),
-                                            want["margins"][key])
+        want_ids = want["token_ids"].get(key, want[key])
+        _assert_recorded_but_for_a_near_tie(key, value, ids[key], want[key], want_ids, want["margins"][key])
+        if key in logprobs:
+            _assert_logprobs_recorded(key, ids[key], logprobs[key], want_ids, want["logprobs"][key])
 
 
 # ---------------------------------------------------------------- recording the margins
@@ -208,7 +250,8 @@ def _watched(monkeypatch, calls: list):
 def _plain_margins(calls, rows: int, t: float) -> list[list[float]]:
     """One generator run's draws: step i draws token i of every row."""
     draws = [c for c in calls if c[0] == "plain"]
-    assert all((token == drawn).all() and (temperature == np.float32(t)).all() for _, token, drawn, _, _, temperature in draws)
+    assert all((token == drawn).all() and (temperature == np.float32(t)).all()
+               for _, token, drawn, _, _, temperature in draws)
     return [[float(margin[r]) for _, _, _, margin, _, _ in draws[:MAX_NEW]] for r in range(rows)]
 
 
@@ -291,17 +334,20 @@ def _recorded_margins(tmp_path, monkeypatch, ids: dict) -> dict:
             served = _served()
             jax.effects_barrier()
             for name in SAMPLINGS:
-                assert served[name] == ids[f"served/{name}"], name
-                margins[f"served/{name}"] = _engine_margins(calls, served[name], 3, TEMPERATURE[name])
+                tokens, _ = served[name]
+                assert tokens == ids[f"served/{name}"], name
+                margins[f"served/{name}"] = _engine_margins(calls, tokens, 3, TEMPERATURE[name])
     finally:
         fresh()
     return {key: [[round(m, 4) for m in row] for row in rows] for key, rows in margins.items()}
 
 
 def _reference_text(record: dict) -> str:
-    """The file: as json.dumps(indent=1), but each sequence of `token_ids` and `margins` on one line."""
-    text = json.dumps({k: v for k, v in record.items() if k not in ("token_ids", "margins")}, indent=1)
+    """The file: as json.dumps(indent=1), but each sequence of `token_ids`, `margins` and `logprobs`
+    on one line."""
+    lined = ("token_ids", "margins", "logprobs")
+    text = json.dumps({k: v for k, v in record.items() if k not in lined}, indent=1)
     extra = [f' "{name}": {{\n' + ",\n".join(
-        f'  "{key}": [' + ", ".join(json.dumps(row) for row in rows) + "]" for key, rows in record[name].items())
-        + "\n }" for name in ("token_ids", "margins")]
+        f'  "{key}": [\n   ' + ",\n   ".join(json.dumps(row) for row in rows) + "\n  ]"
+        for key, rows in record[name].items()) + "\n }" for name in lined]
     return text[:-2] + ",\n" + ",\n".join(extra) + "\n}"
