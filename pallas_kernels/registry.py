@@ -81,8 +81,9 @@ REGISTRY: dict[str, dict[str, Implementation]] = {
                                      backward_index=mla_tpu.backward_index),
         "pallas_gpu": Implementation(mla_gpu.sparse_mla, mla_gpu.SparseMLAGpuConfig, "gpu",
                                      backward_index=mla_gpu.backward_index),
-        # hand-written CUDA forward through the XLA FFI (scripts/build_cuda_kernels.sh builds it), the
-        # pallas_gpu backward; not measured on a GPU yet, so "auto" keeps pallas_gpu
+        # hand-written CUDA forward and backward through the XLA FFI (scripts/build_cuda_kernels.sh
+        # builds them; docs/kernels-sparse-mla.md has their H100 figures). "auto" keeps pallas_gpu:
+        # the CUDA forward returns no indexer target, which the sparse stage's KL needs
         "cuda": Implementation(mla_cuda.sparse_mla, mla_cuda.SparseMLACudaConfig, "gpu",
                                interpretable=False, backward_index=mla_cuda.backward_index, auto=False),
     },
