@@ -132,6 +132,12 @@ def impl_choices(op: str) -> tuple[str, ...]:
 
 #: The --kernel-config example of the help: a field of the kernel "auto" runs on a CPU.
 KERNEL_CONFIG_EXAMPLE = "attention.q_chunk=64"
+#: --kernel-config's help, in every front end that has the flag.
+KERNEL_CONFIG_HELP = (f"set a field of a kernel's config dataclass (repeatable), e.g. {KERNEL_CONFIG_EXAMPLE} (the xla "
+                      "kernel's, which a CPU runs) or attention.block_k=64 (pallas_gpu, pallas_tpu); groups: the ops "
+                      "(sparse_mla, indexer_topk, indexer_cross_entropy, causal_attention, dense_indexer_kl) or "
+                      "attention, indexer, indexer_kl, dense_kl; the fields are those of the config of the "
+                      "implementation the group runs (pallas_kernels registry)")
 
 
 def add_kernel_flags(ap: argparse.ArgumentParser, *, attention_help: str = "") -> None:
@@ -145,12 +151,7 @@ def add_kernel_flags(ap: argparse.ArgumentParser, *, attention_help: str = "") -
     kernels.add_argument("--indexer-impl", default="auto", choices=impl_choices("indexer_topk"),
                          help="the lightning indexer's kernels (scores and top-k)")
     kernels.add_argument("--kernel-config", dest="kernel_config_items", action="append", default=None,
-                         metavar="GROUP.FIELD=VALUE",
-                         help=f"set a field of a kernel's config dataclass (repeatable), e.g. {KERNEL_CONFIG_EXAMPLE} "
-                              "(the xla kernel's, which a CPU runs) or attention.block_k=64 (pallas_gpu, pallas_tpu); "
-                              "groups: the ops (sparse_mla, indexer_topk, indexer_cross_entropy, causal_attention, "
-                              "dense_indexer_kl) or attention, indexer, indexer_kl, dense_kl; the fields are those of "
-                              "the config of the implementation the group runs (pallas_kernels registry)")
+                         metavar="GROUP.FIELD=VALUE", help=KERNEL_CONFIG_HELP)
 
 
 def kernel_config(items: list[str] | None, base: dict | None = None) -> dict[str, dict]:

@@ -59,9 +59,7 @@ class DecodeCommand:
     """print only the generated text: no prompt, marker line or statistics (with --prompt-ids: the prompt's ids and
     the new ones, as without it)"""
     kernel_config: Annotated[tuple[str, ...], tyro.conf.UseAppendAction,
-                             tyro.conf.arg(metavar="GROUP.FIELD=VALUE")] = ()
-    """set a field of a kernel's config dataclass, e.g. attention.q_chunk=64 (the xla kernel's, which a CPU runs) or
-    attention.block_k=64 (pallas_gpu, pallas_tpu); groups: attention, indexer, indexer_kl, dense_kl"""
+                             tyro.conf.arg(metavar="GROUP.FIELD=VALUE", help=cli.KERNEL_CONFIG_HELP)] = ()
     serve: Annotated[bool, tyro.conf.FlagCreatePairsOff] = False
     """run the HTTP server: OpenAI-style /v1/completions requests (docs/serving.md) instead of decoding --prompt"""
     compile_only: Annotated[bool, tyro.conf.FlagCreatePairsOff] = False

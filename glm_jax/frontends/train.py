@@ -27,11 +27,8 @@ class TrainCommand:
     run_config: str | None = None
     """the run's settings as YAML (FILE), sections as in a run directory's run_config.yaml; flags given
     override them"""
-    kernel_config: Annotated[tuple[str, ...], tyro.conf.UseAppendAction, tyro.conf.arg(metavar="GROUP.FIELD=VALUE")] = ()
-    """set a field of a kernel's config dataclass: GROUP.FIELD=VALUE items, e.g. attention.q_chunk=64 (the xla
-    kernel's, which a CPU runs) or attention.block_k=64 (pallas_gpu, pallas_tpu); groups: the ops
-    (sparse_mla, indexer_topk, indexer_cross_entropy, causal_attention, dense_indexer_kl) or attention, indexer,
-    indexer_kl, dense_kl"""
+    kernel_config: Annotated[tuple[str, ...], tyro.conf.UseAppendAction,
+                             tyro.conf.arg(metavar="GROUP.FIELD=VALUE", help=cli.KERNEL_CONFIG_HELP)] = ()
     processes: Processes = Processes()
 
     # what cli.join_processes reads
