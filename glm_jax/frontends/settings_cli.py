@@ -75,7 +75,28 @@ def _field_type(f: dataclasses.Field, hint: Any) -> Any:
         choices = tuple(choices() if callable(choices) else choices)
         hint = Literal[choices] | None if type(None) in settings_lib._types(hint) else Literal[choices]
     aliases = tuple(md.get("aliases", ()))      # the deprecated spellings are rewritten before the parse
-    return Annotated[hint, tyro.conf.arg(aliases=aliases or None, metavar=md.get("metavar"))]
+    return Annotated[hint, tyro.conf.arg(aliases=aliases or None, metavar=md.get("metavar") or _metavar(hint),
+                                         help_behavior_hint=_default_hint(f))]
+
+
+#: The value a flag takes, by its type, where the setting names none: no `{None}|STR` in --help.
+_METAVARS = {str: "TEXT", int: "INT", float: "FLOAT"}
+
+
+def _metavar(hint: Any) -> str | None:
+    """`STR` for `str | None` and the like (an optional scalar); None: tyro's own (choices, bools)."""
+    kinds = settings_lib._types(hint) - {type(None)}
+    if type(None) not in settings_lib._types(hint) or len(kinds) != 1:
+        return None
+    return _METAVARS.get(next(iter(kinds)))
+
+
+def _default_hint(f: dataclasses.Field) -> str | None:
+    """The help's "(default: ...)": none where the default is None or the help says it already;
+    None: tyro's own."""
+    if f.default is None or "default" in (f.metadata.get("help") or ""):
+        return ""
+    return None
 
 
 def _registry():
