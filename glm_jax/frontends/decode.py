@@ -20,7 +20,7 @@ from glm_jax.decoding.decode_config import DecodeConfig
 from glm_jax.extras import require
 from glm_jax.frontends import cli, settings_cli
 from glm_jax.frontends.serve import serve, serve_config
-from glm_jax.frontends.settings_cli import Processes
+from glm_jax.frontends.settings_cli import Processes, optional_value
 from glm_jax.serving.serve_config import ServeConfig
 
 tyro = require("tyro")     # the cli extra: an ImportError naming it where it is missing
@@ -37,23 +37,23 @@ class DecodeCommand:
 
     settings: DecodeConfig = DecodeConfig()
     serving: ServeConfig = ServeConfig()
-    decode_config: str | None = None
+    decode_config: Annotated[str | None, optional_value("FILE")] = None
     """the decode's settings as YAML (DecodeConfig's fields, FILE); flags given override them"""
-    checkpoint: Annotated[str | None, tyro.conf.arg(metavar="DIR")] = None
+    checkpoint: Annotated[str | None, optional_value("DIR")] = None
     """a model directory (config.yaml, params/, tokenizer.json; what train.py writes; default: checkpoints/default)"""
-    hf_checkpoint: Annotated[str | None, tyro.conf.arg(metavar="DIR")] = None
+    hf_checkpoint: Annotated[str | None, optional_value("DIR")] = None
     """a Hugging Face checkpoint directory (config.json, *.safetensors; tokenizer.json for text)"""
-    config: str | None = None
+    config: Annotated[str | None, optional_value("FILE")] = None
     """expected config; refused if the checkpoint's differs"""
-    prompt: str | None = None
+    prompt: Annotated[str | None, optional_value("TEXT")] = None
     """prompt text (default: a Python function header)"""
-    prompt_file: str | None = None
+    prompt_file: Annotated[str | None, optional_value("FILE")] = None
     """read the prompt from this file"""
-    prompt_ids: str | None = None
+    prompt_ids: Annotated[str | None, optional_value("IDS")] = None
     """the prompt as comma-separated token ids (prints ids)"""
-    prompts_file: str | None = None
+    prompts_file: Annotated[str | None, optional_value("FILE")] = None
     """a batch: JSON lines, each a string or {"prompt": ...}; prompts may differ in length"""
-    output: str | None = None
+    output: Annotated[str | None, optional_value("FILE")] = None
     """write {prompt, completion} JSON lines here"""
     quiet: Annotated[bool, tyro.conf.FlagCreatePairsOff] = False
     """print only the generated text: no prompt, marker line or statistics (with --prompt-ids: the prompt's ids and
@@ -64,9 +64,9 @@ class DecodeCommand:
     """run the HTTP server: OpenAI-style /v1/completions requests (docs/serving.md) instead of decoding --prompt"""
     compile_only: Annotated[bool, tyro.conf.FlagCreatePairsOff] = False
     """compile one decode step for --topology ahead of time and print per-chip memory"""
-    topology: str | None = None
+    topology: Annotated[str | None, optional_value("TOPOLOGY")] = None
     """TPU slice for --compile-only, e.g. v5p:4x4x4"""
-    max_context: int | None = None
+    max_context: Annotated[int | None, optional_value("N")] = None
     """cache rows per sequence for --compile-only (default: the model's context)"""
     batch: int = 1
     """sequences per step for --compile-only"""

@@ -5,7 +5,7 @@ field's flag, default, rule, choices and help are written once, in its `setting(
     class TrainCommand:                     # a front end's command: its settings and its own flags
         settings: TrainConfig = TrainConfig()
         run_config: str | None = None       # the settings file (SETTINGS_FILE_FIELD)
-        coordinator: str | None = None
+        coordinator: Annotated[str | None, optional_value("ADDRESS")] = None
 
     command = settings_cli.parse(TrainCommand, argv, description="...", load_file=run_config.load)
     command.settings                        # a checked TrainConfig (a bad value: cli.UserError)
@@ -39,16 +39,22 @@ def _tyro():
     return require("tyro")
 
 
+def optional_value(metavar: str) -> Any:
+    """tyro's marker for a command's own optional flag (default None): `metavar` names its value
+    in --help, and no "(default: None)" follows its help."""
+    return _tyro().conf.arg(metavar=metavar, help_behavior_hint="")
+
+
 @dataclasses.dataclass(frozen=True)
 class Processes:
     """Several processes (hosts): every process runs the same command; the mesh spans all their
     devices; only process 0 prints and writes files."""
 
-    coordinator: str | None = None
+    coordinator: Annotated[str | None, optional_value("ADDRESS")] = None
     """process 0's address HOST:PORT, which every process gives (with --num-processes, --process-id)"""
-    num_processes: int | None = None
+    num_processes: Annotated[int | None, optional_value("N")] = None
     """N processes"""
-    process_id: int | None = None
+    process_id: Annotated[int | None, optional_value("ID")] = None
     """0..N-1"""
     distributed: bool = False
     """join a multi-process run that jax.distributed detects by itself (TPU pod, SLURM, Open MPI, or

@@ -11,7 +11,7 @@ from typing import Annotated
 from glm_jax import multihost
 from glm_jax.extras import require
 from glm_jax.frontends import cli, settings_cli
-from glm_jax.frontends.settings_cli import Processes
+from glm_jax.frontends.settings_cli import Processes, optional_value
 from glm_jax.training import run, run_config
 from glm_jax.training.run_config import TrainConfig
 
@@ -24,7 +24,7 @@ class TrainCommand:
     --kernel-config items and the processes."""
 
     settings: TrainConfig = TrainConfig()
-    run_config: str | None = None
+    run_config: Annotated[str | None, optional_value("FILE")] = None
     """the run's settings as YAML (FILE), sections as in a run directory's run_config.yaml; flags given
     override them"""
     kernel_config: Annotated[tuple[str, ...], tyro.conf.UseAppendAction,
