@@ -22,6 +22,7 @@ from flax import nnx
 
 from glm_jax import ops
 from glm_jax.convert.repattern import with_pattern
+from glm_jax.forward_options import ForwardOptions
 from glm_jax.training.step import eval_step
 
 
@@ -29,8 +30,9 @@ def calibration_loss(model, batches: list[tuple[np.ndarray, np.ndarray]], *,
                      kernels: ops.KernelChoice = ops.KernelChoice()) -> float:
     """Mean LM loss (sparse attention, as the model runs) over (inputs, targets) int32 [B, S] pairs."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    losses = [float(eval_step(graphdef, params, rest, jnp.asarray(x), jnp.asarray(y), stage="sparse",
-                              kernels=kernels)) for x, y in batches]
+    options = ForwardOptions(mode="sparse", form="absorbed", kernels=kernels)
+    losses = [float(eval_step(graphdef, params, rest, jnp.asarray(x), jnp.asarray(y), options=options))
+              for x, y in batches]
     return float(np.mean(losses))
 
 

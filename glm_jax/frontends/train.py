@@ -61,12 +61,12 @@ def main(argv=None, description: str = "Train a GLM-5.2-style model") -> int:
     cli.join_processes(command, settings.mesh)    # before the first jax computation
     with multihost.stdout_of_main_process_only():
         with cli.user_errors():
-            state = run.setup(settings)
+            training_run = run.setup(settings)
         try:
-            code = run.train(state)
+            finished = run.train(training_run)
         except run.SaveFailedError as e:      # the disk, not the flags: exit code 1
             print(f"error: {e}", file=sys.stderr)
             return 1
-        if state.exported is not None:
-            print(f"decode with: {cli.python_command()} decode.py --checkpoint {cli.shown_path(state.out)}")
-        return code
+        if finished.exported:
+            print(f"decode with: {cli.python_command()} decode.py --checkpoint {cli.shown_path(training_run.out)}")
+        return finished.code

@@ -7,82 +7,88 @@ from __future__ import annotations
 import signal
 import sys
 import threading
-from typing import TYPE_CHECKING
+from typing import NamedTuple
 
 import numpy as np
 
 from glm_jax import faults, multihost
 from glm_jax.data.prefetch import Prefetched
+from glm_jax.forward_options import ForwardOptions
 from glm_jax.layers.segments import count_segments, segment_bound
 from glm_jax.training import background_output
 from glm_jax.training.compiles import CompileWatch
 from glm_jax.training.metrics import MetricsLog
+from glm_jax.training.run_parts import Run
 from glm_jax.training.saving import export, finish_saves, save_checkpoint
 from glm_jax.training.step import Batch, TrainState, eval_step
 
-if TYPE_CHECKING:
-    from glm_jax.training.run import Run
+
+class Finished(NamedTuple):
+    """How `train` ended: code, the exit code; state, the last step's `TrainState`; exported,
+    whether its weights were written to params/ (the last step, or a --stop-after stop)."""
+
+    code: int
+    state: TrainState
+    exported: bool
 
 
-def train(run: Run) -> int:
-    """Steps run.start + 1 .. --steps (or --stop-after of them, or until SIGTERM on some process:
-    then a checkpoint and exit), evaluating, logging and saving on the way; then the export."""
-    source, depth = run.batches, run.prefetch
-    if depth:
-        run.batches = Prefetched(source, depth=depth)   # the next batches are packed while the device runs
-    try:
+def train(run: Run) -> Finished:
+    """Steps run.initial.step + 1 .. --steps (or --stop-after of them, or until SIGTERM on some
+    process: then a checkpoint and exit), evaluating, logging and saving on the way; then the
+    export."""
+    batches = Prefetched(run.batches, depth=run.prefetch) if run.prefetch else run.batches
+    try:            # with prefetch the next batches are packed while the device runs
         with (StopSignals() as stop_requested, background_output.routed_to(run.out / "background.log"),
               CompileWatch() as compiles):
-            return _loop(run, stop_requested, compiles)
+            return _loop(run, batches, stop_requested, compiles)
     finally:
-        if depth:
-            run.batches.close()
-            run.batches = source
+        if run.prefetch:
+            batches.close()
 
 
-
-def _loop(run: Run, stop_requested: "StopSignals", compiles: CompileWatch) -> int:
+def _loop(run: Run, batches, stop_requested: "StopSignals", compiles: CompileWatch) -> Finished:
     settings, schedule = run.settings, run.settings.schedule
-    log = MetricsLog(settings, run.cfg, run.out, start=run.start, compiles=compiles)
+    state = run.initial
+    log = MetricsLog(settings, run.cfg, run.out, start=state.step, compiles=compiles)
+    learning_rate = run.step_config.schedule.on_host
     segment_bounds = SegmentBounds()
-    step = run.start
-    for step in range(run.start + 1, schedule.steps + 1):
-        batch = next(run.batches)
+    form = run.step_config.forward.form
+    while state.step < schedule.steps:
+        step = state.step + 1
+        batch = next(batches)
         stage = "dense" if step <= schedule.dense_steps else "sparse"
         config = run.step_config.with_forward(mode=stage,
-                                              max_segments=segment_bounds.for_step(batch.segment_ids, stage, run.form))
-        state, terms = run.step(TrainState(run.graphdef, run.params, run.rest, run.opt_state),
-                                Batch(*(run.feed.from_rows(a) for a in (batch.inputs, batch.targets,
-                                                                        batch.segment_ids))), config)
-        run.params, run.opt_state = state.params, state.opt_state
+                                              max_segments=segment_bounds.for_step(batch.segment_ids, stage, form))
+        state, terms = run.train_step(state, Batch(*(run.feed.from_rows(a) for a in (batch.inputs, batch.targets,
+                                                                                    batch.segment_ids))), config)
         faults.reached("step", step)
-        record = log.step(step, stage, lambda: run.schedule.on_host(step - 1), terms, batch,
+        record = log.step(step, stage, lambda: learning_rate(step - 1), terms, batch,
                           full=step % settings.logging.log_every == 0 or step == schedule.steps
-                          or step == run.start + 1)
+                          or step == run.initial.step + 1)
         if step % settings.logging.eval_every == 0 or step == schedule.steps:
-            log.validation(record, evaluate(run, stage))
+            log.validation(record, evaluate(run, state, stage))
         log.write(record)
-        limit = settings.stop_after is not None and step - run.start >= settings.stop_after
+        limit = settings.stop_after is not None and step - run.initial.step >= settings.stop_after
         if limit:
             stop_requested.request()
         stop = multihost.any_process(stop_requested.requested)  # all processes stop at the same step
         if step % settings.checkpointing.save_every == 0 or step == schedule.steps or stop:
-            save_checkpoint(run, step)
+            save_checkpoint(run, state, batches)
         if stop:
             finish_saves(run)
             log.close()
             if limit:               # a planned stop: its weights decode as they are
-                export(run, step)
+                export(run, state)
                 print(f"stopped: saved step {step} and exported its weights to {run.out}; continue with --resume",
                       flush=True)
             else:                   # a signal: no time for more writing than the checkpoint
                 print(f"stopped: saved step {step}; continue with --resume (a run stopped by --stop-after "
                       "also exports the weights that decode.py reads)", flush=True)
-            return 0
+            return Finished(0, state, exported=limit)
     log.close()
-    export(run, step)
-    print(f"done: {step} steps; model written to {run.out}")
-    return 0
+    export(run, state)
+    print(f"done: {state.step} steps; model written to {run.out}")
+    return Finished(0, state, exported=True)
 
 
 class StopSignals:
@@ -136,10 +142,12 @@ class SegmentBounds:
         return self.bound
 
 
-def evaluate(run: Run, stage: str) -> float:
-    """The mean LM loss over the held-out batches."""
-    return float(np.mean([eval_step(run.graphdef, run.params, run.rest, run.feed.from_host(x),
-                                    run.feed.from_host(y), stage=stage, kernels=run.kernels)
+def evaluate(run: Run, state: TrainState, stage: str) -> float:
+    """The mean LM loss of `state`'s params over the held-out batches, the attention of `stage`
+    in the absorbed form."""
+    options = ForwardOptions(mode=stage, form="absorbed", kernels=run.step_config.forward.kernels)
+    return float(np.mean([eval_step(run.graphdef, state.params, run.rest, run.feed.from_host(x),
+                                    run.feed.from_host(y), options=options)
                           for x, y in run.heldout]))
 
 

@@ -1,5 +1,5 @@
 """One training run as train.py drives it: `setup` (config, mesh, data, model and optimizer
-state, resume) -> a `Run`, which `train` steps (`training.loop`; its metrics: `training.metrics`,
+state, resume) -> a `Run` (`training.run_parts`), which `train` steps (`training.loop`; its metrics: `training.metrics`,
 its checkpoints and export: `training.saving`). Its settings are a `run_config.TrainConfig`.
 
 The run directory receives tokenizer.json, config.yaml, run_config.yaml (the run's settings,
@@ -15,11 +15,9 @@ import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -36,40 +34,13 @@ from glm_jax.kernel_configs import configured
 from glm_jax.model import GLMModel, abstract_model, count_params, init_model
 from glm_jax.training import checkpointing, run_config
 from glm_jax.training.loop import SegmentBounds, StopSignals, train  # noqa: F401 - run.train(run.setup(...))
+from glm_jax.training.run_parts import BatchPlacement, Run
 from glm_jax.training.run_config import DataConfig, KernelsConfig, ModelSourceConfig, TrainConfig
 from glm_jax.training.saving import SaveFailedError  # noqa: F401 - what train.py reports as exit code 1
-from glm_jax.training.step import (LearningRateSchedule, OptimizerConfig, StepConfig, attention_form, train_step,
-                                   train_step_keeping)
+from glm_jax.training.step import StepConfig, TrainState, attention_form, train_step, train_step_keeping
 
 DEFAULT_CONFIG = "configs/tiny.yaml"
 TOKENIZER_DOCS = 20_000  # documents the tokenizer is trained on (and the most held-out ones encoded)
-
-
-@dataclasses.dataclass
-class Run:
-    """What the loop needs, from `setup`; params and opt_state advance with the steps."""
-
-    settings: TrainConfig
-    cfg: GLMConfig
-    out: Path
-    model: GLMModel
-    graphdef: nnx.GraphDef
-    params: nnx.State
-    rest: nnx.State
-    opt_state: optax.OptState
-    tx: optax.GradientTransformation
-    schedule: LearningRateSchedule
-    feed: _BatchPlacement
-    batches: pipeline.PackedBatches   # wrapped in `Prefetched` while the loop runs, if --prefetch-batches
-    heldout: list
-    mngr: object          # orbax CheckpointManager (checkpointing.manager)
-    start: int            # the step restored (0: a new run)
-    form: str             # attention form (training.step.attention_form)
-    kernels: ops.KernelChoice
-    step_config: StepConfig   # the train step's static settings (its forward's mode and max_segments set per step)
-    step: Callable        # train_step, on a mesh with the state's layouts pinned (`_step_for`)
-    prefetch: int         # batches packed ahead on a thread while the loop runs (`prefetch_depth`)
-    exported: int | None = None   # the step whose weights `export` wrote to params/, if it ran
 
 
 # ---------------------------------------------------------------------- setup
@@ -112,10 +83,8 @@ def setup(settings: TrainConfig) -> Run:
     if model is None:
         model = init_model(cfg, settings.seed)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    schedule_settings = settings.schedule
-    optimizer = OptimizerConfig.of(schedule_settings)
-    tx, schedule = optimizer.build()
-    params, rest, opt_state = _place_state(mesh, params, rest, tx)
+    step_config = StepConfig.of(settings, kernels=kernels, form=form)
+    params, rest, opt_state = _place_state(mesh, params, rest, step_config.tx)
     if mesh is not None:
         print(f"mesh: {sharding.format_mesh(mesh)} over {mesh.size} devices of {jax.process_count()} process(es); "
               f"data in {data_shards} shard(s), this process reading {len(shards_read)}")
@@ -138,11 +107,10 @@ def setup(settings: TrainConfig) -> Run:
                                                         read=shards_read)
             print(f"resume: continuing from step {start}")
 
-    step_config = StepConfig.of(settings, kernels=kernels, form=form)
-    return Run(settings=settings, cfg=cfg, out=out, model=model, graphdef=graphdef, params=params, rest=rest,
-               opt_state=opt_state, tx=tx, schedule=schedule, feed=feed, batches=batches, heldout=heldout,
-               mngr=mngr, start=start, form=form, kernels=kernels, step_config=step_config,
-               step=_step_for(mesh, params, opt_state), prefetch=prefetch)
+    return Run(settings=settings, cfg=cfg, out=out, model=model, graphdef=graphdef, rest=rest, feed=feed,
+               batches=batches, heldout=heldout, mngr=mngr, step_config=step_config,
+               train_step=_step_for(mesh, params, opt_state), prefetch=prefetch,
+               initial=TrainState(graphdef, params, rest, opt_state, start))
 
 
 def model_source(model: ModelSourceConfig) -> ModelSource | None:
@@ -266,19 +234,11 @@ def _step_for(mesh: Mesh | None, params, opt_state) -> Callable:
     return train_step_keeping(shardings(params), shardings(opt_state))
 
 
-class _BatchPlacement(NamedTuple):
-    """Where the rows of batches of `shape` [B, L] go: split over the data axis of the mesh."""
-
-    rows: range                     # the rows of every batch that this process's devices hold
-    from_rows: Callable             # int [len(rows), L], this process's rows -> global [B, L]
-    from_host: Callable             # int [B, L], the same on every process -> global [B, L]
-
-
-def _batch_placement(mesh: Mesh | None, shape: tuple[int, int]) -> _BatchPlacement:
+def _batch_placement(mesh: Mesh | None, shape: tuple[int, int]) -> BatchPlacement:
     if mesh is None:
-        return _BatchPlacement(range(shape[0]), jnp.asarray, jnp.asarray)
+        return BatchPlacement(range(shape[0]), jnp.asarray, jnp.asarray)
     batch = sharding.batch_sharding(mesh, shape)   # checks that data divides B and context divides L
-    return _BatchPlacement(multihost.process_rows(batch, shape),
+    return BatchPlacement(multihost.process_rows(batch, shape),
                            lambda x: jax.make_array_from_process_local_data(batch, x, shape),
                            lambda x: multihost.global_array(x, batch))
 

@@ -5,8 +5,6 @@ a failed write raises `SaveFailedError` naming the complete checkpoint a --resum
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING
-
 from flax import nnx
 
 from glm_jax import faults, multihost
@@ -14,22 +12,23 @@ from glm_jax.checkpoint import save_model_dir
 from glm_jax.checkpoint_damage import os_reason, silence_orbax_leftovers
 from glm_jax.data import pipeline
 from glm_jax.training import background_output, checkpointing
-
-if TYPE_CHECKING:
-    from glm_jax.training.run import Run
+from glm_jax.training.run_parts import Run
+from glm_jax.training.step import TrainState
 
 
 class SaveFailedError(RuntimeError):
     """A checkpoint or the final weights could not be written (a full disk, a lost mount)."""
 
 
-def save_checkpoint(run: Run, step: int) -> None:
-    """Params, optimizer state and every process's data position at `step` (async; all processes).
-    A failure of this save or of the previous one raises SaveFailedError."""
-    data = pipeline.merge_states(multihost.allgather_json(run.batches.state()))   # every process's shards
+def save_checkpoint(run: Run, state: TrainState, batches) -> None:
+    """The params and optimizer state of `state` and every process's data position in `batches`
+    (what `run.batches` became while the loop runs) at `state.step` (async; all processes). A
+    failure of this save or of the previous one raises SaveFailedError."""
+    step = state.step
+    data = pipeline.merge_states(multihost.allgather_json(batches.state()))   # every process's shards
     faults.reached("save", step)
     with _save_failures(f"checkpoint {step}", run):
-        checkpointing.save(run.mngr, step, {"params": run.params, "opt_state": run.opt_state},
+        checkpointing.save(run.mngr, step, {"params": state.params, "opt_state": state.opt_state},
                            {"step": step, "data": data, "config": run.cfg.to_dict()})
     faults.reached("saving", step)
 
@@ -62,13 +61,12 @@ def _complete_checkpoints(run: Run) -> list[int]:
     return sorted(int(p.name) for p in root.iterdir() if p.name.isdigit()) if root.is_dir() else []
 
 
-def export(run: Run, step: int) -> None:
-    """The weights of `step` as a model directory in the run directory (what decode.py
+def export(run: Run, state: TrainState) -> None:
+    """The weights of `state` as a model directory in the run directory (what decode.py
     --checkpoint loads)."""
     finish_saves(run)
-    nnx.update(run.model, run.params, run.rest)
-    with _save_failures(f"the weights of step {step}", run):
+    nnx.update(run.model, state.params, run.rest)
+    with _save_failures(f"the weights of step {state.step}", run):
         save_model_dir(run.out, run.model, dtype=run.settings.checkpointing.export_dtype,
                        tokenizer_file=run.out / "tokenizer.json")
-    run.exported = step
 

@@ -270,15 +270,22 @@ class StepConfig:
     def tx(self) -> optax.GradientTransformation:
         return self.optimizer.tx
 
+    @property
+    def schedule(self) -> LearningRateSchedule:
+        return self.optimizer.build()[1]
+
 
 class TrainState(NamedTuple):
-    """What a train step updates: the model split by `nnx.split(model, nnx.Param, ...)` and the
-    optimizer state of its params."""
+    """What a train step advances: the model split by `nnx.split(model, nnx.Param, ...)`, the
+    optimizer state of its params and `step`, the optimizer steps taken (0: a new run). The
+    loop holds one and each step returns the next; nothing else of a run changes per step
+    (the data position is the batch source's: `pipeline.PackedBatches.state`)."""
 
     graphdef: nnx.GraphDef
     params: nnx.State
     rest: nnx.State
     opt_state: optax.OptState
+    step: int = 0
 
 
 class Batch(NamedTuple):
@@ -310,11 +317,11 @@ train_step_program = jax.jit(_step, **_JIT)
 
 def train_step(state: TrainState, batch: Batch | tuple, config: StepConfig, *,
                program=train_step_program) -> tuple[TrainState, dict]:
-    """One optimizer step -> (the new state, metrics dict of float32 scalars). The state's params
-    and optimizer state are donated: use the returned ones."""
+    """One optimizer step -> (the next state, its step one more, and a metrics dict of float32
+    scalars). The state's params and optimizer state are donated: use the returned ones."""
     params, opt_state, terms = program(state.graphdef, state.params, state.rest, state.opt_state, Batch(*batch),
                                        config=config)
-    return state._replace(params=params, opt_state=opt_state), terms
+    return state._replace(params=params, opt_state=opt_state, step=state.step + 1), terms
 
 
 def train_step_keeping(param_shardings, opt_shardings):
@@ -330,9 +337,10 @@ def train_step_keeping(param_shardings, opt_shardings):
                                                          out_shardings=(param_shardings, opt_shardings, None)))
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "stage", "kernels"))
-def eval_step(graphdef, params, rest, inputs, targets, *, stage, kernels):
-    """Validation LM loss (sparse attention, as the model is used)."""
+@functools.partial(jax.jit, static_argnames=("graphdef", "options"))
+def eval_step(graphdef, params, rest, inputs, targets, *, options: ForwardOptions = ForwardOptions()):
+    """Validation LM loss of inputs / targets int32 [B, S] -> float32 scalar, the model called
+    with `options` (default: sparse attention, as the model is used)."""
     model = nnx.merge(graphdef, params, rest)
-    out = model(inputs, options=ForwardOptions(mode=stage, form="absorbed", kernels=kernels))
+    out = model(inputs, options=options)
     return head_cross_entropy(model.logits, out.hidden, targets)
