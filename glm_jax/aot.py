@@ -3,7 +3,8 @@
     compiled = compile_decode_step(cfg, topology="v5p:2x2x1", mesh_spec="layer=4",
                                    batch=1, max_len=4096)
     compiled.memory_analysis()      # per-chip bytes
-    compiled.as_text()              # the scheduled HLO (see glm_jax.hlo_overlap)
+    compiled.as_text()              # the scheduled HLO
+    collective_overlap(compiled)    # its async collectives, and how many have compute in flight beside them
 
 Needs libtpu (`.venv/bin/python -m pip install -c constraints.txt -e '.[tpu]'`), not a TPU: the topology is described, not attached.
 Parameters and the cache are ShapeDtypeStructs carrying their NamedShardings, so nothing is
@@ -26,6 +27,7 @@ from glm_jax import ops
 from glm_jax.cache import LayerSplit, cache_shardings, create_cache
 from glm_jax.config import GLMConfig
 from glm_jax.forward_options import ForwardOptions
+from glm_jax.hlo_overlap import async_pairs, summarize
 from glm_jax.model import abstract_model
 from glm_jax.sharding import logical_sharding, make_mesh, param_shardings
 
@@ -98,6 +100,13 @@ def memory_report(compiled, topology: str) -> dict:
             "temporaries": m.temp_size_in_bytes, "code": m.generated_code_size_in_bytes, "total": total,
             "hbm": None if hbm is None else hbm * 2**30,
             "fits": None if hbm is None else total <= hbm * 2**30}
+
+
+def collective_overlap(compiled) -> dict[str, dict[str, int]]:
+    """{kind: {"pairs": n, "overlapped": m}} of a compiled program's async collectives (e.g.
+    LayerSplit's collective-permutes of cache rows): m of its n start/done pairs have compute
+    scheduled between them, the transfers the device hides behind work (`hlo_overlap`)."""
+    return summarize(async_pairs(compiled.as_text()))
 
 
 def default_mesh_spec(num_chips: int) -> str:

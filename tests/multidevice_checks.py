@@ -113,12 +113,11 @@ def hlo_overlap() -> dict | None:
         import libtpu  # noqa: F401
     except ImportError:
         return None
-    from glm_jax.aot import compile_decode_step
-    from glm_jax.hlo_overlap import async_pairs, summarize
+    from glm_jax.aot import collective_overlap, compile_decode_step
 
     compiled = compile_decode_step(micro_config(vocab_size=96, dtype="bfloat16"), topology="v5p:2x2x1",
                                    mesh_spec="layer=4", batch=1, max_len=256)
-    return summarize(async_pairs(compiled.as_text()))
+    return collective_overlap(compiled)
 
 
 if __name__ == "__main__":

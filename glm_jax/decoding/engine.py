@@ -98,7 +98,7 @@ import numpy as np
 
 from glm_jax import ops
 from glm_jax.cache import CacheFullError, PagePool, shard_cache
-from glm_jax.decoding.engine_programs import Placement, drawn_scores, drawn_tokens, engine_programs
+from glm_jax.decoding.engine_programs import OutputShardings, drawn_scores, drawn_tokens, engine_programs
 from glm_jax.decoding.engine_requests import (Event, Launched, Request, Result, Run, ScoredChunk, StepTime,
                                               TokenLogprob, checked_prompt, merged_events, record_prompt_scores,
                                               scores_to_host, token_logprob)
@@ -151,9 +151,9 @@ class ServingEngine(DecodeRuntime):
         # Rows split over `data` as the programs return them (the same placement on every call).
         self.slot_state = jax.tree.map(lambda x: self.put(np.asarray(x), ("batch",) + (None,) * (x.ndim - 1)),
                                        empty_slots(slots, self.cfg.vocab_size))
-        placement = None if mesh is None else Placement.of(
+        outputs = None if mesh is None else OutputShardings.of(
             self.cache, self.slot_state, logical_sharding(mesh, ("batch",), (slots,), "tokens"))
-        self.programs = engine_programs(self.layout, kernels, shards, placement, self.options)
+        self.programs = engine_programs(self.layout, kernels, shards, outputs, self.options)
         # In one process every array is whole here: np.asarray skips to_host's check on each read-back.
         self._to_host = np.asarray if jax.process_count() == 1 else to_host
         self.step_times: list[StepTime] = []

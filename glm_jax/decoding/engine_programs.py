@@ -1,7 +1,7 @@
 """The serving engine's device side: its compiled programs (the shared prefill and the engine's
 decode) and how a decode call's draws are packed and read back.
 
-    programs = engine_programs(layout, kernels, data_shards, placement, options)
+    programs = engine_programs(layout, kernels, data_shards, outputs, options)
     _, _, cache, _, slots, scores = programs.prefill(
         layout, params, cache, tokens, num_valid, kernels, rows=PrefillRows(rows, tables, starts),
         slots=slots, slot_inputs=(seeds, drawn, sampling), targets=None)   # targets: prompt log-probs
@@ -54,7 +54,7 @@ from the host and steps the layer scans' loops there, which cost a decode step o
 as graphs, 2.4 ms (benchmarks/engine_steps.py, docs/serving.md).
 
 On a mesh the programs return the cache and the slot state with exactly the shardings they
-were given (`Placement`, pinned as out_shardings): jit keys its dispatch on how a sharding is
+were given (`OutputShardings`, pinned as out_shardings): jit keys its dispatch on how a sharding is
 spelled, and left to itself it returns `P('layer', 'data')` for `P('layer', 'data', None, None)`,
 so a program's second call would miss the entry of its first.
 """
@@ -105,11 +105,11 @@ def row_keys(seeds: jnp.ndarray, drawn: jnp.ndarray) -> jax.Array:
 
 
 class EnginePrograms(NamedTuple):
-    prefill: Callable             # `prefill.prefill_chunk`, jitted with the engine's options (and placement)
+    prefill: Callable             # `prefill.prefill_chunk`, jitted with the engine's options (and output shardings)
     decode: Callable
 
 
-class Placement(NamedTuple):
+class OutputShardings(NamedTuple):
     """The shardings the programs return (hashable): the cache's and the slot state's own, and
     the tokens' (split over `data` as the slots)."""
 
@@ -118,7 +118,7 @@ class Placement(NamedTuple):
     tokens: jax.sharding.Sharding
 
     @classmethod
-    def of(cls, cache: KVCache, slots: SlotState, tokens: jax.sharding.Sharding) -> "Placement":
+    def of(cls, cache: KVCache, slots: SlotState, tokens: jax.sharding.Sharding) -> "OutputShardings":
         def frozen(tree):
             leaves, treedef = jax.tree.flatten(jax.tree.map(lambda x: x.sharding, tree))
             return treedef, tuple(leaves)
@@ -131,20 +131,20 @@ class Placement(NamedTuple):
 
 @functools.lru_cache(maxsize=8)
 def engine_programs(layout: ParamLayout, kernels: ops.KernelChoice, data_shards: int,
-                    placement: Placement | None = None,
+                    outputs: OutputShardings | None = None,
                     options: Options = ()) -> EnginePrograms:
     """The jitted programs for one model structure (shared by every engine built on it);
-    placement: what they return on a mesh (None: left to jit, for one device); options: XLA
+    outputs: the shardings they return on a mesh (None: left to jit, for one device); options: XLA
     compiler options ((name, value) pairs, `programs.compiler_options`). The prefill is the
     generators' program (`prefill.prefill_chunk`): on one device the very same jitted function."""
-    if placement is None:
+    if outputs is None:
         prefill, decode_out = prefill_chunk.with_options(options), {}
     else:
-        cache_out, slots_out = placement.trees()
+        cache_out, slots_out = outputs.trees()
         # (last logits, last hidden, cache, MTP cache, slots, Scores split over `data` by their rows)
         prefill = prefill_chunk.placed(options, out_shardings=(None, None, cache_out, None, slots_out,
-                                                               placement.tokens))
-        decode_out = dict(out_shardings=(placement.tokens, cache_out, slots_out))
+                                                               outputs.tokens))
+        decode_out = dict(out_shardings=(outputs.tokens, cache_out, slots_out))
 
     def scratch_pages(cache: KVCache, rows: int) -> jnp.ndarray:
         """int32 [rows]: the scratch page of each row's data shard (row r of `rows` is in shard r * shards // rows)."""

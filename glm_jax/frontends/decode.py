@@ -243,7 +243,7 @@ def _compile_only(args) -> int:
     if args.settings.kv_cache_dtype != "auto":
         raise cli.UserError("--compile-only compiles the cache in the model's dtype; leave out --kv-cache-dtype")
     cli.choose_platforms()          # no TPU runtime needed: the compiler comes from libtpu itself
-    from glm_jax.aot import compile_decode_step, default_mesh_spec, memory_report, topology_devices
+    from glm_jax.aot import collective_overlap, compile_decode_step, default_mesh_spec, memory_report, topology_devices
     from glm_jax.config import load_config
 
     if not args.config or not args.topology:
@@ -270,6 +270,10 @@ def _compile_only(args) -> int:
           f"{gib(r['temporaries'])}, outputs not aliased {gib(r['outputs_not_aliased'])}, code {gib(r['code'])}, "
           f"total {gib(r['total'])}" + ("" if r["hbm"] is None else
                                           f" of {gib(r['hbm'])} HBM: {'fits' if r['fits'] else 'does not fit'}"))
+    overlap = collective_overlap(compiled)
+    if overlap:
+        print("async collectives with compute scheduled while they are in flight: " + ", ".join(
+            f"{kind} {row['overlapped']} of {row['pairs']}" for kind, row in sorted(overlap.items())))
     return 0 if r["fits"] is not False else 1
 
 
