@@ -283,7 +283,7 @@ class WaveServer:
         left = [a.new_tokens for _, a in wave]
         while any(left):
             t0 = time.perf_counter()
-            tokens, logits, cache, key = decode_block(self.gen.graphdef, self.gen.state, cache, logits, key,
+            tokens, logits, cache, key = decode_block(self.gen.layout, self.gen.params, cache, logits, key,
                                                       sampling, self.gen.kernels, 1)
             self.host_s.append(time.perf_counter() - t0)
             tokens = np.asarray(tokens)[:, 0]

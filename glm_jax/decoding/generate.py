@@ -15,24 +15,25 @@ from typing import Callable, Iterator
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax.sharding import Mesh
 
 from glm_jax import ops
 from glm_jax.cache import KVCache
-from glm_jax.decoding.programs import program
+from glm_jax.decoding.programs import ParamLayout, program
 from glm_jax.decoding.runtime import DecodeRuntime, DecodeStats, cut, round_up, stops
 from glm_jax.decoding.sampling import GREEDY, SamplingParams, sample_tokens
 from glm_jax.forward_options import ForwardOptions
 from glm_jax.multihost import to_host
 
 
-@program(static_argnames=("graphdef", "kernels", "steps"), donate_argnames=("cache",))
-def decode_block(graphdef, state, cache: KVCache, logits, key, sampling: SamplingParams, kernels, steps):
-    """Sample from logits [B, V] by `sampling`, feed the token back, `steps` times (one jitted call).
+@program(static_argnames=("layout", "kernels", "steps"), donate_argnames=("cache",))
+def decode_block(layout: ParamLayout, params: tuple, cache: KVCache, logits, key, sampling: SamplingParams, kernels,
+                 steps):
+    """Sample from logits [B, V] by `sampling`, feed the token back, `steps` times (one jitted call);
+    the model from its flat `params` (`programs.flat_params`).
 
     -> (tokens int32 [B, steps], logits [B, V] after the last token, cache, key)."""
-    model, options = nnx.merge(graphdef, state), ForwardOptions(kernels=kernels)
+    model, options = layout.model(params), ForwardOptions(kernels=kernels)
     batch = logits.shape[0]
 
     def step(i, carry):
@@ -82,7 +83,7 @@ class Generator(DecodeRuntime):
         t1 = time.perf_counter()
         while produced < max_new_tokens:
             tokens, logits, cache, key = self.program(decode_block)(
-                self.graphdef, self.state, cache, logits, key, sampling, self.kernels, self.block_size)
+                self.layout, self.params, cache, logits, key, sampling, self.kernels, self.block_size)
             tokens = to_host(tokens)[:, : max_new_tokens - produced]
             produced += tokens.shape[1]
             now = time.perf_counter()

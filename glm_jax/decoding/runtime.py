@@ -1,7 +1,8 @@
 """The decode runtime: what the generators and the serving engine share.
 
-`DecodeRuntime` holds one model split for jit (its parameters placed on a mesh by the logical-axis
-rules; `params` and `layout`, what the programs take), the batch and context checks, the cache
+`DecodeRuntime` holds one model as every decoding program takes it: `params`, its arrays as one
+flat tuple (placed on a mesh by the logical-axis rules), and `layout`, the static
+`programs.ParamLayout` that rebuilds the model from them, the batch and context checks, the cache
 (`new_cache`), the one prefill program (`prefill.prefill_chunk`: the target forward over a
 chunk, and the MTP layer's when a speculative generator prefills its draft cache; the engine's
 prefill over its page pool is the same program), the program builder (`program`: a `programs.Program` with
@@ -26,7 +27,7 @@ from glm_jax import ops
 from glm_jax.cache import KVCache, LayerSplit, create_cache, shard_cache
 from glm_jax.cache.fp8 import layout_of, resolve_cache_dtype
 from glm_jax.decoding.prefill import prefill_chunk
-from glm_jax.decoding.programs import Options, Program, compiler_options, flat_params
+from glm_jax.decoding.programs import Options, ParamLayout, Program, compiler_options, flat_params
 from glm_jax.decoding.sampling import SamplingParams
 from glm_jax.multihost import global_array, place, replicated
 from glm_jax.sharding import ShardingError, logical_sharding, shard_params
@@ -109,7 +110,7 @@ class DecodeRuntime:
                                                indexer=kernels["indexer_topk"].impl)
         # XLA options of the programs: on a GPU with cuda_graphs, CUDA graphs (`programs`)
         self.options = compiler_options(jax.default_backend(), cuda_graphs)
-        self.graphdef, self.state = nnx.split(model)
+        graphdef, state = nnx.split(model)
         self.mesh = mesh
         self.split = None
         if mesh is not None:
@@ -117,11 +118,11 @@ class DecodeRuntime:
             if batch % data:
                 raise ShardingError(f"a batch of {batch} prompt(s) cannot be split over mesh axis 'data' of "
                                     f"size {data}; give a multiple of {data} prompts or use data=1")
-            self.state = shard_params(self.state, mesh)
+            state = shard_params(state, mesh)
             if mesh.shape.get("layer", 1) > 1:
                 self.split = LayerSplit(mesh, collective=collective)
         # The parameters as the programs take them (the MTP layer's only with `mtp`).
-        self.params, self.layout = flat_params(self.graphdef, self.state, mtp=mtp)
+        self.params, self.layout = flat_params(graphdef, state, mtp=mtp)
         self.batch = batch
         self.max_len = max_len or self.cfg.max_position_embeddings
         if self.max_len > self.cfg.max_position_embeddings:
@@ -216,11 +217,12 @@ class DecodeRuntime:
         return p.with_options(self.options)
 
     def compiled(self, p: Program, args: tuple, **static):
-        """`p` compiled ahead of its call for `args` (after the graphdef: their shapes, dtypes and
+        """`p` compiled ahead of its call for `args` (after the layout: their shapes, dtypes and
         shardings), its static arguments and this runtime's options, so the time measured around
-        the call excludes compilation; runtimes of one model share the compiled programs."""
+        the call excludes compilation; runtimes of one model share the compiled programs. Call it
+        with (params, *args)."""
         leaves, treedef = jax.tree.flatten(args)
-        return _compiled(p, self.graphdef, treedef, tuple(map(_spec_of, leaves)), self.options,
+        return _compiled(p, self.layout, treedef, tuple(map(_spec_of, leaves)), self.options,
                          tuple(sorted(static.items())))
 
     def prefill(self, cache: KVCache, padded: np.ndarray, lengths: np.ndarray, progress=None, mtp_cache=None):
@@ -267,8 +269,8 @@ def _spec_of(x) -> jax.ShapeDtypeStruct:
 
 
 @functools.lru_cache(maxsize=8)
-def _compiled(p: Program, graphdef, treedef, specs: tuple, options: Options, static: tuple):
-    lowered = p.lower(graphdef, *jax.tree.unflatten(treedef, specs), **dict(static))
+def _compiled(p: Program, layout: ParamLayout, treedef, specs: tuple, options: Options, static: tuple):
+    lowered = p.lower(layout, *jax.tree.unflatten(treedef, specs), **dict(static))
     return lowered.compile(dict(options) or None)
 
 

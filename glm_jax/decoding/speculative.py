@@ -27,11 +27,10 @@ from typing import Iterator
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from glm_jax import ops
 from glm_jax.cache import KVCache, create_mtp_cache
-from glm_jax.decoding.programs import program
+from glm_jax.decoding.programs import ParamLayout, program
 from glm_jax.decoding.runtime import DecodeRuntime, DecodeStats, cut, round_up
 from glm_jax.decoding.rejection import VERIFICATION_RULES, match_sample, rejection_sample
 from glm_jax.decoding.sampling import GREEDY, SamplingParams, sampling_probs
@@ -66,16 +65,16 @@ def draft(model, q1_logits, g1, idx1, mtp_cache: KVCache, key, sampling: Samplin
     return jnp.stack(tokens, axis=1), jnp.stack(probs, axis=1)
 
 
-@program(static_argnames=("graphdef", "kernels", "num_draft", "kv_share", "max_new", "verification"),
+@program(static_argnames=("layout", "kernels", "num_draft", "kv_share", "max_new", "verification"),
          donate_argnames=("cache", "mtp_cache"))
-def _speculate(graphdef, state, cache, mtp_cache, logits, hidden, key, sampling: SamplingParams, eos,
+def _speculate(layout: ParamLayout, params: tuple, cache, mtp_cache, logits, hidden, key, sampling: SamplingParams, eos,
                *, kernels, num_draft, kv_share, max_new, verification="rejection"):
     """Everything after the prefill: first token, draft step 1, then the while_loop.
 
     logits [B, V] / hidden [B, hidden]: the target's outputs at the last prompt position.
     -> (tokens int32 [B, max_new + K + 1] (-1 past the end), count [B], verify steps [B],
         accepted [B], accepted_at [K], cache, mtp_cache)."""
-    model, options = nnx.merge(graphdef, state), ForwardOptions(kernels=kernels)
+    model, options = layout.model(params), ForwardOptions(kernels=kernels)
     b = logits.shape[0]
     k = num_draft
     key, sub = jax.random.split(key)
@@ -163,11 +162,11 @@ class SpeculativeGenerator(DecodeRuntime):
         t1 = time.perf_counter()
         key, sampling = self.sampling_args(seed, sampling)
         eos = self.put(np.int32(-1 if stop_token is None else stop_token))
-        program = self.compiled(_speculate, (self.state, cache, mtp_cache, logits, hidden, key, sampling, eos),
+        program = self.compiled(_speculate, (self.params, cache, mtp_cache, logits, hidden, key, sampling, eos),
                                 kernels=self.kernels, num_draft=k, kv_share=self.kv_share, max_new=max_new_tokens,
                                 verification=self.verification)
         t2 = time.perf_counter()
-        out, count, steps, accepted, accepted_at, _, _ = program(self.state, cache, mtp_cache, logits, hidden, key,
+        out, count, steps, accepted, accepted_at, _, _ = program(self.params, cache, mtp_cache, logits, hidden, key,
                                                                  sampling, eos)
         out, steps, accepted, accepted_at = map(to_host, (out, steps, accepted, accepted_at))
         out = out[:, :max_new_tokens]
