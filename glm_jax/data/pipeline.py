@@ -27,10 +27,10 @@ exact following batches.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
 
 import numpy as np
 
+from glm_jax.data.batch import Batch
 from glm_jax.data.tokenizer import eos_id
 from glm_jax.extras import require
 
@@ -38,20 +38,6 @@ grain = require("grain")
 Tokenizer = require("tokenizers").Tokenizer
 
 STATE_KIND = "grain-packed"
-
-
-class Batch(NamedTuple):
-    """One training batch; all int32 [B, L]. segment_ids 0 marks padding (no loss there)."""
-
-    inputs: np.ndarray
-    targets: np.ndarray
-    segment_ids: np.ndarray
-    positions: np.ndarray
-
-    @property
-    def loss_mask(self) -> np.ndarray:
-        """bool [B, L]: positions whose target is a real token."""
-        return self.segment_ids > 0
 
 
 def token_encoder(tok: Tokenizer) -> Callable[[str], np.ndarray]:

@@ -20,7 +20,7 @@ from glm_jax.training.compiles import CompileWatch
 from glm_jax.training.metrics import MetricsLog
 from glm_jax.training.run_parts import Run
 from glm_jax.training.saving import export, finish_saves, save_checkpoint
-from glm_jax.training.step import Batch, TrainState, eval_step
+from glm_jax.training.step import TrainState, eval_step
 
 
 class Finished(NamedTuple):
@@ -59,8 +59,9 @@ def _loop(run: Run, batches, stop_requested: "StopSignals", compiles: CompileWat
         stage = "dense" if step <= schedule.dense_steps else "sparse"
         config = run.step_config.with_forward(mode=stage,
                                               max_segments=segment_bounds.for_step(batch.segment_ids, stage, form))
-        state, terms = run.train_step(state, Batch(*(run.feed.from_rows(a) for a in (batch.inputs, batch.targets,
-                                                                                    batch.segment_ids))), config)
+        placed = batch._replace(inputs=run.feed.from_rows(batch.inputs), targets=run.feed.from_rows(batch.targets),
+                                segment_ids=run.feed.from_rows(batch.segment_ids), positions=None)
+        state, terms = run.train_step(state, placed, config)
         faults.reached("step", step)
         record = log.step(step, stage, lambda: learning_rate(step - 1), terms, batch,
                           full=step % settings.logging.log_every == 0 or step == schedule.steps

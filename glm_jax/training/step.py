@@ -1,7 +1,8 @@
 """The jitted train step: LM loss + IndexCache indexer KL + MTP cross-entropy, AdamW update.
 
-`train_step(state, batch, config)`: `state` a `TrainState`, `batch` a `Batch`, `config` one
-hashable `StepConfig` (static: the optimizer, the forward's `ForwardOptions` and the loss weights).
+`train_step(state, batch, config)`: `state` a `TrainState`, `batch` a `data.batch.Batch` of device
+arrays (its positions unused), `config` one hashable `StepConfig` (static: the optimizer, the
+forward's `ForwardOptions` and the loss weights).
 
 Stages (the mode of `StepConfig.forward`):
   "dense"   dense causal attention; the indexer learns the head-summed attention (warm-up)
@@ -23,6 +24,7 @@ import optax
 from flax import nnx
 
 from glm_jax import ops
+from glm_jax.data.batch import Batch
 from glm_jax.forward_options import ForwardOptions, check_options
 from glm_jax.layers.segments import same_segment_ahead
 from glm_jax.training.head_losses import linear_cross_entropy, linear_cross_entropy_with_tv, linear_nll_and_tv
@@ -288,14 +290,6 @@ class TrainState(NamedTuple):
     step: int = 0
 
 
-class Batch(NamedTuple):
-    """inputs, targets, segment_ids (optional: packed documents) int32 [B, S]."""
-
-    inputs: jax.Array
-    targets: jax.Array
-    segment_ids: jax.Array | None = None
-
-
 def _step(graphdef, params, rest, opt_state, batch: Batch, *, config: StepConfig):
     def loss_fn(p):
         return loss_terms(nnx.merge(graphdef, p, rest), batch.inputs, batch.targets, options=config.forward,
@@ -319,8 +313,8 @@ def train_step(state: TrainState, batch: Batch | tuple, config: StepConfig, *,
                program=train_step_program) -> tuple[TrainState, dict]:
     """One optimizer step -> (the next state, its step one more, and a metrics dict of float32
     scalars). The state's params and optimizer state are donated: use the returned ones."""
-    params, opt_state, terms = program(state.graphdef, state.params, state.rest, state.opt_state, Batch(*batch),
-                                       config=config)
+    params, opt_state, terms = program(state.graphdef, state.params, state.rest, state.opt_state,
+                                       Batch(*batch)._replace(positions=None), config=config)
     return state._replace(params=params, opt_state=opt_state, step=state.step + 1), terms
 
 
