@@ -21,8 +21,8 @@ from flax import nnx
 from glm_jax.checkpoint import save_model_dir
 from glm_jax.config import load_config
 from glm_jax.model import GLMModel
-from glm_jax.training import checkpointing
-from glm_jax.training.step import make_optimizer
+from glm_jax.training import checkpointing, run_config
+from glm_jax.training.step import OptimizerConfig, make_optimizer
 
 
 def export_latest(run_dir: Path, dtype: str | None, seed: int = 0) -> int:
@@ -31,7 +31,10 @@ def export_latest(run_dir: Path, dtype: str | None, seed: int = 0) -> int:
         raise SystemExit(f"{run_dir}/config.yaml not found: not a train.py run directory")
     model = GLMModel(load_config(run_dir / "config.yaml"), rngs=nnx.Rngs(seed))
     _, params, rest = nnx.split(model, nnx.Param, ...)
-    tx, _ = make_optimizer(1.0, 2, 1)           # the optimizer state's structure only
+    # the optimizer state's structure only: the run's optimizer (an --indexer-lr-scale adds a part)
+    settings_file = run_dir / run_config.FILE_NAME
+    tx = (OptimizerConfig.of(run_config.load(settings_file).schedule).tx if settings_file.exists()
+          else make_optimizer(1.0, 2, 1)[0])
     found = checkpointing.restore_latest(checkpointing.manager(run_dir),
                                          {"params": params, "opt_state": jax.eval_shape(tx.init, params)})
     if found is None:

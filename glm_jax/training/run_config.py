@@ -100,6 +100,11 @@ class ScheduleConfig(Settings):
                                                    "the last N steps (0: cosine to lr/10 at --steps)")
     dense_steps: int = setting(100, at_least=0, help="steps of dense attention (indexer warm-up) before sparse "
                                                      "attention")
+    indexer_lr_scale: float = setting(1.0, above=0, metavar="X",
+                                      fixed="the optimizer state holds the indexer's scaled updates only when it "
+                                            "is not 1",
+                                      help="the indexers' learning rate as a multiple of the schedule's (their "
+                                           "whole AdamW update scaled; they learn from their KL alone)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -104,21 +104,33 @@ class LearningRateSchedule:
         return lr * 0.1 + (lr - lr * 0.1) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def is_indexer_param(params):
+    """A pytree of bools like `params` (an nnx State or its pure dict): True at the indexers'
+    parameters (those under an `indexer` key: every Full layer's, the MTP layer's)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: any(getattr(k, "key", None) == "indexer" for k in path), params)
+
+
 @functools.lru_cache(maxsize=16)
 def make_optimizer(lr: float, total_steps: int, warmup_steps: int, weight_decay: float = 0.1,
-                   decay_steps: int = 0) -> tuple[optax.GradientTransformation, LearningRateSchedule]:
+                   decay_steps: int = 0, indexer_lr_scale: float = 1.0
+                   ) -> tuple[optax.GradientTransformation, LearningRateSchedule]:
     """AdamW with gradient clipping, and its learning-rate schedule (`LearningRateSchedule`). With
     `decay_steps` > 0 the schedule is warmup-stable-decay: every step before the decay is the same
     whatever `total_steps` is, so a run may be lengthened or shortened on resume while it is still
     stable. The same arguments give the same objects: the optimizer is part of the static StepConfig of
     `train_step`, so runs of one schedule in one process (a run and its resume) share its
-    compiled steps."""
+    compiled steps. indexer_lr_scale: the indexers' updates multiplied by it (`is_indexer_param`;
+    their learning rate, weight decay included, that multiple of the schedule's); at 1 the
+    optimizer is plain AdamW, its state that of runs before the option."""
     warmup_steps = max(1, min(warmup_steps, total_steps - 1))
     if decay_steps > 0:
         decay_steps = min(decay_steps, max(1, total_steps - warmup_steps))
     schedule = LearningRateSchedule(lr, total_steps, warmup_steps, decay_steps)
     tx = optax.chain(optax.clip_by_global_norm(1.0),
                      optax.adamw(schedule.optax, b1=0.9, b2=0.95, weight_decay=weight_decay))
+    if indexer_lr_scale != 1.0:
+        tx = optax.chain(tx, optax.masked(optax.scale(indexer_lr_scale), is_indexer_param))
     return tx, schedule
 
 
@@ -223,13 +235,16 @@ class OptimizerConfig:
     warmup_steps: int
     weight_decay: float = 0.1
     decay_steps: int = 0
+    indexer_lr_scale: float = 1.0
 
     @classmethod
     def of(cls, schedule: ScheduleConfig) -> "OptimizerConfig":
-        return cls(schedule.lr, schedule.steps, schedule.warmup_steps, decay_steps=schedule.decay_steps)
+        return cls(schedule.lr, schedule.steps, schedule.warmup_steps, decay_steps=schedule.decay_steps,
+                   indexer_lr_scale=schedule.indexer_lr_scale)
 
     def build(self) -> tuple[optax.GradientTransformation, LearningRateSchedule]:
-        return make_optimizer(self.lr, self.total_steps, self.warmup_steps, self.weight_decay, self.decay_steps)
+        return make_optimizer(self.lr, self.total_steps, self.warmup_steps, self.weight_decay, self.decay_steps,
+                              self.indexer_lr_scale)
 
     @property
     def tx(self) -> optax.GradientTransformation:
