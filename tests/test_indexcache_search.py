@@ -80,7 +80,7 @@ def test_search_cli_flips_greedily_and_resumes(tmp_path, capsys):
 def test_search_cli_evaluates_with_the_kernels_of_its_flags(tmp_path, monkeypatch):
     seen = []
     evaluate = indexcache_search.eval_step
-    monkeypatch.setattr(indexcache_search, "eval_step", lambda *a, **k: seen.append(k["kernels"]) or evaluate(*a, **k))
+    monkeypatch.setattr(indexcache_search, "eval_step", lambda *a, **k: seen.append(k["options"].kernels) or evaluate(*a, **k))
     args = _search_args(tmp_path, micro_config(num_hidden_layers=2, index_topk_pattern="FF", vocab_size=300))
     assert search_cli.main(args + ["--flips", "0", "--attention-impl", "xla", "--indexer-impl", "xla"]) == 0
     assert seen == [ops.KernelChoice(indexer_topk="xla", sparse_mla="xla")]
