@@ -159,8 +159,8 @@ class GLMModel(nnx.Module):
             def body(carry, xs, graphdef=graphdef, p=p, full_base=full_base):
                 x, cache = carry
                 group_state, g = xs
-                view = cache.group_view(p.first_layer + g * len(p.kinds), full_base + g, positions)
-                x, _ = nnx.merge(graphdef, group_state).forward_cached(x, positions, view, kernels)
+                view = cache.group_view(p.first_layer + g * len(p.kinds), full_base + g, positions, kernels)
+                x, _ = nnx.merge(graphdef, group_state).forward_cached(x, positions, view)
                 return (x, cache.with_view(view)), None
 
             (x, cache), _ = jax.lax.scan(body, (x, cache), (state, jnp.arange(p.count, dtype=jnp.int32)))
@@ -179,8 +179,8 @@ class GLMModel(nnx.Module):
         s = next_tokens.shape[1]
         positions = cache.positions(s)
         x = self._mtp_inputs(next_tokens, hidden, kernels)
-        view = _mtp_view(cache, positions)
-        x, indices = self.mtp.block.forward_cached(x, positions, view, kernels)
+        view = _mtp_view(cache, positions, kernels)
+        x, indices = self.mtp.block.forward_cached(x, positions, view)
         logits, out = self._cached_head(self.mtp.shared_head.norm, x, kernels)
         return logits, out, cache.with_view(view).advance(_advance(s, num_valid)), indices
 
@@ -192,7 +192,7 @@ class GLMModel(nnx.Module):
         next_tokens [B, 1], hidden [B, 1, hidden], positions [B, 1] -> (logits [B, 1, V], hidden)."""
         kernels = cached_kernels("GLMModel.mtp_draft_step", options)
         x = self._mtp_inputs(next_tokens, hidden, kernels)
-        x = self.mtp.block.forward_reusing_indices(x, positions, _mtp_view(cache, positions), indices, kernels)
+        x = self.mtp.block.forward_reusing_indices(x, positions, _mtp_view(cache, positions, kernels), indices)
         return self._cached_head(self.mtp.shared_head.norm, x, kernels)
 
     def _mtp_inputs(self, next_tokens, hidden, kernels: ops.KernelChoice):
@@ -210,9 +210,10 @@ def _check_call(owner: str, tokens, options, name: str = "tokens") -> None:
                          f"{getattr(tokens, 'dtype', type(tokens).__name__)} {tuple(getattr(tokens, 'shape', ()))}")
 
 
-def _mtp_view(cache: KVCache, positions):
-    """The MTP layer's cache (`create_mtp_cache`: one local Full layer) as a group view."""
-    return cache.group_view(0, 0, positions)
+def _mtp_view(cache: KVCache, positions, kernels: ops.KernelChoice):
+    """The MTP layer's cache (`create_mtp_cache`: one local Full layer) as a group view read
+    through `kernels`."""
+    return cache.group_view(0, 0, positions, kernels)
 
 
 def _advance(num_tokens: int, num_valid: jnp.ndarray | None):

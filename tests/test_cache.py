@@ -64,10 +64,9 @@ def test_view_select_equals_the_indexer_over_the_sequence(micro_cfg):
 
     for cache in (create_cache(cfg, b, s),                                         # contiguous
                   create_paged_cache(cfg, 5, 4, jnp.array([[4, 1], [2, 3]], jnp.int32))):   # paged
-        view = cache.group_view(0, 0, cache.positions(s))
+        view = cache.group_view(0, 0, cache.positions(s), kernels)
         view.write_index_keys(keys)
-        got = view.select(indexer.queries(q_resid, positions), indexer.head_weights(h), topk=cfg.index_topk,
-                          kernels=kernels)
+        got = view.select(indexer.queries(q_resid, positions), indexer.head_weights(h), topk=cfg.index_topk)
         assert got.shape == (b, s, cfg.index_topk)
         np.testing.assert_array_equal(got, want)
     assert int(jnp.max(want)) > cfg.index_topk          # a real selection, not every row

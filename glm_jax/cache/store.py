@@ -27,6 +27,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from glm_jax import ops
 from glm_jax.cache import fp8
 from glm_jax.cache.layer_split import LayerSplit, Placement, padded_slots
 from glm_jax.cache.pages import contiguous_page_table, store_lead
@@ -73,12 +74,13 @@ class KVCache:
         """int32 [B, num_tokens]: the positions of the next tokens, lengths + [0, num_tokens)."""
         return self.lengths[:, None] + jnp.arange(num_tokens, dtype=jnp.int32)[None, :]
 
-    def group_view(self, first_layer, full_index, positions: jnp.ndarray) -> GroupCacheView:
+    def group_view(self, first_layer, full_index, positions: jnp.ndarray,
+                   kernels: ops.KernelChoice = ops.KernelChoice()) -> GroupCacheView:
         """The view of one IndexShare group whose layers start at decoder layer `first_layer`
         and whose Full layer is Full layer number `full_index` (ints or int32 scalars), for
-        tokens at positions int32 [B, S]."""
+        tokens at positions int32 [B, S], read through `kernels`."""
         return GroupCacheView(self.latent, self.index_keys, self.page_table, Placement(self.split),
-                              first_layer, full_index, positions)
+                              first_layer, full_index, positions, kernels)
 
     def with_view(self, view: GroupCacheView) -> KVCache:
         """This cache holding the stores a group's view wrote."""

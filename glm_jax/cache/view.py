@@ -85,10 +85,13 @@ class GroupCacheView:
     Holds the stores latent [slots, pages, P, latent] and index_keys [slots, pages, P, D];
     methods replace them functionally (`KVCache.with_view` puts them back after the group ran).
     Every method that touches a store runs through `placement.manual` (per device under
-    LayerSplit)."""
+    LayerSplit). `kernels`: the kernels the view reads the stores through (its selection and
+    attention), and how the group's token-wise work runs (`KernelChoice.batch_invariant`)."""
 
-    def __init__(self, latent, index_keys, page_table, placement: Placement, first_layer, full_index, positions):
+    def __init__(self, latent, index_keys, page_table, placement: Placement, first_layer, full_index, positions,
+                 kernels: ops.KernelChoice = ops.KernelChoice()):
         self.latent, self.index_keys, self.page_table = latent, index_keys, page_table
+        self.kernels = kernels
         self.placement = placement
         self.first_layer = jnp.asarray(first_layer, jnp.int32)
         self.full_index = jnp.asarray(full_index, jnp.int32)
@@ -115,8 +118,7 @@ class GroupCacheView:
         """keys [B, S, D]: the chunk's indexer keys of the Full layer."""
         self.index_keys = self._write(self.index_keys, self.full_index, keys)
 
-    def select(self, queries: jnp.ndarray, weights: jnp.ndarray, *, topk: int,
-               kernels: ops.KernelChoice) -> jnp.ndarray:
+    def select(self, queries: jnp.ndarray, weights: jnp.ndarray, *, topk: int) -> jnp.ndarray:
         """The indexer's top-k rows over the Full layer's cached keys (the chunk's own keys
         written first), computed where the keys live and shared (keys never move).
 
@@ -124,6 +126,7 @@ class GroupCacheView:
         `Indexer.queries` / `Indexer.head_weights`) -> int32 [B, S, topk] row indices, -1 in
         unused slots; a query at position p may select rows 0 .. p."""
         kv_len = self.positions[:, -1] + 1                   # rows written once the chunk is
+        kernels = self.kernels
 
         def fn(store, page_table, queries, weights, positions, kv_len, index):
             slot, mine = self.placement.locate(index, store_lead(store)[0])
@@ -180,7 +183,7 @@ class GroupCacheView:
         self._fetched = [out[0]] + ([out[1][:, j] for j in range(num_layers - 1)] if num_layers > 1 else [])
 
     def attend(self, j: int, q: jnp.ndarray, indices: jnp.ndarray, latent: jnp.ndarray, *, sm_scale: float,
-               v_dim: int, kernels: ops.KernelChoice) -> jnp.ndarray:
+               v_dim: int) -> jnp.ndarray:
         """Sparse MLA of layer j (after `fetch`): q [B, S, H, latent] absorbed queries, indices
         int32 [B, S, K] the group's top-k, latent [B, S, latent] layer j's rows of the running
         chunk (already written) -> o_lat [B, S, H, v_dim].
@@ -188,29 +191,29 @@ class GroupCacheView:
         "paged": `ops.paged_sparse_mla` reads the rows from layer j's slot through the page
         table; else `ops.sparse_mla` over the fetched rows (`attended_latent`)."""
         if self._mode == "paged":
-            return self.attend_cached(j, q, indices, sm_scale=sm_scale, v_dim=v_dim, kernels=kernels)
+            return self.attend_cached(j, q, indices, sm_scale=sm_scale, v_dim=v_dim)
         kv, kv_indices = self.attended_latent(j, indices, latent)
-        kw = _attention_kwargs(sm_scale, v_dim, kernels)
-        if kernels.token_rows is None:
+        kw = dict(sm_scale=sm_scale, v_dim=v_dim, kernels=self.kernels)
+        if self.kernels.token_rows is None:
             return ops.sparse_mla(q, kv.astype(q.dtype), kv_indices, **kw)[0]
         # "rows" (pinned): each token attends its own K gathered rows
         b, s, k = indices.shape
         own_rows = kv.reshape(b, s, k, -1).astype(q.dtype)
         own_slots = jnp.where(indices >= 0, jnp.arange(k, dtype=jnp.int32), -1)
         attend_one = lambda q, rows, slots: ops.sparse_mla(q, rows[:, 0], slots, **kw)[0]
-        return by_token(attend_one, kernels.token_rows, (q, own_rows, own_slots), skip=2)
+        return by_token(attend_one, self.kernels.token_rows, (q, own_rows, own_slots), skip=2)
 
-    def attend_cached(self, j: int, q: jnp.ndarray, indices: jnp.ndarray, *, sm_scale: float, v_dim: int,
-                      kernels: ops.KernelChoice) -> jnp.ndarray:
+    def attend_cached(self, j: int, q: jnp.ndarray, indices: jnp.ndarray, *, sm_scale: float,
+                      v_dim: int) -> jnp.ndarray:
         """Sparse MLA of layer j over cached rows only (indices int32 [B, S, K] name written
         rows; e.g. the MTP layer's KVShare draft steps): q [B, S, H, latent] -> [B, S, H, v_dim].
         Local layers: `ops.paged_sparse_mla` through the page table; LayerSplit: over the
         owner's broadcast sequence (`read_latent`)."""
-        kw = _attention_kwargs(sm_scale, v_dim, kernels)
+        kw = dict(sm_scale=sm_scale, v_dim=v_dim, kernels=self.kernels)
         if self.placement.split is None:
             def attend_one(q, indices, page_table):
                 return ops.paged_sparse_mla(q, self.latent, page_table, indices, slot=self.first_layer + j, **kw)[0]
-            return by_token(attend_one, kernels.token_rows, (q, indices), (self.page_table,), skip=1)
+            return by_token(attend_one, self.kernels.token_rows, (q, indices), (self.page_table,), skip=1)
         return ops.sparse_mla(q, self.read_latent(j).astype(q.dtype), indices, **kw)[0]
 
     def attended_latent(self, j: int, indices: jnp.ndarray, latent: jnp.ndarray):
@@ -231,6 +234,3 @@ class GroupCacheView:
         slots = jnp.arange(s, dtype=jnp.int32)[:, None] * k + jnp.arange(k, dtype=jnp.int32)[None, :]
         return attended.reshape(b, s * k, -1), jnp.where(indices >= 0, slots[None], -1)
 
-
-def _attention_kwargs(sm_scale: float, v_dim: int, kernels: ops.KernelChoice) -> dict:
-    return dict(sm_scale=sm_scale, v_dim=v_dim, kernels=kernels)

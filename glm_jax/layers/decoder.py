@@ -252,19 +252,20 @@ class IndexShareGroup(nnx.Module):
     #: The same as calling the group (the name earlier code uses).
     forward = __call__
 
-    def forward_cached(self, x, positions, view, kernels: ops.KernelChoice | None = None):
-        """Forward of new tokens against the cache, through `view` (glm_jax.cache.GroupCacheView).
+    def forward_cached(self, x, positions, view):
+        """Forward of new tokens against the cache, through `view` (glm_jax.cache.GroupCacheView,
+        which holds the kernels it is read through).
 
         The Full layer writes its latent rows and indexer keys and hands its indexer queries to
         the view, which selects the top-k where the keys live; then the latent rows every layer
         will attend are fetched at once (or, with the layers local, read by the kernel through
         the page table); each layer writes its chunk rows to its cache slot and hands its
         absorbed queries to the view, which runs the attention kernel. The token-wise work
-        before and after attention runs in fixed row chunks when `kernels.batch_invariant`
-        (`_CachedInputs`, `_cached_outputs`).
+        before and after attention runs in fixed row chunks when the view's kernels are
+        batch-invariant (`_CachedInputs`, `_cached_outputs`).
         x [B, S, hidden]; positions int32 [B, S] (the view's)
         -> (x [B, S, hidden], the Full layer's indices int32 [B, S, topk])."""
-        kernels = kernels or ops.KernelChoice()
+        kernels = view.kernels
         indices = None
         for j, layer in enumerate(self.layers):
             inputs = in_row_chunks(functools.partial(_cached_inputs, layer, indexer=j == 0), x, positions,
@@ -272,24 +273,23 @@ class IndexShareGroup(nnx.Module):
             view.write_latent(j, inputs.latent)
             if j == 0:
                 view.write_index_keys(inputs.index_keys)
-                indices = view.select(inputs.index_queries, inputs.index_weights, topk=self.cfg.index_topk,
-                                      kernels=kernels)
+                indices = view.select(inputs.index_queries, inputs.index_weights, topk=self.cfg.index_topk)
                 view.fetch(indices, len(self.layers), pinned=kernels.batch_invariant)
             o_lat = view.attend(j, inputs.q_abs, indices, inputs.latent, sm_scale=layer.self_attn.sm_scale,
-                                v_dim=self.cfg.kv_lora_rank, kernels=kernels)
+                                v_dim=self.cfg.kv_lora_rank)
             x = _cached_outputs(layer, x, o_lat, kernels)
         return x, indices
 
-    def forward_reusing_indices(self, x, positions, view, indices, kernels: ops.KernelChoice | None = None):
+    def forward_reusing_indices(self, x, positions, view, indices):
         """KVShare draft step: attend the cached latent rows named by `indices` (computed
         earlier), running no indexer and writing nothing. x [B, S, hidden], view: the group's
         cache (glm_jax.cache.GroupCacheView), indices int32 [B, S, topk] -> x [B, S, hidden]."""
-        kernels = kernels or ops.KernelChoice()
+        kernels = view.kernels
         for j, layer in enumerate(self.layers):
             inputs = in_row_chunks(functools.partial(_cached_inputs, layer, indexer=False), x, positions,
                                    rows=kernels.token_rows)
             o_lat = view.attend_cached(j, inputs.q_abs, indices, sm_scale=layer.self_attn.sm_scale,
-                                       v_dim=self.cfg.kv_lora_rank, kernels=kernels)
+                                       v_dim=self.cfg.kv_lora_rank)
             x = _cached_outputs(layer, x, o_lat, kernels)
         return x
 
