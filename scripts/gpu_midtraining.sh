@@ -24,6 +24,12 @@
 # speed [LEN]  train.py's steady tokens/s and peak memory at 32K and 128K (or LEN tokens only),
 #              sparse (12 steps) against a dense run of the same model (3 steps: a dense step
 #              at 128K takes about a minute); each run within what is left of the call's 9.5 min
+# retrieval    the indexer-selection ablation at 32K (docs/training.md, "The second run"): for
+#              each variant of RETRIEVAL_VARIANTS (NAME=RECALL_EVERY:INDEXER_LR_SCALE ..., default
+#              "recall2000=2000:1 recall2000-lr10=2000:10"), in RUNS_DIR/retrieval/NAME: its data,
+#              a 32K stage from checkpoints/default (STEPS_32K, TOPK_32K default 2048, DENSE_32K
+#              default 100), then the probe at 2,048 and 16,384 tokens; each variant done once,
+#              as far as the call's BUDGET_S (585) goes; call again to go on
 # all          the above in order (data, stage32k, stage128k, eval, kill-resume, speed 131072,
 #              speed 32768), each finished step once, as far as the call's BUDGET_S (585) goes; a
 #              stage out of memory goes on with --remat; call again on the same machine to go on;
@@ -39,11 +45,11 @@
 # MID_FLAGS (more train.py flags for every run, e.g. --remat where a stage does not fit the card).
 set -uo pipefail
 
-usage() { sed -n '2,30p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0" >&2; exit 2; }
 [ $# -eq 1 ] || { [ $# -eq 2 ] && [ "$1" = speed ] && [[ $2 =~ ^[0-9]+$ ]]; } || usage
 cmd=$1
 speed_lengths=${2:-"32768 131072"}
-case $cmd in data|stage32k|stage128k|kill-resume|eval|speed|all) ;; *) echo "error: unknown subcommand $cmd" >&2; usage ;; esac
+case $cmd in data|stage32k|stage128k|kill-resume|eval|speed|retrieval|all) ;; *) echo "error: unknown subcommand $cmd" >&2; usage ;; esac
 
 cd "$(dirname "$0")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -159,6 +165,34 @@ print(sys.argv[2], f"{len(records)} logged, steps up to {records[-1]['step']}; {
       f"peak memory {max(r.get('memory_gib', 0) for r in records):.1f} GiB")
 EOF2
         done
+    done
+    ;;
+retrieval)
+    for spec in ${RETRIEVAL_VARIANTS:-recall2000=2000:1 recall2000-lr10=2000:10}; do
+        name=${spec%%=*}; every=${spec#*=}; scale=${every#*:}; every=${every%%:*}
+        [[ $name =~ ^[A-Za-z0-9_.-]+$ && $every =~ ^[0-9]+$ && $scale =~ ^[0-9.]+$ ]] || {
+            echo "error: RETRIEVAL_VARIANTS takes NAME=RECALL_EVERY:INDEXER_LR_SCALE ..., got '$spec'" >&2; exit 2; }
+        dir=$runs/retrieval/$name
+        [ -e "$dir/done" ] && { echo "== $name: done"; cat "$dir/probe.txt"; continue; }
+        left=$((${BUDGET_S:-585} - SECONDS))
+        [ $left -lt 240 ] && { echo "== $name: not started ($left s left in this call; call again)"; break; }
+        echo "== $name: recall pairs every $every characters, --indexer-lr-scale $scale ($left s left)"
+        if [ ! -s "$dir/long/train.jsonl" ]; then
+            RUNS_DIR=$dir RECALL_EVERY=$every bash "$0" data | tail -n 2 || exit 1
+        fi
+        if [ ! -d "$dir/mid32k/params" ]; then
+            lr_flag=$([ "$scale" = 1 ] || echo "--indexer-lr-scale $scale")
+            RUNS_DIR=$dir LIMIT_S=$((left - 100)) TOPK_32K=${TOPK_32K:-2048} DENSE_32K=${DENSE_32K:-100} \
+                MID_FLAGS="$lr_flag ${MID_FLAGS:-}" bash "$0" stage32k > "$dir/stage32k.log" 2>&1
+            grep -E '^(compiled|done|stopped|error)' "$dir/stage32k.log"
+            grep -q '^error' "$dir/stage32k.log" && exit 1
+            [ -d "$dir/mid32k/params" ] || { echo "== $name: the stage goes on in the next call"; break; }
+        fi
+        timeout 150 "$py" benchmarks/long_context_eval.py --model "$dir/mid32k" --heldout "$dir/long/heldout.jsonl" \
+            --length 32768 --distance 2048 16384 --rows 1 --probes 4 --json "$dir/long_context_eval.json" \
+            > "$dir/probe.log" 2>&1 || { echo "== $name: the probe failed:"; tail -n 5 "$dir/probe.log"; exit 1; }
+        grep -E '^\|' "$dir/probe.log" > "$dir/probe.txt"; cat "$dir/probe.txt"
+        touch "$dir/done"
     done
     ;;
 all)

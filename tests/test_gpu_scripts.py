@@ -1,6 +1,7 @@
-"""scripts/gpu_benchmarks.sh and scripts/gpu_default_model.sh with a stub interpreter (PYTHON):
-argument handling, a failing benchmark not stopping the others, time limits, the archive, and
-the weight parts of the default model coming back whole. No benchmark or training runs here."""
+"""scripts/gpu_benchmarks.sh, scripts/gpu_default_model.sh and scripts/gpu_midtraining.sh with a
+stub interpreter (PYTHON): argument handling, a failing benchmark not stopping the others, time
+limits, the archive, the weight parts of the default model coming back whole, and the retrieval
+ablation's variants each run once. No benchmark or training runs here."""
 
 from __future__ import annotations
 
@@ -56,8 +57,8 @@ def stub(tmp_path: Path, text: str) -> Path:
     return path
 
 
-def run_script(script: str, args: list[str], tmp_path: Path, python: Path | None = None):
-    env = dict(os.environ, RUNS_DIR=str(tmp_path / "runs"), STUB_LOG=str(tmp_path / "calls.log"))
+def run_script(script: str, args: list[str], tmp_path: Path, python: Path | None = None, **extra_env: str):
+    env = dict(os.environ, RUNS_DIR=str(tmp_path / "runs"), STUB_LOG=str(tmp_path / "calls.log"), **extra_env)
     env.pop("JAX_PLATFORMS", None)      # as on the GPU machine
     if python is not None:
         env["PYTHON"] = str(python)
@@ -193,3 +194,43 @@ def test_midtraining_usage_subcommands_and_data_first(tmp_path):
     assert one_length.returncode == 2 and "run the data subcommand first" in one_length.stderr
     assert calls(tmp_path) == []
     assert subprocess.run(["bash", "-n", str(ROOT / "scripts" / "gpu_midtraining.sh")]).returncode == 0
+
+
+# The mid-training steps: -c snippets succeed, the documents script writes its two files (one line each),
+# train.py exports its run, the evaluation prints a table.
+MID_STUB = r"""#!/usr/bin/env bash
+echo "$*" >> "$STUB_LOG"
+flag() { local want=$1; shift; while [ $# -gt 0 ]; do [ "$1" = "$want" ] && { echo "$2"; return; }; shift; done; }
+case $1 in
+    -c) echo /site ;;
+    scripts/long_documents.py) mkdir -p "$(dirname "$(flag --out "$@")")"
+                               echo '{"text": "x"}' | tee "$(flag --out "$@")" > "$(flag --heldout-out "$@")"
+                               echo "training: 2 documents" ;;
+    train.py) out=$(flag --out "$@"); mkdir -p "$out/params"; echo '{"step": 3}' > "$out/metrics.jsonl"
+              echo "done: 3 steps; model written to $out" ;;
+    benchmarks/long_context_eval.py) echo '{}' > "$(flag --json "$@")"; echo "| model | distance | gain |" ;;
+    *) exit 1 ;;
+esac
+"""
+
+
+def test_midtraining_retrieval_runs_each_variant_once(tmp_path):
+    python = stub(tmp_path, MID_STUB)
+    env = {"RETRIEVAL_VARIANTS": "plain=2000:1 fast=3000:10", "STEPS_32K": "3"}
+    bad = run_script("gpu_midtraining.sh", ["retrieval"], tmp_path, python, RETRIEVAL_VARIANTS="x=many:1")
+    assert bad.returncode == 2 and "NAME=RECALL_EVERY:INDEXER_LR_SCALE" in bad.stderr
+    first = run_script("gpu_midtraining.sh", ["retrieval"], tmp_path, python, **env)
+    assert first.returncode == 0, first.stderr
+    log = calls(tmp_path)
+    documents = [c for c in log if c.startswith("scripts/long_documents.py")]
+    assert [d.split("--recall-every ")[1] for d in documents] == ["2000", "3000"]
+    assert "/retrieval/plain/long/train.jsonl" in documents[0] and "/retrieval/fast/long/" in documents[1]
+    stages = [c for c in log if c.startswith("train.py")]
+    assert len(stages) == 2 and all("--index-topk 2048" in c and "--dense-steps 100" in c for c in stages)
+    assert "--indexer-lr-scale" not in stages[0] and "--indexer-lr-scale 10" in stages[1]
+    probes = [c for c in log if c.startswith("benchmarks/long_context_eval.py")]
+    assert [p.split("--model ")[1].split()[0].split("/retrieval/")[1] for p in probes] == ["plain/mid32k", "fast/mid32k"]
+    assert first.stdout.count("| model | distance | gain |") == 2
+    again = run_script("gpu_midtraining.sh", ["retrieval"], tmp_path, python, **env)
+    assert again.returncode == 0 and "== plain: done" in again.stdout and "== fast: done" in again.stdout
+    assert calls(tmp_path) == log                                    # nothing ran again
