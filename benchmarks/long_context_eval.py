@@ -24,7 +24,9 @@ log-probability of the name's tokens after its first word (what only the definit
 The same row with another made-up name of the same token count defined in its place is the
 control: "gain" = with - control, in nats, is what the definition far back is worth; "definition
 selected" is, per IndexShare group, the share of the definition's tokens in the indexer's top-k
-of the queries that predict the name (the sparse attention reads nothing else). Several
+of the queries that predict the name (the sparse attention reads nothing else), and "its rank"
+the median rank of the definition's best-scored token among the keys those queries see (1: the
+indexer's first choice; a top-k of at least that many would read it). Several
 --distance values run the probe at each (same filler text), so the table shows where a model
 stops finding the definition.
 
@@ -82,35 +84,55 @@ def token_logprobs(graphdef, state, inputs, targets, *, chunk: int, mode: str = 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
 def group_selections(graphdef, state, inputs, queries):
-    """inputs int32 [B, S], queries int32 [B, Q] (positions) -> int32 [G, B, Q, topk]: the keys
-    each IndexShare group's indexer selects for those queries (sparse mode, as `token_logprobs`)."""
+    """inputs int32 [B, S], queries int32 [B, Q] (positions) -> (int32 [G, B, Q, topk], the keys
+    each IndexShare group's indexer selects for those queries (sparse mode, as `token_logprobs`);
+    float32 [G, B, Q, S], its scores of every key for them, -inf past each query)."""
     model = nnx.merge(graphdef, state)
     options = ForwardOptions(mode="sparse", form="absorbed")
-    x, picked = model.embed_tokens(inputs), []
+    b, s = inputs.shape
+    positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    x, picked, scored = model.embed_tokens(inputs), [], []
     for stack in model.stacks:
         stack_graphdef, stack_state = nnx.split(stack)
 
         def body(x, group_state, stack_graphdef=stack_graphdef):
-            out = nnx.merge(stack_graphdef, group_state)(x, None, None, options)
-            return out.x, jnp.take_along_axis(out.indices, queries[:, :, None], axis=1)
+            group = nnx.merge(stack_graphdef, group_state)
+            out = group(x, None, None, options)
+            selected = jnp.take_along_axis(out.indices, queries[:, :, None], axis=1)
+            return out.x, (selected, _query_scores(group.layers[0], x, positions, queries))
 
-        x, selected = jax.lax.scan(body, x, stack_state)
+        x, (selected, scores) = jax.lax.scan(body, x, stack_state)
         picked.append(selected)
-    return jnp.concatenate(picked)
+        scored.append(scores)
+    return jnp.concatenate(picked), jnp.concatenate(scored)
 
 
-def definition_selected(model, rows: np.ndarray, spans, first, counts) -> list[float]:
+def _query_scores(full_layer, x, positions, queries):
+    """The Full layer's indexer scores of every key for the query positions, as its selection
+    computes them: x [B, S, hidden] the group's input -> float32 [B, Q, S], -inf past each query."""
+    h, q_resid, *_ = full_layer.attention_inputs(x, positions)
+    keys = full_layer.indexer.keys(h, positions)
+    rows = lambda a: jnp.take_along_axis(a, queries[:, :, None], axis=1)    # noqa: E731
+    return full_layer.indexer.scores(rows(h), rows(q_resid), queries, keys, jnp.full((x.shape[0],), x.shape[1], jnp.int32))
+
+
+def definition_reach(model, rows: np.ndarray, spans, first, counts) -> tuple[list[float], list[float]]:
     """rows int32 [R, L + 1] with the definition at spans[r] = (start, end) -> per IndexShare
-    group, the share of the definition's tokens in the indexer's top-k of the queries that
-    predict the name (positions first[r] .. first[r] + counts[r] - 1), over all rows: 0 means the
-    sparse attention never reads the definition there."""
+    group, over the queries that predict the name (positions first[r] .. first[r] + counts[r] -
+    1) of all rows: (the share of the definition's tokens in the indexer's top-k, 0 meaning the
+    sparse attention never reads the definition there; the median rank among the visible keys
+    of the definition's best-scored token, 1 the indexer's first choice: a top-k of at least
+    that many would select it)."""
     graphdef, state = nnx.split(model)
-    shares = []
+    shares, ranks = [], []
     for r, (start, end) in enumerate(spans):
         queries = np.arange(first[r], first[r] + counts[r], dtype=np.int32)[None]
-        sel = np.asarray(group_selections(graphdef, state, jnp.asarray(rows[r:r + 1, :-1]), jnp.asarray(queries)))
+        sel, scores = group_selections(graphdef, state, jnp.asarray(rows[r:r + 1, :-1]), jnp.asarray(queries))
+        sel, scores = np.asarray(sel), np.asarray(scores)
         shares.append(((sel >= start) & (sel < end)).sum(axis=-1).mean(axis=(1, 2)) / (end - start))   # [G]
-    return [float(x) for x in np.mean(shares, axis=0)]
+        best = scores[..., start:end].max(axis=-1)                                                     # [G, 1, Q]
+        ranks.append((1 + (scores > best[..., None]).sum(axis=-1)).reshape(len(best), -1))             # [G, Q]
+    return [float(x) for x in np.mean(shares, axis=0)], [float(x) for x in np.median(np.concatenate(ranks, 1), 1)]
 
 
 def text_stream(tok, docs, need: int):
@@ -239,16 +261,17 @@ def probe(model, tok, stream, args, length: int, chunk: int, distance: int) -> d
     """The retrieval probe at one distance: mean ln p of the names' tokens with the definition and
     with the control's decoy, their difference (gain, nats), the share of probes it is > 0, and
     per IndexShare group the share of the definition's tokens its indexer selects for the
-    queries that predict the name (`definition_selected`)."""
+    queries that predict the name and the median rank of the definition among the keys
+    (`definition_reach`)."""
     rows, first, counts, spans = probe_rows(tok, stream, args.probes, length, distance, args.seed)
     lp = score(model, rows, chunk, args.batch_size, args.attention)
     answers = np.array([lp[r, first[r]:first[r] + counts[r]].sum() for r in range(len(rows))])
     with_def, control = answers[0::2], answers[1::2]
-    selected = definition_selected(model, rows[0::2], spans[0::2], first[0::2], counts[0::2]) \
-        if args.attention == "sparse" else []
+    selected, rank = definition_reach(model, rows[0::2], spans[0::2], first[0::2], counts[0::2]) \
+        if args.attention == "sparse" else ([], [])
     return {"distance": distance, "probes": args.probes, "probe_logp": float(with_def.mean()),
             "control_logp": float(control.mean()), "gain": float((with_def - control).mean()),
-            "found": float((with_def > control).mean()), "definition_selected": selected}
+            "found": float((with_def > control).mean()), "definition_selected": selected, "definition_rank": rank}
 
 
 def _positions(path: str) -> int:
@@ -306,12 +329,13 @@ def main(argv=None) -> int:
         if any(r.get("probe") for r in ok):
             print()
             table = Table("model", "distance", "probes", "ln p(name), defined", "ln p(name), control", "gain (nats)",
-                          "defined > control", "definition selected, by group")
+                          "defined > control", "definition selected, by group", "its rank (median), by group")
             for r in ok:
                 for p in r.get("probe", []):
                     table.row(r["model"], p["distance"], p["probes"], f"{p['probe_logp']:.2f}",
                               f"{p['control_logp']:.2f}", f"{p['gain']:+.2f}", f"{p['found']:.0%}",
-                              " / ".join(f"{x:.0%}" for x in p["definition_selected"]))
+                              " / ".join(f"{x:.0%}" for x in p["definition_selected"]),
+                              " / ".join(f"{x:,.0f}" for x in p["definition_rank"]))
     for r in results:
         if "failed" in r:
             print(f"{r['model']}: failed: {r['failed']}")

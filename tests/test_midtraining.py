@@ -321,9 +321,10 @@ def test_checkpoint_parts_round_trip_and_resume(base_run, extended_run, tmp_path
 
 
 # ---------------------------------------------------------------------- the evaluation
-def test_definition_selected_counts_the_definitions_tokens_in_the_top_k(extended_run):
+def test_definition_reach_counts_the_definitions_tokens_in_the_top_k_and_ranks_it(extended_run):
     """With a top-k as long as the row every earlier key is selected: the whole definition; with the
-    model's top-4 at most 4 of its tokens a query."""
+    model's top-4 at most 4 of its tokens a query. The rank does not depend on the top-k, and a
+    query's top-4 holds a definition token exactly when its best one ranks within 4."""
     import dataclasses
 
     from flax import nnx
@@ -338,12 +339,20 @@ def test_definition_selected_counts_the_definitions_tokens_in_the_top_k(extended
     rows, first, counts, spans = lce.probe_rows(tok, stream, 1, 64, 32, seed=0)
     start, end = spans[0]
     assert 0 < start < end <= first[0] and end - start > 4
-    few = lce.definition_selected(model, rows[0::2], spans[0::2], first[0::2], counts[0::2])
+    few, few_rank = lce.definition_reach(model, rows[0::2], spans[0::2], first[0::2], counts[0::2])
     assert len(few) == 1 and 0 <= few[0] <= 4 / (end - start)
     graphdef, _ = nnx.split(abstract_model(dataclasses.replace(model.cfg, index_topk=64)))
-    every = lce.definition_selected(nnx.merge(graphdef, nnx.state(model)), rows[0::2], spans[0::2], first[0::2],
-                                    counts[0::2])
-    assert every == [1.0]
+    every, every_rank = lce.definition_reach(nnx.merge(graphdef, nnx.state(model)), rows[0::2], spans[0::2],
+                                             first[0::2], counts[0::2])
+    assert every == [1.0] and every_rank == few_rank and 1 <= few_rank[0] <= first[0] + counts[0]
+
+    queries = np.arange(first[0], first[0] + counts[0], dtype=np.int32)[None]
+    sel, scores = (np.asarray(a) for a in lce.group_selections(*nnx.split(model), jax.numpy.asarray(rows[:1, :-1]),
+                                                                jax.numpy.asarray(queries)))
+    assert scores.shape == (1, 1, counts[0], 64) and np.isneginf(scores[0, 0, 0, first[0] + 1:]).all()
+    chosen = ((sel >= start) & (sel < end)).any(axis=-1)[0, 0]                      # [Q]
+    ranks = 1 + (scores[0, 0] > scores[0, 0, :, start:end].max(axis=-1, keepdims=True)).sum(axis=-1)
+    np.testing.assert_array_equal(chosen, ranks <= 4)
 
 
 def test_long_context_eval_scores_buckets_and_the_probe(base_run, extended_run, tmp_path, capsys):
