@@ -82,7 +82,7 @@ def score_rows(runtime, rows: np.ndarray) -> np.ndarray:
             tokens[:, :n], targets[:, :n] = group[:, start:start + n], group[:, start + 1:start + n + 1]
             _, _, cache, _, _, scores = runtime.program(prefill_chunk)(
                 runtime.layout, runtime.params, cache, runtime.put(tokens, ("batch", None)),
-                runtime.put(np.full((b,), n, np.int32), ("batch",)), runtime.kernels,
+                runtime.put(np.full((b,), n, np.int32), ("batch",)), runtime.forward,
                 targets=runtime.put(targets, ("batch", None)))
             out[first:first + len(real), start:start + n] = np.asarray(scores.logprob, np.float64)[:len(real), :n]
     return out

@@ -284,7 +284,7 @@ class WaveServer:
         while any(left):
             t0 = time.perf_counter()
             tokens, logits, cache, key = decode_block(self.gen.layout, self.gen.params, cache, logits, key,
-                                                      sampling, self.gen.kernels, 1)
+                                                      sampling, self.gen.forward, 1)
             self.host_s.append(time.perf_counter() - t0)
             tokens = np.asarray(tokens)[:, 0]
             on_tokens({i: int(tokens[b]) for b, (i, _) in enumerate(wave) if left[b]})

@@ -14,6 +14,7 @@ from glm_jax.decoding import GREEDY, rejection_sample
 from glm_jax.decoding.rejection import match_sample
 from glm_jax.decoding.generate import Generator
 from glm_jax.decoding.speculative import SpeculativeGenerator, draft
+from glm_jax.forward_options import ForwardOptions
 from glm_jax.model import GLMModel
 from conftest import in_own_process, micro_config
 
@@ -124,14 +125,14 @@ def test_kv_share_draft_runs_no_indexer_and_reads_only_target_kv(model, monkeypa
 
     # Traced afresh for each setting (the draft steps are a Python loop, so each call of an op in
     # the trace is one call in the run); the attended indices come back through the callback.
-    run_draft = nnx.jit(draft, static_argnames=("sampling", "num_draft", "kv_share", "kernels"))
+    run_draft = nnx.jit(draft, static_argnames=("sampling", "num_draft", "kv_share", "forward"))
 
     monkeypatch.setattr(ops, "paged_indexer_topk", spy_topk)
     monkeypatch.setattr(ops, "paged_sparse_mla", spy_mla)
     for kv_share, want_calls in ((True, 0), (False, 2)):
         calls.update(indexer=0, max_index=-1)
         d, probs = run_draft(model, q1, g1, idx1, mtp_cache, jax.random.key(2), sampling=GREEDY, num_draft=3,
-                             kv_share=kv_share, kernels=ops.KernelChoice())
+                             kv_share=kv_share, forward=ForwardOptions())
         jax.effects_barrier()
         assert d.shape == (b, 3) and probs.shape == (b, 3, cfg.vocab_size)
         assert calls["indexer"] == want_calls

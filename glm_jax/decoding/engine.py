@@ -153,7 +153,7 @@ class ServingEngine(DecodeRuntime):
                                        empty_slots(slots, self.cfg.vocab_size))
         outputs = None if mesh is None else OutputShardings.of(
             self.cache, self.slot_state, logical_sharding(mesh, ("batch",), (slots,), "tokens"))
-        self.programs = engine_programs(self.layout, kernels, shards, outputs, self.options)
+        self.programs = engine_programs(self.layout, self.forward, shards, outputs, self.options)
         # In one process every array is whole here: np.asarray skips to_host's check on each read-back.
         self._to_host = np.asarray if jax.process_count() == 1 else to_host
         self.step_times: list[StepTime] = []
@@ -347,7 +347,7 @@ class ServingEngine(DecodeRuntime):
         names = [row, batch, row, batch, row, row, row, row, batch]
         rows, tables, starts, tokens, num_valid, seeds, drawn, sampling, targets = self.call_inputs(values, names)
         _, _, self.cache, _, self.slot_state, scores = self.programs.prefill(
-            self.layout, self.params, self.cache, tokens, num_valid, self.kernels,
+            self.layout, self.params, self.cache, tokens, num_valid, self.forward,
             rows=PrefillRows(rows, tables, starts), slots=self.slot_state, slot_inputs=(seeds, drawn, sampling),
             targets=targets)
         if scored:

@@ -1,9 +1,9 @@
 """The serving engine's device side: its compiled programs (the shared prefill and the engine's
 decode) and how a decode call's draws are packed and read back.
 
-    programs = engine_programs(layout, kernels, data_shards, outputs, options)
+    programs = engine_programs(layout, forward, data_shards, outputs, options)
     _, _, cache, _, slots, scores = programs.prefill(
-        layout, params, cache, tokens, num_valid, kernels, rows=PrefillRows(rows, tables, starts),
+        layout, params, cache, tokens, num_valid, forward, rows=PrefillRows(rows, tables, starts),
         slots=slots, slot_inputs=(seeds, drawn, sampling), targets=None)   # targets: prompt log-probs
     draws, cache, slots = programs.decode(params, cache, slots, control, steps=4)
     host = np.asarray(draws)                                     # int32 [B, 4, 2 + 2K]
@@ -69,7 +69,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from glm_jax import ops
 from glm_jax.cache import KVCache
 from glm_jax.decoding.prefill import prefill_chunk
 from glm_jax.decoding.programs import Options, ParamLayout, jit
@@ -130,7 +129,7 @@ class OutputShardings(NamedTuple):
 
 
 @functools.lru_cache(maxsize=8)
-def engine_programs(layout: ParamLayout, kernels: ops.KernelChoice, data_shards: int,
+def engine_programs(layout: ParamLayout, forward: ForwardOptions, data_shards: int,
                     outputs: OutputShardings | None = None,
                     options: Options = ()) -> EnginePrograms:
     """The jitted programs for one model structure (shared by every engine built on it);
@@ -169,8 +168,7 @@ def engine_programs(layout: ParamLayout, kernels: ops.KernelChoice, data_shards:
             token = sample_tokens(slots.logits, row_keys(slots.seeds, slots.drawn), slots.sampling)
             scores = scores_of(slots.logits, token)
             view = dataclasses.replace(view, page_table=jnp.where(active[:, None], table, scratch))
-            logits, _, view = layout.model(params).forward_cached(token[:, None], view,
-                                                                  options=ForwardOptions(kernels=kernels),
+            logits, _, view = layout.model(params).forward_cached(token[:, None], view, options=forward,
                                                                   num_valid=active.astype(jnp.int32))
             slots = dataclasses.replace(slots, logits=jnp.where(active[:, None], logits[:, 0], slots.logits),
                                         drawn=slots.drawn + active)

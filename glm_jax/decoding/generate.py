@@ -26,21 +26,21 @@ from glm_jax.forward_options import ForwardOptions
 from glm_jax.multihost import to_host
 
 
-@program(static_argnames=("layout", "kernels", "steps"), donate_argnames=("cache",))
-def decode_block(layout: ParamLayout, params: tuple, cache: KVCache, logits, key, sampling: SamplingParams, kernels,
-                 steps):
+@program(static_argnames=("layout", "forward", "steps"), donate_argnames=("cache",))
+def decode_block(layout: ParamLayout, params: tuple, cache: KVCache, logits, key, sampling: SamplingParams,
+                 forward: ForwardOptions, steps):
     """Sample from logits [B, V] by `sampling`, feed the token back, `steps` times (one jitted call);
     the model from its flat `params` (`programs.flat_params`).
 
     -> (tokens int32 [B, steps], logits [B, V] after the last token, cache, key)."""
-    model, options = layout.model(params), ForwardOptions(kernels=kernels)
+    model = layout.model(params)
     batch = logits.shape[0]
 
     def step(i, carry):
         cache, logits, key, out = carry
         key, sub = jax.random.split(key)
         token = sample_tokens(logits, sub, sampling)
-        new_logits, _, cache = model.forward_cached(token[:, None], cache, options=options)
+        new_logits, _, cache = model.forward_cached(token[:, None], cache, options=forward)
         return cache, new_logits[:, 0], key, out.at[:, i].set(token)
 
     out = jnp.zeros((batch, steps), jnp.int32)
@@ -83,7 +83,7 @@ class Generator(DecodeRuntime):
         t1 = time.perf_counter()
         while produced < max_new_tokens:
             tokens, logits, cache, key = self.program(decode_block)(
-                self.layout, self.params, cache, logits, key, sampling, self.kernels, self.block_size)
+                self.layout, self.params, cache, logits, key, sampling, self.forward, self.block_size)
             tokens = to_host(tokens)[:, : max_new_tokens - produced]
             produced += tokens.shape[1]
             now = time.perf_counter()

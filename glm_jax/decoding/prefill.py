@@ -26,7 +26,6 @@ from typing import NamedTuple
 
 import jax.numpy as jnp
 
-from glm_jax import ops
 from glm_jax.cache import KVCache
 from glm_jax.decoding.programs import ParamLayout, program
 from glm_jax.decoding.slots import SlotState, scores_of
@@ -50,19 +49,18 @@ class PrefillRows(NamedTuple):
                                    lengths=cache.lengths.at[self.rows].set(view.lengths, mode="drop"))
 
 
-def chunk_forward(model, tokens, cache: KVCache, num_valid, kernels: ops.KernelChoice):
+def chunk_forward(model, tokens, cache: KVCache, num_valid, forward: ForwardOptions):
     """The target forward of one prefill chunk: tokens int32 [B, C] (padded), num_valid int32
     [B] -> (logits [B, C, V], hidden [B, C, hidden], cache, the last real token's logits [B, V]
     and hidden [B, hidden])."""
-    logits, hidden, cache = model.forward_cached(tokens, cache, options=ForwardOptions(kernels=kernels),
-                                                num_valid=num_valid)
+    logits, hidden, cache = model.forward_cached(tokens, cache, options=forward, num_valid=num_valid)
     last = jnp.maximum(num_valid - 1, 0)[:, None, None]
     return (logits, hidden, cache, jnp.take_along_axis(logits, last, axis=1)[:, 0],
             jnp.take_along_axis(hidden, last, axis=1)[:, 0])
 
 
-@program(static_argnames=("layout", "kernels"), donate_argnames=("cache", "mtp_cache", "slots"))
-def prefill_chunk(layout: ParamLayout, params: tuple, cache: KVCache, tokens, num_valid, kernels: ops.KernelChoice,
+@program(static_argnames=("layout", "forward"), donate_argnames=("cache", "mtp_cache", "slots"))
+def prefill_chunk(layout: ParamLayout, params: tuple, cache: KVCache, tokens, num_valid, forward: ForwardOptions,
                   rows: PrefillRows | None = None, mtp_cache: KVCache | None = None, mtp_inputs=None,
                   slots: SlotState | None = None, slot_inputs=None, targets=None):
     """The one prefill program. tokens int32 [R, C] (padded), num_valid int32 [R]: one chunk of
@@ -77,12 +75,11 @@ def prefill_chunk(layout: ParamLayout, params: tuple, cache: KVCache, tokens, nu
     in `slots`), cache, mtp_cache, slots, Scores [R, C] of the targets or None)."""
     model = layout.model(params)
     view = cache if rows is None else rows.view(cache)
-    logits, hidden, view, last_logits, last_hidden = chunk_forward(model, tokens, view, num_valid, kernels)
+    logits, hidden, view, last_logits, last_hidden = chunk_forward(model, tokens, view, num_valid, forward)
     cache = view if rows is None else rows.put_back(cache, view)
     if mtp_cache is not None:
         next_tokens, num_valid_mtp = mtp_inputs
-        _, _, mtp_cache, _ = model.mtp_forward_cached(next_tokens, hidden, mtp_cache,
-                                                      options=ForwardOptions(kernels=kernels),
+        _, _, mtp_cache, _ = model.mtp_forward_cached(next_tokens, hidden, mtp_cache, options=forward,
                                                       num_valid=num_valid_mtp)
     if slots is not None:
         slots = slots.installed(rows.rows, last_logits, *slot_inputs)

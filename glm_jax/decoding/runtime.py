@@ -29,6 +29,7 @@ from glm_jax.cache.fp8 import layout_of, resolve_cache_dtype
 from glm_jax.decoding.prefill import prefill_chunk
 from glm_jax.decoding.programs import Options, ParamLayout, Program, compiler_options, flat_params
 from glm_jax.decoding.sampling import SamplingParams
+from glm_jax.forward_options import ForwardOptions
 from glm_jax.multihost import global_array, place, replicated
 from glm_jax.sharding import ShardingError, logical_sharding, shard_params
 
@@ -130,7 +131,8 @@ class DecodeRuntime:
                 f"max_len {self.max_len} exceeds the model's context of "
                 f"{self.cfg.max_position_embeddings} tokens (max_position_embeddings)")
         self.prefill_chunk = prefill_chunk
-        self.kernels = kernels
+        # The model's call-time options in every program (the cached calls read only its kernels).
+        self.forward = ForwardOptions(kernels=kernels)
 
     @staticmethod
     def cache_rows(need: int) -> int:
@@ -244,7 +246,7 @@ class DecodeRuntime:
                 mtp = (self.put(nxt, ("batch", None)), self.put(num_valid_mtp, ("batch",)))
             last, last_hidden, cache, mtp_cache, _, _ = self.program(prefill_chunk)(
                 self.layout, self.params, cache, self.put(tokens, ("batch", None)), self.put(num_valid, ("batch",)),
-                self.kernels, mtp_cache=mtp_cache, mtp_inputs=mtp)
+                self.forward, mtp_cache=mtp_cache, mtp_inputs=mtp)
             if logits is None:
                 logits, hidden = last, last_hidden
             else:

@@ -43,11 +43,11 @@ def _sample(key, probs):
 
 
 def draft(model, q1_logits, g1, idx1, mtp_cache: KVCache, key, sampling: SamplingParams, *, num_draft: int,
-          kv_share: bool, kernels: ops.KernelChoice):
+          kv_share: bool, forward: ForwardOptions):
     """K draft tokens from draft step 1's outputs (q1_logits [B, V], g1 [B, hidden], idx1 [B, 1, topk]).
 
     -> (draft_tokens int32 [B, K], draft_probs [B, K, V])."""
-    options = ForwardOptions(kernels=kernels)
+    options = forward
     probs = [sampling_probs(q1_logits, sampling)]
     keys = jax.random.split(key, num_draft)
     tokens = [_sample(keys[0], probs[0])]
@@ -65,16 +65,16 @@ def draft(model, q1_logits, g1, idx1, mtp_cache: KVCache, key, sampling: Samplin
     return jnp.stack(tokens, axis=1), jnp.stack(probs, axis=1)
 
 
-@program(static_argnames=("layout", "kernels", "num_draft", "kv_share", "max_new", "verification"),
+@program(static_argnames=("layout", "forward", "num_draft", "kv_share", "max_new", "verification"),
          donate_argnames=("cache", "mtp_cache"))
 def _speculate(layout: ParamLayout, params: tuple, cache, mtp_cache, logits, hidden, key, sampling: SamplingParams, eos,
-               *, kernels, num_draft, kv_share, max_new, verification="rejection"):
+               *, forward: ForwardOptions, num_draft, kv_share, max_new, verification="rejection"):
     """Everything after the prefill: first token, draft step 1, then the while_loop.
 
     logits [B, V] / hidden [B, hidden]: the target's outputs at the last prompt position.
     -> (tokens int32 [B, max_new + K + 1] (-1 past the end), count [B], verify steps [B],
         accepted [B], accepted_at [K], cache, mtp_cache)."""
-    model, options = layout.model(params), ForwardOptions(kernels=kernels)
+    model, options = layout.model(params), forward
     b = logits.shape[0]
     k = num_draft
     key, sub = jax.random.split(key)
@@ -89,7 +89,7 @@ def _speculate(layout: ParamLayout, params: tuple, cache, mtp_cache, logits, hid
     def body(c):
         key, k_draft, k_verify = jax.random.split(c["key"], 3)
         d_tokens, d_probs = draft(model, c["q1"], c["g1"], c["idx1"], c["mtp_cache"], k_draft, sampling,
-                                  num_draft=k, kv_share=kv_share, kernels=kernels)
+                                  num_draft=k, kv_share=kv_share, forward=forward)
         n = c["cache"].lengths
         verify_in = jnp.concatenate([c["pending"][:, None], d_tokens], axis=1)
         v_logits, v_hidden, cache = model.forward_cached(verify_in, c["cache"], options=options)
@@ -163,7 +163,7 @@ class SpeculativeGenerator(DecodeRuntime):
         key, sampling = self.sampling_args(seed, sampling)
         eos = self.put(np.int32(-1 if stop_token is None else stop_token))
         program = self.compiled(_speculate, (self.params, cache, mtp_cache, logits, hidden, key, sampling, eos),
-                                kernels=self.kernels, num_draft=k, kv_share=self.kv_share, max_new=max_new_tokens,
+                                forward=self.forward, num_draft=k, kv_share=self.kv_share, max_new=max_new_tokens,
                                 verification=self.verification)
         t2 = time.perf_counter()
         out, count, steps, accepted, accepted_at, _, _ = program(self.params, cache, mtp_cache, logits, hidden, key,
