@@ -47,7 +47,6 @@ def draft(model, q1_logits, g1, idx1, mtp_cache: KVCache, key, sampling: Samplin
     """K draft tokens from draft step 1's outputs (q1_logits [B, V], g1 [B, hidden], idx1 [B, 1, topk]).
 
     -> (draft_tokens int32 [B, K], draft_probs [B, K, V])."""
-    options = forward
     probs = [sampling_probs(q1_logits, sampling)]
     keys = jax.random.split(key, num_draft)
     tokens = [_sample(keys[0], probs[0])]
@@ -57,9 +56,9 @@ def draft(model, q1_logits, g1, idx1, mtp_cache: KVCache, key, sampling: Samplin
         positions = (mtp_cache.lengths + j - 1)[:, None]
         if kv_share:
             logits, hidden = model.mtp_draft_step(tokens[-1][:, None], hidden, positions, mtp_cache, idx1,
-                                                  options=options)
+                                                  options=forward)
         else:
-            logits, hidden, cache, _ = model.mtp_forward_cached(tokens[-1][:, None], hidden, cache, options=options)
+            logits, hidden, cache, _ = model.mtp_forward_cached(tokens[-1][:, None], hidden, cache, options=forward)
         probs.append(sampling_probs(logits[:, 0], sampling))
         tokens.append(_sample(keys[j], probs[-1]))
     return jnp.stack(tokens, axis=1), jnp.stack(probs, axis=1)
@@ -74,12 +73,12 @@ def _speculate(layout: ParamLayout, params: tuple, cache, mtp_cache, logits, hid
     logits [B, V] / hidden [B, hidden]: the target's outputs at the last prompt position.
     -> (tokens int32 [B, max_new + K + 1] (-1 past the end), count [B], verify steps [B],
         accepted [B], accepted_at [K], cache, mtp_cache)."""
-    model, options = layout.model(params), forward
+    model = layout.model(params)
     b = logits.shape[0]
     k = num_draft
     key, sub = jax.random.split(key)
     first = _sample(sub, sampling_probs(logits, sampling))
-    q1, g1, mtp_cache, idx1 = model.mtp_forward_cached(first[:, None], hidden[:, None], mtp_cache, options=options)
+    q1, g1, mtp_cache, idx1 = model.mtp_forward_cached(first[:, None], hidden[:, None], mtp_cache, options=forward)
     out = jnp.full((b, max_new + k + 1), -1, jnp.int32).at[:, 0].set(first)
     rows = jnp.arange(b)[:, None]
 
@@ -92,13 +91,13 @@ def _speculate(layout: ParamLayout, params: tuple, cache, mtp_cache, logits, hid
                                   num_draft=k, kv_share=kv_share, forward=forward)
         n = c["cache"].lengths
         verify_in = jnp.concatenate([c["pending"][:, None], d_tokens], axis=1)
-        v_logits, v_hidden, cache = model.forward_cached(verify_in, c["cache"], options=options)
+        v_logits, v_hidden, cache = model.forward_cached(verify_in, c["cache"], options=forward)
         p = sampling_probs(v_logits, sampling)
         emitted, accepted = (rejection_sample(p, d_probs, d_tokens, k_verify) if verification == "rejection"
                              else match_sample(p, d_tokens, k_verify))
         cache = dataclasses.replace(cache, lengths=n + accepted + 1)
         q, g, mtp_cache, idx = model.mtp_forward_cached(jnp.maximum(emitted, 0), v_hidden, c["mtp_cache"],
-                                                        options=options)
+                                                        options=forward)
         mtp_cache = dataclasses.replace(mtp_cache, lengths=c["mtp_cache"].lengths + accepted + 1)
         at = accepted[:, None, None]
         active = ~c["done"]

@@ -60,7 +60,7 @@ def _loop(run: Run, batches, stop_requested: "StopSignals", compiles: CompileWat
         config = run.step_config.with_forward(mode=stage,
                                               max_segments=segment_bounds.for_step(batch.segment_ids, stage, form))
         placed = batch._replace(inputs=run.feed.from_rows(batch.inputs), targets=run.feed.from_rows(batch.targets),
-                                segment_ids=run.feed.from_rows(batch.segment_ids), positions=None)
+                                segment_ids=run.feed.from_rows(batch.segment_ids))     # positions: the step drops them
         state, terms = run.train_step(state, placed, config)
         faults.reached("step", step)
         record = log.step(step, stage, lambda: learning_rate(step - 1), terms, batch,
