@@ -91,11 +91,10 @@ def score_rows(runtime, rows: np.ndarray) -> np.ndarray:
 def measure(model, rows: np.ndarray, tokens_per_byte: float, *, layout: str, batch: int, prefill_chunk: int) -> dict:
     """One layout's scores of `rows` (int32 [R, S + 1]) -> nats per token, bits per byte."""
     from glm_jax.decoding.runtime import DecodeRuntime
-    from glm_jax.ops import KernelChoice
 
     context = rows.shape[1] - 1
     runtime = DecodeRuntime(model, batch=min(batch, len(rows)), max_len=context, prefill_chunk=prefill_chunk,
-                            kernels=KernelChoice(), kv_cache_dtype=layout)
+                            kv_cache_dtype=layout)
     logp = score_rows(runtime, rows)
     nats = float(-logp.mean())
     return dict(cache=runtime.cache_layout, nats_per_token=nats,

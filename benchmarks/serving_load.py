@@ -239,12 +239,11 @@ class WaveServer:
 
     def __init__(self, model, *, slots: int, num_pages: int, page_size: int, max_context: int, prefill_chunk: int,
                  kv_cache_dtype: str = "auto"):
-        from glm_jax import ops
         from glm_jax.cache import PagePool
         from glm_jax.decoding.runtime import DecodeRuntime
 
         self.gen = DecodeRuntime(model, batch=slots, max_len=max_context, prefill_chunk=prefill_chunk,
-                                kernels=ops.KernelChoice(), kv_cache_dtype=kv_cache_dtype)
+                                kv_cache_dtype=kv_cache_dtype)
         self.pool = PagePool(model.cfg, num_pages=num_pages, page_size=page_size, dtype=self.gen.cache_dtype)
         self.cache_layout = self.gen.cache_layout
         self.width = self.pool.pages_for(max_context + prefill_chunk)

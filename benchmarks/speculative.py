@@ -39,6 +39,7 @@ from glm_jax.decoding.generate import Generator
 from glm_jax.decoding.programs import compiler_options
 from glm_jax.decoding.sampling import SamplingParams
 from glm_jax.decoding.speculative import SpeculativeGenerator
+from glm_jax.forward_options import ForwardOptions
 
 
 def prompts(tok, batch: int, length: int) -> np.ndarray:
@@ -125,7 +126,7 @@ def main() -> None:
     bandwidth = copy_bandwidth()
     mode = "greedy" if args.temperature == 0 else f"temperature {args.temperature}"
     device = jax.devices()[0].device_kind
-    modes = {"default": ops.KernelChoice()}
+    modes = {"default": ForwardOptions()}
     if args.invariant_rows and not args.batch_invariant:
         ap.error("--invariant-rows needs --batch-invariant")
     if args.invariant_rows and min(args.invariant_rows) < 1:
@@ -133,7 +134,7 @@ def main() -> None:
     if args.batch_invariant:
         for n in args.invariant_rows or [None]:
             name = "batch-invariant" if n is None else f"batch-invariant, {n} rows"
-            modes[name] = ops.KernelChoice(batch_invariant=True, invariant_rows=n)
+            modes[name] = ForwardOptions(kernels=ops.KernelChoice(batch_invariant=True, invariant_rows=n))
     print(f"device {device}; copy bandwidth {bandwidth / 1e9:.1f} GB/s; model {model.cfg.name}; prompt "
           f"{args.prompt_len} tokens; {args.new_tokens} new tokens per sequence; {mode}; median of "
           f"{args.repeat} round(s); modes: {', '.join(modes)}; CUDA graphs "
@@ -144,19 +145,19 @@ def main() -> None:
     rows, failures = [], []
     sampling = dict(max_new_tokens=args.new_tokens, sampling=SamplingParams(temperature=args.temperature))
     ids_all = prompts(tok, max(args.batch), args.prompt_len)
-    alone = {name: alone_tokens(model, ids_all, max_len, kernels, sampling) if greedy else None
-             for name, kernels in modes.items()}
+    alone = {name: alone_tokens(model, ids_all, max_len, forward, sampling) if greedy else None
+             for name, forward in modes.items()}
     for batch in args.batch:
         ids = ids_all[:batch]
         runs = {}                                              # (mode, k, kv_share) -> generator; k 0: plain
-        for name, kernels in modes.items():
+        for name, forward in modes.items():
             runs[(name, 0, True)] = Generator(model, batch=batch, max_len=max_len, prefill_chunk=64, block_size=16,
-                                              kernels=kernels, cuda_graphs=args.cuda_graphs)
+                                              forward=forward, cuda_graphs=args.cuda_graphs)
             for k in args.draft:
                 for kv_share in (True, False) if args.kv_share_ablation else (True,):
                     runs[(name, k, kv_share)] = SpeculativeGenerator(model, batch=batch, max_len=max_len,
                                                                      num_draft=k, prefill_chunk=64,
-                                                                     kv_share=kv_share, kernels=kernels,
+                                                                     kv_share=kv_share, forward=forward,
                                                                      cuda_graphs=args.cuda_graphs)
         first = {c: generate(gen, ids, sampling, args.new_tokens) for c, gen in runs.items()}  # compiles
         diffs = {c: differing(tokens, alone[c[0]][:batch]) for c, tokens in first.items()} if greedy else {}
@@ -204,9 +205,9 @@ def generate(gen, ids: np.ndarray, sampling: dict, new_tokens: int) -> np.ndarra
     return np.concatenate(list(gen.generate(ids, **sampling)), axis=1)[:, :new_tokens]
 
 
-def alone_tokens(model, ids: np.ndarray, max_len: int, kernels, sampling: dict) -> np.ndarray:
+def alone_tokens(model, ids: np.ndarray, max_len: int, forward, sampling: dict) -> np.ndarray:
     """int [B, N]: each prompt's tokens decoded by itself (plain decoding, batch 1)."""
-    gen = Generator(model, batch=1, max_len=max_len, prefill_chunk=64, block_size=16, kernels=kernels)
+    gen = Generator(model, batch=1, max_len=max_len, prefill_chunk=64, block_size=16, forward=forward)
     return np.concatenate([generate(gen, row[None], sampling, sampling["max_new_tokens"]) for row in ids])
 
 

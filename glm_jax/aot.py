@@ -62,7 +62,7 @@ def _row_major_stores(cache):
 
 
 def compile_decode_step(cfg: GLMConfig, *, topology: str, mesh_spec: str, batch: int, max_len: int,
-                        collective: str = "permute", kernels: ops.KernelChoice | None = None,
+                        collective: str = "permute", forward: ForwardOptions | None = None,
                         compiler_options: dict | None = None):
     """Compile one decode step (tokens int32 [B, 1] against a cache of max_len rows, cache
     donated) for the slice. With a `layer` axis > 1 in mesh_spec the cache is LayerSplit."""
@@ -75,7 +75,7 @@ def compile_decode_step(cfg: GLMConfig, *, topology: str, mesh_spec: str, batch:
     cache = _abstract(cache, formats)
     tokens = jax.ShapeDtypeStruct((batch, 1), jnp.int32,
                                   sharding=logical_sharding(mesh, ("batch", None), (batch, 1), "tokens"))
-    options = ForwardOptions(kernels=kernels or ops.KernelChoice(indexer_topk="xla", sparse_mla="xla"))
+    options = forward or ForwardOptions(kernels=ops.KernelChoice(indexer_topk="xla", sparse_mla="xla"))
 
     @functools.partial(jax.jit, donate_argnums=(1,), out_shardings=(None, formats))
     def step(state, cache, tokens):

@@ -80,13 +80,14 @@ def check_options(owner: str, options, name: str = "options") -> ForwardOptions:
     return options
 
 
-def cached_kernels(owner: str, options) -> ops.KernelChoice:
-    """The kernels of a cached call's options; a ValueError naming `owner` if any other field is
-    set (the cached calls attend sparse, in the absorbed form, with no loss and no backward pass)."""
+def check_cached(owner: str, options) -> ForwardOptions:
+    """options of a cached call, which reads only its kernels; a ValueError naming `owner` if any
+    other field is set (the cached calls attend sparse, in the absorbed form, with no loss and no
+    backward pass)."""
     check_options(owner, options)
     others = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)
               if f.name != "kernels" and getattr(options, f.name) != f.default}
     if others:
         raise ValueError(f"{owner}: a cached call reads only options.kernels (it attends sparse, in the absorbed "
                          f"form); got {', '.join(f'{k}={v!r}' for k, v in others.items())}")
-    return options.kernels
+    return options

@@ -20,17 +20,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from glm_jax import ops
 from glm_jax.convert.repattern import with_pattern
 from glm_jax.forward_options import ForwardOptions
 from glm_jax.training.step import eval_step
 
 
 def calibration_loss(model, batches: list[tuple[np.ndarray, np.ndarray]], *,
-                     kernels: ops.KernelChoice = ops.KernelChoice()) -> float:
-    """Mean LM loss (sparse attention, as the model runs) over (inputs, targets) int32 [B, S] pairs."""
+                     options: ForwardOptions = ForwardOptions()) -> float:
+    """Mean LM loss over (inputs, targets) int32 [B, S] pairs, the model called with `options`
+    (default: sparse attention in the absorbed form, as the model runs)."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    options = ForwardOptions(mode="sparse", form="absorbed", kernels=kernels)
     losses = [float(eval_step(graphdef, params, rest, jnp.asarray(x), jnp.asarray(y), options=options))
               for x, y in batches]
     return float(np.mean(losses))

@@ -20,10 +20,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from glm_jax import ops
 from glm_jax.cache import KVCache
 from glm_jax.config import GLMConfig
-from glm_jax.forward_options import ForwardOptions, cached_kernels, check_options
+from glm_jax.forward_options import ForwardOptions, check_cached, check_options
 from glm_jax.layers.decoder import GroupStackPlan, IndexShareGroup, plan_groups
 from glm_jax.layers.embedding import Embed
 from glm_jax.layers.linear import Linear
@@ -125,27 +124,27 @@ class GLMModel(nnx.Module):
         """Run tokens int32 [B, S] at the cache's next positions (its lengths + [0, S)).
 
         options: only its kernels are read (sparse attention in the absorbed form; any other
-        field set is a ValueError, `forward_options.cached_kernels`).
+        field set is a ValueError, `forward_options.check_cached`).
         num_valid int32 [B] (default S): how many of the S tokens are real; the cache length
         advances by it (padding rows are written but never attended by real queries).
         -> (logits float32 [B, S, vocab], hidden normed [B, S, hidden], updated cache)."""
-        kernels = cached_kernels("GLMModel.forward_cached", options)
+        options = check_cached("GLMModel.forward_cached", options)
         s = tokens.shape[1]
         positions = cache.positions(s)
-        x, cache = self._cached_stacks(self.embed_tokens(tokens), positions, cache, kernels)
-        logits, hidden = self._cached_head(self.norm, x, kernels)
+        x, cache = self._cached_stacks(self.embed_tokens(tokens), positions, cache, options)
+        logits, hidden = self._cached_head(self.norm, x, options)
         return logits, hidden, cache.advance(_advance(s, num_valid))
 
-    def _cached_head(self, norm: RMSNorm, x, kernels: ops.KernelChoice):
+    def _cached_head(self, norm: RMSNorm, x, options: ForwardOptions):
         """x [B, S, hidden] -> (logits float32 [B, S, vocab], norm(x)), in fixed row chunks when
-        batch-invariant (`row_chunks`)."""
+        options' kernels are batch-invariant (`row_chunks`)."""
         def head(x):
             hidden = norm(x)
             return self.logits(hidden), hidden
 
-        return in_row_chunks(head, x, rows=kernels.token_rows)
+        return in_row_chunks(head, x, rows=options.kernels.token_rows)
 
-    def _cached_stacks(self, x, positions, cache: KVCache, kernels: ops.KernelChoice):
+    def _cached_stacks(self, x, positions, cache: KVCache, options: ForwardOptions):
         """Every group stack against the cache: x [B, S, hidden] at positions int32 [B, S]
         -> (x, the cache with the rows written).
 
@@ -159,7 +158,8 @@ class GLMModel(nnx.Module):
             def body(carry, xs, graphdef=graphdef, p=p, full_base=full_base):
                 x, cache = carry
                 group_state, g = xs
-                view = cache.group_view(p.first_layer + g * len(p.kinds), full_base + g, positions, kernels)
+                view = cache.group_view(p.first_layer + g * len(p.kinds), full_base + g, positions,
+                                        options.kernels)
                 x, _ = nnx.merge(graphdef, group_state).forward_cached(x, positions, view)
                 return (x, cache.with_view(view)), None
 
@@ -175,13 +175,13 @@ class GLMModel(nnx.Module):
         written to the MTP cache (`create_mtp_cache`); options as in `forward_cached`.
         -> (logits [B, S, V], normed hidden [B, S, hidden], cache, indices int32 [B, S, topk]
         the MTP indexer chose)."""
-        kernels = cached_kernels("GLMModel.mtp_forward_cached", options)
+        options = check_cached("GLMModel.mtp_forward_cached", options)
         s = next_tokens.shape[1]
         positions = cache.positions(s)
-        x = self._mtp_inputs(next_tokens, hidden, kernels)
-        view = _mtp_view(cache, positions, kernels)
+        x = self._mtp_inputs(next_tokens, hidden, options)
+        view = _mtp_view(cache, positions, options)
         x, indices = self.mtp.block.forward_cached(x, positions, view)
-        logits, out = self._cached_head(self.mtp.shared_head.norm, x, kernels)
+        logits, out = self._cached_head(self.mtp.shared_head.norm, x, options)
         return logits, out, cache.with_view(view).advance(_advance(s, num_valid)), indices
 
     def mtp_draft_step(self, next_tokens, hidden, positions, cache: KVCache, indices, *,
@@ -190,15 +190,15 @@ class GLMModel(nnx.Module):
         computed from the target's hidden states is read; nothing is written; options as in
         `forward_cached`.
         next_tokens [B, 1], hidden [B, 1, hidden], positions [B, 1] -> (logits [B, 1, V], hidden)."""
-        kernels = cached_kernels("GLMModel.mtp_draft_step", options)
-        x = self._mtp_inputs(next_tokens, hidden, kernels)
-        x = self.mtp.block.forward_reusing_indices(x, positions, _mtp_view(cache, positions, kernels), indices)
-        return self._cached_head(self.mtp.shared_head.norm, x, kernels)
+        options = check_cached("GLMModel.mtp_draft_step", options)
+        x = self._mtp_inputs(next_tokens, hidden, options)
+        x = self.mtp.block.forward_reusing_indices(x, positions, _mtp_view(cache, positions, options), indices)
+        return self._cached_head(self.mtp.shared_head.norm, x, options)
 
-    def _mtp_inputs(self, next_tokens, hidden, kernels: ops.KernelChoice):
+    def _mtp_inputs(self, next_tokens, hidden, options: ForwardOptions):
         """next_tokens int32 [B, S], hidden [B, S, hidden] -> the MTP block's input [B, S, hidden]
         (`MTPLayer.inputs`), in fixed row chunks when batch-invariant."""
-        return in_row_chunks(self.mtp.inputs, self.embed_tokens(next_tokens), hidden, rows=kernels.token_rows)
+        return in_row_chunks(self.mtp.inputs, self.embed_tokens(next_tokens), hidden, rows=options.kernels.token_rows)
 
 
 def _check_call(owner: str, tokens, options, name: str = "tokens") -> None:
@@ -210,10 +210,10 @@ def _check_call(owner: str, tokens, options, name: str = "tokens") -> None:
                          f"{getattr(tokens, 'dtype', type(tokens).__name__)} {tuple(getattr(tokens, 'shape', ()))}")
 
 
-def _mtp_view(cache: KVCache, positions, kernels: ops.KernelChoice):
+def _mtp_view(cache: KVCache, positions, options: ForwardOptions):
     """The MTP layer's cache (`create_mtp_cache`: one local Full layer) as a group view read
-    through `kernels`."""
-    return cache.group_view(0, 0, positions, kernels)
+    through options' kernels."""
+    return cache.group_view(0, 0, positions, options.kernels)
 
 
 def _advance(num_tokens: int, num_valid: jnp.ndarray | None):

@@ -25,7 +25,7 @@ from glm_jax.forward_options import ForwardOptions
 from glm_jax.model import GLMModel
 from glm_jax.row_chunks import in_row_chunks
 
-INVARIANT = ops.KernelChoice(batch_invariant=True, invariant_rows=16)
+INVARIANT = ForwardOptions(kernels=ops.KernelChoice(batch_invariant=True, invariant_rows=16))
 RNG = np.random.default_rng(0)
 PROMPTS = [RNG.integers(0, 97, n).astype(np.int32) for n in (21, 9, 30, 14, 5, 26, 17, 11)]
 NEW = 12
@@ -72,24 +72,23 @@ def test_in_row_chunks_refuses_bad_rows_and_mismatched_arrays():
 
 
 # ---------------------------------------------------------------- the cached forward, bit for bit
-_forward = nnx.jit(lambda model, tokens, cache, kernels: model.forward_cached(tokens, cache,
-                                                                              options=ForwardOptions(kernels=kernels)),
-                   static_argnames="kernels")
+_forward = nnx.jit(lambda model, tokens, cache, options: model.forward_cached(tokens, cache, options=options),
+                   static_argnames="options")
 
 
-def _prefill_then_steps(model, rows, kernels, chunk: int, steps: int = 3):
+def _prefill_then_steps(model, rows, options, chunk: int, steps: int = 3):
     """Prefill rows (equal lengths) in chunks of `chunk`, then `steps` greedy steps
     -> [prefill logits [B, P, V], step logits...] (numpy)."""
     tokens = np.stack(rows)
     cache = create_cache(model.cfg, len(rows), 64)
     parts = []
     for start in range(0, tokens.shape[1], chunk):
-        logits, _, cache = _forward(model, jnp.asarray(tokens[:, start:start + chunk]), cache, kernels)
+        logits, _, cache = _forward(model, jnp.asarray(tokens[:, start:start + chunk]), cache, options)
         parts.append(np.asarray(logits))
     out = [np.concatenate(parts, axis=1)]
     for _ in range(steps):
         nxt = jnp.argmax(jnp.asarray(out[-1])[:, -1], -1).astype(jnp.int32)[:, None]
-        logits, _, cache = _forward(model, nxt, cache, kernels)
+        logits, _, cache = _forward(model, nxt, cache, options)
         out.append(np.asarray(logits))
     return out
 
@@ -97,21 +96,21 @@ def _prefill_then_steps(model, rows, kernels, chunk: int, steps: int = 3):
 def test_cached_forward_logits_equal_alone_in_a_batch_and_in_any_prefill_chunk(model):
     rows = [p[:9] for p in PROMPTS if len(p) >= 9][:5]
     batch = _prefill_then_steps(model, rows, INVARIANT, chunk=9)
-    default = _prefill_then_steps(model, rows, ops.KernelChoice(), chunk=9)
+    default = _prefill_then_steps(model, rows, ForwardOptions(), chunk=9)
     differs = False
     for i, row in enumerate(rows):
         for chunk in (9, 4):
             alone = _prefill_then_steps(model, [row], INVARIANT, chunk=chunk)
             for a, b in zip(alone, batch):
                 np.testing.assert_array_equal(a[0], b[i])
-        default_alone = _prefill_then_steps(model, [row], ops.KernelChoice(), chunk=9)
+        default_alone = _prefill_then_steps(model, [row], ForwardOptions(), chunk=9)
         differs |= any(not np.array_equal(a[0], b[i]) for a, b in zip(default_alone, default))
     assert differs, "the default path gave the same bits too: this model no longer tests invariance"
 
 
 # ---------------------------------------------------------------- generators
 def _plain(model, rows, chunk=8):
-    gen = Generator(model, batch=len(rows), max_len=64, prefill_chunk=chunk, block_size=8, kernels=INVARIANT)
+    gen = Generator(model, batch=len(rows), max_len=64, prefill_chunk=chunk, block_size=8, forward=INVARIANT)
     return np.concatenate(list(gen.generate(list(rows), max_new_tokens=NEW)), axis=1)[:, :NEW]
 
 
@@ -131,7 +130,7 @@ def test_greedy_tokens_equal_alone_in_batches_of_mixed_lengths(model, alone, bat
 @pytest.mark.parametrize("batch", [1, 8])
 def test_speculative_greedy_equals_plain(model, alone, num_draft, batch):
     gen = SpeculativeGenerator(model, batch=batch, max_len=64, num_draft=num_draft, prefill_chunk=16,
-                               kernels=INVARIANT)
+                               forward=INVARIANT)
     out = np.concatenate([gen.generate(list(PROMPTS[i:i + batch]), max_new_tokens=NEW)
                           for i in range(0, len(PROMPTS), batch)])
     np.testing.assert_array_equal(out, alone)
@@ -140,7 +139,7 @@ def test_speculative_greedy_equals_plain(model, alone, num_draft, batch):
 # ---------------------------------------------------------------- serving engine
 def _engine(model):
     return ServingEngine(model, slots=8, num_pages=41, page_size=8, max_context=64, prefill_chunk=8,
-                         kernels=INVARIANT)
+                         forward=INVARIANT)
 
 
 @pytest.mark.parametrize("sampling", [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7)],
@@ -169,5 +168,5 @@ def test_engine_serves_a_prompt_alone_and_among_seven_arriving_later(model, alon
 def test_decode_flag_turns_the_mode_on():
     import decode
 
-    assert not decode.decode_config(decode.parse_args([])).kernels().batch_invariant
-    assert decode.decode_config(decode.parse_args(["--batch-invariant"])).kernels().batch_invariant
+    assert not decode.decode_config(decode.parse_args([])).forward().kernels.batch_invariant
+    assert decode.decode_config(decode.parse_args(["--batch-invariant"])).forward().kernels.batch_invariant

@@ -176,10 +176,8 @@ def fp8_micro_model():
 def prefill_scores(model, rows: np.ndarray, layout: str, chunk: int) -> np.ndarray:
     from benchmarks import fp8_bits_per_byte
     from glm_jax.decoding.runtime import DecodeRuntime
-    from glm_jax.ops import KernelChoice
 
-    runtime = DecodeRuntime(model, batch=2, max_len=rows.shape[1] - 1, prefill_chunk=chunk, kernels=KernelChoice(),
-                            kv_cache_dtype=layout)
+    runtime = DecodeRuntime(model, batch=2, max_len=rows.shape[1] - 1, prefill_chunk=chunk, kv_cache_dtype=layout)
     return fp8_bits_per_byte.score_rows(runtime, rows)
 
 

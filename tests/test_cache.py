@@ -60,7 +60,7 @@ def test_view_select_equals_the_indexer_over_the_sequence(micro_cfg):
     positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
     keys = indexer.keys(h, positions)
     kernels = ops.KernelChoice()
-    want = indexer.select(h, q_resid, positions, keys, jnp.full((b,), s, jnp.int32), kernels)
+    want = indexer.select(h, q_resid, positions, keys, jnp.full((b,), s, jnp.int32), ForwardOptions(kernels=kernels))
 
     for cache in (create_cache(cfg, b, s),                                         # contiguous
                   create_paged_cache(cfg, 5, 4, jnp.array([[4, 1], [2, 3]], jnp.int32))):   # paged

@@ -247,7 +247,7 @@ def test_decode_threads_the_kernel_flags_into_the_generator(trained_run, monkeyp
     seen = []
     init = generate.Generator.__init__
     monkeypatch.setattr(generate.Generator, "__init__",
-                        lambda self, *a, **k: seen.append(k["kernels"]) or init(self, *a, **k))
+                        lambda self, *a, **k: seen.append(k["forward"].kernels) or init(self, *a, **k))
     assert decode.main(["--checkpoint", str(out), "--max-new-tokens", "2", "--speculative", "0", "--quiet",
                         "--attention-impl", "xla", "--indexer-impl", "xla", "--kernel-config", "attention.q_chunk=8"]) == 0
     assert seen == [ops.KernelChoice(indexer_topk="xla", sparse_mla=("xla", XlaConfig(q_chunk=8)))]

@@ -64,7 +64,8 @@ def _expanded_kl(targets, idx_q, idx_keys, idx_w, rows: _Rows):
 def _fused_kl(targets, idx_q, idx_keys, idx_w, rows: _Rows, block: int):
     return dense_group_kl(targets, idx_q=idx_q, idx_keys=idx_keys, idx_w=idx_w, sm_scale=SCALE, kv_len=rows.kv_len,
                           kv_start=rows.kv_start,
-                          kernels=ops.KernelChoice(dense_indexer_kl=("xla", pk.DenseIndexerKLXlaConfig(block))))
+                          options=ForwardOptions(kernels=ops.KernelChoice(
+                              dense_indexer_kl=("xla", pk.DenseIndexerKLXlaConfig(block)))))
 
 
 @pytest.mark.parametrize("layers,packed,block", [(3, False, 16), (2, False, 24), (3, True, 16), (2, True, 64)])
@@ -102,7 +103,8 @@ def test_shares_weigh_the_layers():
     single = [_fused_kl([t], *idx, rows, block=16) for t in targets]
     got = dense_group_kl(targets, idx_q=idx[0], idx_keys=idx[1], idx_w=idx[2], sm_scale=SCALE, kv_len=rows.kv_len,
                          kv_start=rows.kv_start, shares=(0.25, 0.75),
-                         kernels=ops.KernelChoice(dense_indexer_kl=("xla", pk.DenseIndexerKLXlaConfig(block=16))))
+                         options=ForwardOptions(kernels=ops.KernelChoice(
+                             dense_indexer_kl=("xla", pk.DenseIndexerKLXlaConfig(block=16)))))
     np.testing.assert_allclose(got, 0.25 * single[0] + 0.75 * single[1], rtol=2e-6)
 
 
@@ -179,7 +181,7 @@ def test_pallas_kernels_equal_the_expanded_form(packed):
     def fused(targets, *idx):
         kernels = ops.KernelChoice(dense_indexer_kl=(lab_kl.IMPL, DenseIndexerKLGpuConfig(block=16)), interpret=True)
         return dense_group_kl(targets, idx_q=idx[0], idx_keys=idx[1], idx_w=idx[2], sm_scale=SCALE,
-                              kv_len=rows.kv_len, kv_start=rows.kv_start, kernels=kernels)
+                              kv_len=rows.kv_len, kv_start=rows.kv_start, options=ForwardOptions(kernels=kernels))
 
     expanded = functools.partial(_expanded_kl, rows=rows)
     with lab_kl.registered():       # one program for both forms

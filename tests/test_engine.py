@@ -22,6 +22,7 @@ from glm_jax import ops
 from glm_jax.decoding.engine import Request, ServingEngine
 from glm_jax.decoding.generate import Generator
 from glm_jax.decoding.sampling import SamplingParams
+from glm_jax.forward_options import ForwardOptions
 from glm_jax.model import GLMModel
 
 PROMPTS = [np.arange(3, 12), np.arange(20, 25), np.arange(40, 53), np.arange(60, 90) % 97]
@@ -314,10 +315,10 @@ def test_decode_steps_must_be_from_1_to_the_page_size(model, capsys):
 def test_batch_invariant_blocks_give_the_tokens_of_single_steps(model):
     """The batch-invariant kernels (their own programs) inside a block: the same tokens, and a
     request's own alone and beside others."""
-    kernels = ops.KernelChoice(batch_invariant=True)
+    forward = ForwardOptions(kernels=ops.KernelChoice(batch_invariant=True))
     requests = [Request(PROMPTS[0], 10), Request(PROMPTS[2], 9, HOT_BLOCK, seed=2)]
-    single = new_engine(model, kernels=kernels).serve(requests)
-    engine = new_engine(model, kernels=kernels, decode_steps=BLOCK)
+    single = new_engine(model, forward=forward).serve(requests)
+    engine = new_engine(model, forward=forward, decode_steps=BLOCK)
     blocks = engine.serve(requests)
     assert [r.tokens for r in blocks] == [r.tokens for r in single]
     assert any(t.steps == BLOCK for t in engine.step_times)

@@ -105,9 +105,12 @@ def _topk_fn(module):
     return lambda q, k, w, p, n: module.indexer_topk(q, k, w, topk=2048, q_pos=p, kv_len=n)
 
 
-@pytest.mark.parametrize("topology", ["v5p:2x2x1", "v6e:2x2"])
-@pytest.mark.parametrize("B,S,T", [(4, 1, 131072), (1, 64, 8192)], ids=["decode", "prefill"])
+@pytest.mark.parametrize("topology,B,S,T", [("v5p:2x2x1", 4, 1, 131072), ("v6e:2x2", 1, 64, 8192)],
+                         ids=["decode-v5p", "prefill-v6e"])
 def test_tpu_indexer_compiles_ahead_of_time(topology, B, S, T):
+    """The TPU kernels compile ahead of time for a TPU slice: the decode shape on v5p, the
+    prefill shape on v6e (each TPU generation and each shape once: the Mosaic compile of one
+    pair takes seconds)."""
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     mesh = tpu_compile_mesh(topology)

@@ -11,8 +11,9 @@ import train
 from glm_jax import ops, settings
 from glm_jax.frontends import cli
 from glm_jax.kernel_configs import configured
-from glm_jax.training import run, run_config
+from glm_jax.training import run_config
 from glm_jax.training.run_config import KernelsConfig
+from glm_jax.training.step import StepConfig
 from pallas_kernels import XlaConfig
 
 
@@ -60,7 +61,7 @@ def test_flags_over_the_file_and_recorded_with_the_run(tmp_path):
     assert got.kernels.kernel_config == {"attention": {"q_chunk": 64}, "indexer": {"q_chunk": 16}}
     run_config.save(got, tmp_path)
     assert run_config.load(tmp_path / run_config.FILE_NAME).kernels == got.kernels
-    assert run.kernel_choice(got.kernels)["sparse_mla"] == ("xla", XlaConfig(q_chunk=64))
+    assert StepConfig.of(got).forward.kernels["sparse_mla"] == ("xla", XlaConfig(q_chunk=64))
 
 
 def test_a_changed_kernel_config_is_named_on_resume():

@@ -155,7 +155,7 @@ def test_the_group_is_called_like_a_flax_module():
     np.testing.assert_array_equal(again.x, out.x)
     x_out, kl, latent, indices = out                          # still unpacks as the 4-tuple it was
     assert latent.shape == (2, 8, cfg.kv_lora_rank + cfg.qk_rope_head_dim) and kl.shape == ()
-    layer = group.layers[0]                                    # finer grain: KernelChoice defaulted
+    layer = group.layers[0]                                    # finer grain: ForwardOptions defaulted
     h, q_resid, _, _, _ = layer.attention_inputs(x, positions)
     keys = layer.indexer.keys(h, positions)
     np.testing.assert_array_equal(layer.indexer.select(h, q_resid, positions, keys, jnp.full((2,), 8, jnp.int32)),

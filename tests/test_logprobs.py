@@ -21,7 +21,6 @@ from glm_jax.decoding.engine import Request, ServingEngine
 from glm_jax.decoding.slots import MAX_LOGPROBS
 from glm_jax.decoding.sampling import SamplingParams
 from glm_jax.model import GLMModel
-from glm_jax.ops import KernelChoice
 from glm_jax.serving.app import make_app
 from glm_jax.serving.engine_setup import build_engine
 from glm_jax.serving.text import token_texts
@@ -36,7 +35,7 @@ ATOL = 1e-4
 def served_micro():
     """-> (the micro model, the base URL of a server over an engine of SERVE's shapes on it)."""
     model = micro_model()
-    engine = build_engine(model, **SERVE, kernels=KernelChoice())
+    engine = build_engine(model, **SERVE)
     with running(make_app(engine, TOKENIZER, model_name="micro", max_context=SERVE["max_context"])) as url:
         yield model, url
 
@@ -83,7 +82,7 @@ def assert_scores(scored, token: int, row: np.ndarray, k: int) -> None:
 @pytest.fixture(scope="module")
 def engine_and_model():
     model = micro_model()
-    return build_engine(model, **SERVE, kernels=KernelChoice()), model
+    return build_engine(model, **SERVE), model
 
 
 def test_engine_logprobs_equal_a_plain_forward(engine_and_model):

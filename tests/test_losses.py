@@ -291,7 +291,7 @@ def test_grouped_selected_set_kl_equals_the_per_layer_sum():
         for q, latent in zip(qs, latents):
             _, _, target = pk.sparse_mla(q, latent, idx, sm_scale=scale, v_dim=4, return_target=True)
             acc = add_target(acc, target, 1.0 / layers)
-        return selected_set_kl(acc, idx_q=iq, idx_keys=ik, idx_w=iw, indices=idx, kernels=ops.KernelChoice())
+        return selected_set_kl(acc, idx_q=iq, idx_keys=ik, idx_w=iw, indices=idx)
 
     def per_layer(iq, ik, iw):
         scores = pk.indexer_scores(iq, ik, iw, q_pos=pos, kv_len=n, impl="reference")
@@ -390,9 +390,9 @@ def test_the_group_builds_the_backward_index_its_kernel_will_use():
     attn = nnx.merge(graphdef, params, rest).stacks[0].layers[0].self_attn
     indices = jax.random.randint(jax.random.key(6), (2, 16, cfg.index_topk), 0, 16)
     gpu = ops.KernelChoice(sparse_mla="pallas_gpu", interpret=True)
-    assert isinstance(attn.backward_index(indices, 16, jnp.float32, gpu), KeyBitmap)
+    assert isinstance(attn.backward_index(indices, 16, jnp.float32, ForwardOptions(kernels=gpu)), KeyBitmap)
     sorted_mode = gpu.replace(sparse_mla=("pallas_gpu", pk.SparseMLAGpuConfig(dkv_mode="sorted")))
-    assert isinstance(attn.backward_index(indices, 16, jnp.float32, sorted_mode), TransposedIndex)
+    assert isinstance(attn.backward_index(indices, 16, jnp.float32, ForwardOptions(kernels=sorted_mode)), TransposedIndex)
 
 
 def _forward_kernel_calls(jaxpr) -> int:
@@ -441,8 +441,8 @@ def test_the_step_config_holds_the_forward_options_whole():
     from glm_jax.training.run_config import KernelsConfig, TrainConfig
     from glm_jax.training.step import OptimizerConfig, StepConfig
 
-    settings = TrainConfig(out="r", kernels=KernelsConfig(remat=True, keep_attention=True))
-    config = StepConfig.of(settings, kernels=ops.KernelChoice(), form="absorbed", stage="dense")
+    settings = TrainConfig(out="r", kernels=KernelsConfig(remat=True, keep_attention=True, attention_form="absorbed"))
+    config = StepConfig.of(settings, stage="dense")
     assert config.forward == ForwardOptions(mode="dense", form="absorbed", remat=True, keep_attention=True,
                                             indexer_loss=config.weights.indexer > 0)
     step = config.with_forward(mode="sparse", max_segments=4)

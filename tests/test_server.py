@@ -33,7 +33,6 @@ from glm_jax.checkpoint import save_model_dir
 from glm_jax.data.tokenizer import load_tokenizer
 from glm_jax.decoding.engine import Event, Request
 from glm_jax.model import GLMModel
-from glm_jax.ops import KernelChoice
 from glm_jax.serving.app import make_app
 from glm_jax.serving.engine_setup import build_engine
 from glm_jax.serving.protocol import MAX_N, MAX_PROMPTS, APIError, max_body_bytes, max_prompt_bytes, parse_completion
@@ -412,7 +411,7 @@ def micro_model():
 def real():
     """-> (greedy completions of PROMPTS, each decoded alone by the engine before the server
     starts, the base URL of the server over that engine with a micro model)."""
-    engine = build_engine(micro_model(), **SERVE, kernels=KernelChoice())
+    engine = build_engine(micro_model(), **SERVE)
     alone = [TOKENIZER.decode(engine.serve([Request(np.asarray(TOKENIZER.encode(p).ids), 6)])[0].tokens)
              for p in PROMPTS]
     app = make_app(engine, TOKENIZER, model_name="micro", max_context=SERVE["max_context"])

@@ -19,7 +19,6 @@ import httpx
 import pytest
 
 from glm_jax.decoding.engine import ServingEngine
-from glm_jax.ops import KernelChoice
 from glm_jax.serving.app import make_app
 from test_server import MULTIBYTE, PROMPTS, TOKENIZER, FakeEngine, connection, micro_model, running, send_head
 
@@ -97,7 +96,7 @@ def assert_pool_full(engine: ServingEngine) -> None:
 
 @pytest.fixture(scope="module")
 def small_engine():
-    return ServingEngine(micro_model(), **SMALL_POOL, kernels=KernelChoice())
+    return ServingEngine(micro_model(), **SMALL_POOL)
 
 
 # ---------------------------------------------------------------------- the cases

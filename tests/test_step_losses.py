@@ -58,15 +58,14 @@ def test_first_losses_are_those_of_the_code_before(tmp_path):
 def test_the_step_config_is_one_hashable_value_built_from_the_settings():
     import dataclasses
 
-    from glm_jax import ops
     from glm_jax.training.run_config import LossConfig, TrainConfig
     from glm_jax.training.step import LossWeights, OptimizerConfig, StepConfig
 
     settings = TrainConfig(out="r")
-    a = StepConfig.of(settings, kernels=ops.KernelChoice(), form="absorbed", stage="dense")
-    b = StepConfig.of(TrainConfig(out="elsewhere"), kernels=ops.KernelChoice(), form="absorbed", stage="dense")
+    a = StepConfig.of(settings, stage="dense")
+    b = StepConfig.of(TrainConfig(out="elsewhere"), stage="dense")
     assert a == b and hash(a) == hash(b) and a.tx is b.tx          # one compiled step for both
     assert a.weights == LossWeights() == LossWeights.of(LossConfig())  # the defaults are LossConfig's
     assert a.optimizer == OptimizerConfig(3e-3, 600, 50)
     other = dataclasses.replace(settings, losses=dataclasses.replace(settings.losses, mtp_weight=0.5))
-    assert StepConfig.of(other, kernels=ops.KernelChoice(), form="absorbed", stage="dense").weights.mtp == 0.5
+    assert StepConfig.of(other, stage="dense").weights.mtp == 0.5

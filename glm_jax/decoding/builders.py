@@ -9,7 +9,6 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from glm_jax import ops
 from glm_jax.cache import page_bytes
 from glm_jax.cache.fp8 import store_dtype
 from glm_jax.decoding.decode_config import DecodeConfig
@@ -17,6 +16,7 @@ from glm_jax.decoding.engine import ServingEngine
 from glm_jax.decoding.generate import Generator
 from glm_jax.decoding.policy import Choice, choose
 from glm_jax.decoding.speculative import SpeculativeGenerator
+from glm_jax.forward_options import ForwardOptions
 
 
 def build_generator(model, settings: DecodeConfig, *, batch: int, mesh=None):
@@ -30,7 +30,7 @@ def build_generator(model, settings: DecodeConfig, *, batch: int, mesh=None):
                                               f"--speculative {settings.speculative}")
     else:
         choice = choose(jax.default_backend(), batch)
-    common = dict(mesh=mesh, collective=settings.collective, kernels=settings.kernels(), batch=batch,
+    common = dict(mesh=mesh, collective=settings.collective, forward=settings.forward(), batch=batch,
                   max_len=settings.max_len, prefill_chunk=settings.prefill_chunk,
                   kv_cache_dtype=settings.kv_cache_dtype)
     if choice.num_draft:
@@ -47,7 +47,7 @@ def build_decoder(model, settings: DecodeConfig, prompts: list[np.ndarray], *, m
     return engine_for_prompts(model, prompts, max_batch=settings.max_batch, max_new_tokens=settings.max_new_tokens,
                               max_len=settings.max_len, prefill_chunk=settings.prefill_chunk,
                               decode_steps=settings.decode_steps, mesh=mesh, collective=settings.collective,
-                              kernels=settings.kernels(), kv_cache_dtype=settings.kv_cache_dtype), None
+                              forward=settings.forward(), kv_cache_dtype=settings.kv_cache_dtype), None
 
 
 def engine_for_prompts(model, prompts: list[np.ndarray], *, max_batch: int, max_new_tokens: int,
@@ -60,7 +60,7 @@ def engine_for_prompts(model, prompts: list[np.ndarray], *, max_batch: int, max_
 
 def engine_with_room(model, *, slots: int, longest: int, max_context: int, prefill_chunk: int = 256,
                      page_size: int = 16, step_token_budget: int | None = None,
-                     kernels: ops.KernelChoice = ops.KernelChoice(), mesh=None,
+                     forward: ForwardOptions = ForwardOptions(), mesh=None,
                      collective: str = "permute", decode_steps: int = 1, kv_cache_dtype: str = "auto",
                      cache_bytes: int | None = None) -> ServingEngine:
     """A ServingEngine of `slots` slots whose pool holds every slot at `longest` tokens at once
@@ -77,7 +77,7 @@ def engine_with_room(model, *, slots: int, longest: int, max_context: int, prefi
         num_pages = pool_pages(model.cfg, cache_bytes, page_size, kv_cache_dtype, shards)
     return ServingEngine(model, slots=slots, num_pages=num_pages, page_size=page_size,
                          max_context=max_context, prefill_chunk=prefill_chunk,
-                         step_token_budget=step_token_budget, kernels=kernels, mesh=mesh, collective=collective,
+                         step_token_budget=step_token_budget, forward=forward, mesh=mesh, collective=collective,
                          decode_steps=decode_steps, kv_cache_dtype=kv_cache_dtype)
 
 

@@ -9,6 +9,7 @@ import dataclasses
 
 from glm_jax import ops
 from glm_jax.cache.fp8 import KV_CACHE_DTYPES, check_fp8_impls, store_dtype
+from glm_jax.forward_options import ForwardOptions
 from glm_jax.kernel_configs import configured
 from glm_jax.decoding.sampling import SamplingError, SamplingParams
 from glm_jax.settings import FrozenDict, Settings, SettingError, impl_choices, setting
@@ -83,7 +84,9 @@ class DecodeConfig(Settings):
         except SamplingError as e:
             raise SettingError(f"--{e.field.replace('_', '-')} must be {e.rule}, got {e.value!r}") from None
 
-    def kernels(self) -> ops.KernelChoice:
-        """The kernels, their configs set (`kernel_configs.configured`: resolves "auto" on this backend)."""
-        return configured(ops.KernelChoice(indexer_topk=self.indexer_impl, sparse_mla=self.attention_impl,
-                                           batch_invariant=self.batch_invariant), self.kernel_config)
+    def forward(self) -> ForwardOptions:
+        """The decoding programs' `ForwardOptions`: the kernels, their configs set
+        (`kernel_configs.configured`: resolves "auto" on this backend)."""
+        return ForwardOptions(kernels=configured(ops.KernelChoice(
+            indexer_topk=self.indexer_impl, sparse_mla=self.attention_impl, batch_invariant=self.batch_invariant),
+            self.kernel_config))

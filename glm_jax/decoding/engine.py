@@ -96,7 +96,6 @@ from typing import Iterator
 import jax
 import numpy as np
 
-from glm_jax import ops
 from glm_jax.cache import CacheFullError, PagePool, shard_cache
 from glm_jax.decoding.engine_programs import OutputShardings, drawn_scores, drawn_tokens, engine_programs
 from glm_jax.decoding.engine_requests import (Event, Launched, Request, Result, Run, ScoredChunk, StepTime,
@@ -106,6 +105,7 @@ from glm_jax.decoding.prefill import PrefillRows
 from glm_jax.decoding.runtime import ContextTooLongError, DecodeRuntime, DecodeStats, committed, cut
 from glm_jax.decoding.sampling import GREEDY, SamplingParams
 from glm_jax.decoding.slots import Scores, empty_slots
+from glm_jax.forward_options import ForwardOptions
 from glm_jax.multihost import to_host
 from glm_jax.sharding import logical_sharding
 
@@ -119,7 +119,7 @@ class ServingEngine(DecodeRuntime):
     shard is scratch); max_context: the longest prompt + max_new_tokens of one request;
     prefill_chunk: prompt tokens per prefill row and call; step_token_budget: the most tokens
     (prefill + decode) of a step in which some slot decodes (None: no limit; `budget_chunk`);
-    kernels / mesh / collective as for the Generator (slots split over the mesh's `data` axis,
+    forward / mesh / collective as for the Generator (slots split over the mesh's `data` axis,
     pages too); cuda_graphs: on a GPU, compile the programs to replay as CUDA graphs, loops and
     conditionals included (`programs.compiler_options`: the host launches a step as a
     few graphs instead of kernel by kernel); decode_steps: the most decode steps one call runs
@@ -128,13 +128,13 @@ class ServingEngine(DecodeRuntime):
 
     def __init__(self, model, *, slots: int, num_pages: int, page_size: int, max_context: int,
                  prefill_chunk: int = 64, step_token_budget: int | None = None,
-                 kernels: ops.KernelChoice = ops.KernelChoice(), mesh=None, collective: str = "permute",
+                 forward: ForwardOptions = ForwardOptions(), mesh=None, collective: str = "permute",
                  cuda_graphs: bool = True, decode_steps: int = 1, kv_cache_dtype: str = "auto"):
         if isinstance(decode_steps, bool) or not isinstance(decode_steps, (int, np.integer)) \
                 or not 1 <= decode_steps <= page_size:
             raise ValueError(f"decode_steps must be an integer from 1 to the page size {page_size} (a block of "
                              f"steps crosses at most one page boundary), got {decode_steps!r}")
-        super().__init__(model, batch=slots, max_len=max_context, prefill_chunk=prefill_chunk, kernels=kernels,
+        super().__init__(model, batch=slots, max_len=max_context, prefill_chunk=prefill_chunk, forward=forward,
                          mesh=mesh, collective=collective, cuda_graphs=cuda_graphs, kv_cache_dtype=kv_cache_dtype)
         shards = 1 if mesh is None else mesh.shape.get("data", 1)
         self.pool = PagePool(self.cfg, num_pages=num_pages, page_size=page_size, data_shards=shards,

@@ -17,7 +17,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from glm_jax import ops
 from glm_jax.cache import KVCache
 from glm_jax.decoding.programs import ParamLayout, program
 from glm_jax.decoding.runtime import DecodeRuntime, DecodeStats, cut, round_up, stops
@@ -52,9 +51,9 @@ class Generator(DecodeRuntime):
     """Holds one model; generates for a batch of prompts (of any lengths) from a fresh cache."""
 
     def __init__(self, model, *, batch: int = 1, max_len: int | None = None, prefill_chunk: int = 256,
-                 block_size: int = 16, kernels: ops.KernelChoice = ops.KernelChoice(), kv_cache_dtype: str = "auto",
+                 block_size: int = 16, forward: ForwardOptions = ForwardOptions(), kv_cache_dtype: str = "auto",
                  mesh: Mesh | None = None, collective: str = "permute", cuda_graphs: bool = False):
-        super().__init__(model, batch=batch, max_len=max_len, prefill_chunk=prefill_chunk, kernels=kernels,
+        super().__init__(model, batch=batch, max_len=max_len, prefill_chunk=prefill_chunk, forward=forward,
                          mesh=mesh, collective=collective, cuda_graphs=cuda_graphs, kv_cache_dtype=kv_cache_dtype)
         self.block_size = block_size
         self.stats = DecodeStats()      # compile_s: the first decode block, which compiles the decode program

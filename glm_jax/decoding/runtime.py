@@ -23,13 +23,12 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from glm_jax import ops
 from glm_jax.cache import KVCache, LayerSplit, create_cache, shard_cache
 from glm_jax.cache.fp8 import layout_of, resolve_cache_dtype
 from glm_jax.decoding.prefill import prefill_chunk
 from glm_jax.decoding.programs import Options, ParamLayout, Program, compiler_options, flat_params
 from glm_jax.decoding.sampling import SamplingParams
-from glm_jax.forward_options import ForwardOptions
+from glm_jax.forward_options import ForwardOptions, check_cached
 from glm_jax.multihost import global_array, place, replicated
 from glm_jax.sharding import ShardingError, logical_sharding, shard_params
 
@@ -104,9 +103,12 @@ class DecodeRuntime:
     kernels), refused in one line where the model or a named kernel cannot take it."""
 
     def __init__(self, model, *, batch: int, max_len: int | None, prefill_chunk: int,
-                 kernels: ops.KernelChoice, mesh: Mesh | None = None, collective: str = "permute",
+                 forward: ForwardOptions = ForwardOptions(), mesh: Mesh | None = None, collective: str = "permute",
                  cuda_graphs: bool = False, mtp: bool = False, kv_cache_dtype: str = "auto"):
         self.cfg = model.cfg
+        # The model's call-time options in every program (the cached calls read only its kernels).
+        self.forward = check_cached(type(self).__name__, forward)
+        kernels = forward.kernels
         self.cache_dtype = resolve_cache_dtype(self.cfg, kv_cache_dtype, attention=kernels["sparse_mla"].impl,
                                                indexer=kernels["indexer_topk"].impl)
         # XLA options of the programs: on a GPU with cuda_graphs, CUDA graphs (`programs`)
@@ -131,8 +133,6 @@ class DecodeRuntime:
                 f"max_len {self.max_len} exceeds the model's context of "
                 f"{self.cfg.max_position_embeddings} tokens (max_position_embeddings)")
         self.prefill_chunk = prefill_chunk
-        # The model's call-time options in every program (the cached calls read only its kernels).
-        self.forward = ForwardOptions(kernels=kernels)
 
     @staticmethod
     def cache_rows(need: int) -> int:

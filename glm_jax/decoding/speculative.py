@@ -28,7 +28,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from glm_jax import ops
 from glm_jax.cache import KVCache, create_mtp_cache
 from glm_jax.decoding.programs import ParamLayout, program
 from glm_jax.decoding.runtime import DecodeRuntime, DecodeStats, cut, round_up
@@ -131,7 +130,7 @@ class SpeculativeGenerator(DecodeRuntime):
 
     def __init__(self, model, *, batch: int = 1, max_len: int | None = None, num_draft: int = 3,
                  kv_share: bool = True, verification: str = "rejection", prefill_chunk: int = 256,
-                 kernels: ops.KernelChoice = ops.KernelChoice(), mesh=None, collective: str = "permute",
+                 forward: ForwardOptions = ForwardOptions(), mesh=None, collective: str = "permute",
                  cuda_graphs: bool = False, kv_cache_dtype: str = "auto"):
         if model.mtp is None:
             raise ValueError("speculative decoding needs the model's MTP layer (num_nextn_predict_layers: 1)")
@@ -139,7 +138,7 @@ class SpeculativeGenerator(DecodeRuntime):
             raise ValueError(f"num_draft must be >= 1, got {num_draft}")
         if verification not in VERIFICATION_RULES:
             raise ValueError(f"verification must be one of {VERIFICATION_RULES}, got {verification!r}")
-        super().__init__(model, batch=batch, max_len=max_len, prefill_chunk=prefill_chunk, kernels=kernels,
+        super().__init__(model, batch=batch, max_len=max_len, prefill_chunk=prefill_chunk, forward=forward,
                          mesh=mesh, collective=collective, cuda_graphs=cuda_graphs, mtp=True,
                          kv_cache_dtype=kv_cache_dtype)
         self.num_draft, self.kv_share, self.verification = num_draft, kv_share, verification

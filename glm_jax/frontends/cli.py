@@ -14,7 +14,7 @@ decode.py's parsers are generated from their settings classes (`settings_cli`).
         cli.choose_platforms()                # before the first jax computation
         with cli.user_errors():               # ValueError, FileNotFoundError -> UserError
             model = load_model(cli.model_source(args), config=...)
-        ... Generator(model, kernels=cli.kernel_choice(args)) ...
+        ... Generator(model, forward=ForwardOptions(kernels=cli.kernel_choice(args))) ...
 
 Free of jax at import (the functions import what they need); the kernel flags read their choices
 from the pallas_kernels registry, so building a parser imports jax (about a second).

@@ -256,7 +256,7 @@ def _compile_only(args) -> int:
         try:
             compiled = compile_decode_step(cfg, topology=args.topology, mesh_spec=mesh, batch=args.batch,
                                            max_len=max_len, collective=args.settings.collective,
-                                           kernels=decode_config(args).kernels())
+                                           forward=decode_config(args).forward())
         except cli.USER_ERRORS:
             raise
         except Exception as e:          # the TPU compiler refusing the program, e.g. out of HBM

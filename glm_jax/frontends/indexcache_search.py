@@ -14,6 +14,7 @@ import math
 import sys
 from pathlib import Path
 
+from glm_jax.forward_options import ForwardOptions
 from glm_jax.frontends import cli
 from glm_jax.indexcache_search import calibration_batches, calibration_loss, greedy_search
 
@@ -59,7 +60,7 @@ def main(argv=None) -> int:
         max(len(cfg.full_layers) - math.ceil(cfg.num_hidden_layers / 4), 0)
     print(f"model {cfg.name}: {cfg.num_hidden_layers} layers, pattern {cfg.pattern}; calibration "
           f"{len(batches)} batch(es) of {args.batch_size} x {args.seq_len} tokens; {flips} flip(s)", flush=True)
-    evaluate = functools.partial(calibration_loss, kernels=cli.kernel_choice(args))
+    evaluate = functools.partial(calibration_loss, options=ForwardOptions(kernels=cli.kernel_choice(args)))
     with cli.user_errors():     # a --state file of another search
         state = greedy_search(model, batches, flips=flips, state_path=Path(args.state),
                               log=lambda m: print(m, flush=True), evaluate=evaluate)

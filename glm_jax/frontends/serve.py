@@ -46,7 +46,7 @@ def serve(args, settings: DecodeConfig, serving: ServeConfig) -> int:
         max_context = settings.max_len or model.cfg.max_position_embeddings
         engine = build_engine(model, slots=serving.slots, page_size=serving.page_size, max_context=max_context,
                               prefill_chunk=settings.prefill_chunk, step_token_budget=serving.step_token_budget,
-                              decode_steps=settings.decode_steps, kernels=settings.kernels(),
+                              decode_steps=settings.decode_steps, forward=settings.forward(),
                               kv_cache_dtype=settings.kv_cache_dtype, cache_bytes=serving.kv_cache_memory_bytes,
                               mesh=make_mesh(settings.mesh) if settings.mesh else None, collective=settings.collective)
     app = make_app(engine, tokenizer, model_name=model.cfg.name, max_context=max_context,

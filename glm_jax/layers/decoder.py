@@ -241,12 +241,12 @@ class IndexShareGroup(nnx.Module):
         if targets is not None:          # the absorbed form's KL: the indexer side once per group
             idx_q, idx_keys, idx_w = found.index_inputs
             kl = kl + selected_set_kl(targets, idx_q=idx_q, idx_keys=idx_keys, idx_w=idx_w,
-                                      indices=found.indices, kernels=options.kernels)
+                                      indices=found.indices, options=options)
         if dense_targets:
             idx_q, idx_keys, idx_w = found.index_inputs
             kl = kl + dense_group_kl(dense_targets, idx_q=idx_q, idx_keys=idx_keys, idx_w=idx_w,
                                      sm_scale=self.layers[0].self_attn.sm_scale, kv_len=kv_len, kv_start=kv_start,
-                                     kernels=options.kernels)
+                                     options=options)
         return GroupOutput(split_tokens(x), kl, first_latent, found.indices)
 
     #: The same as calling the group (the name earlier code uses).
@@ -277,7 +277,7 @@ class IndexShareGroup(nnx.Module):
                 view.fetch(indices, len(self.layers), pinned=kernels.batch_invariant)
             o_lat = view.attend(j, inputs.q_abs, indices, inputs.latent, sm_scale=layer.self_attn.sm_scale,
                                 v_dim=self.cfg.kv_lora_rank)
-            x = _cached_outputs(layer, x, o_lat, kernels)
+            x = _cached_outputs(layer, x, o_lat, view)
         return x, indices
 
     def forward_reusing_indices(self, x, positions, view, indices):
@@ -290,7 +290,7 @@ class IndexShareGroup(nnx.Module):
                                    rows=kernels.token_rows)
             o_lat = view.attend_cached(j, inputs.q_abs, indices, sm_scale=layer.self_attn.sm_scale,
                                        v_dim=self.cfg.kv_lora_rank)
-            x = _cached_outputs(layer, x, o_lat, kernels)
+            x = _cached_outputs(layer, x, o_lat, view)
         return x
 
 
@@ -334,10 +334,12 @@ def _cached_inputs(layer: DecoderLayer, x, positions, *, indexer: bool) -> _Cach
     return _CachedInputs(q_abs, latent, idx.keys(h, positions), idx.queries(q_resid, positions), idx.head_weights(h))
 
 
-def _cached_outputs(layer: DecoderLayer, x, o_lat, kernels: ops.KernelChoice):
+def _cached_outputs(layer: DecoderLayer, x, o_lat, view):
     """The token-wise work after attention: x [B, S, hidden], o_lat [B, S, nh, kv_lora] the
     attention output in the latent space -> x [B, S, hidden] after W_UV, o_proj, the residual
-    and the MLP; in fixed row chunks with the MoE's "dense" dispatch when batch-invariant."""
+    and the MLP; in fixed row chunks with the MoE's "dense" dispatch where the kernels of `view`
+    (the group's `glm_jax.cache.GroupCacheView`) are batch-invariant."""
+    kernels = view.kernels
     dispatch = "dense" if kernels.batch_invariant else None
 
     def finish(x, o_lat):
@@ -391,10 +393,10 @@ def _run_indexer(layer: DecoderLayer, h, q_resid, rows: _Rows, options: ForwardO
     keys = gather_keys(layer.indexer.keys(hd, positions))
     indices = index_logits = index_inputs = None
     if options.mode == "sparse":
-        indices = checkpoint_name(layer.indexer.select(hd, qd, positions, keys, kv_len, options.kernels, kv_start),
+        indices = checkpoint_name(layer.indexer.select(hd, qd, positions, keys, kv_len, options, kv_start),
                                   _TOPK_NAME)
     if options.indexer_loss and options.form == "expanded":
-        index_logits = layer.indexer.scores(hd, qd, positions, keys, kv_len, options.kernels, kv_start)
+        index_logits = layer.indexer.scores(hd, qd, positions, keys, kv_len, options, kv_start)
     elif options.indexer_loss:
         index_inputs = (layer.indexer.queries(qd, positions), keys, layer.indexer.head_weights(hd))
     return _IndexerOutputs(indices, index_logits, index_inputs)
@@ -421,7 +423,7 @@ def _attend_dense_causal(layer: DecoderLayer, q_nope, q_rope, latent, found: _In
     packed = rows.kv_start is not None
     segments = segment_table(rows.positions, options.max_segments) if packed and options.max_segments else None
     out = layer.self_attn.attend_causal(q_nope, q_rope, latent, rows.kv_len, mask=rows.causal() if packed else None,
-                                        segments=segments, kernels=options.kernels)
+                                        segments=segments, options=options)
     target = None
     if found.index_inputs is not None:
         q_abs = layer.self_attn.absorbed_queries(q_nope, q_rope)
@@ -435,10 +437,10 @@ def _attend_absorbed_sparse(layer: DecoderLayer, q_nope, q_rope, latent, found: 
     the backward's index once for the group. With the indexer loss the layer's selected-set
     target. -> (out, 0, target or None, found)."""
     if j == 0:
-        tindex = layer.self_attn.backward_index(found.indices, rows.length, q_nope.dtype, options.kernels)
+        tindex = layer.self_attn.backward_index(found.indices, rows.length, q_nope.dtype, options)
         found = found._replace(tindex=jax.tree.map(lambda a: checkpoint_name(a, _TOPK_NAME), tindex))
     attend = functools.partial(layer.self_attn.attend_absorbed, q_nope, q_rope, latent, found.indices,
-                               options.kernels, tindex=found.tindex)
+                               options, tindex=found.tindex)
     if found.index_inputs is None:
         return attend(), jnp.zeros((), jnp.float32), None, found
     out, target = attend(return_target=True)

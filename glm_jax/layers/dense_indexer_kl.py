@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from glm_jax import ops
+from glm_jax.forward_options import ForwardOptions
 
 
 class DenseTarget(NamedTuple):
@@ -38,7 +39,7 @@ class DenseTarget(NamedTuple):
 def dense_group_kl(targets: Sequence[DenseTarget], *, idx_q: jax.Array, idx_keys: jax.Array, idx_w: jax.Array,
                    sm_scale: float, kv_len: jax.Array, kv_start: jax.Array | None = None,
                    shares: Sequence[float] | None = None,
-                   kernels: ops.KernelChoice = ops.KernelChoice()) -> jax.Array:
+                   options: ForwardOptions = ForwardOptions()) -> jax.Array:
     """sum_j share_j KL(t_j || softmax(indexer scores)) over the causal visible keys, summed over
     queries, averaged over the batch (a float32 scalar; `selected_kl.indexer_kl` of the expanded form).
 
@@ -47,10 +48,10 @@ def dense_group_kl(targets: Sequence[DenseTarget], *, idx_q: jax.Array, idx_keys
     and head weights (gradients flow into these only); kv_len int32 [B]; kv_start int32 [B, S]
     or None: the row where each query's document starts (packed rows). Key t is visible to query
     s iff kv_start[s] <= t <= s and t < kv_len. shares: one weight per layer (default
-    1 / len(targets)). kernels: its `dense_indexer_kl` entry picks the implementation and its
+    1 / len(targets)). options: its kernels' `dense_indexer_kl` entry picks the implementation and its
     config (`pallas_kernels.DenseIndexerKLXlaConfig`: tiles of 512 at 4K, larger at long lengths)."""
     if not targets:
         raise ValueError("dense_group_kl needs at least one layer's target")
     rows = ops.dense_indexer_kl([t.q for t in targets], [t.latent for t in targets], idx_q, idx_keys, idx_w,
-                                sm_scale=sm_scale, kv_len=kv_len, kv_start=kv_start, shares=shares, kernels=kernels)
+                                sm_scale=sm_scale, kv_len=kv_len, kv_start=kv_start, shares=shares, kernels=options.kernels)
     return jnp.sum(rows) / idx_q.shape[0]

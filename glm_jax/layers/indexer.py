@@ -14,6 +14,7 @@ from flax import nnx
 
 from glm_jax import ops
 from glm_jax.config import GLMConfig
+from glm_jax.forward_options import ForwardOptions
 from glm_jax.layers.checks import check_config
 from glm_jax.layers.linear import Linear
 from glm_jax.layers.norms import LayerNorm
@@ -57,7 +58,7 @@ class Indexer(nnx.Module):
         w = self.weights_proj(x.astype(jnp.float32)).astype(jnp.float32)
         return w * (c.index_n_heads ** -0.5) * (c.index_head_dim ** -0.5)
 
-    def select(self, x, q_resid, positions, keys, kv_len, kernels: ops.KernelChoice | None = None, kv_start=None):
+    def select(self, x, q_resid, positions, keys, kv_len, options: ForwardOptions = ForwardOptions(), kv_start=None):
         """Top-k positions for each query of a full sequence (with a cache, the cache's view
         selects over its keys from `queries` and `head_weights`: `GroupCacheView.select`).
 
@@ -65,19 +66,17 @@ class Indexer(nnx.Module):
         the document when kv_start is given), keys [B, T, D] of the sequence,
         kv_len int32 [B], kv_start int32 [B, S] or None: the row where each query's document
         starts (packed rows, `segments`); keys before it are never chosen
-        kernels: default `ops.KernelChoice()`
+        options: the call's `ForwardOptions` (its kernels pick the implementation)
         -> int32 [B, S, index_topk] row indices, -1 in unused slots."""
-        kernels = kernels or ops.KernelChoice()
         q = self.queries(q_resid, positions)
         return ops.indexer_topk(q, keys.astype(q.dtype), self.head_weights(x), topk=self.cfg.index_topk,
                                 q_pos=query_rows(positions, kv_start), kv_len=kv_len, kv_start=kv_start,
-                                kernels=kernels)
+                                kernels=options.kernels)
 
-    def scores(self, x, q_resid, positions, keys, kv_len, kernels: ops.KernelChoice | None = None, kv_start=None):
+    def scores(self, x, q_resid, positions, keys, kv_len, options: ForwardOptions = ForwardOptions(), kv_start=None):
         """Indexer logits float32 [B, S, T], -inf where masked (for the indexer losses);
         arguments as in `select`."""
-        kernels = kernels or ops.KernelChoice()
         q = self.queries(q_resid, positions)
         return ops.indexer_scores(q, keys.astype(q.dtype), self.head_weights(x),
                                   q_pos=query_rows(positions, kv_start),
-                                  kv_len=kv_len, kv_start=kv_start, kernels=kernels)
+                                  kv_len=kv_len, kv_start=kv_start, kernels=options.kernels)

@@ -23,6 +23,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from glm_jax import ops
 from glm_jax.config import GLMConfig
+from glm_jax.forward_options import ForwardOptions
 from glm_jax.layers.checks import check_config
 from glm_jax.layers.linear import Linear
 from glm_jax.layers.matmul import einsum
@@ -79,29 +80,28 @@ class MLAProjection(nnx.Module):
         return w[..., : c.qk_nope_head_dim], w[..., c.qk_nope_head_dim:]
 
     # ------------------------------------------------------------------ absorbed form
-    def attend_absorbed(self, q_nope, q_rope, latent, indices, kernels: ops.KernelChoice | None = None, *,
+    def attend_absorbed(self, q_nope, q_rope, latent, indices, options: ForwardOptions = ForwardOptions(), *,
                         return_target: bool = False, tindex=None):
         """q_* [B, S, nh, *], latent [B, T, kv_lora + rope], indices int32 [B, S, K]
         -> attention output [B, S, hidden]; with return_target also the indexer KL's target
         float32 [B, S, K] (the head-mean probabilities at each slot, no gradient; `ops.sparse_mla`).
         tindex: the backward's index of these indices (`backward_index`), shared by a group.
-        kernels: which kernel implementations run (default `ops.KernelChoice()`)."""
-        kernels = kernels or ops.KernelChoice()
+        options: the call's `ForwardOptions`; its kernels pick the implementation."""
         q_abs = self.absorbed_queries(q_nope, q_rope)
         o_lat, _, *target = ops.sparse_mla(q_abs, latent.astype(q_abs.dtype), indices, sm_scale=self.sm_scale,
                                            v_dim=self.cfg.kv_lora_rank, return_target=return_target,
-                                           tindex=tindex, kernels=kernels)
+                                           tindex=tindex, kernels=options.kernels)
         # Named as the kernel's residuals are, for a remat policy that keeps them (`ops.SPARSE_MLA_SAVED`).
         o_lat, *target = (checkpoint_name(a, ops.SPARSE_MLA_SAVED) for a in (o_lat, *target))
         out = self.absorbed_output(o_lat, q_nope.dtype)
         return (out, target[0]) if return_target else out
 
-    def backward_index(self, indices, num_keys: int, dtype, kernels: ops.KernelChoice | None = None):
+    def backward_index(self, indices, num_keys: int, dtype, options: ForwardOptions = ForwardOptions()):
         """indices int32 [B, S, K] over num_keys latent rows -> the sparse attention backward's
-        index (`ops.sparse_mla_backward_index`) for latent rows in dtype, or None."""
-        c, kernels = self.cfg, kernels or ops.KernelChoice()
+        index (`ops.sparse_mla_backward_index`, of options.kernels) for latent rows in dtype, or None."""
+        c = self.cfg
         return ops.sparse_mla_backward_index(indices, num_keys, dk=c.kv_lora_rank + c.qk_rope_head_dim,
-                                             dtype=dtype, kernels=kernels, heads=c.num_attention_heads,
+                                             dtype=dtype, kernels=options.kernels, heads=c.num_attention_heads,
                                              v_dim=c.kv_lora_rank)
 
     def absorbed_queries(self, q_nope, q_rope):
@@ -120,7 +120,7 @@ class MLAProjection(nnx.Module):
 
     # ------------------------------------------------------------------ dense, long sequences
     def attend_causal(self, q_nope, q_rope, latent, kv_len, mask=None, segments: SegmentTable | None = None,
-                      kernels: ops.KernelChoice | None = None):
+                      options: ForwardOptions = ForwardOptions()):
         """Dense causal attention of a full sequence from position 0 without [S, T] matrices
         in memory where the backend allows (`ops.causal_attention`: cuDNN's flash kernel on a
         GPU).
@@ -128,8 +128,8 @@ class MLAProjection(nnx.Module):
         q_* [B, S, nh, *], latent [B, S, kv_lora + rope], kv_len int32 [B] -> [B, S, hidden].
         Packed documents: mask bool [B, S, T] further restricts the keys (an [S, T] matrix);
         `segments` (the same documents as a SegmentTable), where given, lets cuDNN run its
-        packed kernel instead, with no mask built. kernels: its `causal_attention` entry picks the
-        implementation (default "auto")."""
+        packed kernel instead, with no mask built. options: its kernels' `causal_attention` entry
+        picks the implementation."""
         c = self.cfg
         c_kv, k_rope = latent[..., : c.kv_lora_rank], latent[..., c.kv_lora_rank:]
         kv = self.kv_b_proj(c_kv).reshape(c_kv.shape[:2] + (c.num_attention_heads, -1))
@@ -140,7 +140,7 @@ class MLAProjection(nnx.Module):
         width = max(q.shape[-1], v.shape[-1])                   # one head width for q, k and v
         pad = lambda x: jnp.pad(x, [(0, 0)] * 3 + [(0, width - x.shape[-1])])
         o = ops.causal_attention(pad(q), pad(k), pad(v), scale=self.sm_scale, kv_len=kv_len, mask=mask,
-                                 segments=segments, kernels=kernels or ops.KernelChoice())
+                                 segments=segments, kernels=options.kernels)
         o = o[..., : c.v_head_dim]
         return self.o_proj(o.astype(q_nope.dtype).reshape(o.shape[:2] + (-1,)))
 

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from glm_jax import ops
+from glm_jax.forward_options import ForwardOptions
 
 
 class TargetSum(NamedTuple):
@@ -45,14 +46,15 @@ def add_target(acc: TargetSum | None, target: jax.Array, share: float) -> Target
 
 
 def selected_set_kl(acc: TargetSum, *, idx_q: jax.Array, idx_keys: jax.Array, idx_w: jax.Array,
-                    indices: jax.Array, kernels: ops.KernelChoice) -> jax.Array:
+                    indices: jax.Array, options: ForwardOptions = ForwardOptions()) -> jax.Array:
     """sum_j share_j KL(t_j || q) summed over queries, averaged over the batch (a scalar).
 
     acc: the group's layers' `TargetSum`; idx_q [B, S, Hi, Di], idx_keys [B, T, Di], idx_w
     float32 [B, S, Hi]: the indexer's queries, keys and head weights (gradients flow into these
-    only); indices int32 [B, S, K] (-1 = none); kernels: its `indexer_cross_entropy` entry picks the implementation.
+    only); indices int32 [B, S, K] (-1 = none); options: its kernels' `indexer_cross_entropy`
+    entry picks the implementation.
     Under context parallelism each device computes its own queries' part (`ops`)."""
-    cross = ops.indexer_cross_entropy(idx_q, idx_keys, idx_w, indices, acc.tbar, kernels=kernels)
+    cross = ops.indexer_cross_entropy(idx_q, idx_keys, idx_w, indices, acc.tbar, kernels=options.kernels)
     return (acc.neg_entropy + jnp.sum(cross)) / indices.shape[0]
 
 

@@ -71,17 +71,23 @@ def routed_to(path: str | Path):
 
 class _LazyFile:
     """A text file created on the first write (a run without background output leaves none).
-    A write the disk refuses (it is full: often why the threads are reporting) is dropped."""
+    A write the disk refuses (it is full: often why the threads are reporting) is dropped. A
+    thread that still writes after `close` (one that kept a reference to the routed stream, at
+    interpreter exit) appends to the file, opened for that write alone."""
 
     def __init__(self, path: Path):
-        self.path, self.file = path, None
+        self.path, self.file, self.closed = path, None, False
         self.lock = threading.Lock()
 
     def write(self, text: str) -> int:
-        with self.lock, contextlib.suppress(OSError):
-            if self.file is None:
-                self.file = self.path.open("a")
-            self.file.write(text)
+        with self.lock, contextlib.suppress(OSError, ValueError):
+            if self.closed:
+                with self.path.open("a") as late:
+                    late.write(text)
+            else:
+                if self.file is None:
+                    self.file = self.path.open("a")
+                self.file.write(text)
         return len(text)
 
     def flush(self) -> None:
@@ -91,5 +97,7 @@ class _LazyFile:
 
     def close(self) -> None:
         with self.lock, contextlib.suppress(OSError):
+            self.closed = True
             if self.file is not None:
                 self.file.close()
+                self.file = None

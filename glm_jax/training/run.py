@@ -25,19 +25,18 @@ from glm_jax.extras import require
 
 require("tqdm")       # before the other extras': a core install hears of the train extra
 
-from glm_jax import multihost, ops, sharding  # noqa: E402 (after the check)
+from glm_jax import multihost, sharding  # noqa: E402 (after the check)
 from glm_jax.checkpoint import ModelSource, check_same_config, load_model
 from glm_jax.config import ConfigError, GLMConfig, extend_context, load_config, save_config
 from glm_jax.data import batches as data_batches
 from glm_jax.data import corpus, pipeline, sources, tokenizer as tok_lib
-from glm_jax.kernel_configs import configured
 from glm_jax.model import GLMModel, abstract_model, count_params, init_model
 from glm_jax.training import checkpointing, run_config
 from glm_jax.training.loop import SegmentBounds, StopSignals, train  # noqa: F401 - run.train(run.setup(...))
 from glm_jax.training.run_parts import BatchPlacement, Run
-from glm_jax.training.run_config import DataConfig, KernelsConfig, ModelSourceConfig, TrainConfig
+from glm_jax.training.run_config import DataConfig, ModelSourceConfig, TrainConfig
 from glm_jax.training.saving import SaveFailedError  # noqa: F401 - what train.py reports as exit code 1
-from glm_jax.training.step import StepConfig, TrainState, attention_form, train_step, train_step_keeping
+from glm_jax.training.step import StepConfig, TrainState, train_step, train_step_keeping
 
 DEFAULT_CONFIG = "configs/tiny.yaml"
 TOKENIZER_DOCS = 20_000  # documents the tokenizer is trained on (and the most held-out ones encoded)
@@ -63,9 +62,8 @@ def setup(settings: TrainConfig) -> Run:
     if settings.resume and out.is_dir():
         for line in run_config.resume_changes(old, settings):
             print(line)
-    form = attention_form(settings.kernels.attention_form, data.seq_len)
     prefetch = prefetch_depth(data.prefetch_batches)
-    kernels = kernel_choice(settings.kernels)        # a config the kernels do not take is refused here
+    step_config = StepConfig.of(settings)        # a config the kernels do not take is refused here
     mesh = _mesh(settings.mesh)
     feed = _batch_placement(mesh, (data.batch_size, data.seq_len))
     shards_read = pipeline.shards_of_rows(feed.rows, data.batch_size, data_shards)
@@ -83,7 +81,6 @@ def setup(settings: TrainConfig) -> Run:
     if model is None:
         model = init_model(cfg, settings.seed)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    step_config = StepConfig.of(settings, kernels=kernels, form=form)
     params, rest, opt_state = _place_state(mesh, params, rest, step_config.tx)
     if mesh is not None:
         print(f"mesh: {sharding.format_mesh(mesh)} over {mesh.size} devices of {jax.process_count()} process(es); "
@@ -144,12 +141,6 @@ def with_config(model: GLMModel, cfg: GLMConfig) -> GLMModel:
         return model
     graphdef, _ = nnx.split(abstract_model(cfg))
     return nnx.merge(graphdef, nnx.state(model))
-
-
-def kernel_choice(kernels: KernelsConfig) -> ops.KernelChoice:
-    """The kernels of the run's settings, their configs set (`kernel_configs.configured`)."""
-    return configured(ops.KernelChoice(indexer_topk=kernels.indexer_impl, sparse_mla=kernels.attention_impl),
-                      kernels.kernel_config)
 
 
 def prepare_data(data: DataConfig, cfg, out: Path, documents=None, heldout_documents=None, *, seed: int = 0):

@@ -26,6 +26,7 @@ from flax import nnx
 from glm_jax import ops
 from glm_jax.data.batch import Batch
 from glm_jax.forward_options import ForwardOptions, check_options
+from glm_jax.kernel_configs import configured
 from glm_jax.layers.segments import same_segment_ahead
 from glm_jax.training.head_losses import linear_cross_entropy, linear_cross_entropy_with_tv, linear_nll_and_tv
 from glm_jax.training.losses import end_to_end_tv, head_cross_entropy, masked_mean, shift_left
@@ -270,12 +271,16 @@ class StepConfig:
         object.__setattr__(self, "forward", forward.replace(indexer_loss=self.weights.indexer > 0))
 
     @classmethod
-    def of(cls, settings: TrainConfig, *, kernels: ops.KernelChoice, form: str, stage: str = "sparse",
-           max_segments: int | None = None) -> "StepConfig":
-        """The step of a run's settings; `kernels` and `form` resolved for the backend (the
-        settings may say "auto")."""
-        forward = ForwardOptions(mode=stage, form=form, kernels=kernels, remat=settings.kernels.remat,
-                                 keep_attention=settings.kernels.keep_attention, max_segments=max_segments)
+    def of(cls, settings: TrainConfig, *, stage: str = "sparse", max_segments: int | None = None) -> "StepConfig":
+        """The step of a run's settings, its kernels and attention form resolved for this backend
+        (the settings may say "auto": `kernel_configs.configured`, which refuses a config the
+        kernels do not take, and `attention_form` at the run's sequence length)."""
+        choice = settings.kernels
+        kernels = configured(ops.KernelChoice(indexer_topk=choice.indexer_impl, sparse_mla=choice.attention_impl),
+                             choice.kernel_config)
+        forward = ForwardOptions(mode=stage, form=attention_form(choice.attention_form, settings.data.seq_len),
+                                 kernels=kernels, remat=choice.remat, keep_attention=choice.keep_attention,
+                                 max_segments=max_segments)
         return cls(optimizer=OptimizerConfig.of(settings.schedule), forward=forward,
                    weights=LossWeights.of(settings.losses))
 
