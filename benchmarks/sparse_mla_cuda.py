@@ -6,7 +6,8 @@ on one GPU, in one run.
 
 Stages, each catching and printing its whole exception so that the others still run:
   load      the library loaded and its FFI targets registered;
-  forward   the forward (every (block_k, stages) compiled, one split and several) against a float64
+  forward   the forward (every (block_k, stages) compiled of the mma.sync kernel and the wgmma
+            kernel, `CONFIGS`; one split and several) against a float64
             numpy oracle on fresh random inputs: K = 64, 2048 and 100 (padded in the kernel), H 64
             and 128, -1, out-of-range and duplicate indices (counted each, as the kernel does),
             one query with no valid index (out exactly 0, lse -inf); ||out - ref|| / ||ref|| and
@@ -74,8 +75,16 @@ H, DK, DV = 64, 576, 512
 SCALE = DK ** -0.5
 #: Pass thresholds of the forward checks (bf16 operands and output, float32 accumulation).
 OUT_TOL, LSE_TOL = 1e-2, 1e-3
-CONFIGS = [dict(block_k=b, stages=s) for b, s in cuda.BLOCK_STAGES]
-FP8_CONFIGS = [dict(block_k=b, stages=s) for b, s in cuda_fp8.BLOCK_STAGES]
+#: The bf16 kernels: every (block_k, stages) of the mma.sync forward, then the wgmma forward.
+CONFIGS = [dict(forward="mma", block_k=b, stages=s) for b, s in cuda.BLOCK_STAGES] + [
+    dict(forward="wgmma", block_k=64, stages=2)]
+FP8_CONFIGS = [dict(forward="mma", block_k=b, stages=s) for b, s in cuda_fp8.BLOCK_STAGES]
+
+
+def config_of(cfg: dict, splits=None) -> cuda.SparseMLACudaConfig:
+    """The SparseMLACudaConfig of a CONFIGS entry and a split count (None: the default)."""
+    return cuda.SparseMLACudaConfig(forward=cfg["forward"], block_k=cfg["block_k"], num_stages=cfg["stages"],
+                                    num_splits=splits)
 
 
 def stage(report: dict, name: str, fn, json_path):
@@ -172,8 +181,8 @@ def load():
 
 def forward_checks(cases, configs, splits_list):
     rows = []
-    print("| B | S | T | K | H | block_k | stages | splits | rel err | lse err | empty ok | pass |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
+    print("| B | S | T | K | H | kernel | block_k | stages | splits | rel err | lse err | empty ok | pass |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     for seed, (B, S, T, K, heads) in enumerate(cases):
         q, kv, idx = make_inputs(seed, B, S, T, K, heads)
         ref_out, ref_lse = oracle(q, kv, idx)
@@ -182,8 +191,8 @@ def forward_checks(cases, configs, splits_list):
             for splits in splits_list:
                 row = dict(B=B, S=S, T=T, K=K, H=heads, splits=splits, **cfg)
                 try:
-                    fn = jax.jit(lambda q, kv, i, cfg=cfg, splits=splits: cuda.forward(
-                        q, kv, i, sm_scale=SCALE, splits=splits, **cfg))
+                    fn = jax.jit(lambda q, kv, i, config=config_of(cfg, splits): cuda.forward(
+                        q, kv, i, sm_scale=SCALE, config=config))
                     out, lse = poisoned(lambda: fn(q, kv, idx_j), [((B, S, heads, DV), jnp.bfloat16),
                                                                    ((B, S, heads), jnp.float32)])
                     row.update(compare(out, lse, ref_out, ref_lse))
@@ -191,7 +200,8 @@ def forward_checks(cases, configs, splits_list):
                     traceback.print_exc()
                     row.update(error=f"{type(e).__name__}: {e}", passed=False)
                 rows.append(row)
-                print(f"| {B} | {S} | {T} | {K} | {heads} | {cfg['block_k']} | {cfg['stages']} | {splits} | "
+                print(f"| {B} | {S} | {T} | {K} | {heads} | {cfg['forward']} | {cfg['block_k']} | {cfg['stages']} | "
+                      f"{splits} | "
                       f"{row.get('rel_err', float('nan')):.2e} | {row.get('lse_max_err', float('nan')):.2e} | "
                       f"{row.get('empty_ok', '-')} | {'PASS' if row['passed'] else 'FAIL'} |", flush=True)
     return dict(rows=rows, passed=all(r["passed"] for r in rows))
@@ -227,8 +237,7 @@ def paged_checks(configs, cases=((3, 1000, 300), (2, 4096, 2048)), *, fp8_pages=
             for splits in (None, 1):
                 row = dict(B=B, T=T, K=K, splits=splits, **cfg)
                 try:
-                    config = cuda.SparseMLACudaConfig(block_k=cfg["block_k"], num_stages=cfg["stages"],
-                                                      num_splits=splits)
+                    config = config_of(cfg, splits)
                     fn = jax.jit(lambda q, st, t, i, config=config: pk.paged_sparse_mla(
                         q, st, t, i, slot=1, sm_scale=SCALE, v_dim=DV, impl="cuda", config=config))
                     out, lse = poisoned(lambda: fn(q, store, table, jnp.asarray(idx)),
@@ -250,7 +259,8 @@ def bitwise():
     idx = jnp.asarray(idx)
     rows = []
     for splits in (1, 4):
-        fn = jax.jit(lambda q, kv, i, splits=splits: cuda.forward(q, kv, i, sm_scale=SCALE, splits=splits))
+        fn = jax.jit(lambda q, kv, i, splits=splits: cuda.forward(
+            q, kv, i, sm_scale=SCALE, config=cuda.SparseMLACudaConfig(num_splits=splits)))
         a = jax.block_until_ready(fn(q, kv, idx))
         b = jax.block_until_ready(fn(q, kv, idx))
         same = all(np.array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8)) for x, y in zip(a, b))
@@ -543,7 +553,8 @@ def prefill_timing(res, report, json_path, smoke, mm):
     print(f"\nforward B={B} S={S} T={T} K={K} H={H}: {flops / 1e12:.2f} TFLOP a call")
     print("| impl | config | ms | TFLOP/s | % of matmul |")
     print("|---|---|---|---|---|", flush=True)
-    impls = [("cuda", cfg, jax.jit(lambda q, kv, i, cfg=cfg: cuda.forward(q, kv, i, sm_scale=SCALE, **cfg)))
+    impls = [("cuda", cfg, jax.jit(lambda q, kv, i, config=config_of(cfg): cuda.forward(q, kv, i, sm_scale=SCALE,
+                                                                                      config=config)))
              for cfg in CONFIGS]
     impls.append(("pallas_gpu", {}, jax.jit(lambda q, kv, i: pk.sparse_mla(q, kv, i, sm_scale=SCALE, v_dim=DV,
                                                                            impl="pallas_gpu"))))
@@ -593,7 +604,7 @@ def decode_timing(res, report, json_path, smoke, bw, splits=(None,)):
             moved = batch * K * row_bytes + batch * H * DK * 2 + batch * H * DV * 2
             configs = CONFIGS if layout == "bf16" else FP8_CONFIGS
             impls = [("cuda", {**cfg, "splits": n} if n else cfg,
-                      cuda.SparseMLACudaConfig(block_k=cfg["block_k"], num_stages=cfg["stages"], num_splits=n))
+                      config_of(cfg, n))
                      for cfg in configs for n in splits] + [("pallas_gpu", {}, None)]
             for name, cfg, config in impls:
                 row = dict(batch=batch, layout=layout, impl=name, config=cfg)

@@ -47,8 +47,9 @@ fi
 [ -f "$FFI_INCLUDE/xla/ffi/api/ffi.h" ] || die "XLA FFI headers not found ($FFI_INCLUDE/xla/ffi/api/ffi.h): set FFI_INCLUDE to a jaxlib/include folder (python -c 'import jax; print(jax.ffi.include_dir())') or let pip download jaxlib==$JAXLIB_VERSION"
 
 LOG="$OUT_DIR/ptxas.log"
-echo "build_cuda_kernels.sh: $NVCC -arch=$ARCH, FFI headers $FFI_INCLUDE"
-if ! "$NVCC" -std=c++17 -O3 -arch="$ARCH" -shared -Xcompiler -fPIC -Xptxas -v -lineinfo \
+echo "build_cuda_kernels.sh: $NVCC for $ARCH, FFI headers $FFI_INCLUDE"
+# both the PTX and the code for the architecture-specific target (sm_90a: wgmma, setmaxnreg)
+if ! "$NVCC" -std=c++17 -O3 -gencode "arch=compute_${ARCH#sm_},code=$ARCH" -shared -Xcompiler -fPIC -Xptxas -v -lineinfo \
     -I"$FFI_INCLUDE" -I"$ROOT/pallas_kernels/sparse_mla/cuda" -o "$LIB.tmp" "${SOURCES[@]}" >"$LOG" 2>&1; then
   cat "$LOG" >&2
   die "nvcc failed (log above, also in $LOG)"
@@ -60,11 +61,14 @@ FILT=cat; command -v c++filt >/dev/null 2>&1 && FILT=c++filt
 awk '/Compiling entry function/ {name=$0; sub(/.*function .?/, "", name); sub(/.? for .*/, "", name)}
      /bytes stack frame/ {match($0, /[0-9]+ bytes spill stores, [0-9]+ bytes spill loads/); spill=substr($0, RSTART, RLENGTH)}
      /Used [0-9]+ registers/ {match($0, /Used [0-9]+ registers/); print name "\t" substr($0, RSTART, RLENGTH) ", " spill}' "$LOG" \
-  | "$FILT" | sed -E 's/^(void )?glm_sparse_mla::(bwd::)?(sparse_mla_[a-z]+_kernel)/  \3/; s/\(glm_sparse_mla::(bwd::)?[A-Za-z]*Params\)//; s/__nv_bfloat16/bf16/'
+  | "$FILT" | sed -E 's/^(void )?glm_sparse_mla::(bwd::|sm90::)?(sparse_mla_[a-z0-9_]+_kernel)/  \3/; s/\(glm_sparse_mla::(bwd::)?[A-Za-z]*Params\)//; s/__nv_bfloat16/bf16/'
 for cfg in "64 2" "32 3" "32 4"; do
   set -- $cfg
   echo "  forward block_k=$1 stages=$2: $(( 64 * 1152 + $2 * $1 * 1152 + 64 * ($1 + 8) * 2 + 6 * 64 * 4 + $2 * $1 )) bytes of dynamic shared memory (of 232448)"
 done
+# the warpgroup forward (FwdLayout in sparse_mla_fwd_sm90.cu): Q + 2 buffers of 64 rows, alpha,
+# l, m, 7 barriers, 1024 bytes of alignment; its registers a thread by warpgroup: 240 / 160 / 72
+echo "  forward sm90 (wgmma): $(( 3 * 64 * 1152 + 4 * 64 * 4 + 7 * 8 + 1024 )) bytes of dynamic shared memory (of 232448)"
 # FP8 rows (paged): one bf16 tile of 32 rows + a ring of stages x 32 staged rows of 656 bytes
 for stages in 3 4; do
   echo "  forward fp8 block_k=32 stages=$stages: $(( 64 * 1152 + 32 * 1152 + stages * 32 * 656 + 64 * 40 * 2 + 6 * 64 * 4 + stages * 32 )) bytes of dynamic shared memory (of 232448)"

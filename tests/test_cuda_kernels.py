@@ -87,13 +87,29 @@ def test_build_compiles_spill_free(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     kernels = [line for line in result.stdout.splitlines() if "sparse_mla_fwd_kernel<" in line]
     assert len(kernels) == 16, result.stdout
+    sm90 = [line for line in result.stdout.splitlines() if "sparse_mla_fwd_sm90_kernel<" in line]
+    assert len(sm90) == 4, result.stdout                      # contiguous and paged, bf16 and f32 out
+    assert "forward sm90 (wgmma): 223288 bytes" in result.stdout, result.stdout
     fp8_kernels = [line for line in kernels if "true, true," in line]            # paged, FP8 rows
     assert sorted(line.split("<")[1].split(",")[:2] for line in fp8_kernels) == [["32", " 3"]] * 2 + [["32", " 4"]] * 2
     assert result.stdout.count("forward fp8 block_k=32") == 2, result.stdout
     bwd = [line for line in result.stdout.splitlines() if "sparse_mla_dq_kernel<" in line or "sparse_mla_dkv_kernel" in line]
     assert len(bwd) == 3, result.stdout
-    assert all("0 bytes spill stores, 0 bytes spill loads" in line for line in kernels + bwd), result.stdout
+    assert all("0 bytes spill stores, 0 bytes spill loads" in line for line in kernels + sm90 + bwd), result.stdout
     assert (tmp_path / "libglm_sparse_mla.so").is_file()
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (host code only: no GPU)")
+def test_wgmma_forward_layouts_on_the_host(tmp_path):
+    """tests/cuda/sm90_layout_check.cu, compiled for the host and run: every element the wgmma
+    forward writes to shared memory (gathered rows, the P tile) is the one its wgmma operands
+    read through their descriptors (the PTX canonical layouts of the 128-byte swizzle, modelled
+    on the CPU), and its P registers are the A fragment of the accumulator's pairs."""
+    exe = tmp_path / "sm90_layout_check"
+    subprocess.run(["nvcc", "-std=c++17", f"-I{ROOT / 'pallas_kernels/sparse_mla/cuda'}", "-o", str(exe),
+                    str(ROOT / "tests/cuda/sm90_layout_check.cu")], check=True, capture_output=True, timeout=300)
+    result = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stdout
 
 
 # ----------------------------------------------------------------------------- registry
@@ -162,8 +178,8 @@ def test_unsupported_calls_name_the_fallback(change, match):
 def test_config_is_validated():
     assert cuda.SparseMLACudaConfig().stages == 2
     assert cuda.SparseMLACudaConfig(block_k=32).stages == 4
-    assert cuda.SparseMLACudaConfig().backward == "cuda"
-    for bad in (dict(block_k=48), dict(block_k=64, num_stages=3), dict(num_splits=0),
+    assert cuda.SparseMLACudaConfig().backward == "cuda" and cuda.SparseMLACudaConfig().forward == "mma"
+    for bad in (dict(block_k=48), dict(block_k=64, num_stages=3), dict(num_splits=0), dict(forward="tma"),
                 dict(backward=pk.XlaConfig()), dict(backward="triton"), dict(pallas_backward=pk.XlaConfig())):
         with pytest.raises(ValueError, match="SparseMLACudaConfig"):
             cuda.SparseMLACudaConfig(**bad)
@@ -181,11 +197,35 @@ def no_library(monkeypatch):
 @pytest.mark.parametrize("H, K, splits", [(64, 8, None), (64, 2048, 3), (128, 100, None)])
 def test_forward_shapes(no_library, H, K, splits):
     q, kv, idx = _inputs(B=2, S=3, H=H, K=K)
-    out, lse = jax.eval_shape(lambda: cuda.forward(q, kv, idx, sm_scale=0.1, splits=splits))
+    config = cuda.SparseMLACudaConfig(num_splits=splits)
+    out, lse = jax.eval_shape(lambda: cuda.forward(q, kv, idx, sm_scale=0.1, config=config))
     assert (out.shape, out.dtype) == ((2, 3, H, 512), jnp.bfloat16)
     assert (lse.shape, lse.dtype) == ((2, 3, H), jnp.float32)
     out, lse = jax.eval_shape(lambda: cuda.sparse_mla(q, kv, idx, sm_scale=0.1, v_dim=512))
     assert out.shape == (2, 3, H, 512) and lse.shape == (2, 3, H)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_wgmma_forward_calls_its_own_target_without_block_attributes(no_library, paged):
+    """forward="wgmma" lowers to the sm90 FFI targets, which take sm_scale and splits only; the
+    default stays on the mma.sync kernel."""
+    q, kv, idx = _inputs(B=2, S=1, H=64, K=100)
+    table = jnp.zeros((2, 2), jnp.int32)
+    store = jnp.zeros((2, 2, 64, cuda.DK), jnp.bfloat16)
+
+    def call(config):
+        if paged:
+            return cuda.paged_sparse_mla(q, store, table, idx, slot=1, sm_scale=0.1, v_dim=512, config=config)
+        return cuda.forward(q, kv, idx, sm_scale=0.1, config=config)
+
+    def lowered(config):
+        return jax.jit(lambda: call(config)).trace().lower(lowering_platforms=("cuda",)).as_text()
+
+    name = "glm_paged_sparse_mla_fwd" if paged else "glm_sparse_mla_fwd"
+    text = lowered(cuda.SparseMLACudaConfig(forward="wgmma", num_splits=2))
+    assert f"custom_call @{name}_sm90(" in text and "splits = 2 : i64" in text and "block_k" not in text
+    text = lowered(cuda.SparseMLACudaConfig())
+    assert f"custom_call @{name}(" in text and "block_k = 64 : i64" in text and "_sm90" not in text
 
 
 def test_paged_shapes(no_library):

@@ -40,8 +40,14 @@ LIB_ENV = "GLM_CUDA_KERNELS_LIB"
 DEFAULT_LIB = Path(__file__).resolve().parents[2] / "build" / "cuda" / "libglm_sparse_mla.so"
 #: The FFI targets (the handler symbols of the library under these names).
 TARGETS = {"glm_sparse_mla_fwd": "GlmSparseMlaFwd", "glm_paged_sparse_mla_fwd": "GlmPagedSparseMlaFwd",
+           "glm_sparse_mla_fwd_sm90": "GlmSparseMlaFwdSm90",
+           "glm_paged_sparse_mla_fwd_sm90": "GlmPagedSparseMlaFwdSm90",
            "glm_sparse_mla_dq": "GlmSparseMlaDq", "glm_sparse_mla_dkv": "GlmSparseMlaDkv",
            cuda_fp8.TARGET: "GlmPagedSparseMlaFp8Fwd"}
+#: The forward kernels over bf16 rows `SparseMLACudaConfig.forward` takes: "mma" (mma.sync fed by
+#: ldmatrix, sparse_mla_fwd.cu) and "wgmma" (Hopper warpgroup MMAs, a producer warpgroup and two
+#: consumers, sparse_mla_fwd_sm90.cu: sm_90 only, rows in blocks of 64).
+FORWARDS = ("mma", "wgmma")
 
 #: The shapes the kernels take.
 DK, DV, HEAD_TILE = 576, 512, 64
@@ -101,6 +107,8 @@ class SparseMLACudaConfig:
       run (32, 4) where block_k is 64 (`cuda_fp8.block_stages`).
     num_splits: CTAs per query and head group over the K slots (partials merged by lse);
       None: 1 when the queries fill the GPU, else enough to reach about TARGET_CTAS.
+    forward: the kernel over bf16 rows, "mma" or "wgmma" (`FORWARDS`; wgmma ignores block_k and
+      num_stages: blocks of 64 rows, two buffers). FP8 pages take their own kernel either way.
     backward: "cuda" (the CUDA dq and dkv kernels, `backward`; its index is `key_index`) or
       "pallas_gpu" (the Pallas GPU backward, `gpu_backward`, with pallas_backward's knobs).
     pallas_backward: the Pallas GPU backward's knobs (`SparseMLAGpuConfig`; its forward fields
@@ -109,6 +117,7 @@ class SparseMLACudaConfig:
     block_k: int = 64
     num_stages: int | None = None
     num_splits: int | None = None
+    forward: str = "mma"
     backward: str = "cuda"
     pallas_backward: gpu.SparseMLAGpuConfig = gpu.SparseMLAGpuConfig()
 
@@ -120,6 +129,8 @@ class SparseMLACudaConfig:
         if self.num_splits is not None and (isinstance(self.num_splits, bool) or not isinstance(self.num_splits, int)
                                             or self.num_splits < 1):
             raise ValueError(f"{name}.num_splits must be a positive int or None, got {self.num_splits!r}")
+        if not isinstance(self.forward, str) or self.forward not in FORWARDS:
+            raise ValueError(f"{name}.forward must be one of {FORWARDS}, got {self.forward!r}")
         if not isinstance(self.backward, str) or self.backward not in BACKWARDS:
             raise ValueError(f"{name}.backward must be one of {BACKWARDS}, got {self.backward!r}")
         if not isinstance(self.pallas_backward, gpu.SparseMLAGpuConfig):
@@ -168,13 +179,22 @@ def merge_splits(out: jax.Array, lse: jax.Array, dtype) -> tuple[jax.Array, jax.
 
 def _call(target: str, args, *, rows: int, heads: int, splits: int, dtype, sm_scale: float, block_k: int,
           stages: int):
-    """One FFI call -> (out [rows, splits, heads, DV] (dtype if one split, else f32), lse)."""
+    """One FFI call -> (out [rows, splits, heads, DV] (dtype if one split, else f32), lse). The
+    wgmma targets (`_sm90`) take no block_k and stages (their blocks are fixed)."""
     ensure_registered()
     out_dtype = dtype if splits == 1 else jnp.float32
     shapes = (jax.ShapeDtypeStruct((rows, splits, heads, DV), out_dtype),
               jax.ShapeDtypeStruct((rows, splits, heads), jnp.float32))
-    return jax.ffi.ffi_call(target, shapes)(*args, sm_scale=np.float32(sm_scale), block_k=np.int64(block_k),
-                                            stages=np.int64(stages), splits=np.int64(splits))
+    blocks = {} if target.endswith("_sm90") else dict(block_k=np.int64(block_k), stages=np.int64(stages))
+    return jax.ffi.ffi_call(target, shapes)(*args, sm_scale=np.float32(sm_scale), splits=np.int64(splits), **blocks)
+
+
+def _bf16_target(paged: bool, config: SparseMLACudaConfig) -> tuple[str, int, int]:
+    """The FFI target of config.forward over bf16 rows, with its (block_k, stages)."""
+    name = "glm_paged_sparse_mla_fwd" if paged else "glm_sparse_mla_fwd"
+    if config.forward == "wgmma":
+        return name + "_sm90", 64, 2
+    return name, config.block_k, config.stages
 
 
 def _finish(out, lse, *, batch: int, seq_len: int, heads: int, dtype):
@@ -185,15 +205,17 @@ def _finish(out, lse, *, batch: int, seq_len: int, heads: int, dtype):
     return out.reshape(batch, seq_len, heads, DV), lse.reshape(batch, seq_len, heads)
 
 
-def forward(q: jax.Array, kv: jax.Array, indices: jax.Array, *, sm_scale: float, block_k: int = 64,
-            stages: int = 2, splits: int | None = None) -> tuple[jax.Array, jax.Array]:
-    """The CUDA forward alone: q bf16 [B, S, H, 576], kv bf16 [B, T, 576], indices int32 [B, S, K]
-    -> (out bf16 [B, S, H, 512], lse f32 [B, S, H]). Not differentiable (see `sparse_mla`)."""
+def forward(q: jax.Array, kv: jax.Array, indices: jax.Array, *, sm_scale: float,
+            config: SparseMLACudaConfig = SparseMLACudaConfig()) -> tuple[jax.Array, jax.Array]:
+    """The CUDA forward alone (config's forward kernel, blocks and splits): q bf16 [B, S, H, 576],
+    kv bf16 [B, T, 576], indices int32 [B, S, K] -> (out bf16 [B, S, H, 512], lse f32 [B, S, H]).
+    Not differentiable (see `sparse_mla`)."""
     batch, seq_len, heads, _ = q.shape
     topk = indices.shape[-1]
     rows = batch * seq_len
-    splits = int(splits or default_splits(rows * (heads // HEAD_TILE), topk, block_k))
-    out, lse = _call("glm_sparse_mla_fwd", (q, kv, jnp.asarray(indices, jnp.int32)), rows=rows, heads=heads,
+    target, block_k, stages = _bf16_target(False, config)
+    splits = int(config.num_splits or default_splits(rows * (heads // HEAD_TILE), topk, block_k))
+    out, lse = _call(target, (q, kv, jnp.asarray(indices, jnp.int32)), rows=rows, heads=heads,
                      splits=splits, dtype=q.dtype, sm_scale=sm_scale, block_k=block_k, stages=stages)
     return _finish(out, lse, batch=batch, seq_len=seq_len, heads=heads, dtype=q.dtype)
 
@@ -297,12 +319,13 @@ def backward(q: jax.Array, kv: jax.Array, indices: jax.Array, dout: jax.Array, l
 
 
 @functools.lru_cache(maxsize=None)
-def _op(sm_scale: float, v_dim: int, block_k: int, stages: int, splits: int | None, dkv_mode: str, bwd: tuple):
-    """The differentiable op: the CUDA forward; the CUDA backward (dkv_mode "cuda") or the Pallas
-    GPU backward of dkv_mode ("sorted", "by_key") with the keyword settings bwd ((name, value), ...)."""
+def _op(sm_scale: float, v_dim: int, config: SparseMLACudaConfig, dkv_mode: str, bwd: tuple):
+    """The differentiable op: the CUDA forward of config; the CUDA backward (dkv_mode "cuda") or
+    the Pallas GPU backward of dkv_mode ("sorted", "by_key") with the keyword settings bwd
+    ((name, value), ...)."""
     def fwd(q, kv, idx, index):
         del index
-        return forward(q, kv, idx, sm_scale=sm_scale, block_k=block_k, stages=stages, splits=splits)
+        return forward(q, kv, idx, sm_scale=sm_scale, config=config)
 
     if dkv_mode == "cuda":
         return vjp.make_index_sparse_mla(fwd, functools.partial(backward, sm_scale=sm_scale, v_dim=v_dim))
@@ -343,7 +366,7 @@ def sparse_mla(q: jax.Array, kv: jax.Array, indices: jax.Array, *, sm_scale: flo
             check_key_index(tindex, idx, kv.shape[1])
         else:
             tindex = key_index(idx, kv.shape[1])
-        op = _op(float(sm_scale), int(v_dim), config.block_k, config.stages, config.num_splits, "cuda", ())
+        op = _op(float(sm_scale), int(v_dim), config, "cuda", ())
         return op(q, kv, idx, tindex)
     c = config.pallas_backward
     dkv_mode = _dkv_mode(c, q, kv, indices, v_dim)
@@ -356,8 +379,7 @@ def sparse_mla(q: jax.Array, kv: jax.Array, indices: jax.Array, *, sm_scale: flo
         tindex = None
     if tindex is None:
         tindex = gpu._indexed_index(idx, kv.shape[1], dkv_mode, dk=q.shape[3], dtype=kv.dtype, c=c)
-    op = _op(float(sm_scale), int(v_dim), config.block_k, config.stages, config.num_splits, dkv_mode,
-             gpu._backward_settings(c, dkv_mode))
+    op = _op(float(sm_scale), int(v_dim), config, dkv_mode, gpu._backward_settings(c, dkv_mode))
     return op(q, kv, idx, tindex)
 
 
@@ -372,14 +394,14 @@ def paged_sparse_mla(q: jax.Array, kv_pages: jax.Array, page_table: jax.Array, i
     if interpret:
         raise ValueError("pallas_kernels.paged_sparse_mla: impl='cuda' has no interpret mode; it runs only on "
                          "CUDA GPUs")
-    block_k, stages = config.block_k, config.stages
     if fp8.is_fp8(kv_pages):
         cuda_fp8.check_supported(q, kv_pages, int(v_dim))
-        block_k, stages = cuda_fp8.block_stages(block_k, stages)
+        block_k, stages = cuda_fp8.block_stages(config.block_k, config.stages)
         target, store = cuda_fp8.TARGET, tuple(kv_pages)
     else:
         check_supported("paged_sparse_mla", q, kv_pages, int(v_dim))
-        target, store = "glm_paged_sparse_mla_fwd", (kv_pages,)
+        target, block_k, stages = _bf16_target(True, config)
+        store = (kv_pages,)
     batch, seq_len, heads, _ = q.shape
     topk = indices.shape[-1]
     rows = batch * seq_len

@@ -12,13 +12,7 @@ ffi::Error SparseMlaFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
   Params p{};
   int rows = 0;
   if (auto e = check_common(name, q, indices, out, lse, block_k, stages, splits, p, rows); e.failure()) return e;
-  auto kd = kv.dimensions();
-  auto qd = q.dimensions();
-  if (kv.element_type() != ffi::DataType::BF16 || kd.size() != 3 || kd[0] != qd[0] || kd[2] != kDk)
-    return ffi::Error::InvalidArgument(std::string(name) + ": kv must be bf16 [B, T, 576], got " + dims_str(kd));
-  p.kv = static_cast<const __nv_bfloat16*>(kv.untyped_data());
-  p.num_keys = static_cast<int>(kd[1]);
-  p.scale_log2 = sm_scale * 1.4426950408889634f;
+  if (auto e = take_rows(name, q, kv, sm_scale, p); e.failure()) return e;
   return run<false, false>(name, p, rows, out, block_k, stages, stream);
 }
 
@@ -31,13 +25,7 @@ ffi::Error PagedSparseMlaFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::Any
   Params p{};
   int rows = 0;
   if (auto e = check_common(name, q, indices, out, lse, block_k, stages, splits, p, rows); e.failure()) return e;
-  auto kd = kv_pages.dimensions();
-  if (kv_pages.element_type() != ffi::DataType::BF16 || kd.size() != 4 || kd[3] != kDk)
-    return ffi::Error::InvalidArgument(std::string(name) + ": kv_pages must be bf16 [slots, pages, P, 576], got " +
-                                       dims_str(kd));
-  if (auto e = check_pages(name, kd, q, page_table, slot, p); e.failure()) return e;
-  p.kv = static_cast<const __nv_bfloat16*>(kv_pages.untyped_data());
-  p.scale_log2 = sm_scale * 1.4426950408889634f;
+  if (auto e = take_paged_rows(name, q, kv_pages, page_table, slot, sm_scale, p); e.failure()) return e;
   return run<true, false>(name, p, rows, out, block_k, stages, stream);
 }
 

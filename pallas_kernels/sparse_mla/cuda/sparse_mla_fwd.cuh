@@ -456,4 +456,31 @@ inline ffi::Error check_pages(const char* name, ffi::Span<const int64_t> kd, ffi
   return ffi::Error::Success();
 }
 
+// The contiguous bf16 rows kv [B, T, 576] of q's batch: fills p.kv, p.num_keys and p.scale_log2.
+inline ffi::Error take_rows(const char* name, ffi::AnyBuffer& q, ffi::AnyBuffer& kv, float sm_scale, Params& p) {
+  auto kd = kv.dimensions();
+  auto qd = q.dimensions();
+  if (kv.element_type() != ffi::DataType::BF16 || kd.size() != 3 || kd[0] != qd[0] || kd[2] != kDk)
+    return ffi::Error::InvalidArgument(std::string(name) + ": kv must be bf16 [B, T, 576], got " + dims_str(kd));
+  p.kv = static_cast<const __nv_bfloat16*>(kv.untyped_data());
+  p.num_keys = static_cast<int>(kd[1]);
+  p.scale_log2 = sm_scale * 1.4426950408889634f;
+  return ffi::Error::Success();
+}
+
+// The paged bf16 rows kv_pages [slots, pages, P, 576] with their page table and slot: fills
+// p.kv, the page fields (`check_pages`) and p.scale_log2.
+inline ffi::Error take_paged_rows(const char* name, ffi::AnyBuffer& q, ffi::AnyBuffer& kv_pages,
+                                  ffi::Buffer<ffi::S32>& page_table, ffi::Buffer<ffi::S32>& slot, float sm_scale,
+                                  Params& p) {
+  auto kd = kv_pages.dimensions();
+  if (kv_pages.element_type() != ffi::DataType::BF16 || kd.size() != 4 || kd[3] != kDk)
+    return ffi::Error::InvalidArgument(std::string(name) + ": kv_pages must be bf16 [slots, pages, P, 576], got " +
+                                       dims_str(kd));
+  if (auto e = check_pages(name, kd, q, page_table, slot, p); e.failure()) return e;
+  p.kv = static_cast<const __nv_bfloat16*>(kv_pages.untyped_data());
+  p.scale_log2 = sm_scale * 1.4426950408889634f;
+  return ffi::Error::Success();
+}
+
 }  // namespace glm_sparse_mla

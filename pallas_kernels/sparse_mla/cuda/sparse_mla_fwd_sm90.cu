@@ -1,0 +1,371 @@
+// Sparse MLA forward for Hopper with warpgroup MMAs (wgmma): the same contract and FFI
+// signature as sparse_mla_fwd.cu (bf16 rows, contiguous [B, T, 576] or paged
+// [slots, pages, P, 576]; out [B*S, splits, H, 512] bf16 or f32 and lse [B*S, splits, H]),
+// a different design.
+//
+// One CTA of three warpgroups (384 threads) handles one query row (b, s), one group of 64
+// heads (the M dimension of every MMA) and one split of its selected rows, in blocks of 64 rows
+// through two shared-memory buffers (layout below; everything 128-byte swizzled, sm90.cuh):
+//
+//   producer  (warpgroup 2, 72 registers a thread): copies the query tile once, then gathers
+//             each block's 64 selected rows with 16-byte cp.async (8 threads a 128-byte line,
+//             zero-filled where a slot is invalid) into the free buffer; the buffer's `full`
+//             barrier completes when the copies land.
+//   consumer0 (warpgroup 0, 240 registers): S = Q K^T [64 heads x 64 rows] as 36 wgmma
+//             m64n64k16 with both operands in shared memory (Q read by the tensor cores, not
+//             by every warp), the mask, the online softmax (base 2), P to bf16: in registers
+//             as the A operand of its own P V (value columns 0..255, wgmma m64n256k16, V the
+//             same buffer read MN-major), and to shared memory (over the buffer's rope
+//             columns, which only S reads) with the block's rescale factors for consumer1.
+//   consumer1 (warpgroup 1, 160 registers): waits for P, rescales its accumulator and adds
+//             P V for value columns 256..511 (wgmma with both operands in shared memory).
+// Each consumer holds a 64 x 256 f32 accumulator (128 registers a thread). A buffer is free
+// again when both consumers' P V on it completed (`empty` barrier, 256 arrivals).
+//
+// Shared memory (bytes, every tile 1024-aligned): Q 9 tiles (73,728) | buffer 0 9 tiles | buffer 1
+// 9 tiles | alpha f32 [2][64] | l, m f32 [64] each | barriers. 9 tiles = the 576 columns in
+// 64-column tiles; the value columns are tiles 0..7, the rope columns tile 8 (P lands there).
+//
+// Masked slots (index -1, out of range, past K or past the split) get the logit -inf; a query
+// (or split) without a valid slot writes out 0 and lse -inf; splits > 1 write normalised
+// partials merged by the caller, as sparse_mla_fwd.cu does. Deterministic: fixed order, no atomics.
+
+#include "sm90.cuh"
+#include "sparse_mla_fwd.cuh"
+
+namespace glm_sparse_mla {
+namespace sm90 {
+
+constexpr int kBK = 64;                    // selected rows a block
+constexpr int kTiles = kDk / 64;           // 9 column tiles of a 576-wide row
+constexpr int kRopeTile = kTiles - 1;      // columns 512..575
+constexpr int kRowsBytes = kTiles * kTileBytes;   // 73,728: 64 rows x 576 bf16
+constexpr int kFwdThreads = 384;
+
+struct FwdLayout {
+  static constexpr int kQ = 0;
+  static constexpr int kKV = kQ + kRowsBytes;               // [2] buffers
+  static constexpr int kAlpha = kKV + 2 * kRowsBytes;       // f32 [2][64]
+  static constexpr int kL = kAlpha + 2 * 64 * 4;            // f32 [64]
+  static constexpr int kM = kL + 64 * 4;                    // f32 [64]
+  static constexpr int kBars = kM + 64 * 4;                 // u64: q_full, full[2], empty[2], p_full[2]
+  static constexpr int kBytes = kBars + 7 * 8;
+  static constexpr int kAlloc = kBytes + 1024;              // the base is aligned to 1024 in the kernel
+  static_assert(kAlloc <= 232448, "more shared memory than a Hopper CTA may have");
+};
+
+// Row pointer of logical key t of query batch b (nullptr where t is not a key).
+template <bool PAGED>
+__device__ __forceinline__ const __nv_bfloat16* key_row(const Params& p, int b, int slot, int t) {
+  if (t < 0 || t >= p.num_keys) return nullptr;
+  if constexpr (PAGED) {
+    const int page = __ldg(p.page_table + static_cast<long long>(b) * p.pages_per_seq + t / p.page_size);
+    const long long r = (static_cast<long long>(slot) * p.pages_in_slot + page) * p.page_size + t % p.page_size;
+    return p.kv + r * kDk;
+  } else {
+    return p.kv + (static_cast<long long>(b) * p.num_keys + t) * kDk;
+  }
+}
+
+template <bool PAGED, typename OutT>
+__global__ void __launch_bounds__(kFwdThreads, 1) sparse_mla_fwd_sm90_kernel(const Params p) {
+  using L = FwdLayout;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  const uint32_t raw = smem_addr(smem_raw);
+  const uint32_t base = (raw + 1023u) & ~1023u;
+  unsigned char* smem = smem_raw + (base - raw);
+  float* s_alpha = reinterpret_cast<float*>(smem + L::kAlpha);
+  float* s_l = reinterpret_cast<float*>(smem + L::kL);
+  float* s_m = reinterpret_cast<float*>(smem + L::kM);
+  const uint32_t bar_q = base + L::kBars;
+  auto bar_full = [&](int buf) { return base + L::kBars + 8 + 8 * buf; };
+  auto bar_empty = [&](int buf) { return base + L::kBars + 24 + 8 * buf; };
+  auto bar_p = [&](int buf) { return base + L::kBars + 40 + 8 * buf; };
+  auto kv_tile = [&](int buf, int d) { return base + L::kKV + buf * kRowsBytes + d * kTileBytes; };
+
+  const int tid = threadIdx.x;
+  const int wg = tid / 128;
+  const int t = tid % 128;
+  const int row = blockIdx.x;
+  const int split = blockIdx.y;
+  const int h0 = blockIdx.z * 64;
+  const int b = row / p.seq_len;
+  const int total_blocks = (p.topk + kBK - 1) / kBK;
+  const int first = split * p.blocks_per_split;
+  const int nblocks = max(0, min(total_blocks, first + p.blocks_per_split) - first);
+  const int* idx_row = p.indices + static_cast<long long>(row) * p.topk;
+  // slot k's key (-1: masked: past K, past the split's blocks or not a key)
+  auto key_of = [&](int blk, int r) -> int {
+    const int k = (first + blk) * kBK + r;
+    if (blk >= nblocks || k >= p.topk) return -1;
+    const int key = __ldg(idx_row + k);
+    return key >= 0 && key < p.num_keys ? key : -1;
+  };
+
+  if (tid == 0) {
+    mbar_init(bar_q, 128);
+    for (int i = 0; i < 2; ++i) {
+      mbar_init(bar_full(i), 128);
+      mbar_init(bar_empty(i), 256);
+      mbar_init(bar_p(i), 128);
+    }
+  }
+  __syncthreads();
+
+  if (wg == 2) {
+    // ------------------------------------------------------------------ producer
+    setmaxnreg_dec<72>();
+    const int g = t / 8;      // rows g, g + 16, g + 32, g + 48
+    const int c = t % 8;      // 16-byte chunk of each 128-byte line
+    const __nv_bfloat16* q_tile = p.q + (static_cast<long long>(row) * p.heads + h0) * kDk;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int r = g + 16 * i;
+#pragma unroll
+      for (int d = 0; d < kTiles; ++d)
+        cp_async16(base + L::kQ + d * kTileBytes + sw128(r, c), q_tile + r * kDk + d * 64 + c * 8, true);
+    }
+    mbar_arrive_cp_async(bar_q);
+    const int slot = PAGED ? __ldg(p.slot) : 0;
+    for (int blk = 0; blk < nblocks; ++blk) {
+      const int buf = blk & 1;
+      if (blk >= 2) mbar_wait(bar_empty(buf), ((blk >> 1) - 1) & 1);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int r = g + 16 * i;
+        const __nv_bfloat16* src = key_row<PAGED>(p, b, slot, key_of(blk, r));
+        const bool valid = src != nullptr;
+        const __nv_bfloat16* from = valid ? src + c * 8 : p.kv;
+#pragma unroll
+        for (int d = 0; d < kTiles; ++d) cp_async16(kv_tile(buf, d) + sw128(r, c), from + (valid ? d * 64 : 0), valid);
+      }
+      mbar_arrive_cp_async(bar_full(buf));
+    }
+    return;
+  }
+
+  const int w = t / 32;
+  const int lane = t % 32;
+  const int r0 = 16 * w + lane / 4;     // this thread's accumulator rows r0 and r0 + 8
+  float o[128];                          // O[:, 256 wg .. 256 wg + 255] (accumulator layout)
+#pragma unroll
+  for (int i = 0; i < 128; ++i) o[i] = 0.f;
+  float m_run[2] = {-INFINITY, -INFINITY};
+  float l_run[2] = {0.f, 0.f};
+
+  if (wg == 0) {
+    // ------------------------------------------------------------------ consumer 0
+    setmaxnreg_inc<240>();
+    mbar_wait(bar_q, 0);
+    for (int blk = 0; blk < nblocks; ++blk) {
+      const int buf = blk & 1;
+      // this thread's 16 columns' validity (slots 8 j + 2 (lane % 4) + e)
+      uint32_t valid = 0;
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) valid |= static_cast<uint32_t>(key_of(blk, 8 * j + 2 * (lane % 4) + e) >= 0) << (2 * j + e);
+      mbar_wait(bar_full(buf), (blk >> 1) & 1);
+
+      float s[32];
+      fence_regs(s);
+      wgmma_fence();
+#pragma unroll
+      for (int d = 0; d < kTiles; ++d)
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+          wgmma_m64n64k16_ss(s, make_desc(base + L::kQ + d * kTileBytes + 32 * kk, 16),
+                             make_desc(kv_tile(buf, d) + 32 * kk, 16), d + kk > 0);
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_regs(s);
+
+      // mask, running max and rescale factor of rows r0 (i = 0) and r0 + 8 (i = 1)
+      float alpha[2];
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        float mx = -INFINITY;
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            float& x = s[4 * j + 2 * i + e];
+            x = (valid >> (2 * j + e)) & 1u ? x * p.scale_log2 : -INFINITY;
+            mx = fmaxf(mx, x);
+          }
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_new = fmaxf(m_run[i], mx);
+        const float m_use = m_new == -INFINITY ? 0.f : m_new;
+        alpha[i] = fast_exp2(m_run[i] - m_use);
+        m_run[i] = m_new;
+        float sum = 0.f;
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            float& x = s[4 * j + 2 * i + e];
+            x = fast_exp2(x - m_use);
+            sum += x;
+          }
+        l_run[i] = l_run[i] * alpha[i] + sum;
+      }
+
+      // P in bf16: the A operand (k16 slice kk = n8 blocks 2 kk, 2 kk + 1) and, for consumer 1,
+      // the swizzled [64 heads x 64 slots] tile over this buffer's rope columns
+      uint32_t a[4][4];
+      const uint32_t p_tile = kv_tile(buf, kRopeTile);
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int j = 2 * kk + h;
+          a[kk][2 * h] = pack_bf16(s[4 * j], s[4 * j + 1]);
+          a[kk][2 * h + 1] = pack_bf16(s[4 * j + 2], s[4 * j + 3]);
+          const int col = 8 * j + 2 * (lane % 4);
+          const uint32_t off = (col % 8) * 2;
+          asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(p_tile + sw128(r0, j) + off), "r"(a[kk][2 * h]));
+          asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(p_tile + sw128(r0 + 8, j) + off), "r"(a[kk][2 * h + 1]));
+        }
+      if (lane % 4 == 0) {
+        s_alpha[buf * 64 + r0] = alpha[0];
+        s_alpha[buf * 64 + r0 + 8] = alpha[1];
+      }
+      fence_async_smem();
+      mbar_arrive(bar_p(buf));
+
+#pragma unroll
+      for (int j = 0; j < 32; ++j)
+#pragma unroll
+        for (int v = 0; v < 4; ++v) o[4 * j + v] *= alpha[v / 2];
+      fence_regs(o);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk)
+        wgmma_m64n256k16_rs_tb(o, a[kk], make_desc(kv_tile(buf, 0) + 2048 * kk, kTileBytes), 1);
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_regs(o);
+      mbar_arrive(bar_empty(buf));
+    }
+    // the row sums over the 4 lanes of a row; consumer 1 reads them (and the max for lse)
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      l_run[i] += __shfl_xor_sync(0xffffffffu, l_run[i], 1);
+      l_run[i] += __shfl_xor_sync(0xffffffffu, l_run[i], 2);
+    }
+    if (lane % 4 == 0) {
+      s_l[r0] = l_run[0];
+      s_l[r0 + 8] = l_run[1];
+      s_m[r0] = m_run[0];
+      s_m[r0 + 8] = m_run[1];
+    }
+  } else {
+    // ------------------------------------------------------------------ consumer 1
+    setmaxnreg_inc<160>();
+    for (int blk = 0; blk < nblocks; ++blk) {
+      const int buf = blk & 1;
+      mbar_wait(bar_p(buf), (blk >> 1) & 1);
+      const float alpha0 = s_alpha[buf * 64 + r0];
+      const float alpha1 = s_alpha[buf * 64 + r0 + 8];
+#pragma unroll
+      for (int j = 0; j < 32; ++j) {
+        o[4 * j] *= alpha0;
+        o[4 * j + 1] *= alpha0;
+        o[4 * j + 2] *= alpha1;
+        o[4 * j + 3] *= alpha1;
+      }
+      fence_regs(o);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk)
+        wgmma_m64n256k16_ss_tb(o, make_desc(kv_tile(buf, kRopeTile) + 32 * kk, 16),
+                               make_desc(kv_tile(buf, 4) + 2048 * kk, kTileBytes), 1);
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_regs(o);
+      mbar_arrive(bar_empty(buf));
+    }
+  }
+
+  named_barrier(1, 256);   // consumer 0's row sums and maxima are in shared memory
+  OutT* out = static_cast<OutT*>(p.out);
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int h = r0 + 8 * i;
+    const float l = s_l[h];
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    const long long at = (static_cast<long long>(row) * p.splits + split) * p.heads + h0 + h;
+    OutT* orow = out + at * kDv + 256 * wg + 2 * (lane % 4);
+#pragma unroll
+    for (int j = 0; j < 32; ++j) store_pair(orow + 8 * j, o[4 * j + 2 * i] * inv, o[4 * j + 2 * i + 1] * inv);
+    if (wg == 0 && lane % 4 == 0) p.lse[at] = l > 0.f ? (s_m[h] + log2f(l)) * 0.69314718055994531f : -INFINITY;
+  }
+}
+
+template <bool PAGED, typename OutT>
+cudaError_t launch_fwd(const Params& p, int rows, cudaStream_t stream) {
+  auto kernel = sparse_mla_fwd_sm90_kernel<PAGED, OutT>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, FwdLayout::kAlloc);
+  if (err != cudaSuccess) return err;
+  kernel<<<dim3(rows, p.splits, p.heads / 64), kFwdThreads, FwdLayout::kAlloc, stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <bool PAGED>
+ffi::Error run_fwd(const char* name, const Params& p, int rows, ffi::Result<ffi::AnyBuffer>& out,
+                   cudaStream_t stream) {
+  if (rows == 0) return ffi::Error::Success();
+  return finish(name, out->element_type() == ffi::DataType::BF16 ? launch_fwd<PAGED, __nv_bfloat16>(p, rows, stream)
+                                                                  : launch_fwd<PAGED, float>(p, rows, stream));
+}
+
+ffi::Error SparseMlaFwdSm90Impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer kv,
+                                ffi::Buffer<ffi::S32> indices, ffi::Result<ffi::AnyBuffer> out,
+                                ffi::Result<ffi::Buffer<ffi::F32>> lse, float sm_scale, int64_t splits) {
+  const char* name = "glm_sparse_mla_fwd_sm90";
+  Params p{};
+  int rows = 0;
+  if (auto e = check_common(name, q, indices, out, lse, kBK, 2, splits, p, rows); e.failure()) return e;
+  if (auto e = take_rows(name, q, kv, sm_scale, p); e.failure()) return e;
+  return run_fwd<false>(name, p, rows, out, stream);
+}
+
+ffi::Error PagedSparseMlaFwdSm90Impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer kv_pages,
+                                     ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::S32> slot,
+                                     ffi::Buffer<ffi::S32> indices, ffi::Result<ffi::AnyBuffer> out,
+                                     ffi::Result<ffi::Buffer<ffi::F32>> lse, float sm_scale, int64_t splits) {
+  const char* name = "glm_paged_sparse_mla_fwd_sm90";
+  Params p{};
+  int rows = 0;
+  if (auto e = check_common(name, q, indices, out, lse, kBK, 2, splits, p, rows); e.failure()) return e;
+  if (auto e = take_paged_rows(name, q, kv_pages, page_table, slot, sm_scale, p); e.failure()) return e;
+  return run_fwd<true>(name, p, rows, out, stream);
+}
+
+}  // namespace sm90
+}  // namespace glm_sparse_mla
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GlmSparseMlaFwdSm90, glm_sparse_mla::sm90::SparseMlaFwdSm90Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("sm_scale")
+                                  .Attr<int64_t>("splits"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GlmPagedSparseMlaFwdSm90, glm_sparse_mla::sm90::PagedSparseMlaFwdSm90Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("sm_scale")
+                                  .Attr<int64_t>("splits"));
