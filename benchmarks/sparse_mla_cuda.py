@@ -6,8 +6,9 @@ on one GPU, in one run.
 
 Stages, each catching and printing its whole exception so that the others still run:
   load      the library loaded and its FFI targets registered;
-  forward   the forward (every (block_k, stages) compiled of the mma.sync kernel and the wgmma
-            kernel, `CONFIGS`; one split and several) against a float64
+  forward   the forward (every (block_k, stages) compiled of the mma.sync kernel, `CONFIGS`; one
+            split and several; the wgmma kernel's the same checks in stages forward_wgmma and
+            paged_wgmma after grad) against a float64
             numpy oracle on fresh random inputs: K = 64, 2048 and 100 (padded in the kernel), H 64
             and 128, -1, out-of-range and duplicate indices (counted each, as the kernel does),
             one query with no valid index (out exactly 0, lse -inf); ||out - ref|| / ||ref|| and
@@ -75,9 +76,11 @@ H, DK, DV = 64, 576, 512
 SCALE = DK ** -0.5
 #: Pass thresholds of the forward checks (bf16 operands and output, float32 accumulation).
 OUT_TOL, LSE_TOL = 1e-2, 1e-3
-#: The bf16 kernels: every (block_k, stages) of the mma.sync forward, then the wgmma forward.
-CONFIGS = [dict(forward="mma", block_k=b, stages=s) for b, s in cuda.BLOCK_STAGES] + [
-    dict(forward="wgmma", block_k=64, stages=2)]
+#: The bf16 kernels: every (block_k, stages) of the mma.sync forward; the wgmma forward apart
+#: (its checks run as stages of their own after the others, so that a fault there, a new
+#: kernel's, costs no other result; the timing tables hold both).
+CONFIGS = [dict(forward="mma", block_k=b, stages=s) for b, s in cuda.BLOCK_STAGES]
+WGMMA_CONFIGS = [dict(forward="wgmma", block_k=64, stages=2)]
 FP8_CONFIGS = [dict(forward="mma", block_k=b, stages=s) for b, s in cuda_fp8.BLOCK_STAGES]
 
 
@@ -555,7 +558,7 @@ def prefill_timing(res, report, json_path, smoke, mm):
     print("|---|---|---|---|---|", flush=True)
     impls = [("cuda", cfg, jax.jit(lambda q, kv, i, config=config_of(cfg): cuda.forward(q, kv, i, sm_scale=SCALE,
                                                                                       config=config)))
-             for cfg in CONFIGS]
+             for cfg in CONFIGS + WGMMA_CONFIGS]
     impls.append(("pallas_gpu", {}, jax.jit(lambda q, kv, i: pk.sparse_mla(q, kv, i, sm_scale=SCALE, v_dim=DV,
                                                                            impl="pallas_gpu"))))
     for name, cfg, fn in impls:
@@ -602,7 +605,7 @@ def decode_timing(res, report, json_path, smoke, bw, splits=(None,)):
                                                    b))(rows)
             row_bytes = DK * 2 if layout == "bf16" else fp8.latent_row_bytes(DV, DK - DV)
             moved = batch * K * row_bytes + batch * H * DK * 2 + batch * H * DV * 2
-            configs = CONFIGS if layout == "bf16" else FP8_CONFIGS
+            configs = CONFIGS + WGMMA_CONFIGS if layout == "bf16" else FP8_CONFIGS
             impls = [("cuda", {**cfg, "splits": n} if n else cfg,
                       config_of(cfg, n))
                      for cfg in configs for n in splits] + [("pallas_gpu", {}, None)]
@@ -629,7 +632,8 @@ def summary(report):
     print("\n## summary")
     print("| check / measurement | result |")
     print("|---|---|")
-    for name in ("load", "forward", "paged", "paged_fp8", "bitwise", "backward", "bwd_bitwise", "grad"):
+    for name in ("load", "forward", "paged", "paged_fp8", "bitwise", "backward", "bwd_bitwise", "grad",
+                 "forward_wgmma", "paged_wgmma"):
         part = report.get(name)
         if part is None:
             continue
@@ -639,7 +643,7 @@ def summary(report):
             print(f"| load | {part['device']}, jax {part['jax']} |")
         else:
             worst = ""
-            if name in ("forward", "paged", "paged_fp8"):
+            if name in ("forward", "paged", "paged_fp8", "forward_wgmma", "paged_wgmma"):
                 errs = [r.get("rel_err", float("inf")) for r in part["rows"]]
                 worst = f" (worst rel err {max(errs):.2e}, {len(errs)} runs)"
             if name == "backward":
@@ -687,6 +691,7 @@ def main():
     if args.paged_only and not args.sanitize:
         stage(report, "paged", lambda: paged_checks(CONFIGS), args.json)
         stage(report, "paged_fp8", lambda: paged_checks(FP8_CONFIGS, fp8_pages=True), args.json)
+        stage(report, "paged_wgmma", lambda: paged_checks(WGMMA_CONFIGS), args.json)
         if not args.skip_timing:
             stage(report, "timing", lambda: timing(report, args.json, args.smoke, prefill=False, splits=args.splits),
                   args.json)
@@ -703,6 +708,9 @@ def main():
         stage(report, "paged", lambda: paged_checks(CONFIGS[:1], ((2, 300, 100),)), args.json)
         stage(report, "paged_fp8", lambda: paged_checks(FP8_CONFIGS[:1], ((2, 300, 100),), fp8_pages=True), args.json)
         stage(report, "backward", lambda: backward_checks([(1, 3, 200, 100, 64), (1, 2, 64, 40, 128)]), args.json)
+        stage(report, "forward_wgmma", lambda: forward_checks([(1, 3, 200, 100, 64)], WGMMA_CONFIGS, (1, 2)),
+              args.json)
+        stage(report, "paged_wgmma", lambda: paged_checks(WGMMA_CONFIGS, ((2, 300, 100),)), args.json)
     else:
         cases = [(2, 4, 256, 64, 64), (2, 3, 4096, 2048, 64), (1, 5, 300, 100, 64), (1, 3, 512, 128, 128)]
         stage(report, "forward", lambda: forward_checks(cases, CONFIGS, (1, 3)), args.json)
@@ -714,6 +722,8 @@ def main():
         stage(report, "backward", lambda: backward_checks(bcases), args.json)
         stage(report, "bwd_bitwise", backward_bitwise, args.json)
         stage(report, "grad", grad_check, args.json)
+        stage(report, "forward_wgmma", lambda: forward_checks(cases, WGMMA_CONFIGS, (1, 3)), args.json)
+        stage(report, "paged_wgmma", lambda: paged_checks(WGMMA_CONFIGS), args.json)
         if not args.skip_timing:
             stage(report, "timing", lambda: timing(report, args.json, args.smoke), args.json)
             stage(report, "bwd_timing", lambda: bwd_timing(report, args.json, args.smoke), args.json)
