@@ -8,7 +8,8 @@ Stages, each catching and printing its whole exception so that the others still 
   load      the library loaded and its FFI targets registered;
   forward   the forward (every (block_k, stages) compiled of the mma.sync kernel, `CONFIGS`; one
             split and several; the wgmma kernel's the same checks in stages forward_wgmma and
-            paged_wgmma after grad) against a float64
+            paged_wgmma after grad, and its indexer target against a float64 oracle of the target
+            in target_wgmma) against a float64
             numpy oracle on fresh random inputs: K = 64, 2048 and 100 (padded in the kernel), H 64
             and 128, -1, out-of-range and duplicate indices (counted each, as the kernel does),
             one query with no valid index (out exactly 0, lse -inf); ||out - ref|| / ||ref|| and
@@ -149,6 +150,49 @@ def oracle(q, kv, idx):
             out[b, s] = p @ rows[:, :DV] / l
             lse[b, s] = (m + np.log(l))[:, 0]
     return out, lse
+
+
+def target_oracle(q, kv, idx, lse):
+    """float64 numpy: the indexer target [B, S, K] of the given lse: mean over heads of
+    exp(logit - lse) at each valid slot (duplicates each), 0 elsewhere."""
+    qf = np.asarray(jnp.asarray(q, jnp.float32), np.float64)
+    kf = np.asarray(jnp.asarray(kv, jnp.float32), np.float64)
+    T = kf.shape[1]
+    out = np.zeros(idx.shape)
+    for b in range(idx.shape[0]):
+        for s in range(idx.shape[1]):
+            valid = (idx[b, s] >= 0) & (idx[b, s] < T)
+            if valid.any():
+                logits = qf[b, s] @ kf[b, idx[b, s][valid]].T * SCALE            # [H, n]
+                out[b, s, valid] = np.exp(logits - lse[b, s][:, None]).mean(0)
+    return out
+
+
+def target_checks(cases):
+    """The wgmma kernel's indexer target (`cuda.target`) from the oracle's lse against
+    `target_oracle`: relative L1 error, rows summing to 1 where a query has a valid slot."""
+    rows = []
+    print("| B | S | T | K | H | rel L1 err | row sums within 1e-3 | pass |")
+    print("|---|---|---|---|---|---|---|---|", flush=True)
+    for seed, (B, S, T, K, heads) in enumerate(cases):
+        q, kv, idx = make_inputs(300 + seed, B, S, T, K, heads)
+        _, ref_lse = oracle(q, kv, idx)
+        want = target_oracle(q, kv, idx, ref_lse)
+        row = dict(B=B, S=S, T=T, K=K, H=heads)
+        try:
+            got = np.asarray(jax.jit(lambda q, kv, i, l: cuda.target(q, kv, i, l, sm_scale=SCALE))(
+                q, kv, jnp.asarray(idx), jnp.asarray(ref_lse, jnp.float32)), np.float64)
+            rel = float(np.abs(got - want).sum() / max(np.abs(want).sum(), 1e-30))
+            sums = got.sum(-1)[np.isfinite(ref_lse).all(-1)]
+            row.update(rel_err=rel, sums_ok=bool(np.all(np.abs(sums - 1) < 1e-3)),
+                       passed=bool(np.isfinite(got).all() and rel <= 1e-3 and np.all(np.abs(sums - 1) < 1e-3)))
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            row.update(error=f"{type(e).__name__}: {e}", passed=False)
+        rows.append(row)
+        print(f"| {B} | {S} | {T} | {K} | {heads} | {row.get('rel_err', float('nan')):.2e} | "
+              f"{row.get('sums_ok', '-')} | {'PASS' if row['passed'] else 'FAIL'} |", flush=True)
+    return dict(rows=rows, passed=all(r["passed"] for r in rows))
 
 
 def compare(out, lse, ref_out, ref_lse) -> dict:
@@ -633,7 +677,7 @@ def summary(report):
     print("| check / measurement | result |")
     print("|---|---|")
     for name in ("load", "forward", "paged", "paged_fp8", "bitwise", "backward", "bwd_bitwise", "grad",
-                 "forward_wgmma", "paged_wgmma"):
+                 "forward_wgmma", "paged_wgmma", "target_wgmma"):
         part = report.get(name)
         if part is None:
             continue
@@ -643,7 +687,7 @@ def summary(report):
             print(f"| load | {part['device']}, jax {part['jax']} |")
         else:
             worst = ""
-            if name in ("forward", "paged", "paged_fp8", "forward_wgmma", "paged_wgmma"):
+            if name in ("forward", "paged", "paged_fp8", "forward_wgmma", "paged_wgmma", "target_wgmma"):
                 errs = [r.get("rel_err", float("inf")) for r in part["rows"]]
                 worst = f" (worst rel err {max(errs):.2e}, {len(errs)} runs)"
             if name == "backward":
@@ -711,6 +755,7 @@ def main():
         stage(report, "forward_wgmma", lambda: forward_checks([(1, 3, 200, 100, 64)], WGMMA_CONFIGS, (1, 2)),
               args.json)
         stage(report, "paged_wgmma", lambda: paged_checks(WGMMA_CONFIGS, ((2, 300, 100),)), args.json)
+        stage(report, "target_wgmma", lambda: target_checks([(1, 3, 200, 100, 64)]), args.json)
     else:
         cases = [(2, 4, 256, 64, 64), (2, 3, 4096, 2048, 64), (1, 5, 300, 100, 64), (1, 3, 512, 128, 128)]
         stage(report, "forward", lambda: forward_checks(cases, CONFIGS, (1, 3)), args.json)
@@ -724,6 +769,7 @@ def main():
         stage(report, "grad", grad_check, args.json)
         stage(report, "forward_wgmma", lambda: forward_checks(cases, WGMMA_CONFIGS, (1, 3)), args.json)
         stage(report, "paged_wgmma", lambda: paged_checks(WGMMA_CONFIGS), args.json)
+        stage(report, "target_wgmma", lambda: target_checks(cases), args.json)
         if not args.skip_timing:
             stage(report, "timing", lambda: timing(report, args.json, args.smoke), args.json)
             stage(report, "bwd_timing", lambda: bwd_timing(report, args.json, args.smoke), args.json)

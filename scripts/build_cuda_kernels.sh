@@ -61,7 +61,7 @@ FILT=cat; command -v c++filt >/dev/null 2>&1 && FILT=c++filt
 awk '/Compiling entry function/ {name=$0; sub(/.*function .?/, "", name); sub(/.? for .*/, "", name)}
      /bytes stack frame/ {match($0, /[0-9]+ bytes spill stores, [0-9]+ bytes spill loads/); spill=substr($0, RSTART, RLENGTH)}
      /Used [0-9]+ registers/ {match($0, /Used [0-9]+ registers/); print name "\t" substr($0, RSTART, RLENGTH) ", " spill}' "$LOG" \
-  | "$FILT" | sed -E 's/^(void )?glm_sparse_mla::(bwd::|sm90::)?(sparse_mla_[a-z0-9_]+_kernel)/  \3/; s/\(glm_sparse_mla::(bwd::)?[A-Za-z]*Params\)//; s/__nv_bfloat16/bf16/'
+  | "$FILT" | sed -E 's/^(void )?glm_sparse_mla::(bwd::|sm90::)?(sparse_mla_[a-z0-9_]+_kernel)/  \3/; s/\(glm_sparse_mla::(bwd::|sm90::)?[A-Za-z]*Params\)//; s/__nv_bfloat16/bf16/'
 for cfg in "64 2" "32 3" "32 4"; do
   set -- $cfg
   echo "  forward block_k=$1 stages=$2: $(( 64 * 1152 + $2 * $1 * 1152 + 64 * ($1 + 8) * 2 + 6 * 64 * 4 + $2 * $1 )) bytes of dynamic shared memory (of 232448)"
@@ -69,6 +69,8 @@ done
 # the warpgroup forward (FwdLayout in sparse_mla_fwd_sm90.cu): Q + 2 buffers of 64 rows, alpha,
 # l, m, 7 barriers, 1024 bytes of alignment; its registers a thread by warpgroup: 240 / 160 / 72
 echo "  forward sm90 (wgmma): $(( 3 * 64 * 1152 + 4 * 64 * 4 + 7 * 8 + 1024 )) bytes of dynamic shared memory (of 232448)"
+# its indexer target pass (TargetLayout): Q + 2 buffers, the column sums [2][4][64] f32, 5 barriers
+echo "  target sm90 (wgmma): $(( 3 * 64 * 1152 + 2 * 4 * 64 * 4 + 5 * 8 + 1024 )) bytes of dynamic shared memory (of 232448)"
 # FP8 rows (paged): one bf16 tile of 32 rows + a ring of stages x 32 staged rows of 656 bytes
 for stages in 3 4; do
   echo "  forward fp8 block_k=32 stages=$stages: $(( 64 * 1152 + 32 * 1152 + stages * 32 * 656 + 64 * 40 * 2 + 6 * 64 * 4 + stages * 32 )) bytes of dynamic shared memory (of 232448)"

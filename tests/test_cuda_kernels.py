@@ -89,6 +89,10 @@ def test_build_compiles_spill_free(tmp_path):
     assert len(kernels) == 16, result.stdout
     sm90 = [line for line in result.stdout.splitlines() if "sparse_mla_fwd_sm90_kernel<" in line]
     assert len(sm90) == 4, result.stdout                      # contiguous and paged, bf16 and f32 out
+    # setmaxnreg moves registers from the launch's 168 a thread (consumer 1 gives 8 back with .dec)
+    assert all("Used 168 registers" in line for line in sm90), result.stdout
+    sm90 += [line for line in result.stdout.splitlines() if "sparse_mla_target_sm90_kernel" in line]
+    assert len(sm90) == 5, result.stdout
     assert "forward sm90 (wgmma): 223288 bytes" in result.stdout, result.stdout
     fp8_kernels = [line for line in kernels if "true, true," in line]            # paged, FP8 rows
     assert sorted(line.split("<")[1].split(",")[:2] for line in fp8_kernels) == [["32", " 3"]] * 2 + [["32", " 4"]] * 2
@@ -226,6 +230,22 @@ def test_wgmma_forward_calls_its_own_target_without_block_attributes(no_library,
     assert f"custom_call @{name}_sm90(" in text and "splits = 2 : i64" in text and "block_k" not in text
     text = lowered(cuda.SparseMLACudaConfig())
     assert f"custom_call @{name}(" in text and "block_k = 64 : i64" in text and "_sm90" not in text
+
+
+def test_wgmma_forward_returns_the_indexer_target(no_library):
+    """forward="wgmma" takes return_target: (out, lse, target [B, S, K]), the target from the
+    sm90 target kernel's per-head-group sums (divided by H in XLA); the mma.sync kernel refuses it."""
+    q, kv, idx = _inputs(B=2, S=3, H=128, K=100)
+    config = cuda.SparseMLACudaConfig(forward="wgmma")
+    out, lse, target = jax.eval_shape(lambda: cuda.sparse_mla(q, kv, idx, sm_scale=0.1, v_dim=512,
+                                                              return_target=True, config=config))
+    assert out.shape == (2, 3, 128, 512) and lse.shape == (2, 3, 128)
+    assert (target.shape, target.dtype) == ((2, 3, 100), jnp.float32)
+    text = jax.jit(lambda: cuda.sparse_mla(q, kv, idx, sm_scale=0.1, v_dim=512, return_target=True, config=config)
+                   ).trace().lower(lowering_platforms=("cuda",)).as_text()
+    assert "custom_call @glm_sparse_mla_target_sm90(" in text and "tensor<6x2x100xf32>" in text
+    with pytest.raises(ValueError, match="no indexer target"):
+        cuda.sparse_mla(q, kv, idx, sm_scale=0.1, v_dim=512, return_target=True)
 
 
 def test_paged_shapes(no_library):

@@ -11,8 +11,9 @@ imports on a CPU-only machine and registers nothing there.
 
 Supported: bf16 q and kv (paged: also FP8 pages, `fp8.Fp8Latent`, read by `cuda_fp8`'s
 kernel), Dk = 576, v_dim = 512, heads a multiple of 64 (one CTA per 64 heads; H = 128 runs two),
-any K (slots past K, -1 and out-of-range indices are skipped), no indexer target. Anything else
-raises a ValueError naming impl="pallas_gpu" as the one to use.
+any K (slots past K, -1 and out-of-range indices are skipped), the indexer target only with
+forward="wgmma" (`target`). Anything else raises a ValueError naming impl="pallas_gpu" as the
+one to use.
 Design and status: docs/kernels-sparse-mla.md, "CUDA implementation".
 """
 
@@ -42,11 +43,13 @@ DEFAULT_LIB = Path(__file__).resolve().parents[2] / "build" / "cuda" / "libglm_s
 TARGETS = {"glm_sparse_mla_fwd": "GlmSparseMlaFwd", "glm_paged_sparse_mla_fwd": "GlmPagedSparseMlaFwd",
            "glm_sparse_mla_fwd_sm90": "GlmSparseMlaFwdSm90",
            "glm_paged_sparse_mla_fwd_sm90": "GlmPagedSparseMlaFwdSm90",
+           "glm_sparse_mla_target_sm90": "GlmSparseMlaTargetSm90",
            "glm_sparse_mla_dq": "GlmSparseMlaDq", "glm_sparse_mla_dkv": "GlmSparseMlaDkv",
            cuda_fp8.TARGET: "GlmPagedSparseMlaFp8Fwd"}
 #: The forward kernels over bf16 rows `SparseMLACudaConfig.forward` takes: "mma" (mma.sync fed by
 #: ldmatrix, sparse_mla_fwd.cu) and "wgmma" (Hopper warpgroup MMAs, a producer warpgroup and two
-#: consumers, sparse_mla_fwd_sm90.cu: sm_90 only, rows in blocks of 64).
+#: consumers, sparse_mla_fwd_sm90.cu: sm_90 only, rows in blocks of 64; with it also the indexer
+#: target, `target`).
 FORWARDS = ("mma", "wgmma")
 
 #: The shapes the kernels take.
@@ -142,8 +145,9 @@ class SparseMLACudaConfig:
         return self.num_stages if self.num_stages is not None else (2 if self.block_k == 64 else 4)
 
 
-def check_supported(op: str, q, kv, v_dim: int, *, return_target: bool = False) -> None:
-    """ValueError (one line, naming the fallback) for what the CUDA kernels do not take."""
+def check_supported(op: str, q, kv, v_dim: int, *, return_target: bool = False, target_kernel: bool = False) -> None:
+    """ValueError (one line, naming the fallback) for what the CUDA kernels do not take
+    (return_target: only where target_kernel, i.e. forward="wgmma")."""
     heads, dk = q.shape[-2:]
     problems = []
     if q.dtype != jnp.bfloat16 or kv.dtype != jnp.bfloat16:
@@ -154,8 +158,8 @@ def check_supported(op: str, q, kv, v_dim: int, *, return_target: bool = False) 
         problems.append(f"v_dim = {DV} (got {v_dim})")
     if heads % HEAD_TILE:
         problems.append(f"a multiple of {HEAD_TILE} heads (got {heads})")
-    if return_target:
-        problems.append("no indexer target (return_target=True)")
+    if return_target and not target_kernel:
+        problems.append("no indexer target (return_target=True) but with forward='wgmma'")
     if problems:
         raise ValueError(f"pallas_kernels.{op}: impl='cuda' takes only " + ", ".join(problems) +
                          "; use impl='pallas_gpu' (or 'auto')")
@@ -218,6 +222,22 @@ def forward(q: jax.Array, kv: jax.Array, indices: jax.Array, *, sm_scale: float,
     out, lse = _call(target, (q, kv, jnp.asarray(indices, jnp.int32)), rows=rows, heads=heads,
                      splits=splits, dtype=q.dtype, sm_scale=sm_scale, block_k=block_k, stages=stages)
     return _finish(out, lse, batch=batch, seq_len=seq_len, heads=heads, dtype=q.dtype)
+
+
+def target(q: jax.Array, kv: jax.Array, indices: jax.Array, lse: jax.Array, *, sm_scale: float) -> jax.Array:
+    """The indexer target of the forward whose lse is given (the wgmma kernel's second pass over
+    the same rows: S again, no P V): q bf16 [B, S, H, 576], kv bf16 [B, T, 576], indices int32
+    [B, S, K], lse float32 [B, S, H] -> float32 [B, S, K], mean over heads of
+    exp(sm_scale q_h . kv[indices[j]] - lse_h); 0 at invalid slots. A constant (no gradient)."""
+    batch, seq_len, heads, _ = q.shape
+    topk = indices.shape[-1]
+    rows = batch * seq_len
+    ensure_registered()
+    sums = jax.ffi.ffi_call("glm_sparse_mla_target_sm90",
+                            jax.ShapeDtypeStruct((rows, heads // HEAD_TILE, topk), jnp.float32))(
+        q, kv, jnp.asarray(indices, jnp.int32), jnp.asarray(lse, jnp.float32).reshape(rows, heads),
+        sm_scale=np.float32(sm_scale))
+    return jax.lax.stop_gradient(jnp.sum(sums, axis=1) / heads).reshape(batch, seq_len, topk)
 
 
 @jax.tree_util.register_dataclass
@@ -319,13 +339,17 @@ def backward(q: jax.Array, kv: jax.Array, indices: jax.Array, dout: jax.Array, l
 
 
 @functools.lru_cache(maxsize=None)
-def _op(sm_scale: float, v_dim: int, config: SparseMLACudaConfig, dkv_mode: str, bwd: tuple):
-    """The differentiable op: the CUDA forward of config; the CUDA backward (dkv_mode "cuda") or
-    the Pallas GPU backward of dkv_mode ("sorted", "by_key") with the keyword settings bwd
-    ((name, value), ...)."""
+def _op(sm_scale: float, v_dim: int, config: SparseMLACudaConfig, dkv_mode: str, bwd: tuple,
+        return_target: bool = False):
+    """The differentiable op: the CUDA forward of config (with return_target also the indexer
+    target, `target`); the CUDA backward (dkv_mode "cuda") or the Pallas GPU backward of
+    dkv_mode ("sorted", "by_key") with the keyword settings bwd ((name, value), ...)."""
     def fwd(q, kv, idx, index):
         del index
-        return forward(q, kv, idx, sm_scale=sm_scale, config=config)
+        out, lse = forward(q, kv, idx, sm_scale=sm_scale, config=config)
+        if not return_target:
+            return out, lse
+        return out, lse, target(q, kv, idx, lse, sm_scale=sm_scale)
 
     if dkv_mode == "cuda":
         return vjp.make_index_sparse_mla(fwd, functools.partial(backward, sm_scale=sm_scale, v_dim=v_dim))
@@ -359,14 +383,15 @@ def sparse_mla(q: jax.Array, kv: jax.Array, indices: jax.Array, *, sm_scale: flo
     `gpu.sparse_mla`). A tindex of the other backward's kind is not used (the right one is built)."""
     if interpret:
         raise ValueError("pallas_kernels.sparse_mla: impl='cuda' has no interpret mode; it runs only on CUDA GPUs")
-    check_supported("sparse_mla", q, kv, int(v_dim), return_target=return_target)
+    check_supported("sparse_mla", q, kv, int(v_dim), return_target=return_target,
+                    target_kernel=config.forward == "wgmma")
     idx = jnp.asarray(indices, jnp.int32)
     if config.backward == "cuda":
         if isinstance(tindex, KeyIndex):
             check_key_index(tindex, idx, kv.shape[1])
         else:
             tindex = key_index(idx, kv.shape[1])
-        op = _op(float(sm_scale), int(v_dim), config, "cuda", ())
+        op = _op(float(sm_scale), int(v_dim), config, "cuda", (), bool(return_target))
         return op(q, kv, idx, tindex)
     c = config.pallas_backward
     dkv_mode = _dkv_mode(c, q, kv, indices, v_dim)
@@ -379,7 +404,8 @@ def sparse_mla(q: jax.Array, kv: jax.Array, indices: jax.Array, *, sm_scale: flo
         tindex = None
     if tindex is None:
         tindex = gpu._indexed_index(idx, kv.shape[1], dkv_mode, dk=q.shape[3], dtype=kv.dtype, c=c)
-    op = _op(float(sm_scale), int(v_dim), config, dkv_mode, gpu._backward_settings(c, dkv_mode))
+    op = _op(float(sm_scale), int(v_dim), config, dkv_mode, gpu._backward_settings(c, dkv_mode),
+             bool(return_target))
     return op(q, kv, idx, tindex)
 
 

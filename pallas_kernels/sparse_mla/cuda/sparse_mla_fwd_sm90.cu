@@ -17,7 +17,8 @@
 //             as the A operand of its own P V (value columns 0..255, wgmma m64n256k16, V the
 //             same buffer read MN-major), and to shared memory (over the buffer's rope
 //             columns, which only S reads) with the block's rescale factors for consumer1.
-//   consumer1 (warpgroup 1, 160 registers): waits for P, rescales its accumulator and adds
+//   consumer1 (warpgroup 1, 160 registers; the launch gives every thread 168, `setmaxnreg`
+//             moves them): waits for P, rescales its accumulator and adds
 //             P V for value columns 256..511 (wgmma with both operands in shared memory).
 // Each consumer holds a 64 x 256 f32 accumulator (128 registers a thread). A buffer is free
 // again when both consumers' P V on it completed (`empty` barrier, 256 arrivals).
@@ -29,6 +30,13 @@
 // Masked slots (index -1, out of range, past K or past the split) get the logit -inf; a query
 // (or split) without a valid slot writes out 0 and lse -inf; splits > 1 write normalised
 // partials merged by the caller, as sparse_mla_fwd.cu does. Deterministic: fixed order, no atomics.
+//
+// The indexer target (`sparse_mla_target_sm90_kernel`, contiguous rows): given the forward's
+// lse, target[j] = sum over the CTA's 64 heads of exp(sm_scale q_h . kv[indices[j]] - lse_h)
+// (the caller sums head groups and divides by H; 0 at masked slots). The same producer and
+// the same S = Q K^T; no P V, so both consumer warpgroups compute S, each on its own buffer
+// (blocks alternate), and sum their block's columns over the heads in registers, warp
+// shuffles and a [4][64] shared-memory exchange.
 
 #include "sm90.cuh"
 #include "sparse_mla_fwd.cuh"
@@ -262,7 +270,7 @@ __global__ void __launch_bounds__(kFwdThreads, 1) sparse_mla_fwd_sm90_kernel(con
     }
   } else {
     // ------------------------------------------------------------------ consumer 1
-    setmaxnreg_inc<160>();
+    setmaxnreg_dec<160>();   // from the 168 of the launch (ptxas allocates the launch bound's 168)
     for (int blk = 0; blk < nblocks; ++blk) {
       const int buf = blk & 1;
       mbar_wait(bar_p(buf), (blk >> 1) & 1);
@@ -300,6 +308,147 @@ __global__ void __launch_bounds__(kFwdThreads, 1) sparse_mla_fwd_sm90_kernel(con
 #pragma unroll
     for (int j = 0; j < 32; ++j) store_pair(orow + 8 * j, o[4 * j + 2 * i] * inv, o[4 * j + 2 * i + 1] * inv);
     if (wg == 0 && lane % 4 == 0) p.lse[at] = l > 0.f ? (s_m[h] + log2f(l)) * 0.69314718055994531f : -INFINITY;
+  }
+}
+
+struct TargetLayout {
+  static constexpr int kQ = 0;
+  static constexpr int kKV = kQ + kRowsBytes;               // [2] buffers
+  static constexpr int kSums = kKV + 2 * kRowsBytes;        // f32 [2 consumers][4 warps][64]
+  static constexpr int kBars = kSums + 2 * 4 * 64 * 4;      // u64: q_full, full[2], empty[2]
+  static constexpr int kBytes = kBars + 5 * 8;
+  static constexpr int kAlloc = kBytes + 1024;
+  static_assert(kAlloc <= 232448, "more shared memory than a Hopper CTA may have");
+};
+
+struct TargetParams {
+  Params p;                 // q, kv, indices, sizes, scale_log2 (contiguous rows; out unused)
+  const float* lse;         // [rows, heads], natural log
+  float* target;            // [rows, heads / 64, topk]
+};
+
+__global__ void __launch_bounds__(kFwdThreads, 1) sparse_mla_target_sm90_kernel(const TargetParams tp) {
+  using L = TargetLayout;
+  const Params& p = tp.p;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  const uint32_t raw = smem_addr(smem_raw);
+  const uint32_t base = (raw + 1023u) & ~1023u;
+  float* s_sums = reinterpret_cast<float*>(smem_raw + (base - raw) + L::kSums);
+  const uint32_t bar_q = base + L::kBars;
+  auto bar_full = [&](int buf) { return base + L::kBars + 8 + 8 * buf; };
+  auto bar_empty = [&](int buf) { return base + L::kBars + 24 + 8 * buf; };
+  auto kv_tile = [&](int buf, int d) { return base + L::kKV + buf * kRowsBytes + d * kTileBytes; };
+
+  const int tid = threadIdx.x;
+  const int wg = tid / 128;
+  const int t = tid % 128;
+  const int row = blockIdx.x;
+  const int group = blockIdx.z;
+  const int h0 = group * 64;
+  const int b = row / p.seq_len;
+  const int nblocks = (p.topk + kBK - 1) / kBK;
+  const int* idx_row = p.indices + static_cast<long long>(row) * p.topk;
+  auto key_of = [&](int blk, int r) -> int {
+    const int k = blk * kBK + r;
+    if (k >= p.topk) return -1;
+    const int key = __ldg(idx_row + k);
+    return key >= 0 && key < p.num_keys ? key : -1;
+  };
+
+  if (tid == 0) {
+    mbar_init(bar_q, 128);
+    for (int i = 0; i < 2; ++i) {
+      mbar_init(bar_full(i), 128);
+      mbar_init(bar_empty(i), 128);
+    }
+  }
+  __syncthreads();
+
+  if (wg == 2) {
+    const int g = t / 8, c = t % 8;
+    const __nv_bfloat16* q_tile = p.q + (static_cast<long long>(row) * p.heads + h0) * kDk;
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int d = 0; d < kTiles; ++d)
+        cp_async16(base + L::kQ + d * kTileBytes + sw128(g + 16 * i, c), q_tile + (g + 16 * i) * kDk + d * 64 + c * 8,
+                   true);
+    mbar_arrive_cp_async(bar_q);
+    for (int blk = 0; blk < nblocks; ++blk) {
+      const int buf = blk & 1;
+      if (blk >= 2) mbar_wait(bar_empty(buf), ((blk >> 1) - 1) & 1);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int r = g + 16 * i;
+        const __nv_bfloat16* src = key_row<false>(p, b, 0, key_of(blk, r));
+        const bool valid = src != nullptr;
+        const __nv_bfloat16* from = valid ? src + c * 8 : p.kv;
+#pragma unroll
+        for (int d = 0; d < kTiles; ++d) cp_async16(kv_tile(buf, d) + sw128(r, c), from + (valid ? d * 64 : 0), valid);
+      }
+      mbar_arrive_cp_async(bar_full(buf));
+    }
+    return;
+  }
+
+  // consumer wg (0 or 1) takes the blocks of buffer wg (the launch's registers suffice: no setmaxnreg)
+  const int w = t / 32, lane = t % 32;
+  const int r0 = 16 * w + lane / 4;
+  float lse2[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const float l = __ldg(tp.lse + static_cast<long long>(row) * p.heads + h0 + r0 + 8 * i);
+    lse2[i] = isfinite(l) ? l * 1.4426950408889634f : INFINITY;   // no valid slot: every term 0
+  }
+  float* sums = s_sums + wg * 4 * 64;
+  float* out = tp.target + (static_cast<long long>(row) * (p.heads / 64) + group) * p.topk;
+  mbar_wait(bar_q, 0);
+  for (int blk = wg; blk < nblocks; blk += 2) {
+    const int buf = wg;
+    uint32_t valid = 0;
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) valid |= static_cast<uint32_t>(key_of(blk, 8 * j + 2 * (lane % 4) + e) >= 0) << (2 * j + e);
+    mbar_wait(bar_full(buf), (blk >> 1) & 1);
+    float s[32];
+    fence_regs(s);
+    wgmma_fence();
+#pragma unroll
+    for (int d = 0; d < kTiles; ++d)
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk)
+        wgmma_m64n64k16_ss(s, make_desc(base + L::kQ + d * kTileBytes + 32 * kk, 16),
+                           make_desc(kv_tile(buf, d) + 32 * kk, 16), d + kk > 0);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(s);
+    mbar_arrive(bar_empty(buf));          // S is in registers: the buffer may refill
+    // this thread's column sums over its two rows, then over the warp's 16 rows
+    float col[16];
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float x = 0.f;
+        if ((valid >> (2 * j + e)) & 1u)
+#pragma unroll
+          for (int i = 0; i < 2; ++i) x += fast_exp2(s[4 * j + 2 * i + e] * p.scale_log2 - lse2[i]);
+        x += __shfl_xor_sync(0xffffffffu, x, 4);
+        x += __shfl_xor_sync(0xffffffffu, x, 8);
+        x += __shfl_xor_sync(0xffffffffu, x, 16);
+        col[2 * j + e] = x;
+      }
+    named_barrier(2 + wg, 128);           // the previous block's sums were read
+    if (lane < 4) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) sums[w * 64 + 8 * j + 2 * lane + e] = col[2 * j + e];
+    }
+    named_barrier(2 + wg, 128);
+    if (t < 64 && blk * kBK + t < p.topk)
+      out[blk * kBK + t] = sums[t] + sums[64 + t] + sums[128 + t] + sums[192 + t];
   }
 }
 
@@ -343,8 +492,57 @@ ffi::Error PagedSparseMlaFwdSm90Impl(cudaStream_t stream, ffi::AnyBuffer q, ffi:
   return run_fwd<true>(name, p, rows, out, stream);
 }
 
+ffi::Error SparseMlaTargetSm90Impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer kv,
+                                   ffi::Buffer<ffi::S32> indices, ffi::Buffer<ffi::F32> lse,
+                                   ffi::Result<ffi::Buffer<ffi::F32>> target, float sm_scale) {
+  const char* name = "glm_sparse_mla_target_sm90";
+  TargetParams tp{};
+  Params& p = tp.p;
+  auto qd = q.dimensions();
+  auto id = indices.dimensions();
+  if (q.element_type() != ffi::DataType::BF16 || qd.size() != 4 || qd[3] != kDk || qd[2] % 64 != 0)
+    return ffi::Error::InvalidArgument(std::string(name) + ": q must be bf16 [B, S, H, 576] with H a multiple of 64, got " +
+                                       dims_str(qd));
+  if (id.size() != 3 || id[0] != qd[0] || id[1] != qd[1] || id[2] < 1)
+    return ffi::Error::InvalidArgument(std::string(name) + ": indices must be int32 [B, S, K] matching q, got " +
+                                       dims_str(id));
+  auto ld = lse.dimensions();
+  const int64_t rows = qd[0] * qd[1];
+  if (ld.size() != 2 || ld[0] != rows || ld[1] != qd[2])
+    return ffi::Error::InvalidArgument(std::string(name) + ": lse must be f32 [B*S, H], got " + dims_str(ld));
+  auto td = target->dimensions();
+  if (td.size() != 3 || td[0] != rows || td[1] != qd[2] / 64 || td[2] != id[2])
+    return ffi::Error::InvalidArgument(std::string(name) + ": target must be f32 [B*S, H/64, K], got " + dims_str(td));
+  if (auto e = take_rows(name, q, kv, sm_scale, p); e.failure()) return e;
+  p.q = static_cast<const __nv_bfloat16*>(q.untyped_data());
+  p.indices = indices.typed_data();
+  p.heads = static_cast<int>(qd[2]);
+  p.seq_len = static_cast<int>(qd[1]);
+  p.topk = static_cast<int>(id[2]);
+  tp.lse = lse.typed_data();
+  tp.target = target->typed_data();
+  if (rows == 0) return ffi::Error::Success();
+  auto kernel = sparse_mla_target_sm90_kernel;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, TargetLayout::kAlloc);
+  if (err == cudaSuccess) {
+    kernel<<<dim3(static_cast<unsigned>(rows), 1, p.heads / 64), kFwdThreads, TargetLayout::kAlloc, stream>>>(tp);
+    err = cudaGetLastError();
+  }
+  return finish(name, err);
+}
+
 }  // namespace sm90
 }  // namespace glm_sparse_mla
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GlmSparseMlaTargetSm90, glm_sparse_mla::sm90::SparseMlaTargetSm90Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("sm_scale"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GlmSparseMlaFwdSm90, glm_sparse_mla::sm90::SparseMlaFwdSm90Impl,
                               ffi::Ffi::Bind()
