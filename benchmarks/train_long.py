@@ -45,6 +45,7 @@ from glm_jax.forward_options import ForwardOptions
 from glm_jax.model import GLMModel, params_by_part
 from glm_jax.training.step import Batch, LossWeights, OptimizerConfig, StepConfig, train_step_program
 from lab import dense_indexer_kl_gpu_vjp
+from pallas_kernels.sparse_mla.cuda import SparseMLACudaConfig
 
 
 def main() -> None:
@@ -60,7 +61,9 @@ def _run() -> None:
     ap.add_argument("--steps", type=int, default=2, help="timed steps per stage (after one compiling step)")
     ap.add_argument("--stages", nargs="+", default=["sparse", "dense"], choices=["dense", "sparse"])
     ap.add_argument("--sparse-impls", nargs="+", default=["pallas_gpu", "xla"],
-                    choices=ops.impl_choices("sparse_mla"), help="sparse attention kernels to time")
+                    choices=ops.impl_choices("sparse_mla") + ("cuda-wgmma",),
+                    help="sparse attention kernels to time (cuda-wgmma: impl cuda with the warpgroup forward, "
+                         "SparseMLACudaConfig(forward='wgmma'), which also serves the indexer target)")
     ap.add_argument("--dense-kl", nargs="+", default=["none"], choices=("none",) + ops.impl_choices("dense_indexer_kl"),
                     help="the dense stage once per entry: none trains no indexer (the dense attention alone), an "
                          "implementation of pallas_kernels.dense_indexer_kl adds the dense warm-up's indexer KL "
@@ -121,8 +124,9 @@ def _run() -> None:
     for stage, impl, keep in runs:
         label = impl + (", attention kept" if keep else "")
         dense_kl = impl.rsplit(" ", 1)[-1] if "+ KL" in impl else None
-        kernels = ops.KernelChoice(sparse_mla=(impl if stage == "sparse" else "auto",
-                                               sparse_config if impl == "pallas_gpu" else None),
+        sparse = ("cuda", SparseMLACudaConfig(forward="wgmma")) if impl == "cuda-wgmma" else \
+            (impl, sparse_config if impl == "pallas_gpu" else None)
+        kernels = ops.KernelChoice(sparse_mla=sparse if stage == "sparse" else "auto",
                                    dense_indexer_kl=dense_kl or "xla",
                                    interpret=args.smoke and (impl.startswith("pallas") or impl.endswith("pallas_gpu")))
         weights = LossWeights(indexer=1.0 if stage == "sparse" or dense_kl else 0.0, mtp=0.3)

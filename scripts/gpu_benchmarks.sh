@@ -364,6 +364,12 @@ for group in "${groups[@]}"; do
             run train_long_glm52_64k 400 "--smoke" "${mem95[@]}" "$py" benchmarks/train_long.py \
                 --config configs/glm-5.2-attn.yaml --seq-len 65536 --stages sparse dense --sparse-impls pallas_gpu \
                 --json "$stage/train_long_glm52_64k.json"
+            # the CUDA kernels' train step (the wgmma forward and its indexer target; needs build/cuda)
+            if [ -f build/cuda/libglm_sparse_mla.so ]; then
+                run train_long_glm52_64k_cuda 300 "--smoke" "${mem95[@]}" "$py" benchmarks/train_long.py \
+                    --config configs/glm-5.2-attn.yaml --seq-len 65536 --stages sparse --sparse-impls cuda-wgmma \
+                    --json "$stage/train_long_glm52_64k_cuda.json"
+            fi
             ;;
         training-glm52-tuned)
             run sparse_mla_fwd_sweep_64h 200 "--smoke" "$py" benchmarks/sparse_mla_fwd_sweep.py --heads 64 \
