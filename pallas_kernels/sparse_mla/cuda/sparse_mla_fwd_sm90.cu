@@ -75,6 +75,67 @@ __device__ __forceinline__ const __nv_bfloat16* key_row(const Params& p, int b, 
   }
 }
 
+// The producer warpgroup's work, shared by both kernels: the query tile (64 heads at q_tile) into
+// the 9 tiles at q_smem, then each block's 64 rows (key_of(blk, r): the logical key of row r,
+// -1 masked) into buffer blk & 1 at kv_smem, waiting for the buffer's `empty` barrier before
+// reusing it. Thread t copies chunk t % 8 of rows t / 8 + 16 i.
+template <bool PAGED, typename KeyOf>
+__device__ __forceinline__ void produce(const Params& p, const __nv_bfloat16* q_tile, uint32_t q_smem, uint32_t kv_smem,
+                                        uint32_t bar_q, uint32_t bar_full0, uint32_t bar_empty0, int b, int nblocks,
+                                        KeyOf key_of, int t) {
+  const int g = t / 8, c = t % 8;
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int d = 0; d < kTiles; ++d)
+      cp_async16(q_smem + d * kTileBytes + sw128(g + 16 * i, c), q_tile + (g + 16 * i) * kDk + d * 64 + c * 8, true);
+  mbar_arrive_cp_async(bar_q);
+  const int slot = PAGED ? __ldg(p.slot) : 0;
+  for (int blk = 0; blk < nblocks; ++blk) {
+    const int buf = blk & 1;
+    if (blk >= 2) mbar_wait(bar_empty0 + 8 * buf, ((blk >> 1) - 1) & 1);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int r = g + 16 * i;
+      const __nv_bfloat16* src = key_row<PAGED>(p, b, slot, key_of(blk, r));
+      const bool valid = src != nullptr;
+      const __nv_bfloat16* from = valid ? src + c * 8 : p.kv;
+#pragma unroll
+      for (int d = 0; d < kTiles; ++d)
+        cp_async16(kv_smem + buf * kRowsBytes + d * kTileBytes + sw128(r, c), from + (valid ? d * 64 : 0), valid);
+    }
+    mbar_arrive_cp_async(bar_full0 + 8 * buf);
+  }
+}
+
+// Bit 2 j + e: whether slot 8 j + 2 (lane % 4) + e of block blk (this thread's 16 accumulator
+// columns) holds a key.
+template <typename KeyOf>
+__device__ __forceinline__ uint32_t valid_columns(KeyOf key_of, int blk, int lane) {
+  uint32_t valid = 0;
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) valid |= static_cast<uint32_t>(key_of(blk, 8 * j + 2 * (lane % 4) + e) >= 0) << (2 * j + e);
+  return valid;
+}
+
+// s = Q K^T of one block: 64 heads (Q at q_smem) x 64 rows (the buffer at kv_smem), 9 column
+// tiles of 4 k16 steps each, both operands read from shared memory; returns when it is done.
+__device__ __forceinline__ void block_scores(float (&s)[32], uint32_t q_smem, uint32_t kv_smem) {
+  fence_regs(s);
+  wgmma_fence();
+#pragma unroll
+  for (int d = 0; d < kTiles; ++d)
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+      wgmma_m64n64k16_ss(s, make_desc(q_smem + d * kTileBytes + 32 * kk, 16), make_desc(kv_smem + d * kTileBytes + 32 * kk, 16),
+                         d + kk > 0);
+  wgmma_commit();
+  wgmma_wait<0>();
+  fence_regs(s);
+}
+
 template <bool PAGED, typename OutT>
 __global__ void __launch_bounds__(kFwdThreads, 1) sparse_mla_fwd_sm90_kernel(const Params p) {
   using L = FwdLayout;
@@ -123,32 +184,8 @@ __global__ void __launch_bounds__(kFwdThreads, 1) sparse_mla_fwd_sm90_kernel(con
   if (wg == 2) {
     // ------------------------------------------------------------------ producer
     setmaxnreg_dec<72>();
-    const int g = t / 8;      // rows g, g + 16, g + 32, g + 48
-    const int c = t % 8;      // 16-byte chunk of each 128-byte line
-    const __nv_bfloat16* q_tile = p.q + (static_cast<long long>(row) * p.heads + h0) * kDk;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int r = g + 16 * i;
-#pragma unroll
-      for (int d = 0; d < kTiles; ++d)
-        cp_async16(base + L::kQ + d * kTileBytes + sw128(r, c), q_tile + r * kDk + d * 64 + c * 8, true);
-    }
-    mbar_arrive_cp_async(bar_q);
-    const int slot = PAGED ? __ldg(p.slot) : 0;
-    for (int blk = 0; blk < nblocks; ++blk) {
-      const int buf = blk & 1;
-      if (blk >= 2) mbar_wait(bar_empty(buf), ((blk >> 1) - 1) & 1);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int r = g + 16 * i;
-        const __nv_bfloat16* src = key_row<PAGED>(p, b, slot, key_of(blk, r));
-        const bool valid = src != nullptr;
-        const __nv_bfloat16* from = valid ? src + c * 8 : p.kv;
-#pragma unroll
-        for (int d = 0; d < kTiles; ++d) cp_async16(kv_tile(buf, d) + sw128(r, c), from + (valid ? d * 64 : 0), valid);
-      }
-      mbar_arrive_cp_async(bar_full(buf));
-    }
+    produce<PAGED>(p, p.q + (static_cast<long long>(row) * p.heads + h0) * kDk, base + L::kQ, base + L::kKV, bar_q,
+                   bar_full(0), bar_empty(0), b, nblocks, key_of, t);
     return;
   }
 
@@ -167,26 +204,10 @@ __global__ void __launch_bounds__(kFwdThreads, 1) sparse_mla_fwd_sm90_kernel(con
     mbar_wait(bar_q, 0);
     for (int blk = 0; blk < nblocks; ++blk) {
       const int buf = blk & 1;
-      // this thread's 16 columns' validity (slots 8 j + 2 (lane % 4) + e)
-      uint32_t valid = 0;
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) valid |= static_cast<uint32_t>(key_of(blk, 8 * j + 2 * (lane % 4) + e) >= 0) << (2 * j + e);
+      const uint32_t valid = valid_columns(key_of, blk, lane);
       mbar_wait(bar_full(buf), (blk >> 1) & 1);
-
       float s[32];
-      fence_regs(s);
-      wgmma_fence();
-#pragma unroll
-      for (int d = 0; d < kTiles; ++d)
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk)
-          wgmma_m64n64k16_ss(s, make_desc(base + L::kQ + d * kTileBytes + 32 * kk, 16),
-                             make_desc(kv_tile(buf, d) + 32 * kk, 16), d + kk > 0);
-      wgmma_commit();
-      wgmma_wait<0>();
-      fence_regs(s);
+      block_scores(s, base + L::kQ, kv_tile(buf, 0));
 
       // mask, running max and rescale factor of rows r0 (i = 0) and r0 + 8 (i = 1)
       float alpha[2];
@@ -365,29 +386,8 @@ __global__ void __launch_bounds__(kFwdThreads, 1) sparse_mla_target_sm90_kernel(
   __syncthreads();
 
   if (wg == 2) {
-    const int g = t / 8, c = t % 8;
-    const __nv_bfloat16* q_tile = p.q + (static_cast<long long>(row) * p.heads + h0) * kDk;
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-#pragma unroll
-      for (int d = 0; d < kTiles; ++d)
-        cp_async16(base + L::kQ + d * kTileBytes + sw128(g + 16 * i, c), q_tile + (g + 16 * i) * kDk + d * 64 + c * 8,
-                   true);
-    mbar_arrive_cp_async(bar_q);
-    for (int blk = 0; blk < nblocks; ++blk) {
-      const int buf = blk & 1;
-      if (blk >= 2) mbar_wait(bar_empty(buf), ((blk >> 1) - 1) & 1);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int r = g + 16 * i;
-        const __nv_bfloat16* src = key_row<false>(p, b, 0, key_of(blk, r));
-        const bool valid = src != nullptr;
-        const __nv_bfloat16* from = valid ? src + c * 8 : p.kv;
-#pragma unroll
-        for (int d = 0; d < kTiles; ++d) cp_async16(kv_tile(buf, d) + sw128(r, c), from + (valid ? d * 64 : 0), valid);
-      }
-      mbar_arrive_cp_async(bar_full(buf));
-    }
+    produce<false>(p, p.q + (static_cast<long long>(row) * p.heads + h0) * kDk, base + L::kQ, base + L::kKV, bar_q,
+                   bar_full(0), bar_empty(0), b, nblocks, key_of, t);
     return;
   }
 
@@ -405,24 +405,10 @@ __global__ void __launch_bounds__(kFwdThreads, 1) sparse_mla_target_sm90_kernel(
   mbar_wait(bar_q, 0);
   for (int blk = wg; blk < nblocks; blk += 2) {
     const int buf = wg;
-    uint32_t valid = 0;
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) valid |= static_cast<uint32_t>(key_of(blk, 8 * j + 2 * (lane % 4) + e) >= 0) << (2 * j + e);
+    const uint32_t valid = valid_columns(key_of, blk, lane);
     mbar_wait(bar_full(buf), (blk >> 1) & 1);
     float s[32];
-    fence_regs(s);
-    wgmma_fence();
-#pragma unroll
-    for (int d = 0; d < kTiles; ++d)
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk)
-        wgmma_m64n64k16_ss(s, make_desc(base + L::kQ + d * kTileBytes + 32 * kk, 16),
-                           make_desc(kv_tile(buf, d) + 32 * kk, 16), d + kk > 0);
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_regs(s);
+    block_scores(s, base + L::kQ, kv_tile(buf, 0));
     mbar_arrive(bar_empty(buf));          // S is in registers: the buffer may refill
     // this thread's column sums over its two rows, then over the warp's 16 rows
     float col[16];
