@@ -50,10 +50,41 @@ constexpr int kRopeTile = kTiles - 1;      // columns 512..575
 constexpr int kRowsBytes = kTiles * kTileBytes;   // 73,728: 64 rows x 576 bf16
 constexpr int kFwdThreads = 384;
 
+// The shared memory both kernels start with, from a 1024-aligned base: Q (9 tiles), two buffers
+// of 64 rows (9 tiles each); their own parts follow, then the barriers q_full, full[2], empty[2]
+// at kBars (the forward adds p_full[2]).
+struct Ring {
+  static constexpr int kKV = kRowsBytes;
+  static constexpr int kEnd = kKV + 2 * kRowsBytes;
+  uint32_t base, bars;
+
+  __device__ uint32_t q() const { return base; }
+  __device__ uint32_t kv(int buf, int d = 0) const { return base + kKV + buf * kRowsBytes + d * kTileBytes; }
+  __device__ uint32_t bar_q() const { return bars; }
+  __device__ uint32_t full(int buf) const { return bars + 8 + 8 * buf; }
+  __device__ uint32_t empty(int buf) const { return bars + 24 + 8 * buf; }
+
+  // The ring of a kernel's dynamic shared memory (Layout: its kBars); *smem: the aligned base.
+  template <typename Layout>
+  __device__ static Ring of(unsigned char* raw, unsigned char** smem) {
+    const uint32_t at = smem_addr(raw);
+    const uint32_t base = (at + 1023u) & ~1023u;
+    *smem = raw + (base - at);
+    return Ring{base, base + Layout::kBars};
+  }
+
+  // One thread: the barriers, `empty_arrivals` a phase of empty (the threads that free a buffer).
+  __device__ void init(int empty_arrivals) const {
+    mbar_init(bar_q(), 128);
+    for (int i = 0; i < 2; ++i) {
+      mbar_init(full(i), 128);
+      mbar_init(empty(i), empty_arrivals);
+    }
+  }
+};
+
 struct FwdLayout {
-  static constexpr int kQ = 0;
-  static constexpr int kKV = kQ + kRowsBytes;               // [2] buffers
-  static constexpr int kAlpha = kKV + 2 * kRowsBytes;       // f32 [2][64]
+  static constexpr int kAlpha = Ring::kEnd;                 // f32 [2][64]
   static constexpr int kL = kAlpha + 2 * 64 * 4;            // f32 [64]
   static constexpr int kM = kL + 64 * 4;                    // f32 [64]
   static constexpr int kBars = kM + 64 * 4;                 // u64: q_full, full[2], empty[2], p_full[2]
@@ -76,24 +107,23 @@ __device__ __forceinline__ const __nv_bfloat16* key_row(const Params& p, int b, 
 }
 
 // The producer warpgroup's work, shared by both kernels: the query tile (64 heads at q_tile) into
-// the 9 tiles at q_smem, then each block's 64 rows (key_of(blk, r): the logical key of row r,
-// -1 masked) into buffer blk & 1 at kv_smem, waiting for the buffer's `empty` barrier before
+// the ring's Q, then each block's 64 rows (key_of(blk, r): the logical key of row r, -1 masked)
+// into its buffer blk & 1, waiting for the buffer's `empty` barrier before
 // reusing it. Thread t copies chunk t % 8 of rows t / 8 + 16 i.
 template <bool PAGED, typename KeyOf>
-__device__ __forceinline__ void produce(const Params& p, const __nv_bfloat16* q_tile, uint32_t q_smem, uint32_t kv_smem,
-                                        uint32_t bar_q, uint32_t bar_full0, uint32_t bar_empty0, int b, int nblocks,
-                                        KeyOf key_of, int t) {
+__device__ __forceinline__ void produce(const Params& p, const Ring& ring, const __nv_bfloat16* q_tile, int b,
+                                        int nblocks, KeyOf key_of, int t) {
   const int g = t / 8, c = t % 8;
 #pragma unroll
   for (int i = 0; i < 4; ++i)
 #pragma unroll
     for (int d = 0; d < kTiles; ++d)
-      cp_async16(q_smem + d * kTileBytes + sw128(g + 16 * i, c), q_tile + (g + 16 * i) * kDk + d * 64 + c * 8, true);
-  mbar_arrive_cp_async(bar_q);
+      cp_async16(ring.q() + d * kTileBytes + sw128(g + 16 * i, c), q_tile + (g + 16 * i) * kDk + d * 64 + c * 8, true);
+  mbar_arrive_cp_async(ring.bar_q());
   const int slot = PAGED ? __ldg(p.slot) : 0;
   for (int blk = 0; blk < nblocks; ++blk) {
     const int buf = blk & 1;
-    if (blk >= 2) mbar_wait(bar_empty0 + 8 * buf, ((blk >> 1) - 1) & 1);
+    if (blk >= 2) mbar_wait(ring.empty(buf), ((blk >> 1) - 1) & 1);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int r = g + 16 * i;
@@ -102,9 +132,9 @@ __device__ __forceinline__ void produce(const Params& p, const __nv_bfloat16* q_
       const __nv_bfloat16* from = valid ? src + c * 8 : p.kv;
 #pragma unroll
       for (int d = 0; d < kTiles; ++d)
-        cp_async16(kv_smem + buf * kRowsBytes + d * kTileBytes + sw128(r, c), from + (valid ? d * 64 : 0), valid);
+        cp_async16(ring.kv(buf, d) + sw128(r, c), from + (valid ? d * 64 : 0), valid);
     }
-    mbar_arrive_cp_async(bar_full0 + 8 * buf);
+    mbar_arrive_cp_async(ring.full(buf));
   }
 }
 
@@ -140,17 +170,12 @@ template <bool PAGED, typename OutT>
 __global__ void __launch_bounds__(kFwdThreads, 1) sparse_mla_fwd_sm90_kernel(const Params p) {
   using L = FwdLayout;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-  const uint32_t raw = smem_addr(smem_raw);
-  const uint32_t base = (raw + 1023u) & ~1023u;
-  unsigned char* smem = smem_raw + (base - raw);
+  unsigned char* smem;
+  const Ring ring = Ring::of<L>(smem_raw, &smem);
   float* s_alpha = reinterpret_cast<float*>(smem + L::kAlpha);
   float* s_l = reinterpret_cast<float*>(smem + L::kL);
   float* s_m = reinterpret_cast<float*>(smem + L::kM);
-  const uint32_t bar_q = base + L::kBars;
-  auto bar_full = [&](int buf) { return base + L::kBars + 8 + 8 * buf; };
-  auto bar_empty = [&](int buf) { return base + L::kBars + 24 + 8 * buf; };
-  auto bar_p = [&](int buf) { return base + L::kBars + 40 + 8 * buf; };
-  auto kv_tile = [&](int buf, int d) { return base + L::kKV + buf * kRowsBytes + d * kTileBytes; };
+  auto bar_p = [&](int buf) { return ring.bars + 40 + 8 * buf; };
 
   const int tid = threadIdx.x;
   const int wg = tid / 128;
@@ -172,20 +197,15 @@ __global__ void __launch_bounds__(kFwdThreads, 1) sparse_mla_fwd_sm90_kernel(con
   };
 
   if (tid == 0) {
-    mbar_init(bar_q, 128);
-    for (int i = 0; i < 2; ++i) {
-      mbar_init(bar_full(i), 128);
-      mbar_init(bar_empty(i), 256);
-      mbar_init(bar_p(i), 128);
-    }
+    ring.init(256);
+    for (int i = 0; i < 2; ++i) mbar_init(bar_p(i), 128);
   }
   __syncthreads();
 
   if (wg == 2) {
     // ------------------------------------------------------------------ producer
     setmaxnreg_dec<72>();
-    produce<PAGED>(p, p.q + (static_cast<long long>(row) * p.heads + h0) * kDk, base + L::kQ, base + L::kKV, bar_q,
-                   bar_full(0), bar_empty(0), b, nblocks, key_of, t);
+    produce<PAGED>(p, ring, p.q + (static_cast<long long>(row) * p.heads + h0) * kDk, b, nblocks, key_of, t);
     return;
   }
 
@@ -201,13 +221,13 @@ __global__ void __launch_bounds__(kFwdThreads, 1) sparse_mla_fwd_sm90_kernel(con
   if (wg == 0) {
     // ------------------------------------------------------------------ consumer 0
     setmaxnreg_inc<240>();
-    mbar_wait(bar_q, 0);
+    mbar_wait(ring.bar_q(), 0);
     for (int blk = 0; blk < nblocks; ++blk) {
       const int buf = blk & 1;
       const uint32_t valid = valid_columns(key_of, blk, lane);
-      mbar_wait(bar_full(buf), (blk >> 1) & 1);
+      mbar_wait(ring.full(buf), (blk >> 1) & 1);
       float s[32];
-      block_scores(s, base + L::kQ, kv_tile(buf, 0));
+      block_scores(s, ring.q(), ring.kv(buf));
 
       // mask, running max and rescale factor of rows r0 (i = 0) and r0 + 8 (i = 1)
       float alpha[2];
@@ -243,7 +263,7 @@ __global__ void __launch_bounds__(kFwdThreads, 1) sparse_mla_fwd_sm90_kernel(con
       // P in bf16: the A operand (k16 slice kk = n8 blocks 2 kk, 2 kk + 1) and, for consumer 1,
       // the swizzled [64 heads x 64 slots] tile over this buffer's rope columns
       uint32_t a[4][4];
-      const uint32_t p_tile = kv_tile(buf, kRopeTile);
+      const uint32_t p_tile = ring.kv(buf, kRopeTile);
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk)
 #pragma unroll
@@ -271,11 +291,11 @@ __global__ void __launch_bounds__(kFwdThreads, 1) sparse_mla_fwd_sm90_kernel(con
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk)
-        wgmma_m64n256k16_rs_tb(o, a[kk], make_desc(kv_tile(buf, 0) + 2048 * kk, kTileBytes), 1);
+        wgmma_m64n256k16_rs_tb(o, a[kk], make_desc(ring.kv(buf) + 2048 * kk, kTileBytes), 1);
       wgmma_commit();
       wgmma_wait<0>();
       fence_regs(o);
-      mbar_arrive(bar_empty(buf));
+      mbar_arrive(ring.empty(buf));
     }
     // the row sums over the 4 lanes of a row; consumer 1 reads them (and the max for lse)
 #pragma unroll
@@ -308,12 +328,12 @@ __global__ void __launch_bounds__(kFwdThreads, 1) sparse_mla_fwd_sm90_kernel(con
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk)
-        wgmma_m64n256k16_ss_tb(o, make_desc(kv_tile(buf, kRopeTile) + 32 * kk, 16),
-                               make_desc(kv_tile(buf, 4) + 2048 * kk, kTileBytes), 1);
+        wgmma_m64n256k16_ss_tb(o, make_desc(ring.kv(buf, kRopeTile) + 32 * kk, 16),
+                               make_desc(ring.kv(buf, 4) + 2048 * kk, kTileBytes), 1);
       wgmma_commit();
       wgmma_wait<0>();
       fence_regs(o);
-      mbar_arrive(bar_empty(buf));
+      mbar_arrive(ring.empty(buf));
     }
   }
 
@@ -333,9 +353,7 @@ __global__ void __launch_bounds__(kFwdThreads, 1) sparse_mla_fwd_sm90_kernel(con
 }
 
 struct TargetLayout {
-  static constexpr int kQ = 0;
-  static constexpr int kKV = kQ + kRowsBytes;               // [2] buffers
-  static constexpr int kSums = kKV + 2 * kRowsBytes;        // f32 [2 consumers][4 warps][64]
+  static constexpr int kSums = Ring::kEnd;                  // f32 [2 consumers][4 warps][64]
   static constexpr int kBars = kSums + 2 * 4 * 64 * 4;      // u64: q_full, full[2], empty[2]
   static constexpr int kBytes = kBars + 5 * 8;
   static constexpr int kAlloc = kBytes + 1024;
@@ -352,13 +370,9 @@ __global__ void __launch_bounds__(kFwdThreads, 1) sparse_mla_target_sm90_kernel(
   using L = TargetLayout;
   const Params& p = tp.p;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-  const uint32_t raw = smem_addr(smem_raw);
-  const uint32_t base = (raw + 1023u) & ~1023u;
-  float* s_sums = reinterpret_cast<float*>(smem_raw + (base - raw) + L::kSums);
-  const uint32_t bar_q = base + L::kBars;
-  auto bar_full = [&](int buf) { return base + L::kBars + 8 + 8 * buf; };
-  auto bar_empty = [&](int buf) { return base + L::kBars + 24 + 8 * buf; };
-  auto kv_tile = [&](int buf, int d) { return base + L::kKV + buf * kRowsBytes + d * kTileBytes; };
+  unsigned char* smem;
+  const Ring ring = Ring::of<L>(smem_raw, &smem);
+  float* s_sums = reinterpret_cast<float*>(smem + L::kSums);
 
   const int tid = threadIdx.x;
   const int wg = tid / 128;
@@ -376,18 +390,11 @@ __global__ void __launch_bounds__(kFwdThreads, 1) sparse_mla_target_sm90_kernel(
     return key >= 0 && key < p.num_keys ? key : -1;
   };
 
-  if (tid == 0) {
-    mbar_init(bar_q, 128);
-    for (int i = 0; i < 2; ++i) {
-      mbar_init(bar_full(i), 128);
-      mbar_init(bar_empty(i), 128);
-    }
-  }
+  if (tid == 0) ring.init(128);
   __syncthreads();
 
   if (wg == 2) {
-    produce<false>(p, p.q + (static_cast<long long>(row) * p.heads + h0) * kDk, base + L::kQ, base + L::kKV, bar_q,
-                   bar_full(0), bar_empty(0), b, nblocks, key_of, t);
+    produce<false>(p, ring, p.q + (static_cast<long long>(row) * p.heads + h0) * kDk, b, nblocks, key_of, t);
     return;
   }
 
@@ -402,14 +409,14 @@ __global__ void __launch_bounds__(kFwdThreads, 1) sparse_mla_target_sm90_kernel(
   }
   float* sums = s_sums + wg * 4 * 64;
   float* out = tp.target + (static_cast<long long>(row) * (p.heads / 64) + group) * p.topk;
-  mbar_wait(bar_q, 0);
+  mbar_wait(ring.bar_q(), 0);
   for (int blk = wg; blk < nblocks; blk += 2) {
     const int buf = wg;
     const uint32_t valid = valid_columns(key_of, blk, lane);
-    mbar_wait(bar_full(buf), (blk >> 1) & 1);
+    mbar_wait(ring.full(buf), (blk >> 1) & 1);
     float s[32];
-    block_scores(s, base + L::kQ, kv_tile(buf, 0));
-    mbar_arrive(bar_empty(buf));          // S is in registers: the buffer may refill
+    block_scores(s, ring.q(), ring.kv(buf));
+    mbar_arrive(ring.empty(buf));          // S is in registers: the buffer may refill
     // this thread's column sums over its two rows, then over the warp's 16 rows
     float col[16];
 #pragma unroll
