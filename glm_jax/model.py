@@ -14,7 +14,6 @@ with their parameters stacked on a leading axis and is run with `jax.lax.scan`.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
